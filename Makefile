@@ -1,0 +1,35 @@
+# Quick start: `make demo` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEMO_STEPS ?= 60
+
+.PHONY: demo test install dev bench clean
+
+$(VENV)/.installed: pyproject.toml scripts/install_torch.sh
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	bash scripts/install_torch.sh $(PY)
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(PIP) install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev-installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/shardwise train --nproc 2 --model tiny --data stdlib --steps $(DEMO_STEPS) --out runs/demo
+
+test: $(VENV)/.dev-installed
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests
+
+bench: $(VENV)/.dev-installed
+	DS_ACCELERATOR=cpu $(VENV)/bin/shardwise bench dp --nproc 2
+	DS_ACCELERATOR=cpu $(VENV)/bin/shardwise bench allreduce --nproc 2
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

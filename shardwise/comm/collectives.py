@@ -1,0 +1,142 @@
+"""The one thin layer every collective goes through.
+
+`Comm` binds a process group to a ledger. Strategy code never calls `torch.distributed` collectives
+directly: it calls the `Comm` it was handed, so every byte moved is recorded with its group.
+Asynchronous operations return a `Handle` whose `wait()` records the duration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.ledger import CommLedger
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Handle:
+    """Completion of one asynchronous operation; `wait()` is idempotent."""
+
+    def __init__(self, wait_fn: Callable[[], None], on_done: Callable[[], None]):
+        self._wait_fn = wait_fn
+        self._on_done = on_done
+        self._done = False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._wait_fn()
+            self._on_done()
+            self._done = True
+
+
+class _Done(Handle):
+    def __init__(self) -> None:
+        super().__init__(lambda: None, lambda: None)
+
+
+@dataclass
+class Comm:
+    """A process group plus the ledger that records what goes over it.
+
+    `group=None` means the default (world) group. A Comm of size 1 performs no communication and
+    records nothing, so single-process runs pay nothing.
+    """
+
+    group: dist.ProcessGroup | None
+    ledger: CommLedger
+    name: str = "world"
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of this group's member `group_rank` (p2p ops take world ranks)."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
+             payload: int | None = None) -> Handle:
+        token = self.ledger.start(op, self.name)
+        size = self.size
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        amount = nbytes(tensor) if payload is None else payload
+
+        def on_done() -> None:
+            self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
+
+        work = launch()
+        handle = Handle(work.wait if work is not None else (lambda: None), on_done)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # -- collectives ------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> Handle:
+        if self.size == 1:
+            return _Done()
+        return self._run("all_reduce", tensor,
+                         lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
+        if self.size == 1:
+            return _Done()
+        src = self.global_rank(src_group_rank)
+        return self._run("broadcast", tensor,
+                         lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), async_op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor,
+                               async_op: bool = False) -> Handle:
+        """output: [size * shard.numel()] gathered in group-rank order. Recorded bytes: the output."""
+        if self.size == 1:
+            output.copy_(shard.reshape(output.shape))
+            return _Done()
+        return self._run("all_gather", output,
+                         lambda: dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True),
+                         async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor,
+                              op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
+        """full: [size * output.numel()]; this rank receives the reduced chunk of its group rank.
+        Recorded bytes: the input (the full tensor every rank contributes)."""
+        if self.size == 1:
+            output.copy_(full.reshape(output.shape))
+            return _Done()
+        return self._run("reduce_scatter", full,
+                         lambda: dist.reduce_scatter_tensor(output, full, op=op, group=self.group,
+                                                            async_op=True), async_op)
+
+    def all_reduce_object_max(self, value: float) -> float:
+        """Max of one float over the group (e.g. an overflow flag): a 1-element all-reduce."""
+        t = torch.tensor([float(value)], dtype=torch.float32)
+        self.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            token = self.ledger.start("barrier", self.name)
+            dist.barrier(group=self.group)
+            self.ledger.finish(token, op="barrier", group=self.name, group_size=self.size, nbytes=0,
+                               dtype="none")
+
+    # -- point to point (group ranks; recorded) -------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst_group_rank: int, tag: int = 0) -> Handle:
+        dst = self.global_rank(dst_group_rank)
+        return self._run("send", tensor, lambda: dist.isend(tensor, dst=dst, group=self.group, tag=tag), True)
+
+    def irecv(self, tensor: torch.Tensor, src_group_rank: int, tag: int = 0) -> Handle:
+        src = self.global_rank(src_group_rank)
+        return self._run("recv", tensor, lambda: dist.irecv(tensor, src=src, group=self.group, tag=tag), True)
