@@ -1,1 +1,41 @@
-"""shardwise"""
+"""shardwise: distributed training of transformer language models on torch.distributed.
+
+Public API (DeepSpeed-compatible):
+
+    import shardwise
+    shardwise.init_distributed()
+    engine, optimizer, dataloader, lr_scheduler = shardwise.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+    for batch in dataloader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+Names are resolved lazily so that torch-free parts (the planner) can be imported without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "initialize": "shardwise.build",
+    "init_distributed": "shardwise.build",
+    "Engine": "shardwise.engine",
+    "load_config": "shardwise.config",
+    "ConfigError": "shardwise.config",
+    "UserError": "shardwise.errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in ("models", "planner", "data", "comm", "testing"):
+        return importlib.import_module(f"shardwise.{name}")
+    raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The `shardwise` command line: `shardwise.cli.main:main`, one module per subcommand."""

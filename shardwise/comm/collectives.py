@@ -91,6 +91,23 @@ class Comm:
         return self._run("all_reduce", tensor,
                          lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op)
 
+    def ring_all_reduce(self, tensor: torch.Tensor, async_op: bool = False, *,
+                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+        """Our ring all-reduce (`shardwise.comm.ring`), in place, recorded as ONE ledger entry whose
+        bytes are the tensor's (the ring's internal sends are not recorded separately).
+
+        The ring runs in the calling thread and is complete when this returns, so the handle of
+        `async_op=True` only records the entry on `wait()`; overlap comes from calling it on a
+        communication thread."""
+        if self.size == 1:
+            return _Done()
+        from shardwise.comm.ring import ring_all_reduce
+
+        def launch() -> None:
+            ring_all_reduce(tensor, self.group, op=op)
+
+        return self._run("ring_all_reduce", tensor, launch, async_op)
+
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
         if self.size == 1:
             return _Done()

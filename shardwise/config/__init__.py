@@ -1,0 +1,25 @@
+"""The config: DeepSpeed's JSON keys plus shardwise's blocks, validated once at the edge.
+
+    from shardwise.config import load_config
+    cfg = load_config("ds_config.json", dp_size=4)      # EngineConfig: frozen sections
+    cfg.batch.micro_batch, cfg.precision.dtype, cfg.zero.reduce_bucket_size
+
+Importing this package does not import torch.
+"""
+
+from shardwise.config.batch import BatchSizes, resolve_batch
+from shardwise.config.errors import ConfigError, ConfigProblem
+from shardwise.config.load import load_config, load_config_for_world, parse_config, read_config
+from shardwise.config.resolved import (
+    ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
+    OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
+    PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
+)
+
+__all__ = [
+    "ActivationCheckpointingConfig", "AllReduceImpl", "BatchSizes", "CommConfig", "ConfigError", "ConfigProblem",
+    "DType", "EngineConfig", "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerSpec",
+    "PipelineConfig", "PipelinePartition", "PipelineSchedule", "PrecisionConfig", "RecomputePolicy",
+    "SchedulerSpec", "TensorParallelConfig", "ZeroConfig", "load_config", "load_config_for_world",
+    "parse_config", "read_config", "resolve_batch",
+]

@@ -1,0 +1,160 @@
+"""`init_distributed` and `initialize`: build the engine's strategy objects once.
+
+Order of construction (DESIGN.md principle 4, for stage 0): config -> device/dtype -> identical start on every
+rank (broadcast from dp rank 0) -> fp32 masters (mixed precision) -> optimizer and scheduler -> gradient sync.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.config import load_config
+from shardwise.engine import Engine
+from shardwise.errors import UserError
+from shardwise.optim import build_optimizer, build_scheduler
+from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.precision import DType, DynamicLossScaler, LossScaler
+from shardwise.replicated_optimizer import ReplicatedOptimizer, make_masters, param_groups_of
+
+
+def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
+    """Initialise the default process group: NCCL when CUDA is available, else gloo.
+
+    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) joins the job; as a plain single
+    process creates a world of one with an in-memory store (no port needed). Idempotent.
+    """
+    if dist.is_initialized():
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        import datetime
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
+    """Make every rank start from dp rank 0's parameters and buffers (one flat broadcast per dtype)."""
+    if comm.size == 1:
+        return
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        comm.broadcast(flat, src_group_rank=0)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _make_scaler(precision: Any) -> LossScaler:
+    if precision.dtype != DType.FP16:
+        return LossScaler(1.0)
+    if not precision.dynamic_loss_scale:
+        return LossScaler(precision.static_loss_scale)
+    return DynamicLossScaler(init_scale=2.0 ** precision.initial_scale_power,
+                             scale_window=precision.loss_scale_window, min_scale=precision.min_loss_scale,
+                             hysteresis=precision.hysteresis,
+                             consecutive_hysteresis=precision.consecutive_hysteresis)
+
+
+def _checks_overflow(precision: Any) -> bool:
+    """fp16 always skips a step whose gradients hold inf/nan; bf16 does when bf16_check_grad_overflow."""
+    return precision.dtype == DType.FP16 or (precision.dtype == DType.BF16 and precision.bf16_check_grad_overflow)
+
+
+def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.optim.Optimizer:
+    if optimizer is None:
+        if config.optimizer is None:
+            raise UserError('no optimizer: add an "optimizer" block to the config (e.g. {"type": "AdamW", '
+                            '"params": {"lr": 1e-3}}) or pass optimizer= to shardwise.initialize')
+        return build_optimizer(config.optimizer, groups)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if config.optimizer is not None:
+            raise UserError('both an optimizer object and a config "optimizer" block were given: remove one')
+        # The client optimizer was built over the model's parameters; point it at what we step
+        # (the fp32 masters under mixed precision, the same tensors otherwise).
+        stepped = [p for g in groups for p in g["params"]]
+        originals = [p for g in optimizer.param_groups for p in g["params"]]
+        if len(originals) != len(stepped):
+            raise UserError(f"the optimizer holds {len(originals)} parameters but model_parameters has "
+                            f"{len(stepped)} trainable ones: build the optimizer over the same parameters")
+        it = iter(stepped)
+        for g in optimizer.param_groups:
+            g["params"] = [next(it) for _ in g["params"]]
+        return optimizer
+    if callable(optimizer):
+        return optimizer(groups)
+    raise UserError(f"optimizer= must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
+
+
+def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
+               config: str | os.PathLike | dict | None = None, training_data: Any = None,
+               optimizer: Any = None, lr_scheduler: Any = None,
+               collate_fn: Callable | None = None, dist_init_required: bool | None = None,
+               args: Any = None, config_params: dict | None = None):
+    """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None)."""
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict)")
+    init_distributed()
+    ledger = CommLedger()
+    dp_comm = Comm(None, ledger, name="dp")
+    metrics_comm = Comm(None, ledger, name="dp:metrics")
+    cfg = load_config(config, dp_size=dp_comm.size)
+
+    device = _device_for(dist.get_backend())
+    dtype = cfg.precision.dtype.torch_dtype
+    model.to(device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    broadcast_module(model, Comm(None, ledger, name="dp:init"))
+
+    groups = param_groups_of(model_parameters if model_parameters is not None else model.parameters())
+    masters = None
+    model_params = [p for g in groups for p in g["params"]]
+    if dtype != torch.float32:
+        groups, model_params, masters = make_masters(groups)
+    opt = _make_optimizer(optimizer, cfg, groups)
+    sched = lr_scheduler
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        sched = lr_scheduler(opt)
+    elif sched is None and cfg.scheduler is not None:
+        sched = build_scheduler(cfg.scheduler, opt)
+
+    step = ReplicatedOptimizer(opt, model_params=model_params, masters=masters, scaler=_make_scaler(cfg.precision),
+                               clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision))
+    sync = BucketedAllReduce(model_params, dp_comm, bucket_numel=cfg.zero.reduce_bucket_size,
+                             impl=cfg.communication.all_reduce,
+                             predivide_factor=cfg.gradient_predivide_factor)
+    engine = Engine(module=model, config=cfg, optimizer_step=step, grad_sync=sync, lr_scheduler=sched,
+                    dp_comm=dp_comm, metrics_comm=metrics_comm, ledger=ledger, device=device,
+                    compute_dtype=dtype)
+    loader = None
+    if training_data is not None:
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+        sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank)
+        loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
+                            collate_fn=collate_fn, drop_last=True)
+    return engine, opt, loader, sched

@@ -1,0 +1,102 @@
+"""`shardwise check-config CONFIG.json --world N`: validate a config and show how it resolves.
+
+Prints the batch triple with its arithmetic, dtypes and loss scaling, the optimizer and schedule
+(as the torch objects they become), ZeRO, communication and parallel sizes; as a table or, with
+--json, as JSON. Any problem exits 2 with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardwise.config import EngineConfig, load_config_for_world
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "check-config", help="validate a DeepSpeed-style JSON config and show how it resolves",
+        description="Validate a DeepSpeed-style JSON config and print what shardwise makes of it: the batch "
+                    "triple with its arithmetic, precision and loss scaling, optimizer, scheduler, ZeRO and "
+                    "communication settings. Exits 2 on any problem.")
+    parser.add_argument("config", metavar="CONFIG.json", help="the config file")
+    parser.add_argument("--world", type=_positive_int, default=1, metavar="N",
+                        help="total number of processes of the run (default 1); the data-parallel size is "
+                             "N / (tensor_parallel.size * pipeline.stages)")
+    parser.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _loss_scaling(cfg: EngineConfig) -> str:
+    p = cfg.precision
+    if p.dynamic_loss_scale:
+        return (f"dynamic: starts at 2^{p.initial_scale_power}, x2 after {p.loss_scale_window} clean steps, "
+                f"/2 after {p.hysteresis} overflow(s), min {p.min_loss_scale:g}"
+                + (", consecutive hysteresis" if p.consecutive_hysteresis else ""))
+    if p.static_loss_scale != 1.0:
+        return f"static: {p.static_loss_scale:g}"
+    return "none"
+
+
+def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tuple[str, str]]:
+    b, z, tp, pp = cfg.batch, cfg.zero, cfg.tensor_parallel, cfg.pipeline
+    derived = f" (derived: {', '.join(b.derived)})" if b.derived else ""
+    offload = ", ".join(name for name, on in (("optimizer", z.offloads_optimizer), ("params", z.offloads_params)) if on)
+    sched = cfg.scheduler
+    return [
+        ("data-parallel size", f"{b.dp_size} = world {world} / (tensor_parallel {tp.size} * pipeline {pp.stages})"),
+        ("batch", b.arithmetic() + derived),
+        ("dtype", f"{cfg.precision.dtype.value}"
+                  + (" (fp16 auto_cast)" if cfg.precision.auto_cast and cfg.precision.dtype.value == "fp16" else "")),
+        ("loss scaling", _loss_scaling(cfg)),
+        ("gradient clipping", f"{cfg.gradient_clipping:g}" if cfg.gradient_clipping > 0 else "off"),
+        ("optimizer", optimizer_text or "none in config (pass one to shardwise.initialize)"),
+        ("scheduler", f"{sched.type}({', '.join(f'{k}={v!r}' for k, v in sched.params.items())})" if sched else "none"),
+        ("ZeRO", f"stage {z.stage}, reduce_bucket_size {z.reduce_bucket_size:,}, overlap_comm "
+                 f"{str(z.overlap_comm).lower()}" + (f", offload {offload}" if offload else "")),
+        ("all-reduce", f"{cfg.communication.all_reduce.value}"
+                       + (f", in {cfg.communication.data_type.value}" if cfg.communication.data_type else "")
+                       + (f", predivide by {cfg.gradient_predivide_factor:g}"
+                          if cfg.gradient_predivide_factor != 1.0 else "")),
+        ("tensor parallel", f"{tp.size}" + (" + sequence parallel" if tp.sequence_parallel else "")),
+        ("pipeline", f"{pp.stages} stage(s), {pp.schedule.value}, {pp.virtual_stages} virtual, {pp.partition.value}"),
+        ("recompute", cfg.activation_checkpointing.policy.value),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config_for_world(args.config, world_size=args.world)
+    # Imported here: building the optimizer/scheduler needs torch, the config check itself does not.
+    from shardwise.optim import check_specs
+
+    choice = check_specs(cfg.optimizer, cfg.scheduler)
+    optimizer_text = f"{cfg.optimizer.type} -> {choice.describe()}" if cfg.optimizer and choice else None
+    if args.json:
+        described = cfg.describe()
+        described["world_size"] = args.world
+        if described["optimizer"] is not None and choice is not None:
+            described["optimizer"]["torch"] = choice.describe()
+        print(json.dumps(described, indent=2, sort_keys=False))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.config} on {args.world} process(es)", show_header=True, header_style="bold")
+    table.add_column("setting", style="cyan", no_wrap=True)
+    table.add_column("resolved")
+    for name, value in _rows(cfg, args.world, optimizer_text):
+        table.add_row(name, value)
+    Console(soft_wrap=False).print(table)
+    return 0

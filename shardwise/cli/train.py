@@ -1,0 +1,263 @@
+"""`shardwise train`: validate in this process, then launch the ranks with torch's elastic launcher.
+
+Everything that can be the user's fault (flags, the config file and its batch arithmetic, the model
+preset, the corpus) is checked here, BEFORE any rank starts, and reported as one line with exit code 2.
+A mistake found by N ranks after start-up would otherwise print N tracebacks through the launcher.
+
+Then the job is handed to `python -m torch.distributed.run` (torchrun), which starts the local ranks,
+runs the rendezvous across nodes and tears the group down if a rank dies; this process only waits for
+it and returns its exit code. The ranks run `shardwise.cli.train_worker` with a JSON file of
+`WorkerArgs` written into the run directory (it doubles as the record of what the run did).
+
+Single node: `--standalone` rendezvous on a free port. Several nodes: static rendezvous, where
+`--node-rank 0` hosts the store at `--master-addr:--master-port` and its local rank 0 is global rank 0,
+so the run directory of node 0 receives metrics.jsonl, loss.png and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import UserError
+
+DEFAULT_SEED = 0
+DEFAULT_STEPS_PER_PRINT = 10
+DEFAULT_MASTER_PORT = 29500
+
+
+def default_config(steps: int) -> dict[str, Any]:
+    """The DeepSpeed config used when no CONFIG is given: AdamW at 1e-3 after a linear warm-up over
+    the first tenth of the run (at least one step, at most 100), clipped gradients, fp32."""
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                      "warmup_num_steps": max(1, min(100, steps // 10)),
+                                                      "warmup_type": "linear"}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": DEFAULT_STEPS_PER_PRINT,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerArgs:
+    """Everything a rank needs, resolved by the parent; serialised to RUN_DIR as JSON."""
+
+    config: dict[str, Any]        # the DeepSpeed config dict (from CONFIG or `default_config`)
+    model: str                    # preset name, as given
+    seq_len: int
+    data: str                     # corpus spec
+    steps: int
+    seed: int
+    out: str                      # run directory (absolute)
+    peak_tflops: float | None     # per rank; None: measure a matmul on each rank
+    save_every: int               # 0: never save a checkpoint
+    steps_per_print: int
+
+    def write(self, path: Path) -> Path:
+        # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> "WorkerArgs":
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+# -- argument parsing -------------------------------------------------------------------------------
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="train a GPT preset on a corpus with N ranks (torchrun under the hood)",
+        description="Train a GPT preset with the shardwise engine. Validates the config, model and corpus, "
+                    "then launches the ranks with torch's elastic launcher. Writes RUN_DIR/metrics.jsonl "
+                    "(one line per step), RUN_DIR/summary.json and RUN_DIR/loss.png.")
+    p.add_argument("config", nargs="?", default=None, metavar="CONFIG.json",
+                   help="DeepSpeed-style JSON config; without it: micro-batch 8, no accumulation, AdamW lr 1e-3 "
+                        "with WarmupLR, gradient clipping 1.0")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this node (default: 1)")
+    p.add_argument("--model", default="tiny",
+                   help="GPT preset, e.g. tiny, small, gpt2-124m; a wrong name lists them all (default: tiny)")
+    p.add_argument("--data", default="stdlib",
+                   help="corpus spec: 'stdlib', a text file, a directory, 'memmap:PATH:uint16' or a .npy file "
+                        "(default: stdlib)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    p.add_argument("--out", default=None, metavar="RUN_DIR", help="run directory (default: runs/MODEL-TIME)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help="seed of the model init and the data order (default: 0)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save a checkpoint to RUN_DIR/checkpoints every N steps and at the end (0: never)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="number of nodes, one `shardwise train` per node (default: 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default: 0)")
+    p.add_argument("--master-addr", default=None, help="address of node 0 (required with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"port of the rendezvous store on node 0 (default: {DEFAULT_MASTER_PORT} with "
+                        "--nnodes > 1, a free port on one node)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, write the worker arguments, launch torchrun and return its exit code.
+
+    OMP_NUM_THREADS is set to this node's cores // local ranks unless the caller already set it."""
+    worker_args, args_path = prepare(args)
+    cmd = launcher_command(args, args_path)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
+    print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
+          f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # The terminal sent SIGINT to torchrun too; let it stop its ranks before returning.
+        proc.wait()
+        return 130
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """Cores this process may use, split evenly over the local ranks (at least one each), so that
+    N ranks of intra-op threads do not oversubscribe the cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:    # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+def launcher_command(args: argparse.Namespace, args_path: Path) -> list[str]:
+    """The torchrun command line for this node."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+           "--nnodes", str(args.nnodes), "--max-restarts", "0"]
+    if args.nnodes == 1 and args.master_port is None:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--rdzv-backend", "static", "--node-rank", str(args.node_rank),
+                "--master-addr", args.master_addr or "127.0.0.1",
+                "--master-port", str(args.master_port or DEFAULT_MASTER_PORT)]
+    return cmd + ["-m", "shardwise.cli.train_worker", str(args_path)]
+
+
+# -- validation -------------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
+    """Check every user input, create RUN_DIR and write the worker arguments; UserError on a mistake."""
+    _check_flags(args)
+    world_size = args.nproc * args.nnodes
+    raw_config = _read_config(args.config, args.steps)
+    engine_config = _check_config(raw_config, args.config, world_size)
+    model_cfg = _check_model(args.model, args.seq_len)
+    _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
+
+    out = Path(args.out) if args.out else Path("runs") / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} exists and is not a directory; choose another run directory.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {str(out)!r}: cannot create the run directory ({e.strerror}).") from None
+
+    steps_per_print = engine_config.steps_per_print or DEFAULT_STEPS_PER_PRINT   # DeepSpeed's default: None
+    worker_args = WorkerArgs(config=raw_config, model=args.model, seq_len=model_cfg.seq_len, data=args.data,
+                             steps=args.steps, seed=args.seed, out=str(out.resolve()),
+                             peak_tflops=args.peak_tflops, save_every=args.save_every,
+                             steps_per_print=int(steps_per_print))
+    name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
+    return worker_args, worker_args.write(out / name)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    positive = {"--nproc": args.nproc, "--steps": args.steps, "--nnodes": args.nnodes}
+    if args.seq_len is not None:
+        positive["--seq-len"] = args.seq_len
+    for flag, value in positive.items():
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1.")
+    for flag, value in {"--seed": args.seed, "--save-every": args.save_every}.items():
+        if value < 0:
+            raise UserError(f"{flag} {value}: must be 0 or more.")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise UserError(f"--peak-tflops {args.peak_tflops}: must be a positive number of TFLOP/s per rank "
+                        f"(or leave it out to measure it).")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank {args.node_rank}: must be in 0..{args.nnodes - 1} "
+                        f"for --nnodes {args.nnodes}.")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise UserError(f"--master-port {args.master_port}: must be a TCP port in 1..65535.")
+    if args.nnodes > 1 and args.master_addr is None:
+        raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
+                        f"--node-rank 0 (127.0.0.1 when every node runs on this host).")
+
+
+def _read_config(path: str | None, steps: int) -> dict[str, Any]:
+    """The raw config dict: CONFIG read as JSON (ConfigError names the file), or the default one."""
+    if path is None:
+        return default_config(steps)
+    from shardwise.config import read_config
+
+    return read_config(path)
+
+
+def _check_config(raw: dict[str, Any], path: str | None, world_size: int) -> Any:
+    """Validate the config and its batch arithmetic for `world_size` ranks; returns the EngineConfig."""
+    from shardwise.config import ConfigError, load_config_for_world
+
+    try:
+        return load_config_for_world(copy.deepcopy(raw), world_size=world_size)
+    except ConfigError as e:
+        where = f"config file {path!r}" if path else "default config"
+        raise UserError(f"{where} with {world_size} rank(s): {_one_line(e)}") from None
+
+
+def _check_model(name: str, seq_len: int | None) -> Any:
+    from shardwise.models import gpt_config
+
+    try:
+        return gpt_config(name) if seq_len is None else gpt_config(name, seq_len=seq_len)
+    except ValueError as e:
+        raise UserError(f"--model {name!r}: {_one_line(e)}") from None
+
+
+def _check_corpus(spec: str, seq_len: int, vocab_size: int) -> None:
+    """The corpus exists, is readable and has at least one window of seq_len + 1 tokens, all < vocab_size.
+
+    Byte-level corpora read from a tree (stdlib, directories) are checked on a prefix just long enough
+    for one window: their ids are bytes, so the vocab check needs no pass over the data, and the
+    ranks read the whole tree anyway. Files and memmaps are checked whole (memmaps are not read into RAM).
+    """
+    from shardwise.data import ByteTokenizer, CorpusError, CorpusKind, check_length, load_corpus, parse_spec
+
+    try:
+        kind = parse_spec(spec).kind
+        if kind in (CorpusKind.STDLIB, CorpusKind.DIRECTORY, CorpusKind.TEXT_FILE):
+            if vocab_size < ByteTokenizer.vocab_size:
+                raise CorpusError(f"corpus {spec!r} is byte-level text (ids 0..255) but the model's vocab_size "
+                                  f"is {vocab_size}; use a preset with vocab_size >= 256.")
+            prefix = seq_len + 1 if kind is not CorpusKind.TEXT_FILE else None
+            tokens = load_corpus(spec, max_bytes=prefix)
+        else:
+            tokens = load_corpus(spec, vocab_size=vocab_size)
+        check_length(tokens, seq_len)
+    except CorpusError as e:
+        raise UserError(f"--data {spec!r}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    """Exception text on one line: a ConfigError has one line per problem, joined here with '; '."""
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())

@@ -1,0 +1,223 @@
+"""Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19's
+`runtime/config.py`, `constants.py`, `precision_config.py`, `activation_checkpointing/config.py`)
+plus shardwise's own blocks ("communication", "tensor_parallel", "pipeline").
+
+These models only mirror and validate the JSON; `load.py` turns them into the frozen sections of
+`resolved.py`. Unknown keys are errors (with a suggestion), never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, PositiveInt, Section, Str
+from shardwise.config.zero import ZeroSection
+
+
+class FP16Section(Section):
+    """Mixed precision with fp16 weights/activations and loss scaling (DeepSpeed's "fp16")."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    """Cast the floating-point inputs of forward() to fp16."""
+    loss_scale: NonNegativeFloat = 0.0
+    """0 = dynamic loss scaling; > 0 = this fixed scale."""
+    initial_scale_power: Int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: Int = 1000
+    """Overflow-free steps before the dynamic scale doubles."""
+    hysteresis: Int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    consecutive_hysteresis: Bool = False
+    """Refill the hysteresis budget after every overflow-free step."""
+    min_loss_scale: Int = 1
+    """Floor of the dynamic scale."""
+    fp16_master_weights_and_grads: Bool = False
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_rules(self) -> "FP16Section":
+        # As DeepSpeed: checked only when they take effect (fp16 on, dynamic scaling).
+        if self.enabled and self.loss_scale == 0:
+            if self.loss_scale_window <= 0:
+                raise ValueError(f'"fp16.loss_scale_window": {self.loss_scale_window} must be > 0 with dynamic '
+                                 f'loss scaling (loss_scale 0)')
+            if self.min_loss_scale <= 0:
+                raise ValueError(f'"fp16.min_loss_scale": {self.min_loss_scale} must be > 0 with dynamic '
+                                 f'loss scaling (loss_scale 0)')
+            if self.hysteresis <= 0:
+                # DeepSpeed accepts 0 but then never lowers the scale after an overflow.
+                raise ValueError(f'"fp16.hysteresis": {self.hysteresis} must be >= 1 (the number of overflows '
+                                 f'tolerated before the scale is halved)')
+        return self
+
+
+class BF16Section(Section):
+    """bfloat16 weights/activations with fp32 master weights (DeepSpeed's "bf16", alias "bfloat16")."""
+
+    enabled: Bool = False
+    immediate_grad_update: Bool = False
+    check_grad_overflow: Bool = True
+    """Skip the optimizer step when a gradient is inf/nan."""
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
+
+
+class OptimizerSection(Section):
+    """An optimizer by DeepSpeed name ("Adam", "AdamW", ...) or any torch.optim class name."""
+
+    type: Str
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: Bool = False
+    """DeepSpeed's legacy FusedAdam fp16 path; accepted and ignored."""
+
+
+class SchedulerSection(Section):
+    """A learning-rate schedule by DeepSpeed name ("WarmupLR", ...) or torch.optim.lr_scheduler name."""
+
+    type: Str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ActivationCheckpointingSection(Section):
+    """DeepSpeed's activation-checkpointing keys plus shardwise's "policy"."""
+
+    policy: Literal["none", "full", "selective"] = "none"
+    """shardwise: which activations to recompute in backward. "none" keeps all; "full" keeps only each
+    transformer block's input and recomputes the block; "selective" recomputes only the cheap,
+    memory-heavy parts (attention scores and the MLP activation)."""
+    partition_activations: Bool = False
+    """DeepSpeed: shard checkpointed activations over the tensor-parallel group."""
+    number_checkpoints: PositiveInt | None = None
+    contiguous_memory_optimization: Bool = False
+    cpu_checkpointing: Bool = False
+    """DeepSpeed: keep checkpointed activations in CPU memory."""
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+class CommunicationSection(Section):
+    """shardwise: how collectives are carried out."""
+
+    all_reduce: Literal["backend", "ring"] = "backend"
+    """Data-parallel gradient all-reduce: "backend" calls the process group's all_reduce (NCCL/gloo);
+    "ring" runs shardwise's own ring algorithm (reduce-scatter then all-gather over point-to-point
+    sends), bit-for-bit comparable and instrumented, mainly for study and tests."""
+
+
+class TensorParallelSection(Section):
+    """shardwise: Megatron-style tensor parallelism. DeepSpeed's "autotp_size" is accepted for "size"."""
+
+    size: PositiveInt = 1
+    """Ranks that split each linear layer (consecutive ranks, ideally one node); 1 = off."""
+    sequence_parallel: Bool = False
+    """Also split the layer-norm/dropout activations along the sequence over the tensor-parallel
+    group (needs size > 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autotp_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "autotp_size" in data:
+            data = dict(data)
+            if "size" in data:
+                raise ValueError('give only one of "tensor_parallel.size" and "tensor_parallel.autotp_size"')
+            value = data.pop("autotp_size")
+            data["size"] = 1 if value == 0 and not isinstance(value, bool) else value  # DeepSpeed: 0 = off
+        return data
+
+    @model_validator(mode="after")
+    def _sequence_parallel_needs_tp(self) -> "TensorParallelSection":
+        if self.sequence_parallel and self.size == 1:
+            raise ValueError('"tensor_parallel.sequence_parallel": true needs "tensor_parallel.size" > 1')
+        return self
+
+
+class PipelineSection(Section):
+    """shardwise: pipeline parallelism."""
+
+    stages: PositiveInt = 1
+    """Pipeline stages, each a contiguous slice of the transformer blocks on its own ranks; 1 = off."""
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Order of micro-batch forwards/backwards: "gpipe" (all forwards then all backwards), "1f1b"
+    (warm up, then alternate; less activation memory), "interleaved_1f1b" (1F1B over
+    virtual_stages chunks per rank; a smaller bubble for more communication)."""
+    virtual_stages: PositiveInt = 1
+    """Model chunks per pipeline rank; > 1 only with "interleaved_1f1b"."""
+    partition: Literal["uniform", "parameters"] = "uniform"
+    """How blocks are split over stages: "uniform" (same block count) or "parameters" (balanced
+    parameter count)."""
+
+    @model_validator(mode="after")
+    def _virtual_stages_need_interleaving(self) -> "PipelineSection":
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(f'"pipeline.virtual_stages": {self.virtual_stages} needs "pipeline.schedule": '
+                             f'"interleaved_1f1b" (got "{self.schedule}")')
+        if self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise ValueError('"pipeline.schedule": "interleaved_1f1b" needs "pipeline.virtual_stages" >= 2')
+        return self
+
+
+class ConfigModel(Section):
+    """The whole config file."""
+
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+    steps_per_print: PositiveInt | None = None
+    wall_clock_breakdown: Bool = False
+    memory_breakdown: Bool = False
+    gradient_clipping: NonNegativeFloat = 1.0
+    """Global gradient-norm clip; 0 = off. DeepSpeed 0.19's default is 1.0 (code, not docs)."""
+    prescale_gradients: Bool = False
+    gradient_predivide_factor: Float = Field(1.0, gt=0)
+    fp16: FP16Section = Field(default_factory=FP16Section)
+    bf16: BF16Section = Field(default_factory=BF16Section)
+    optimizer: OptimizerSection | None = None
+    scheduler: SchedulerSection | None = None
+    zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
+    activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
+    communication: CommunicationSection = Field(default_factory=CommunicationSection)
+    tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    # Harmless DeepSpeed keys that configs commonly carry.
+    zero_allow_untested_optimizer: Bool = False
+    zero_force_ds_cpu_optimizer: Bool = True
+    communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    dataloader_drop_last: Bool = False
+    vocabulary_size: PositiveInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "bfloat16" in data:  # DeepSpeed's old name for "bf16"
+            if "bf16" in data:
+                raise ValueError('give only one of "bf16" and "bfloat16" (the same block)')
+            data["bf16"] = data.pop("bfloat16")
+        if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
+            data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+        return data
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _lowercase(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _precision_rules(self) -> "ConfigModel":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError('"fp16.enabled" and "bf16.enabled" are both true: bfloat16 and fp16 modes cannot be '
+                             'simultaneously enabled; enable one')
+        stage = self.zero_optimization.stage
+        for flag, on in (("fp16.fp16_master_weights_and_grads", self.fp16.fp16_master_weights_and_grads),
+                         ("bf16.bf16_master_weights_and_grads", self.bf16.bf16_master_weights_and_grads),
+                         ("bf16.bf16_optimizer_states", self.bf16.bf16_optimizer_states)):
+            if on and stage == 0:
+                raise ValueError(f'"{flag}": true is only supported with ZeRO stage 1, 2 or 3 '
+                                 f'(zero_optimization.stage is 0)')
+        if self.bf16.bf16_optimizer_states and not self.bf16.bf16_master_weights_and_grads:
+            raise ValueError('"bf16.bf16_optimizer_states": true needs "bf16.bf16_master_weights_and_grads": true')
+        return self

@@ -1,0 +1,54 @@
+"""Valid configs that this version of shardwise cannot run yet.
+
+# ---------------------------------------------------------------------------------------------
+# NOT-YET FEATURES: every refusal lives in `refuse_unimplemented` below. When a feature lands,
+# delete its check here (and its test in tests/unit/test_config.py); nothing else gates it.
+# ---------------------------------------------------------------------------------------------
+"""
+
+from __future__ import annotations
+
+from shardwise.config.errors import ConfigProblem
+from shardwise.config.schema import ConfigModel
+
+
+def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
+    """The problems of a schema-valid config that asks for something not implemented yet."""
+    problems: list[ConfigProblem] = []
+    zero = model.zero_optimization
+
+    def refuse(key: str, message: str) -> None:
+        problems.append(ConfigProblem(key, message))
+
+    if zero.stage > 0:
+        refuse("zero_optimization.stage",
+               f"zero_optimization.stage = {zero.stage}: ZeRO stages 1-3 are not implemented yet in this "
+               f"version; use 0")
+    for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if block is not None and block.device != "none":
+            if zero.stage == 0:
+                refuse(f"zero_optimization.{name}.device",
+                       f'zero_optimization.{name}.device = "{block.device}": offloading needs ZeRO '
+                       f'(stage 1-3{" for the optimizer" if name == "offload_optimizer" else ", params: 3"}), '
+                       f'and zero_optimization.stage is 0; set the device to "none" or remove the block')
+            else:
+                refuse(f"zero_optimization.{name}.device",
+                       f'zero_optimization.{name}.device = "{block.device}": offloading is not implemented '
+                       f'yet in this version; set it to "none"')
+    if zero.zenflow is not None:
+        refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
+    if model.tensor_parallel.size > 1:
+        refuse("tensor_parallel.size",
+               f"tensor_parallel.size = {model.tensor_parallel.size}: tensor parallelism is not implemented "
+               f"yet in this version; use 1")
+    if model.pipeline.stages > 1:
+        refuse("pipeline.stages",
+               f"pipeline.stages = {model.pipeline.stages}: pipeline parallelism is not implemented yet in this "
+               f"version; use 1")
+    checkpointing = model.activation_checkpointing
+    for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        if getattr(checkpointing, name):
+            refuse(f"activation_checkpointing.{name}",
+                   f"activation_checkpointing.{name} = true: not implemented yet in this version; use false "
+                   f'(recomputation itself is "activation_checkpointing.policy")')
+    return problems

@@ -1,0 +1,279 @@
+"""The training engine: DeepSpeed's API over strategy objects chosen once at build time.
+
+    loss = engine(batch)      # calls the model (tracks the activations it saves for backward)
+    engine.backward(loss)     # loss / gradient_accumulation_steps (* fp16 loss scale); syncs grads on the boundary
+    engine.step()             # on the boundary: optimizer step (unscale, overflow skip, clip), lr step, zero grads
+
+The engine holds no `if stage == ...` ladders: `grad_sync` (how gradients are combined across data-parallel
+ranks) and `optimizer_step` (how the update is applied) are picked by `shardwise.initialize`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from shardwise import checkpoint as ckpt
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.errors import UserError
+
+
+class _ActivationMeter:
+    """Bytes of tensors autograd saves for backward during one forward, parameters excluded.
+    Each storage counts once (views of one buffer are saved many times by some ops)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self._param_ptrs = {p.data_ptr() for p in params}
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def reset(self, params: list[torch.Tensor]) -> None:
+        self._param_ptrs = {p.data_ptr() for p in params}
+        self.bytes = 0
+        self._seen.clear()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):   # e.g. tensors without storage (meta, sparse)
+            return t
+        if ptr not in self._param_ptrs and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class Engine:
+    """Built by `shardwise.initialize`; see the module docstring for the training loop."""
+
+    def __init__(self, *, module: torch.nn.Module, config: Any, optimizer_step: Any, grad_sync: Any,
+                 lr_scheduler: Any, dp_comm: Comm, metrics_comm: Comm, ledger: CommLedger,
+                 device: torch.device, compute_dtype: torch.dtype):
+        self.module = module
+        self.config = config
+        self.optimizer_step = optimizer_step
+        self.optimizer = optimizer_step.optimizer
+        self.grad_sync = grad_sync
+        self.lr_scheduler = lr_scheduler
+        self.dp_comm = dp_comm
+        self.metrics_comm = metrics_comm
+        self.ledger = ledger
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.gradient_accumulation_steps = config.batch.grad_accum
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._activations = _ActivationMeter(list(module.parameters()))
+        self._last_activation_bytes = 0
+        self._last_report_step = -1
+        self._unpack_args = _forward_wants_unpacking(module)
+        self.ledger.begin_step(0)
+
+    # -- identity -----------------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_comm.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_comm.size
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.optimizer_step.scaler.loss_scale
+
+    # -- forward / backward / step ------------------------------------------------------------------
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Call the model. A single tuple/list (dict) argument is unpacked into positional (keyword)
+        arguments when the model's forward takes more than one parameter, so `engine(batch)` works
+        for `model(input_ids, labels)` as well as for `model(batch)`."""
+        if len(inputs) == 1 and not kwargs and self._unpack_args:
+            if isinstance(inputs[0], (tuple, list)):
+                inputs = tuple(inputs[0])
+            elif isinstance(inputs[0], dict):
+                inputs, kwargs = (), dict(inputs[0])
+        inputs = tuple(_to_device(x, self.device) for x in inputs)
+        kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.module(*inputs, **kwargs)
+        if self.micro_steps % self.gradient_accumulation_steps == 0:
+            self.ledger.begin_step(self.global_steps)
+        self._activations.reset(list(self.module.parameters()))
+        with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack):
+            out = self.module(*inputs, **kwargs)
+        self._last_activation_bytes = self._activations.bytes
+        return out
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
+            scaled = scaled / self.gradient_accumulation_steps
+        if self.optimizer_step.scaler.loss_scale != 1.0:
+            scaled = scaled * self.optimizer_step.scaler.loss_scale
+        boundary = self.is_gradient_accumulation_boundary()
+        self.grad_sync.enabled = boundary and self.dp_size > 1
+        scaled.backward()
+        if boundary:
+            self.grad_sync.finish()
+        return loss
+
+    def step(self) -> None:
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer_step.step()
+            self._step_applied = applied
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self.grad_sync.zero_grad()
+            self.optimizer_step.zero_master_grads()
+            self.global_steps += 1
+            self.global_samples += self.config.batch.train_batch_size
+            self._last_report_step = self.global_steps - 1
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        self.grad_sync.zero_grad()
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> float:
+        """One global batch: gradient_accumulation_steps micro-batches from `data_iter`, one optimizer
+        step. Returns the loss averaged over micro-batches and data-parallel ranks."""
+        if data_iter is None:
+            raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches")
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(self.gradient_accumulation_steps):
+            loss = self(next(data_iter))
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float().cpu()
+        total /= self.gradient_accumulation_steps
+        self.metrics_comm.all_reduce(total)
+        return float(total) / self.dp_size
+
+    # -- reports ------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by this rank: model parameters, gradient buffers, optimizer states (fp32 masters
+        included), activations saved by the last forward, and the process's peak RSS."""
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        report = {
+            "params": params,
+            "grads": self.grad_sync.grad_bytes,
+            "optimizer": self.optimizer_step.state_bytes(),
+            "activations": self._last_activation_bytes,
+        }
+        report["model_states"] = report["params"] + report["grads"] + report["optimizer"]
+        report["peak_rss"] = _peak_rss_bytes()
+        if self.device.type == "cuda":
+            report["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return report
+
+    def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
+        """The collectives of the last completed step (or `step`): op, group, group_size, dtype, count,
+        bytes, seconds."""
+        step = self._last_report_step if step is None else step
+        return [{"op": s.op, "group": s.group, "group_size": s.group_size, "dtype": s.dtype,
+                 "count": s.count, "bytes": s.nbytes, "seconds": s.duration_s}
+                for s in self.ledger.summary(step)]
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        if dist.get_rank() == 0:   # stage 0: every rank holds the same state
+            state = {
+                "module": self.module.state_dict(),
+                "optimizer": self.optimizer_step.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "global_steps": self.global_steps, "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
+                "dp_world_size": self.dp_size, "ds_config": getattr(self.config, "raw", None),
+                "client_state": dict(client_state or {}),
+            }
+            ckpt.write_tag(save_dir, tag, {ckpt.MODEL_STATES: state})
+        self.metrics_comm.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        path = ckpt.resolve_tag(load_dir, tag)
+        if path is None:
+            return None, None
+        state = ckpt.read_model_states(path)
+        self.module.load_state_dict(state["module"], strict=load_module_strict)
+        if not load_module_only:
+            self.optimizer_step.load_state_dict(state["optimizer"], load_optimizer_states=load_optimizer_states)
+            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.global_steps = state["global_steps"]
+            self.global_samples = state["global_samples"]
+            self.skipped_steps = state["skipped_steps"]
+            self.micro_steps = state["micro_steps"]
+        elif self.optimizer_step.masters is not None:
+            with torch.no_grad():
+                for p, m in zip(self.optimizer_step.model_params, self.optimizer_step.masters):
+                    m.copy_(p)
+        self.grad_sync.zero_grad()
+        return str(path), state["client_state"]
+
+    def close(self) -> None:
+        self.grad_sync.close()
+
+
+def _forward_wants_unpacking(module: torch.nn.Module) -> bool:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if torch.is_tensor(x) and x.device != device:
+        return x.to(device, non_blocking=True)
+    return x
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

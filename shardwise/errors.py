@@ -1,0 +1,12 @@
+"""Exceptions that mean "the user asked for something wrong", as opposed to a bug in shardwise.
+
+The CLI catches :class:`UserError` and prints one line ``shardwise: error: ...`` with exit code 2,
+never a traceback. Everything raised because of a bad config file, a bad flag or a bad input file
+should subclass it; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error in what the user gave us (config, flags, files). The message names the fix."""

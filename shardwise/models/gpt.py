@@ -1,0 +1,254 @@
+"""Reference decoder-only GPT: pre-norm blocks, causal SDPA attention, GELU MLP.
+
+The model is written to be cut apart by the parallelism functions, never to know about them:
+
+    model.embed    token embedding (+ learned positions)      ids [b, s]   -> x [b, s, d]
+    model.blocks   nn.ModuleList of Block                        x [b, s, d]  -> x [b, s, d]
+    model.head     final LayerNorm + lm-head Linear              x [b, s, d]  -> logits [b, s, vocab]
+
+Pipeline parallelism hands contiguous slices of `blocks` to stages; tensor parallelism swaps
+`attn.q_proj/k_proj/v_proj` and `mlp.fc_in` for column-parallel and `attn.o_proj`, `mlp.fc_out` for
+row-parallel layers. Attention reads the number of (local) heads from the projection outputs, so a
+module holding n_head / tp heads runs unchanged.
+
+With tie_embeddings the lm-head weight *is* `embed.tok.weight` (one Parameter); a pipeline split
+that puts embed and head on different stages must keep the two copies in sync itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
+
+IGNORE_INDEX = -100
+"""Label value excluded from the loss (torch's cross_entropy default)."""
+
+
+class Embedding(nn.Module):
+    """Token embedding plus, for positions="learned", a position table; then dropout."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.tok(input_ids)                                    # [b, s, d]
+        if self.pos is not None:
+            s = input_ids.shape[-1]
+            if s > self.pos.num_embeddings:
+                raise ValueError(f"input sequence length {s} exceeds the model's seq_len "
+                                 f"{self.pos.num_embeddings} (learned positions have one row per position); "
+                                 f"feed shorter sequences or build the model with a larger seq_len.")
+            x = x + self.pos(torch.arange(s, device=input_ids.device))  # [s, d] broadcast over batch
+        return self.drop(x)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [seq_len, head_dim] in fp32. Feature i and i + head_dim/2 form a pair that
+    rotates at frequency theta^(-2i / head_dim) (the half-split layout of GPT-NeoX and Llama)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [s, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)                                               # [s, hd]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [b, h, s, hd] by position; cos/sin are [s, hd]. Computed in fp32, returned in x.dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)   # the pair partner, sign-flipped
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with separate q/k/v/o projections."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d, kv = cfg.d_model, cfg.kv_dim
+        self.q_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.k_proj = nn.Linear(d, kv, bias=cfg.bias)
+        self.v_proj = nn.Linear(d, kv, bias=cfg.bias)
+        self.o_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.head_dim = cfg.head_dim
+        self.rotary_theta = cfg.rope_theta if cfg.positions == "rotary" else None
+        self.attn_dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        # Heads are inferred from the projection widths, so a tensor-parallel shard with fewer
+        # (local) heads runs through the same code.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # [b, h, s, hd]
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # [b, h_kv, s, hd]
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # [b, h_kv, s, hd]
+        if self.rotary_theta is not None:
+            cos, sin = rotary_cos_sin(s, self.head_dim, self.rotary_theta, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:   # grouped-query: each kv head serves `groups` consecutive query heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, s, -1)                             # [b, s, h * hd]
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    """fc_in (d -> d_ff), GELU (tanh approximation, as GPT-2), fc_out (d_ff -> d)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.d_ff is not None
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc_out(self.act(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)). [b, s, d] -> [b, s, d]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the lm-head projection to vocabulary logits (no bias)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))
+
+
+@contextlib.contextmanager
+def _rng_rewound() -> Iterator[None]:
+    """Restore the RNG of the default device (and the CPU's) on exit."""
+    device = torch.get_default_device()
+    if device.type in ("cpu", "meta"):
+        with torch.random.fork_rng(devices=[]):
+            yield
+    else:
+        with torch.random.fork_rng(device_type=device.type):
+            yield
+
+
+class GPT(nn.Module):
+    """Decoder-only language model. `model(ids)` -> logits [b, s, vocab];
+    `model(ids, labels)` -> scalar mean cross-entropy over every token whose label is not -100.
+
+    Labels are aligned with inputs (label[t] is the token that should follow input[t]); the loader
+    already shifts them, so no shift happens here."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # torch's per-module default inits are overwritten by init_weights; rewinding the RNG past
+        # them makes the weights depend on init_weights' draws alone, so a meta-device build followed
+        # by to_empty() + init_weights() under the same seed equals this direct build.
+        with _rng_rewound():
+            self.embed = Embedding(cfg)
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.head = Head(cfg)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, make the lm-head weight the token-embedding Parameter. Needed again
+        after `to_empty()` (a meta-device build), which gives each module its own new tensor."""
+        if self.cfg.tie_embeddings:
+            self.head.lm_head.weight = self.embed.tok.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init, drawn from torch's global RNG in module order (so `torch.manual_seed` fixes it):
+        weights ~ N(0, init_std); the two residual output projections (o_proj, fc_out) use
+        init_std / sqrt(2 * n_layer) so the residual stream's variance does not grow with depth;
+        biases 0; norm weights 1. Public so a model built on the meta device can be materialised
+        (`to_empty`) and initialised afterwards; it re-ties the embeddings first."""
+        self.tie_weights()
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if module is self.head.lm_head and self.cfg.tie_embeddings:
+                    continue   # the token table, initialised as an Embedding
+                is_resid_out = name.endswith(("attn.o_proj", "mlp.fc_out"))
+                nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid_out else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    # -- separable stages (pipeline parallelism runs these on different ranks) --------------------
+
+    def embed_forward(self, input_ids: Tensor) -> Tensor:
+        """ids [b, s] (int64) -> hidden states [b, s, d_model]."""
+        return self.embed(input_ids)
+
+    def head_forward(self, x: Tensor) -> Tensor:
+        """hidden states [b, s, d_model] -> logits [b, s, vocab_size]."""
+        return self.head(x)
+
+    @staticmethod
+    def loss(logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy over tokens whose label != -100. logits [b, s, V], labels [b, s].
+        Computed in fp32 whatever the logits dtype (low-precision log-softmax loses the loss)."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None) -> Tensor:
+        x = self.embed_forward(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head_forward(x)
+        return logits if labels is None else self.loss(logits, labels)
+
+    # -- accounting ---------------------------------------------------------------------------------
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Exact count of this module's parameters, shared (tied) ones once. exclude_embeddings drops
+        the token and learned-position tables (see `gpt_num_params`, which gives the same number from
+        the config alone)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed.tok.weight.numel()
+            if self.embed.pos is not None:
+                total -= self.embed.pos.weight.numel()
+        return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 * N + 6 * n_layer * seq_len * d_model, N the matmul
+        parameters (non-embedding plus the lm-head). See `gpt_flops_per_token` for the derivation."""
+        return gpt_flops_per_token(self.cfg)
+
+    def extra_repr(self) -> str:
+        return f"params={gpt_num_params(self.cfg):,}"

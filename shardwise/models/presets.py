@@ -1,0 +1,177 @@
+"""GPT configuration, named presets and the pure parameter / FLOP arithmetic (no torch import).
+
+`gpt_num_params` and `gpt_flops_per_token` compute from a `GPTConfig` alone what the built model
+reports (`GPT.num_params`, `GPT.flops_per_token`), so analysis code can size a 1.3B model without
+allocating it. The planner mirrors these two functions; tests keep them equal to the built model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+Positions = Literal["learned", "rotary"]
+"""learned: a [seq_len, d_model] table added to the token embeddings (GPT-2).
+rotary: queries and keys are rotated per position inside attention (RoPE); no parameters."""
+
+_POSITIONS: tuple[str, ...] = get_args(Positions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a decoder-only transformer. `d_ff` and `n_kv_head` given as None are resolved at
+    construction (4 * d_model and n_head), so a built config always holds plain ints."""
+
+    vocab_size: int = 256
+    """Token ids are 0 .. vocab_size - 1; 256 is the byte-level tokenizer."""
+    seq_len: int = 128
+    """Longest sequence the model accepts (size of the learned position table)."""
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    """Hidden width of the MLP; None means 4 * d_model."""
+    n_kv_head: int | None = None
+    """Key/value heads; fewer than n_head is grouped-query attention. None means n_head."""
+    positions: Positions = "learned"
+    dropout: float = 0.0
+    """Applied to embeddings, attention probabilities and both residual branches while training."""
+    bias: bool = True
+    """Biases in every Linear (except the lm-head, which never has one) and in the LayerNorms."""
+    tie_embeddings: bool = False
+    """The lm-head reuses the token-embedding matrix (GPT-2 does)."""
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections use init_std / sqrt(2 * n_layer)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (only read when positions == "rotary")."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            _require_positive_int(name, getattr(self, name))
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        _require_positive_int("d_ff", self.d_ff)
+        _require_positive_int("n_kv_head", self.n_kv_head)
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
+                             f"each head gets d_model / n_head features. Choose n_head dividing d_model.")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
+                             f"each key/value head serves an equal group of query heads. "
+                             f"Choose n_kv_head dividing n_head (n_kv_head=n_head is plain multi-head attention).")
+        if self.positions not in _POSITIONS:
+            raise ValueError(f"GPTConfig: positions={self.positions!r} is not one of {list(_POSITIONS)}.")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: positions='rotary' needs an even head dim, but d_model / n_head = "
+                             f"{self.d_model} / {self.n_head} = {self.head_dim}; rotary rotates feature pairs. "
+                             f"Change d_model or n_head, or use positions='learned'.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1).")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be > 0.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection output: n_kv_head * head_dim."""
+        assert self.n_kv_head is not None
+        return self.n_kv_head * self.head_dim
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig: {name}={value!r} must be a positive integer.")
+
+
+# -- presets ---------------------------------------------------------------------------------------
+
+# Kept as keyword dicts so that `gpt_config(name, d_model=...)` re-derives d_ff from the new width
+# instead of inheriting the preset's resolved 4 * d_model.
+_GPT2_FAMILY = dict(vocab_size=50257, positions="learned", tie_embeddings=True)
+_PRESET_KWARGS: dict[str, dict[str, Any]] = {
+    # ~1.9M params, byte-level: trains in seconds on one CPU core; the default for tests and the demo.
+    "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=6, d_model=192),
+    # ~10.7M params, byte-level.
+    "small": dict(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d_model=384),
+    # GPT-2 small: 124,439,808 params (tied embeddings, as the released checkpoint).
+    "gpt2-124m": dict(_GPT2_FAMILY, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    # GPT-2 medium shape: 354,823,168 params.
+    "350m": dict(_GPT2_FAMILY, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    # GPT-3 XL shape (24 layers, 2048 wide, 2048 context): ~1.32B params.
+    "1.3b": dict(_GPT2_FAMILY, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+}
+
+PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _PRESET_KWARGS.items()}
+"""Preset name -> config. Use `gpt_config(name, **overrides)` to derive variants."""
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+
+
+def gpt_config(name: str, **overrides: Any) -> GPTConfig:
+    """The preset `name` (case-insensitive) with `overrides` applied, e.g.
+    `gpt_config("tiny", n_layer=2, positions="rotary")`. Fields left at None (d_ff, n_kv_head) are
+    re-derived from the overridden shape."""
+    key = name.strip().lower()
+    if key not in _PRESET_KWARGS:
+        valid = list(_PRESET_KWARGS)
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown GPT preset {name!r}; valid presets are {', '.join(valid)}.{hint}")
+    unknown = [k for k in overrides if k not in _FIELDS]
+    if unknown:
+        hints = [f"{k!r} (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, _FIELDS, n=1)) else repr(k)
+                 for k in unknown]
+        raise ValueError(f"gpt_config({name!r}): unknown field(s) {', '.join(hints)}; "
+                         f"GPTConfig fields are {', '.join(_FIELDS)}.")
+    return GPTConfig(**{**_PRESET_KWARGS[key], **overrides})
+
+
+# -- pure counting ---------------------------------------------------------------------------------
+
+def gpt_num_params(cfg: GPTConfig, *, exclude_embeddings: bool = False) -> int:
+    """Exact parameter count of `GPT(cfg)`, a tied lm-head counted once.
+
+    exclude_embeddings drops the token-embedding table and the learned position table (Kaplan et
+    al.'s "non-embedding" N). An untied lm-head weight stays in; a tied one is the token table and
+    goes with it."""
+    d, f, kv, b = cfg.d_model, cfg.d_ff, cfg.kv_dim, int(cfg.bias)
+    assert f is not None
+    norm = d * (1 + b)                                   # LayerNorm weight (+ bias)
+    attn = (d * d + d * b) * 2 + (d * kv + kv * b) * 2   # q_proj, o_proj: d -> d; k_proj, v_proj: d -> kv
+    mlp = (d * f + f * b) + (f * d + d * b)              # fc_in, fc_out
+    blocks = cfg.n_layer * (2 * norm + attn + mlp)
+    token_table = cfg.vocab_size * d
+    position_table = cfg.seq_len * d if cfg.positions == "learned" else 0
+    lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d   # never a bias
+    total = token_table + position_table + blocks + norm + lm_head
+    if exclude_embeddings:
+        total -= token_table + position_table
+    return total
+
+
+def gpt_flops_per_token(cfg: GPTConfig) -> int:
+    """Training FLOPs (forward + backward) per token at full context, by the convention
+
+        6 * N + 6 * n_layer * seq_len * d_model
+
+    N is every parameter that takes part in a per-token matmul: the non-embedding parameters plus the
+    lm-head's vocab_size * d_model weights (counted whether or not tied: the head matmul runs either
+    way). Embedding lookups cost nothing; norms and biases are inside N (as in 6N, they are noise).
+    Each weight costs 2 FLOPs per token forward and 4 backward, hence 6 * N. The attention scores
+    QK^T and the mix AV cost 2 * seq_len * d_model each per layer per token forward (4 * L * s * d),
+    times 3 for training is 12 * L * s * d (PaLM's 12LHQT), halved because a causal mask leaves
+    on average half the keys: 6 * L * s * d. Grouped-query attention does not change it (every query
+    head still scores s keys)."""
+    n = gpt_num_params(cfg, exclude_embeddings=True)
+    if cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.d_model
+    return 6 * n + 6 * cfg.n_layer * cfg.seq_len * cfg.d_model

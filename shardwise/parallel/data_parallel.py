@@ -1,0 +1,178 @@
+"""Data parallelism: bucketed gradient all-reduce, launched from backward hooks as buckets fill.
+
+Every parameter's `.grad` is a view into a flat bucket buffer, so autograd accumulates straight into the
+buffer that is communicated (no copy in, no copy out). Buckets are filled in reverse registration order,
+which approximates the order gradients become ready in backward, so the first bucket is usually complete
+while most of backward is still to run: its all-reduce overlaps the rest of backward.
+
+    buckets[k].buffer : [numel_k]  (dtype of its parameters; one dtype per bucket)
+    param.grad        : buffer[offset : offset + param.numel()].view(param.shape)
+
+Buckets launch strictly in index order (bucket k waits for buckets < k), so every rank issues the same
+collectives in the same order even if hooks fire in a slightly different order.
+Gradient averaging: sum over the dp group, then divide by dp size (optionally pre-divided by
+`gradient_predivide_factor`, as DeepSpeed does), which is the exact mean when every rank's loss is the mean
+over an equal number of samples.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.comm.collectives import Comm, Handle
+from shardwise.config.resolved import AllReduceImpl
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)   # ids of params whose gradient is final this step
+    handle: Handle | Future | None = None
+
+
+def plan_buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
+    """Greedy split of parameter sizes (already in launch order) into buckets of at most `bucket_numel`
+    elements; a parameter larger than the limit gets a bucket of its own. Returns indices per bucket."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        if current and filled + n > bucket_numel:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedAllReduce:
+    """Gradient synchronisation for plain data parallelism (ZeRO stage 0)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
+                 impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0):
+        self.comm = comm
+        self.impl = impl
+        self.predivide_factor = predivide_factor
+        self.enabled = False       # set per backward: True only on gradient-accumulation boundaries
+        self._next_launch = 0
+        self._executor: ThreadPoolExecutor | None = None
+        # For each bucket launched this step: how many parameters had their gradient ready at launch.
+        # Fewer than all of them means the all-reduce started while backward was still running.
+        self.launch_log: list[int] = []
+        self._ready_count = 0
+        params = [p for p in params if p.requires_grad]
+        order = list(reversed(params))
+        self.buckets: list[Bucket] = []
+        for b, group in enumerate(self._group_by_dtype(order, bucket_numel)):
+            total = sum(p.numel() for p in group)
+            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+            offsets, off = [], 0
+            for p in group:
+                offsets.append(off)
+                off += p.numel()
+            self.buckets.append(Bucket(b, group, offsets, buffer))
+        self._where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+        self.attach_grads()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    @staticmethod
+    def _group_by_dtype(order: list[torch.nn.Parameter], bucket_numel: int) -> list[list[torch.nn.Parameter]]:
+        groups: list[list[torch.nn.Parameter]] = []
+        for dtype in dict.fromkeys(p.dtype for p in order):  # first-seen order
+            same = [p for p in order if p.dtype == dtype]
+            groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], bucket_numel)]
+        return groups
+
+    # -- gradient storage ---------------------------------------------------------------------------
+    def _view(self, bucket: Bucket, i: int) -> torch.Tensor:
+        p = bucket.params[i]
+        return bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].view(p.shape)
+
+    def attach_grads(self) -> None:
+        """Point every .grad at its slot in the bucket buffers (after zeroing, or if a user reset grads)."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                p.grad = self._view(bucket, i)
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.ready.clear()
+            bucket.handle = None
+        self._next_launch = 0
+        self._ready_count = 0
+        self.launch_log = []
+        self.attach_grads()
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+    # -- communication ------------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        bucket, i = self._where[id(p)]
+        view = self._view(bucket, i)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)): fold it back in.
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.enabled:
+            return
+        bucket.ready.add(id(p))
+        self._ready_count += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.launch_log.append(self._ready_count)
+        if self.predivide_factor != 1.0:
+            bucket.buffer.div_(self.predivide_factor)
+        if self.impl is AllReduceImpl.RING:
+            # Ring all-reduce is built from blocking p2p calls; a single worker thread keeps buckets in
+            # launch order on every rank while the main thread carries on with backward.
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
+            bucket.handle = self._executor.submit(self.comm.ring_all_reduce, bucket.buffer)
+        else:
+            bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    def finish(self) -> None:
+        """After backward on a boundary micro-batch: launch what is left (parameters that got no
+        gradient keep zeros), wait for every bucket, and turn sums into means."""
+        if self.comm.size > 1:
+            self._launch_ready(force=True)
+        for bucket in self.buckets:
+            if isinstance(bucket.handle, Future):
+                bucket.handle.result()          # re-raises a communication error from the ring thread
+            elif bucket.handle is not None:
+                bucket.handle.wait()
+            if self.comm.size > 1:
+                if self.predivide_factor != 1.0:
+                    bucket.buffer.mul_(self.predivide_factor / self.comm.size)
+                else:
+                    bucket.buffer.div_(self.comm.size)
+            bucket.handle = None
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._ready_count = 0
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,168 @@
+"""Per-step training metrics, their JSON-lines file, and the end-of-run summary.
+
+One line of `metrics.jsonl` per optimizer step, written by global rank 0:
+
+    {"step": 3, "loss": 4.91, "lr": 0.0003, "tokens": 1024, "tokens_per_s": 8211.5, "mfu": 0.031,
+     "step_time_s": 0.1247, "elapsed_s": 0.52, "rss_bytes": 412712960}
+
+`tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so MFU divides by the peak
+of all ranks together. Non-finite losses are written as JSON `NaN`/`Infinity` (Python reads them back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float | None:
+    """Achieved model FLOP/s over peak FLOP/s; None when the peak is unknown (<= 0).
+
+    `flops_per_token` is the model's training cost per token (forward + backward, no recompute):
+    MFU deliberately ignores recomputation, which is work the hardware does but the model does not need.
+    """
+    if peak_flops <= 0:
+        return None
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """What one optimizer step did, as seen by global rank 0."""
+
+    step: int
+    loss: float
+    lr: float                 # learning rate of the update this step applied (first param group)
+    tokens: int               # tokens of this step over all ranks: train_batch_size * seq_len
+    tokens_per_s: float
+    mfu: float | None
+    step_time_s: float        # wall time of engine.train_batch on rank 0
+    elapsed_s: float          # since the first step started
+    rss_bytes: int            # resident memory of rank 0 after the step
+
+    @classmethod
+    def build(cls, *, step: int, loss: float, lr: float, tokens: int, step_time_s: float, elapsed_s: float,
+              flops_per_token: float, peak_flops: float, rss_bytes: int) -> "StepMetrics":
+        """Derive tokens/s and MFU from the raw counts of one step."""
+        tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
+        return cls(step=step, loss=float(loss), lr=float(lr), tokens=tokens, tokens_per_s=tokens_per_s,
+                   mfu=model_flops_utilization(tokens_per_s, flops_per_token, peak_flops),
+                   step_time_s=step_time_s, elapsed_s=elapsed_s, rss_bytes=rss_bytes)
+
+
+class MetricsWriter:
+    """Append one JSON object per line to `path`, flushed after every line.
+
+    Flushing each line means a crashed or interrupted run still leaves every finished step on disk,
+    and `tail -f metrics.jsonl` follows a live run. `fresh=True` truncates a file left by an earlier
+    run into the same directory, so one file never mixes two runs.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fresh: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w" if fresh else "a", encoding="utf-8")
+
+    def write(self, record: StepMetrics | Mapping[str, Any]) -> None:
+        row = asdict(record) if isinstance(record, StepMetrics) else dict(record)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a metrics file, in file order; blank lines are skipped."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """The figures a run reports at the end (printed as a table, saved as summary.json)."""
+
+    steps: int
+    final_loss: float
+    mean_tokens_per_s: float      # over steps 2..S: step 1 pays for warm-up (allocation, first kernels)
+    mfu: float | None
+    total_time_s: float
+    world_size: int
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float             # all ranks together (the MFU denominator)
+    memory_per_rank: list[dict[str, int]] = field(default_factory=list)   # rank order, bytes
+    comm_per_step: list[dict[str, Any]] = field(default_factory=list)     # one row per (op, group, dtype)
+
+    @property
+    def comm_bytes_per_step(self) -> int:
+        return sum(int(row.get("bytes", 0)) for row in self.comm_per_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["comm_bytes_per_step"] = self.comm_bytes_per_step
+        return out
+
+    def write_json(self, path: str | os.PathLike[str]) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+
+def mean_tokens_per_s(records: Sequence[Mapping[str, Any]]) -> float:
+    """Time-weighted mean throughput: total tokens / total time over every step but the first.
+
+    The first step pays one-time costs (allocator growth, thread pools, first collectives), so it is
+    left out whenever there is another step. Summing before dividing weights each step by its duration,
+    which is what "tokens per second of training" means (a mean of per-step rates would not be).
+    """
+    if not records:
+        raise ValueError("no step records: cannot compute tokens/s of an empty run")
+    steady = records[1:] if len(records) > 1 else records
+    seconds = sum(float(r["step_time_s"]) for r in steady)
+    return sum(int(r["tokens"]) for r in steady) / seconds if seconds > 0 else 0.0
+
+
+def summarize_run(records: Sequence[Mapping[str, Any]], *, world_size: int, flops_per_token: float,
+                  peak_flops: float, memory_per_rank: Sequence[Mapping[str, int]] = (),
+                  comm_per_step: Sequence[Mapping[str, Any]] = ()) -> RunSummary:
+    """Fold the per-step records of a run (as written by MetricsWriter) into a RunSummary."""
+    throughput = mean_tokens_per_s(records)
+    last = records[-1]
+    return RunSummary(
+        steps=int(last["step"]), final_loss=float(last["loss"]), mean_tokens_per_s=throughput,
+        mfu=model_flops_utilization(throughput, flops_per_token, peak_flops),
+        total_time_s=float(last["elapsed_s"]), world_size=world_size, tokens_per_step=int(last["tokens"]),
+        flops_per_token=flops_per_token, peak_flops=peak_flops,
+        memory_per_rank=[{k: int(v) for k, v in m.items()} for m in memory_per_rank],
+        comm_per_step=[dict(row) for row in comm_per_step],
+    )
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; binary units, as memory is allocated in them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_rate(x: float, unit: str = "") -> str:
+    """12_345_678 -> '12.3M'; SI prefixes for rates (FLOP/s, tokens/s)."""
+    if not math.isfinite(x):
+        return str(x)
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{prefix}{unit}"
+    return f"{x:.1f}{unit}"

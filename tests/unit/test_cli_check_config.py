@@ -1,0 +1,119 @@
+"""`shardwise check-config` and the CLI's error contract: user errors exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli.main import SUBCOMMANDS, build_parser, main
+
+GOOD = {
+    "train_batch_size": 32,
+    "gradient_accumulation_steps": 2,
+    "fp16": {"enabled": True, "initial_scale_power": 12},
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 100}},
+    "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8},
+    "communication": {"all_reduce": "ring"},
+}
+
+
+def write(tmp_path: Path, config: dict | str, name: str = "ds.json") -> str:
+    path = tmp_path / name
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def assert_one_line_error(stderr: str, *fragments: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("shardwise: error: ") and "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_prints_the_resolved_table(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal width; keep phrases on one line
+    assert main(["check-config", write(tmp_path, GOOD), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "train_micro_batch_size_per_gpu 4" in out and "gradient_accumulation_steps 2" in out
+    assert "torch.optim.AdamW" in out and "2^12" in out and "ring" in out and "WarmupDecayLR" in out
+
+
+def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check-config", write(tmp_path, GOOD), "--world", "2", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["batch"] == {
+        "train_batch_size": 32, "micro_batch": 8, "grad_accum": 2, "dp_size": 2,
+        "derived": ["train_micro_batch_size_per_gpu"],
+        "arithmetic": "train_batch_size 32 = train_micro_batch_size_per_gpu 8 * gradient_accumulation_steps 2 * "
+                      "data-parallel size 2"}
+    assert described["precision"]["dtype"] == "fp16" and described["precision"]["initial_loss_scale"] == 4096.0
+    assert described["zero"]["stage"] == 0 and described["communication"]["all_reduce"] == "ring"
+    assert described["optimizer"]["torch"].startswith("torch.optim.AdamW(")
+    assert described["world_size"] == 2
+
+
+@pytest.mark.parametrize("config,world,fragments", [
+    ({**GOOD, "zero_optimisation": {}}, 4, ['unknown key "zero_optimisation"', 'did you mean "zero_optimization"']),
+    (GOOD, 3, ["train_batch_size 32 is not a multiple of gradient_accumulation_steps 2 * data-parallel size 3 = 6"]),
+    ({**GOOD, "zero_optimization": {"stage": 3}}, 4, ["ZeRO stages 1-3 are not implemented yet"]),
+    ({**GOOD, "optimizer": {"type": "SGD", "params": {"momentom": 0.9}}}, 4, ['did you mean "momentum"']),
+    ({**GOOD, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 4, ["total_num_steps"]),
+])
+def test_config_problems_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, config: dict,
+                                              world: int, fragments: list[str]) -> None:
+    assert main(["check-config", write(tmp_path, config), "--world", str(world)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert_one_line_error(captured.err, *fragments)
+
+
+def test_several_problems_still_print_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = {"train_batch_size": "auto", "fp16": {"enabeld": True}}
+    assert main(["check-config", write(tmp_path, config)]) == 2
+    assert_one_line_error(capsys.readouterr().err, '"train_batch_size": "auto"', "; ", 'unknown key "fp16.enabeld"')
+
+
+def test_missing_and_malformed_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["check-config", str(tmp_path / "absent.json")]) == 2
+    assert_one_line_error(capsys.readouterr().err, "cannot read config file", "absent.json")
+    assert main(["check-config", write(tmp_path, '{"train_batch_size": 8,,}')]) == 2
+    assert_one_line_error(capsys.readouterr().err, "is not valid JSON: line 1")
+
+
+@pytest.mark.parametrize("argv", [[], ["check-config"], ["check-config", "x.json", "--world", "0"], ["nonsense"]])
+def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "usage: shardwise" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["check-config", "--help"]])
+def test_help_everywhere(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0 and "usage: shardwise" in capsys.readouterr().out
+
+
+def test_every_subcommand_is_registered_with_a_run_function() -> None:
+    parser = build_parser()
+    for module in SUBCOMMANDS:
+        assert callable(module.add_parser) and callable(module.run)
+    assert parser.parse_args(["check-config", "x.json"]).func.__module__ == "shardwise.cli.check_config"
+
+
+def test_module_entry_point_in_a_subprocess(tmp_path: Path) -> None:
+    bad = write(tmp_path, {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 2})
+    result = subprocess.run([sys.executable, "-m", "shardwise.cli.main", "check-config", bad, "--world", "4"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert_one_line_error(result.stderr, "train_batch_size 30 != train_micro_batch_size_per_gpu 4 * "
+                                         "gradient_accumulation_steps 2 * data-parallel size 4 = 32")

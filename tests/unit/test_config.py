@@ -1,0 +1,398 @@
+"""Config schema, batch rule, error messages and not-yet refusals (shardwise/config/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shardwise.config import (
+    AllReduceImpl, BatchSizes, ConfigError, DType, EngineConfig, OffloadDevice, load_config, load_config_for_world,
+    parse_config, resolve_batch,
+)
+from shardwise.errors import UserError
+
+BASE = {"train_batch_size": 32}
+
+
+def deepspeed(module: str):
+    """A DeepSpeed module as the oracle (on the CPU accelerator), or skip when DeepSpeed is absent."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return pytest.importorskip(module)
+
+
+def load(extra: dict, dp_size: int = 4) -> EngineConfig:
+    return load_config({**BASE, **extra}, dp_size=dp_size)
+
+
+def error_of(config: dict, dp_size: int = 4) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, dp_size=dp_size)
+    return info.value
+
+
+# ----- batch rule: every branch of DeepSpeed's _set_batch_related_parameters / _batch_assertion -----
+
+def test_all_three_given_and_consistent() -> None:
+    assert resolve_batch(train_batch_size=32, micro_batch=4, grad_accum=2, dp_size=4) == BatchSizes(32, 4, 2, 4)
+
+
+def test_all_three_inconsistent_shows_the_arithmetic() -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_batch(train_batch_size=30, micro_batch=4, grad_accum=2, dp_size=4)
+    assert info.value.key == "train_batch_size"
+    assert ("train_batch_size 30 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 * "
+            "data-parallel size 4 = 32") in str(info.value)
+
+
+def test_train_and_micro_derive_accumulation() -> None:
+    sizes = resolve_batch(train_batch_size=64, micro_batch=4, grad_accum=None, dp_size=4)
+    assert sizes == BatchSizes(64, 4, 4, 4)
+    assert sizes.derived == ("gradient_accumulation_steps",)
+
+
+def test_train_and_micro_not_a_multiple() -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_batch(train_batch_size=30, micro_batch=4, grad_accum=None, dp_size=4)
+    text = str(info.value)
+    assert ("train_batch_size 30 is not a multiple of train_micro_batch_size_per_gpu 4 * data-parallel size 4 = 16"
+            in text)
+    assert "30 / 16" in text and "16 or 32" in text
+
+
+def test_train_smaller_than_one_micro_batch_per_rank() -> None:
+    # DeepSpeed derives accumulation 8 // 4 // 4 = 0 and then fails its > 0 assertion.
+    with pytest.raises(ConfigError, match="train_batch_size 8 is not a multiple of .* = 16"):
+        resolve_batch(train_batch_size=8, micro_batch=4, grad_accum=None, dp_size=4)
+
+
+def test_train_and_accumulation_derive_micro() -> None:
+    sizes = resolve_batch(train_batch_size=64, micro_batch=None, grad_accum=2, dp_size=4)
+    assert sizes == BatchSizes(64, 8, 2, 4)
+    assert sizes.derived == ("train_micro_batch_size_per_gpu",)
+
+
+def test_train_and_accumulation_not_a_multiple() -> None:
+    with pytest.raises(ConfigError, match=r"train_batch_size 30 is not a multiple of gradient_accumulation_steps "
+                                          r"2 \* data-parallel size 4 = 8"):
+        resolve_batch(train_batch_size=30, micro_batch=None, grad_accum=2, dp_size=4)
+
+
+def test_micro_and_accumulation_derive_train() -> None:
+    sizes = resolve_batch(train_batch_size=None, micro_batch=3, grad_accum=5, dp_size=2)
+    assert sizes == BatchSizes(30, 3, 5, 2)
+    assert sizes.derived == ("train_batch_size",)
+
+
+def test_only_train_means_one_accumulation_step() -> None:
+    assert resolve_batch(train_batch_size=32, micro_batch=None, grad_accum=None, dp_size=4) == BatchSizes(32, 8, 1, 4)
+
+
+def test_only_train_not_a_multiple_of_dp() -> None:
+    with pytest.raises(ConfigError, match="train_batch_size 30 is not a multiple of data-parallel size 4"):
+        resolve_batch(train_batch_size=30, micro_batch=None, grad_accum=None, dp_size=4)
+
+
+def test_only_micro_means_one_accumulation_step() -> None:
+    assert resolve_batch(train_batch_size=None, micro_batch=4, grad_accum=None, dp_size=3) == BatchSizes(12, 4, 1, 3)
+
+
+@pytest.mark.parametrize("accum", [None, 4])
+def test_neither_train_nor_micro_is_an_error(accum: int | None) -> None:
+    with pytest.raises(ConfigError, match="give train_batch_size or train_micro_batch_size_per_gpu"):
+        resolve_batch(train_batch_size=None, micro_batch=None, grad_accum=accum, dp_size=2)
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("train_batch_size", dict(train_batch_size=0, micro_batch=None, grad_accum=None)),
+    ("train_micro_batch_size_per_gpu", dict(train_batch_size=None, micro_batch=-2, grad_accum=None)),
+    ("gradient_accumulation_steps", dict(train_batch_size=8, micro_batch=None, grad_accum=0)),
+])
+def test_non_positive_terms_are_rejected(field: str, kwargs: dict) -> None:
+    with pytest.raises(ConfigError, match="must be a positive integer") as info:
+        resolve_batch(dp_size=2, **kwargs)
+    assert info.value.key == field
+
+
+def test_non_positive_dp_size_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="data-parallel size must be a positive integer"):
+        resolve_batch(train_batch_size=8, micro_batch=None, grad_accum=None, dp_size=0)
+
+
+def test_arithmetic_text() -> None:
+    assert BatchSizes(32, 4, 2, 4).arithmetic() == (
+        "train_batch_size 32 = train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 2 * data-parallel size 4")
+
+
+@settings(max_examples=300, deadline=None)
+@given(t=st.one_of(st.none(), st.integers(1, 64)), m=st.one_of(st.none(), st.integers(1, 16)),
+       g=st.one_of(st.none(), st.integers(1, 8)), d=st.integers(1, 8))
+def test_batch_rule_matches_deepspeed(t: int | None, m: int | None, g: int | None, d: int) -> None:
+    """DeepSpeed's own two methods, run on a stand-in object, are the oracle for every input."""
+    ds_config = deepspeed("deepspeed.runtime.config")
+    holder = type("Holder", (), {})()
+    holder.train_batch_size, holder.train_micro_batch_size_per_gpu = t, m
+    holder.gradient_accumulation_steps, holder.world_size = g, d
+    try:
+        ds_config.DeepSpeedConfig._set_batch_related_parameters(holder)
+        ds_config.DeepSpeedConfig._batch_assertion(holder)
+        expected = BatchSizes(holder.train_batch_size, holder.train_micro_batch_size_per_gpu,
+                              holder.gradient_accumulation_steps, d)
+    except AssertionError:
+        expected = None
+    if expected is None:
+        with pytest.raises(ConfigError):
+            resolve_batch(train_batch_size=t, micro_batch=m, grad_accum=g, dp_size=d)
+    else:
+        assert resolve_batch(train_batch_size=t, micro_batch=m, grad_accum=g, dp_size=d) == expected
+
+
+def test_load_config_resolves_the_batch_for_dp_size() -> None:
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, dp_size=4)
+    assert cfg.batch == BatchSizes(24, 2, 3, 4)
+
+
+# ----- unknown keys, "auto", types -----
+
+def test_unknown_top_level_key_suggests_the_close_match() -> None:
+    err = error_of({**BASE, "zero_optimisation": {"stage": 0}})
+    assert err.key == "zero_optimisation"
+    assert str(err).startswith('unknown key "zero_optimisation": did you mean "zero_optimization"? valid keys: ')
+    assert "train_micro_batch_size_per_gpu" in str(err)
+
+
+def test_unknown_nested_key_suggests_and_lists_that_level() -> None:
+    err = error_of({**BASE, "zero_optimization": {"overlap_com": True}})
+    assert err.key == "zero_optimization.overlap_com"
+    text = str(err)
+    assert 'unknown key "zero_optimization.overlap_com": did you mean "overlap_comm"?' in text
+    assert 'valid keys in "zero_optimization": stage, ' in text
+    deeper = error_of({**BASE, "zero_optimization": {"offload_optimizer": {"devise": "cpu"}}})
+    assert 'did you mean "device"?' in str(deeper) and "pin_memory" in str(deeper)
+
+
+def test_seed_is_not_a_deepspeed_key() -> None:
+    err = error_of({**BASE, "seed": 1234})
+    assert err.key == "seed" and str(err).startswith('unknown key "seed":')
+
+
+def test_deepspeed_features_we_lack_say_so() -> None:
+    assert "DeepSpeed feature that shardwise does not implement" in str(error_of({**BASE, "tensorboard": {}}))
+
+
+def test_auto_is_refused_with_the_hugging_face_hint() -> None:
+    err = error_of({"train_batch_size": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                    "fp16": {"enabled": "auto"}})
+    lines = str(err).splitlines()
+    assert lines[0] == ('"train_batch_size": "auto" is only meaningful with the Hugging Face integration; '
+                        'give a number')
+    assert '"optimizer.params.lr": "auto"' in lines[1]
+    assert lines[2].endswith("give true or false")
+    assert len(lines) == 3 and err.key == "train_batch_size"
+
+
+def test_integral_floats_are_integers() -> None:
+    cfg = load({"zero_optimization": {"reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8}})
+    assert cfg.zero.reduce_bucket_size == 500_000_000 and isinstance(cfg.zero.reduce_bucket_size, int)
+    assert load_config({"train_batch_size": 32.0}, dp_size=4).batch.train_batch_size == 32
+
+
+@pytest.mark.parametrize("value,reason", [(32.5, "fractional part"), (True, "boolean"), ("32", "expected an integer")])
+def test_non_integers_are_rejected(value: object, reason: str) -> None:
+    err = error_of({"train_batch_size": value})
+    assert err.key == "train_batch_size" and reason in str(err) and json.dumps(value) in str(err)
+
+
+def test_bounds_and_choices_name_the_rule() -> None:
+    assert '"zero_optimization.reduce_bucket_size": 0 must be > 0' in str(
+        error_of({**BASE, "zero_optimization": {"reduce_bucket_size": 0}}))
+    text = str(error_of({**BASE, "communication": {"all_reduce": "tree"}}))
+    assert '"communication.all_reduce": "tree" is not allowed' in text and "'ring'" in text
+    assert "ZeRO stage must be 0, 1, 2 or 3" in str(error_of({**BASE, "zero_optimization": {"stage": 4}}))
+
+
+def test_several_problems_are_reported_together() -> None:
+    err = error_of({**BASE, "steps_per_print": 0, "fp16": {"enabeld": True}, "gradient_clipping": -1})
+    assert len(err.problems) == 3 and len(str(err).splitlines()) == 3
+    assert {p.key for p in err.problems} == {"steps_per_print", "fp16.enabeld", "gradient_clipping"}
+
+
+# ----- precision -----
+
+def test_fp16_and_bf16_together_is_deepspeeds_error() -> None:
+    err = error_of({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "bfloat16 and fp16 modes cannot be simultaneously enabled" in str(err)
+    assert err.key == "fp16.enabled"
+
+
+def test_bfloat16_is_an_alias_of_bf16() -> None:
+    assert load({"bfloat16": {"enabled": True}}).precision.dtype is DType.BF16
+    assert "give only one of" in str(error_of({**BASE, "bf16": {}, "bfloat16": {}}))
+
+
+def test_precision_section() -> None:
+    fp32 = load({})
+    assert fp32.precision.dtype is DType.FP32 and not fp32.precision.dynamic_loss_scale
+    assert fp32.precision.static_loss_scale == 1.0
+    dynamic = load({"fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 3}}).precision
+    assert dynamic.dtype is DType.FP16 and dynamic.dynamic_loss_scale
+    assert dynamic.initial_loss_scale == 4096.0 and dynamic.hysteresis == 3
+    static = load({"fp16": {"enabled": True, "loss_scale": 128}}).precision
+    assert not static.dynamic_loss_scale and static.static_loss_scale == 128.0
+
+
+def test_dynamic_loss_scale_rules_apply_only_when_dynamic() -> None:
+    assert "fp16.loss_scale_window" in str(error_of({**BASE, "fp16": {"enabled": True, "loss_scale_window": 0}}))
+    load({"fp16": {"enabled": True, "loss_scale": 8, "loss_scale_window": 0}})  # static: unused, accepted
+
+
+def test_defaults_match_deepspeed() -> None:
+    precision_config = deepspeed("deepspeed.runtime.precision_config")
+    zero_config = deepspeed("deepspeed.runtime.zero.config")
+    constants = deepspeed("deepspeed.runtime.constants")
+    cfg = load({})
+    fp16 = precision_config.DeepSpeedFP16Config()
+    for name in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                 "min_loss_scale", "auto_cast"):
+        assert getattr(cfg.precision, name) == getattr(fp16, name), name
+    assert cfg.precision.bf16_check_grad_overflow == precision_config.DeepSpeedBF16Config().check_grad_overflow
+    assert cfg.gradient_clipping == constants.GRADIENT_CLIPPING_DEFAULT
+    assert cfg.gradient_predivide_factor == constants.GRADIENT_PREDIVIDE_FACTOR_DEFAULT
+    assert cfg.steps_per_print == constants.STEPS_PER_PRINT_DEFAULT
+    ds_zero = zero_config.DeepSpeedZeroConfig()
+    ours = dataclasses.asdict(cfg.zero)
+    for name, info in zero_config.DeepSpeedZeroConfig.model_fields.items():
+        if (info.json_schema_extra or {}).get("deprecated") or name in ("zenflow", "leaf_module"):
+            continue
+        key = info.alias or name
+        assert ours[key] == getattr(ds_zero, name), key
+    assert list(cfg.zero.leaf_module_classes) == ds_zero.leaf_module.classes
+
+
+# ----- our blocks, ZeRO spellings -----
+
+def test_our_blocks_resolve_to_enums() -> None:
+    cfg = load({"communication": {"all_reduce": "ring"}, "communication_data_type": "BF16",
+                "activation_checkpointing": {"policy": "selective"}})
+    assert cfg.communication.all_reduce is AllReduceImpl.RING and str(cfg.communication.all_reduce) == "ring"
+    assert cfg.communication.data_type is DType.BF16
+    assert cfg.activation_checkpointing.policy.value == "selective"
+    assert cfg.pipeline.schedule.value == "1f1b" and cfg.tensor_parallel.size == 1
+
+
+def test_pipeline_and_tensor_parallel_rules() -> None:
+    assert "needs \"pipeline.schedule\": \"interleaved_1f1b\"" in str(
+        error_of({**BASE, "pipeline": {"virtual_stages": 2}}))
+    sequence_parallel_alone = {**BASE, "tensor_parallel": {"sequence_parallel": True}}
+    assert 'needs "tensor_parallel.size" > 1' in str(error_of(sequence_parallel_alone))
+    assert load({"tensor_parallel": {"autotp_size": 0}}).tensor_parallel.size == 1  # DeepSpeed: 0 = off
+
+
+def test_zero_alternative_and_deprecated_spellings() -> None:
+    cfg = load({"zero_optimization": {"prefetch_bucket_size": 1e6, "stage3_gather_fp16_weights_on_model_save": True}})
+    assert cfg.zero.stage3_prefetch_bucket_size == 1_000_000
+    assert cfg.zero.stage3_gather_16bit_weights_on_model_save
+    assert "give only one of" in str(error_of(
+        {**BASE, "zero_optimization": {"max_live_parameters": 1, "stage3_max_live_parameters": 2}}))
+    model, _ = parse_config({"zero_optimization": {"stage": 1, "cpu_offload": True}})
+    assert model.zero_optimization.offload_optimizer.device == "cpu"
+
+
+def test_overlap_comm_default_follows_the_stage() -> None:
+    assert load({}).zero.overlap_comm is False
+    assert load({"zero_optimization": {"overlap_comm": True}}).zero.overlap_comm is True
+
+
+# ----- not-yet refusals -----
+
+def test_zero_stages_are_refused_for_now() -> None:
+    err = error_of({**BASE, "zero_optimization": {"stage": 2}})
+    assert str(err) == "zero_optimization.stage = 2: ZeRO stages 1-3 are not implemented yet in this version; use 0"
+    assert err.key == "zero_optimization.stage"
+
+
+@pytest.mark.parametrize("extra,key", [
+    ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size"),
+    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
+])
+def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
+    err = error_of({**BASE, **extra}, dp_size=1)
+    assert err.key == key and len(err.problems) == 1
+    assert "not implemented" in str(err) or "zero_optimization.stage is 0" in str(err)
+
+
+def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
+    assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
+    err = error_of({"train_batch_size": 30, "zero_optimization": {"stage": 1}}, dp_size=4)
+    assert [p.key for p in err.problems] == ["train_batch_size", "zero_optimization.stage"]
+
+
+def test_offload_device_none_is_fine() -> None:
+    cfg = load({"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": False}}})
+    assert cfg.zero.offload_optimizer.device is OffloadDevice.NONE and not cfg.zero.offloads_optimizer
+
+
+# ----- files, world size, the EngineConfig object -----
+
+def test_missing_file_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f'cannot read config file "{tmp_path}/nope.json"'):
+        load_config(tmp_path / "nope.json", dp_size=1)
+
+
+def test_bad_json_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16" {}\n}\n')
+    with pytest.raises(ConfigError, match=r'config file ".*bad.json" is not valid JSON: line 3 column 10'):
+        load_config(str(path), dp_size=1)
+
+
+def test_duplicate_keys_and_non_objects_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match='duplicate key "train_batch_size"'):
+        load_config(path, dp_size=1)
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        load_config(path, dp_size=1)
+
+
+def test_path_and_dict_give_the_same_config(tmp_path: Path) -> None:
+    config = {"train_batch_size": 16, "fp16": {"enabled": True}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert load_config(os.fspath(path), dp_size=2) == load_config(config, dp_size=2)
+
+
+def test_world_size_gives_the_data_parallel_size() -> None:
+    assert load_config_for_world(BASE, world_size=8).batch.dp_size == 8
+    with pytest.raises(ConfigError, match=r"world size 3 is not a multiple of tensor_parallel.size 2 \* "
+                                          r"pipeline.stages 1 = 2"):
+        load_config_for_world({**BASE, "tensor_parallel": {"size": 2}}, world_size=3)
+
+
+def test_engine_config_is_frozen_and_keeps_a_raw_copy() -> None:
+    given = {"train_batch_size": 32, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    cfg = load_config(given, dp_size=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.gradient_clipping = 0.0  # type: ignore[misc]
+    given["optimizer"]["params"]["lr"] = 5.0
+    assert cfg.raw["optimizer"]["params"]["lr"] == 0.1 and cfg.optimizer.params["lr"] == 0.1
+    described = cfg.describe()
+    assert json.loads(json.dumps(described)) == described
+    assert described["batch"]["arithmetic"].startswith("train_batch_size 32 = ")
+    assert "raw" not in described
+
+
+def test_config_error_is_a_user_error_and_pickles() -> None:
+    err = error_of({**BASE, "zero_optimization": {"stage": 3}})
+    assert isinstance(err, UserError) and isinstance(err, ValueError)
+    again = pickle.loads(pickle.dumps(err))
+    assert again.key == err.key and str(again) == str(err)
