@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-DEMO_STEPS ?= 60
+DEMO_STEPS ?= 200
 
 .PHONY: demo test install dev bench clean
 

@@ -146,7 +146,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                                clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision))
     sync = BucketedAllReduce(model_params, dp_comm, bucket_numel=cfg.zero.reduce_bucket_size,
                              impl=cfg.communication.all_reduce,
-                             predivide_factor=cfg.gradient_predivide_factor)
+                             predivide_factor=cfg.gradient_predivide_factor, prescale=cfg.prescale_gradients,
+                             comm_dtype=cfg.communication.data_type.torch_dtype if cfg.communication.data_type else None)
     engine = Engine(module=model, config=cfg, optimizer_step=step, grad_sync=sync, lr_scheduler=sched,
                     dp_comm=dp_comm, metrics_comm=metrics_comm, ledger=ledger, device=device,
                     compute_dtype=dtype)

@@ -8,7 +8,8 @@ For each size the two implementations run alternately (ring first on even iterat
 odd ones) on the same freshly copied input, each start aligned by a barrier. An iteration's time is the
 slowest rank's; the report gives the median over iterations, the algorithm bandwidth
 algbw = bytes / time and the bus bandwidth busbw = algbw * 2(n-1)/n (the nccl-tests definition for
-all-reduce: what each rank actually pushes through its link, comparable across world sizes).
+all-reduce: what each rank actually pushes through its link, comparable across world sizes), the ratio
+of the two busbw medians and the median of the per-iteration ratios ("paired", robust to load drift).
 """
 
 from __future__ import annotations
@@ -65,19 +66,24 @@ class Row:
     backend_algbw_gbps: float
     backend_busbw_gbps: float
     ratio: float              # ring busbw / backend busbw (> 1: the ring is faster)
+    paired_ratio: float       # median over iterations of backend time / ring time in that iteration:
+                              # steadier than `ratio` when the machine's load drifts during the run
     results_match: bool       # the ring's result equals the backend's (fp tolerance)
 
 
 def make_row(size_mb: float, nbytes: int, world_size: int, ring_s: Sequence[float],
              backend_s: Sequence[float], results_match: bool) -> Row:
-    """Medians, bandwidths and the ratio from per-iteration times in seconds."""
+    """Medians, bandwidths and the ratios from per-iteration times in seconds (index i of both lists:
+    the same iteration)."""
     ring_t, backend_t = statistics.median(ring_s), statistics.median(backend_s)
     ring_alg, backend_alg = algorithm_bandwidth(nbytes, ring_t), algorithm_bandwidth(nbytes, backend_t)
     ring_bus, backend_bus = bus_bandwidth(ring_alg, world_size), bus_bandwidth(backend_alg, world_size)
     return Row(size_mb=size_mb, nbytes=nbytes, ring_ms=ring_t * 1e3, backend_ms=backend_t * 1e3,
                ring_algbw_gbps=ring_alg / 1e9, ring_busbw_gbps=ring_bus / 1e9,
                backend_algbw_gbps=backend_alg / 1e9, backend_busbw_gbps=backend_bus / 1e9,
-               ratio=backend_t / ring_t, results_match=results_match)
+               ratio=backend_t / ring_t,
+               paired_ratio=statistics.median(b / r for r, b in zip(ring_s, backend_s)),
+               results_match=results_match)
 
 
 # -- arguments ----------------------------------------------------------------------------------------
@@ -169,13 +175,16 @@ def print_table(rows: Sequence[Row], *, world_size: int, backend: str, dtype: st
     table = Table(title=f"all-reduce, {world_size} ranks, {backend}, {dtype}: median of {iters} "
                         f"interleaved iterations; busbw = algbw * 2(n-1)/n")
     for name in ("size (MiB)", "ring ms", f"{backend} ms", "ring algbw GB/s", "ring busbw GB/s",
-                 f"{backend} busbw GB/s", "ring/backend busbw", "results match"):
+                 f"{backend} busbw GB/s", "ring/backend busbw", "paired", "results match"):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(f"{r.size_mb:g}", f"{r.ring_ms:.3f}", f"{r.backend_ms:.3f}", f"{r.ring_algbw_gbps:.3f}",
                       f"{r.ring_busbw_gbps:.3f}", f"{r.backend_busbw_gbps:.3f}", f"{r.ratio:.2f}x",
-                      "yes" if r.results_match else "NO")
-    Console().print(table)
+                      f"{r.paired_ratio:.2f}x", "yes" if r.results_match else "NO")
+    console = Console()
+    if not console.is_terminal:     # piped into a file or a log: do not squeeze to 80 columns
+        console = Console(width=160)
+    console.print(table)
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -209,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("gloo")
     try:
         run(args)
+        dist.barrier()            # no rank tears the group down while a peer still uses it
     finally:
         dist.destroy_process_group()
     return 0

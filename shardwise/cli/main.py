@@ -16,13 +16,14 @@ from types import ModuleType
 from typing import Sequence
 
 import shardwise
-from shardwise.cli import check_config, train
+from shardwise.cli import bench, check_config, train
 from shardwise.errors import UserError
 
 # ----- the subcommands, in the order `shardwise --help` lists them -----
 SUBCOMMANDS: list[ModuleType] = [
     train,
     check_config,
+    bench,
 ]
 
 EXIT_USER_ERROR = 2

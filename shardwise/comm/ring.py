@@ -16,8 +16,16 @@ Each chunk is cut into S segments of at most `segment_bytes`. The unit of work i
 p = j * S + k (step j, segment k). Segment k of step j+1 is sent as soon as segment k of step j has
 arrived and been reduced, so the ring is a pipeline across steps as well as within one: while this
 rank adds segment k, segment k+1 is on the wire and its own segment k is already travelling on.
-Receives run `in_flight` positions ahead of the one being reduced; each gets its own tag (= p), and
-reduce-scatter receives land in a small ring of `in_flight` scratch segments.
+Receives are posted `in_flight` positions ahead of the one being reduced (gloo only sends once the
+receiver has posted, so this is the flow control); each position has its own tag (= p).
+Reduce-scatter receives land in `in_flight + 1` scratch rows, so the next receive is posted before
+the current segment is added out of its row. All-gather receives land straight in their place.
+
+[Note: tuning]
+On gloo over loopback TCP every message costs a ready-notification, a write and a read wake-up, a
+fixed price that 1 MiB segments (gloo's own choice) pay too often; 4 MiB segments with 4 receives in
+flight measured best for 16-256 MiB tensors on 2 ranks (benchmarks/allreduce.py sweeps both knobs:
+--segment-kb, --in-flight). A chunk smaller than a segment goes as one message per step.
 
 Nothing here is global: the function can run on a background thread (the data-parallel engine runs it
 on a communication thread while backward continues). Two ring all-reduces must not run at the same
@@ -33,33 +41,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-DEFAULT_SEGMENT_BYTES = 1 << 20   # 1 MiB: small enough to pipeline, large enough to amortise a send
+DEFAULT_SEGMENT_BYTES = 4 << 20   # see [Note: tuning]
 DEFAULT_IN_FLIGHT = 4             # receives posted ahead of the segment being reduced
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]   # (accumulator, incoming) -> in place
 
-_INTEGER_ONLY = ("BAND", "BOR", "BXOR")
+# (op, name, in-place reduction, integer/bool dtypes only); dist.ReduceOp compares equal to its members
+_REDUCERS: tuple[tuple[object, str, Reducer, bool], ...] = (
+    (dist.ReduceOp.SUM, "SUM", lambda acc, x: acc.add_(x), False),
+    (dist.ReduceOp.PRODUCT, "PRODUCT", lambda acc, x: acc.mul_(x), False),
+    (dist.ReduceOp.MAX, "MAX", lambda acc, x: torch.maximum(acc, x, out=acc), False),
+    (dist.ReduceOp.MIN, "MIN", lambda acc, x: torch.minimum(acc, x, out=acc), False),
+    (dist.ReduceOp.BAND, "BAND", lambda acc, x: acc.bitwise_and_(x), True),
+    (dist.ReduceOp.BOR, "BOR", lambda acc, x: acc.bitwise_or_(x), True),
+    (dist.ReduceOp.BXOR, "BXOR", lambda acc, x: acc.bitwise_xor_(x), True),
+)
 
 
 def _reducer(op: object, dtype: torch.dtype) -> Reducer:
-    """The in-place elementwise reduction for `op` (a `dist.ReduceOp` member)."""
-    table: dict[str, Reducer] = {
-        "SUM": lambda acc, x: acc.add_(x),
-        "PRODUCT": lambda acc, x: acc.mul_(x),
-        "MAX": lambda acc, x: torch.maximum(acc, x, out=acc),
-        "MIN": lambda acc, x: torch.minimum(acc, x, out=acc),
-        "BAND": lambda acc, x: acc.bitwise_and_(x),
-        "BOR": lambda acc, x: acc.bitwise_or_(x),
-        "BXOR": lambda acc, x: acc.bitwise_xor_(x),
-    }
-    for name, fn in table.items():
-        if op == getattr(dist.ReduceOp, name):
-            if name in _INTEGER_ONLY and (dtype.is_floating_point or dtype.is_complex):
+    """The in-place elementwise reduction for `op` (a `dist.ReduceOp` member) on `dtype`."""
+    for member, name, fn, integer_only in _REDUCERS:
+        if op == member:
+            if integer_only and (dtype.is_floating_point or dtype.is_complex):
                 raise ValueError(f"ring_all_reduce: op=ReduceOp.{name} needs an integer or bool tensor, "
                                  f"got dtype {dtype}; use SUM/PRODUCT/MAX/MIN for floating point")
             return fn
+    supported = ", ".join(name for _, name, _, _ in _REDUCERS)
     raise ValueError(f"ring_all_reduce: op={op!r} is not supported; the ring supports ReduceOp."
-                     f"{{{', '.join(table)}}} (for AVG, reduce with SUM and divide by the group size)")
+                     f"{{{supported}}} (for AVG, reduce with SUM and divide by the group size)")
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class RingPlan:
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                    op: object = dist.ReduceOp.SUM, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                    op: dist.ReduceOp = dist.ReduceOp.SUM, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                     in_flight: int = DEFAULT_IN_FLIGHT) -> torch.Tensor:
     """All-reduce `tensor` in place over `group` (default: the world) with our ring; returns it.
 
@@ -140,10 +149,11 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     def to_global(group_rank: int) -> int:
         return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
-    _run(flat, plan, rank, to_global((rank + 1) % size), to_global((rank - 1) % size), group, reduce,
-         in_flight)
-    if not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
+    with torch.no_grad():   # in-place adds on a parameter or a leaf that requires grad, like dist.all_reduce
+        _run(flat, plan, rank, to_global((rank + 1) % size), to_global((rank - 1) % size), group, reduce,
+             in_flight)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
     return tensor
 
 
@@ -156,9 +166,10 @@ def _run(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
     ahead = min(in_flight, total)
     # scratch: [ahead + 1, segment]: reduce-scatter position q lands in row q % (ahead + 1), so the
     # receive `ahead` positions on can be posted before position p is reduced out of its own row.
+    # Only the (N-1) * S reduce-scatter positions use it: when they are fewer, row q % rows == q.
     rows = ahead + 1
-    scratch = torch.empty((rows, min(plan.segment_numel, plan.chunk_bounds(0)[1])), dtype=flat.dtype,
-                          device=flat.device)
+    scratch = torch.empty((min(rows, (plan.size - 1) * segs), min(plan.segment_numel, plan.chunk_bounds(0)[1])),
+                          dtype=flat.dtype, device=flat.device)
     recvs: dict[int, dist.Work | None] = {}
     sends: list[dist.Work | None] = []
 

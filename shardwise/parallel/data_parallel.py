@@ -34,6 +34,10 @@ class Bucket:
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)   # ids of params whose gradient is final this step
     handle: Handle | Future | None = None
+    # views[i] = buffer[offsets[i] : offsets[i] + numel].view(shape) of params[i], built once: creating them
+    # in every hook and every zero_grad cost ~1.4 ms per step on the tiny GPT (69 parameters).
+    views: list[torch.Tensor] = field(default_factory=list)
+    staged: torch.Tensor | None = None   # the buffer cast to communication_data_type while in flight
 
 
 def plan_buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
@@ -57,8 +61,11 @@ class BucketedAllReduce:
     """Gradient synchronisation for plain data parallelism (ZeRO stage 0)."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
-                 impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0):
+                 impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
+                 comm_dtype: torch.dtype | None = None, prescale: bool = False):
         self.comm = comm
+        self.prescale = prescale        # DeepSpeed's prescale_gradients: divide by dp size before summing
+        self.comm_dtype = comm_dtype    # DeepSpeed's communication_data_type: reduce in this dtype
         self.impl = impl
         self.predivide_factor = predivide_factor
         self.enabled = False       # set per backward: True only on gradient-accumulation boundaries
@@ -78,7 +85,8 @@ class BucketedAllReduce:
             for p in group:
                 offsets.append(off)
                 off += p.numel()
-            self.buckets.append(Bucket(b, group, offsets, buffer))
+            views = [buffer[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, group)]
+            self.buckets.append(Bucket(b, group, offsets, buffer, views=views))
         self._where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
         self.attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -93,14 +101,14 @@ class BucketedAllReduce:
 
     # -- gradient storage ---------------------------------------------------------------------------
     def _view(self, bucket: Bucket, i: int) -> torch.Tensor:
-        p = bucket.params[i]
-        return bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].view(p.shape)
+        return bucket.views[i]
 
     def attach_grads(self) -> None:
         """Point every .grad at its slot in the bucket buffers (after zeroing, or if a user reset grads)."""
         for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                p.grad = self._view(bucket, i)
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:
+                    p.grad = view
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -140,16 +148,21 @@ class BucketedAllReduce:
 
     def _launch(self, bucket: Bucket) -> None:
         self.launch_log.append(self._ready_count)
-        if self.predivide_factor != 1.0:
+        if self.prescale:
+            bucket.buffer.div_(self.comm.size)
+        elif self.predivide_factor != 1.0:
             bucket.buffer.div_(self.predivide_factor)
+        wire = bucket.buffer
+        if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
+            bucket.staged = wire = wire.to(self.comm_dtype)
         if self.impl is AllReduceImpl.RING:
             # Ring all-reduce is built from blocking p2p calls; a single worker thread keeps buckets in
             # launch order on every rank while the main thread carries on with backward.
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
-            bucket.handle = self._executor.submit(self.comm.ring_all_reduce, bucket.buffer)
+            bucket.handle = self._executor.submit(self.comm.ring_all_reduce, wire)
         else:
-            bucket.handle = self.comm.all_reduce(bucket.buffer, async_op=True)
+            bucket.handle = self.comm.all_reduce(wire, async_op=True)
 
     def finish(self) -> None:
         """After backward on a boundary micro-batch: launch what is left (parameters that got no
@@ -161,7 +174,10 @@ class BucketedAllReduce:
                 bucket.handle.result()          # re-raises a communication error from the ring thread
             elif bucket.handle is not None:
                 bucket.handle.wait()
-            if self.comm.size > 1:
+            if bucket.staged is not None:
+                bucket.buffer.copy_(bucket.staged)
+                bucket.staged = None
+            if self.comm.size > 1 and not self.prescale:
                 if self.predivide_factor != 1.0:
                     bucket.buffer.mul_(self.predivide_factor / self.comm.size)
                 else:

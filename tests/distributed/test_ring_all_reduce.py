@@ -12,6 +12,7 @@ within the recursive-summation bound (N-1) * eps * sum|x_i| of the exact (float6
 from __future__ import annotations
 
 import threading
+import traceback
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.comm import Comm, CommLedger, ring_all_reduce
-from shardwise.comm.ring import RingPlan
+from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, RingPlan
 from shardwise.testing import run_distributed
 
 SMALL_SEGMENT = 4096     # bytes: a few thousand elements already span many segments
@@ -33,8 +34,8 @@ class Case:
     dtype: torch.dtype
     op: str = "SUM"                  # a dist.ReduceOp member name (names pickle; enum values may not)
     exact: bool = True               # values whose reduction is exact in any order
-    segment_bytes: int = 1 << 20
-    in_flight: int = 4
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    in_flight: int = DEFAULT_IN_FLIGHT
 
     def __str__(self) -> str:
         return (f"numel={self.numel} {self.dtype} {self.op} exact={self.exact} "
@@ -62,9 +63,11 @@ def _cases(n: int, *, full: bool) -> list[Case]:
     cases += [Case(m, torch.int64, segment_bytes=SMALL_SEGMENT, in_flight=f)
               for m in (1, n * 512 - 1, 10_007) for f in (1, 2, 3, 8)]
     cases += [Case(20_011, torch.float32, exact=False, segment_bytes=SMALL_SEGMENT, in_flight=3)]
-    # the default 1 MiB segments: 100k+ elements, several segments per chunk
-    cases += [Case(700_001, torch.float64, exact=False), Case(1_048_583, torch.int32),
-                  Case(300_007, torch.bfloat16)]
+    # 100k+ elements, several segments per chunk; the last one with the default segment size
+    cases += [Case(700_001, torch.float64, exact=False, segment_bytes=256 << 10),
+              Case(1_048_583, torch.int32, segment_bytes=256 << 10),
+              Case(300_007, torch.bfloat16, segment_bytes=64 << 10),
+              Case(3_000_017, torch.int64)]
     return cases
 
 
@@ -108,15 +111,17 @@ def _check_case(case: Case, seed: int, group: dist.ProcessGroup | None = None) -
             i = int(excess.argmax())
             errors.append(f"{case}: {name} error {float((result.double() - exact)[i]):.3g} at {i} exceeds the "
                           f"summation bound {float(bound[i]):.3g}")
-    if case.dtype == torch.float32 and not errors:
-        try:
-            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=float(2 * bound.max()) if bound.numel() else 0)
-        except AssertionError as e:
-            errors.append(f"{case}: ring vs dist.all_reduce: {e}")
+    # ring vs gloo directly: rtol 1e-6 plus twice the bound (each may be off by it, in opposite ways);
+    # torch.testing is avoided on purpose: its first import costs seconds in a fresh rank
+    gap = (ours.double() - theirs.double()).abs() - (1e-6 * theirs.double().abs() + 2 * bound)
+    if not errors and gap.numel() and gap.max() > 0:
+        i = int(gap.argmax())
+        errors.append(f"{case}: ring {float(ours[i])} vs dist.all_reduce {float(theirs[i])} at {i}")
     return errors
 
 
-def _check_noncontiguous(seed: int) -> list[str]:
+def _check_layouts(seed: int) -> list[str]:
+    """Non-contiguous views and a parameter (a leaf that requires grad) are reduced in place."""
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(seed + rank)
     base = torch.randint(-9, 10, (7, 12), generator=g)
@@ -134,6 +139,11 @@ def _check_noncontiguous(seed: int) -> list[str]:
     ring_all_reduce(t)
     if not torch.equal(t, expected_t):
         errors.append("transposed tensor: wrong result")
+    param = torch.nn.Parameter(torch.full((6,), float(rank + 1)))  # a leaf that requires grad
+    ring_all_reduce(param)
+    n = dist.get_world_size()
+    if not torch.equal(param.detach(), torch.full((6,), n * (n + 1) / 2)):
+        errors.append("parameter: wrong result")
     return errors
 
 
@@ -203,11 +213,15 @@ def _check_subgroups() -> list[str]:
 
 def _check_background_thread() -> list[str]:
     """A ring on a communication thread while the main thread runs another ring on another group."""
-    side, main = dist.new_group(list(range(dist.get_world_size()))), dist.new_group(list(range(dist.get_world_size())))
+    everyone = list(range(dist.get_world_size()))
+    side, main = dist.new_group(everyone), dist.new_group(everyone)
     results: dict[str, list[str]] = {}
 
     def work() -> None:
-        results["thread"] = _check_case(Case(200_003, torch.int64, segment_bytes=SMALL_SEGMENT * 16), 700, side)
+        try:
+            results["thread"] = _check_case(Case(200_003, torch.int64, segment_bytes=SMALL_SEGMENT * 16), 700, side)
+        except Exception:  # noqa: BLE001 - reported as a failure of this rank
+            results["thread"] = [f"background ring raised:\n{traceback.format_exc()}"]
 
     thread = threading.Thread(target=work)
     thread.start()
@@ -224,7 +238,7 @@ def _check_world(full: bool) -> list[str]:
     errors: list[str] = []
     for i, case in enumerate(_cases(n, full=full)):
         errors += _check_case(case, seed=i)
-    errors += _check_noncontiguous(seed=99)
+    errors += _check_layouts(seed=99)
     errors += _check_ledger(None, name="world")
     if full:
         errors += _check_errors()
@@ -234,7 +248,8 @@ def _check_world(full: bool) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("world_size,full", [(2, True), (3, True), (4, True), (8, False)])
+@pytest.mark.parametrize("world_size,full", [(2, True), (3, True), (4, True),
+                                             pytest.param(8, False, marks=pytest.mark.slow)])
 def test_ring_all_reduce_matches_gloo(world_size: int, full: bool) -> None:
     per_rank = run_distributed(_check_world, world_size, args=(full,), timeout=240)
     failures = [f"rank {r}: {msg}" for r, errors in enumerate(per_rank) for msg in errors]

@@ -1,0 +1,65 @@
+"""`shardwise bench {dp,allreduce} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
+
+Each benchmark lives in `shardwise.benchmarks.<name>` and is started through torch's elastic launcher; the
+options after the benchmark name are that module's own (see `shardwise bench dp --nproc 2 --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from shardwise.errors import UserError
+
+BENCHMARKS = {
+    "dp": "shardwise DP vs torch DDP vs DeepSpeed stage 0: median step time, tokens/s, ratios",
+    "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="side-by-side benchmarks against the peers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()))
+    p.add_argument("--nproc", type=int, default=2, help="local ranks (default: %(default)s)")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark module")
+    p.set_defaults(func=run)
+
+
+def _take_nproc(options: list[str], default: int) -> tuple[int, list[str]]:
+    """`--nproc` may come after the benchmark name, where argparse's REMAINDER has swallowed it."""
+    nproc, rest, i = default, [], 0
+    while i < len(options):
+        o = options[i]
+        if o == "--nproc" and i + 1 < len(options):
+            value, i = options[i + 1], i + 2
+        elif o.startswith("--nproc="):
+            value, i = o.split("=", 1)[1], i + 1
+        else:
+            rest.append(o)
+            i += 1
+            continue
+        try:
+            nproc = int(value)
+        except ValueError:
+            raise UserError(f"--nproc = {value!r}: give a whole number of ranks, e.g. --nproc 2") from None
+    return nproc, rest
+
+
+def run(args: argparse.Namespace) -> int:
+    args.nproc, args.options = _take_nproc(list(args.options), args.nproc)
+    if args.nproc < 1:
+        raise UserError(f"--nproc = {args.nproc}: needs at least 1 rank")
+    module = importlib.import_module(f"shardwise.benchmarks.{args.name}")
+    options = [o for o in args.options if o != "--"]
+    if "-h" in options or "--help" in options:
+        module.build_parser().print_help()
+        return 0
+    try:
+        return module.launch(args.nproc, options)
+    except ValueError as error:
+        raise UserError(f"bench {args.name}: {error}") from None
+    except SystemExit as error:      # the module's argparse rejected an option (it printed why)
+        if not error.code:
+            return 0
+        raise UserError(f"bench {args.name}: invalid options {options} (see the usage above)") from None

@@ -1,0 +1,212 @@
+"""shardwise stage 0 equals DeepSpeed stage 0: the same config dict, the same tiny GPT from the same seed, the
+same micro-batches, both engines driven by DeepSpeed's loop (`loss = engine(...)`, `engine.backward(loss)`,
+`engine.step()`) inside the same two spawned gloo ranks.
+
+DeepSpeed behaviours shardwise has to match (and that each case below exercises):
+- "Adam" means AdamW: DeepSpeed builds its Adam with adam_w_mode=True (decoupled weight decay) unless
+  `"adam_w_mode": false`; `"torch_adam": true` picks torch.optim.AdamW / Adam with torch's own defaults
+  (we ask for it so DeepSpeed does not JIT-build FusedAdam, which needs a CUDA toolchain).
+- "gradient_clipping" defaults to 1.0, not 0: a config without the key clips the global norm at 1.
+- The loss is divided by gradient_accumulation_steps in backward; gradients are all-reduced only on the
+  accumulation boundary and averaged over the data-parallel ranks (DeepSpeed multiplies by 1/dp after the
+  sum, we divide by dp: both exact at dp = 2).
+- The lr schedule advances once per optimizer step, after the step (WarmupLR / WarmupDecayLR are DeepSpeed's).
+- bf16 at stage 0: bf16 parameters and gradients (all-reduced in bf16), fp32 master weights and optimizer.
+DeepSpeed's clip computes the norm as sqrt(sum of per-tensor norms squared), torch as the norm of the
+per-tensor norms: equal up to rounding, hence rtol 1e-5 rather than bitwise equality.
+
+DeepSpeed runs on CPU with DS_ACCELERATOR=cpu (set before it is imported, in each rank). Its comm layer
+sees torch.distributed already initialised and wraps the existing default group instead of creating one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.testing import assert_close_lists, run_distributed, shard_global_batch
+
+pytest.importorskip("deepspeed")
+
+WORLD = 2
+STEPS = 6
+GLOBAL_BATCH = 8
+SEQ = 16
+
+_WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3,
+                                          "warmup_type": "linear"}}
+_DECAY = {"type": "WarmupDecayLR", "params": {"total_num_steps": STEPS, "warmup_min_lr": 1e-4,
+                                              "warmup_max_lr": 3e-3, "warmup_num_steps": 2}}
+
+# name -> config extras. Every case uses stage 0 with a small bucket (several buckets per step).
+CASES: dict[str, dict] = {
+    # gradient_clipping absent on purpose: DeepSpeed's default (1.0) must clip (asserted below).
+    "sgd_momentum_default_clip": {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}},
+    "adam_is_adamw_accum_clip_warmup": {
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "scheduler": _WARMUP},
+    "adam_l2_mode": {
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.1, "adam_w_mode": False,
+                                                 "torch_adam": True}},
+        "gradient_clipping": 0.0},
+    "adamw_accum_decay": {
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.0, "scheduler": _DECAY},
+    "sgd_accum_clip_decay": {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": True}},
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.3, "scheduler": _DECAY},
+}
+# bf16 at stage 0: DeepSpeed wraps the optimizer in FP16_UnfusedOptimizer, whose constructor takes one optimizer
+# step with all-zero gradients to create the optimizer state (fp16/unfused_optimizer.py,
+# initialize_optimizer_states; the fused FP16_Optimizer does the same). For SGD with momentum and no weight
+# decay that step changes nothing (the momentum buffer starts at 0 and becomes g on the first real step, as
+# torch's does). For Adam it does: the step count starts at 1, so the first real update is ~0.74 * lr instead
+# of lr, and decoupled weight decay is applied once more to the fp32 masters. shardwise does not take that
+# step; "bf16_adamw_ds_init_step" takes it on the shardwise side (`_take_deepspeed_init_step`) to show that
+# this is the only difference.
+BF16_CASES: dict[str, dict] = {
+    "bf16_sgd_momentum_clip": {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+                               "gradient_clipping": 1.0, "gradient_accumulation_steps": 2, "bf16": {"enabled": True}},
+    "bf16_adamw_ds_init_step": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01,
+                                                                         "torch_adam": True}},
+                                "gradient_clipping": 1.0, "bf16": {"enabled": True}},
+}
+
+
+def config_for(extra: dict) -> dict:
+    cfg = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000}, "steps_per_print": 10_000}
+    cfg.update(copy.deepcopy(extra))
+    return cfg
+
+
+def tiny_model() -> torch.nn.Module:
+    from shardwise.models import GPT, gpt_config
+    torch.manual_seed(1234)
+    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
+
+
+def global_batches(seed: int = 7) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def _import_deepspeed():
+    """DeepSpeed on CPU, quiet, without JIT-compiling its shared-memory all-reduce kernel: that kernel
+    serves only `inference_all_reduce` (training all-reduces go through torch.distributed), and building it
+    needs a C++ toolchain and ~20 s on a fresh machine."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def _train(engine, model: torch.nn.Module, gas: int) -> dict:
+    """DeepSpeed's loop over this rank's micro-batches; per micro-batch loss, per-step lr and (shardwise
+    only: DeepSpeed's fp32 path does not keep it) the gradient norm seen by the clip."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses, lrs, norms = [], [], []
+    for batch in global_batches():
+        for micro in shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=gas):
+            loss = engine(micro[:, :-1], micro[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        lrs.append(engine.get_lr()[0])
+        norms.append(getattr(getattr(engine, "optimizer_step", None), "last_grad_norm", None))
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "lrs": lrs, "norms": norms, "state": state}
+
+
+def _take_deepspeed_init_step(engine) -> None:
+    """What DeepSpeed's FP16_UnfusedOptimizer does at construction: one step of the wrapped optimizer on the
+    fp32 masters with zero gradients, without copying the masters back into the bf16 model."""
+    masters = engine.optimizer_step.masters
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    engine.optimizer.step()
+    for m in masters:
+        m.grad = None
+
+
+def _run_case(deepspeed, cfg: dict, ds_init_step: bool = False) -> dict:
+    import shardwise
+    gas = cfg["gradient_accumulation_steps"]
+    model = tiny_model()
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    if ds_init_step:
+        _take_deepspeed_init_step(engine)
+    ours = _train(engine, model, gas)
+    engine.close()
+
+    ds_model = tiny_model()
+    ds_engine, *_ = deepspeed.initialize(model=ds_model, model_parameters=ds_model.parameters(),
+                                         config=copy.deepcopy(cfg))
+    theirs = _train(ds_engine, ds_model, gas)
+    theirs["optimizer"] = type(ds_engine.optimizer).__name__
+    theirs["basic_optimizer"] = type(ds_engine.basic_optimizer).__name__
+    return {"shardwise": ours, "deepspeed": theirs}
+
+
+def _run_cases(extras: dict[str, dict]) -> dict:
+    torch.set_num_threads(1)
+    deepspeed = _import_deepspeed()
+    return {name: _run_case(deepspeed, config_for(extra), ds_init_step=name.endswith("ds_init_step"))
+            for name, extra in extras.items()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """Every case in one pair of spawned ranks (importing DeepSpeed costs seconds per process)."""
+    return run_distributed(_run_cases, WORLD, args=({**CASES, **BF16_CASES},), timeout=300)
+
+
+def _assert_states_close(actual: dict, expected: dict, what: str, *, rtol: float, atol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_matches_deepspeed(results: list[dict], name: str) -> None:
+    for rank, res in enumerate(results):
+        ours, theirs = res[name]["shardwise"], res[name]["deepspeed"]
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{name} rank {rank} losses")
+        assert_close_lists(ours["lrs"], theirs["lrs"], rtol=1e-12, what=f"{name} rank {rank} lr")
+        _assert_states_close(ours["state"], theirs["state"], f"{name} rank {rank}", rtol=1e-5, atol=1e-5)
+    # both ranks hold the same model (the all-reduce really averaged)
+    _assert_states_close(results[1][name]["shardwise"]["state"], results[0][name]["shardwise"]["state"],
+                         f"{name} rank 1 vs rank 0", rtol=0.0, atol=0.0)
+
+
+def test_deepspeed_took_the_plain_torch_path(results: list[dict]) -> None:
+    """Guards the comparison: DeepSpeed stepped torch's own optimizer (no fused kernel, no wrapper)."""
+    res = results[0]
+    assert res["sgd_momentum_default_clip"]["deepspeed"]["optimizer"] == "SGD"
+    assert res["adam_is_adamw_accum_clip_warmup"]["deepspeed"]["optimizer"] == "AdamW"
+    assert res["adam_l2_mode"]["deepspeed"]["optimizer"] == "Adam"
+
+
+def test_default_gradient_clipping_is_active(results: list[dict]) -> None:
+    """Without "gradient_clipping" both engines clip at 1.0. The first step's gradient norm is above 1 (so
+    clipping changes that step), hence the parameter parity above holds only if DeepSpeed clipped too."""
+    norms = results[0]["sgd_momentum_default_clip"]["shardwise"]["norms"]
+    assert all(n is not None for n in norms), "shardwise did not clip without a gradient_clipping key"
+    assert norms[0] > 1.0
+
+
+@pytest.mark.parametrize("name", list(BF16_CASES))
+def test_bf16_matches_deepspeed(results: list[dict], name: str) -> None:
+    for rank, res in enumerate(results):
+        ours, theirs = res[name]["shardwise"], res[name]["deepspeed"]
+        # DeepSpeed's stage-0 bf16 path for a non-fused optimizer: fp32 masters, no loss scale for bf16
+        assert theirs["optimizer"] == "FP16_UnfusedOptimizer"
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-2, what=f"{name} rank {rank} losses")
+        _assert_states_close(ours["state"], theirs["state"], f"{name} rank {rank}", rtol=1e-2, atol=1e-2)
