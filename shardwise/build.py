@@ -7,7 +7,7 @@ rank (broadcast from dp rank 0) -> fp32 masters (mixed precision) -> optimizer a
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -159,3 +159,16 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
     return engine, opt, loader, sched
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a launched rank without interpreter finalization.
+
+    After destroy_process_group, gloo's worker threads may still hold AsyncWork objects with tensors;
+    destroying those while the interpreter finalizes aborts the process (SIGABRT, "terminate called without
+    an active exception"), which turns a finished run into a failed one under torchrun. Output is flushed
+    first; everything else the process owns is released by the OS."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -407,4 +407,5 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.build import exit_rank
+    exit_rank(main())

@@ -133,4 +133,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.build import exit_rank
+    exit_rank(main())

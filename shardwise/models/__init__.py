@@ -2,12 +2,27 @@
 
     from shardwise.models import GPT, gpt_config
     model = GPT(gpt_config("tiny", positions="rotary"))
+
+The config, presets and pure counts (`presets.py`) import without torch; the torch modules (`gpt.py`)
+are loaded on first use, so the planner can size our GPT without importing torch.
 """
 
-from shardwise.models.gpt import GPT, IGNORE_INDEX, Attention, Block, Embedding, Head, MLP
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from shardwise.models.presets import PRESETS, GPTConfig, Positions, gpt_config, gpt_flops_per_token, gpt_num_params
+
+_TORCH_EXPORTS = ("GPT", "IGNORE_INDEX", "Attention", "Block", "Embedding", "Head", "MLP")
 
 __all__ = [
     "GPT", "GPTConfig", "PRESETS", "Positions", "gpt_config", "gpt_num_params", "gpt_flops_per_token",
     "Attention", "Block", "Embedding", "Head", "MLP", "IGNORE_INDEX",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_EXPORTS:
+        return getattr(importlib.import_module("shardwise.models.gpt"), name)
+    raise AttributeError(f"module 'shardwise.models' has no attribute {name!r}")

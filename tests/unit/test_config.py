@@ -278,10 +278,13 @@ def test_defaults_match_deepspeed() -> None:
 
 def test_our_blocks_resolve_to_enums() -> None:
     cfg = load({"communication": {"all_reduce": "ring"}, "communication_data_type": "BF16",
-                "activation_checkpointing": {"policy": "selective"}})
+                "activation_checkpointing": {"policy": "none"}})
     assert cfg.communication.all_reduce is AllReduceImpl.RING and str(cfg.communication.all_reduce) == "ring"
     assert cfg.communication.data_type is DType.BF16
-    assert cfg.activation_checkpointing.policy.value == "selective"
+    assert cfg.activation_checkpointing.policy.value == "none"
+    model, _ = parse_config({"activation_checkpointing": {"policy": "selective"}})   # schema-valid ...
+    assert model.activation_checkpointing.policy == "selective"
+    assert "not implemented yet" in str(error_of({**BASE, "activation_checkpointing": {"policy": "full"}}))  # ... refused
     assert cfg.pipeline.schedule.value == "1f1b" and cfg.tensor_parallel.size == 1
 
 

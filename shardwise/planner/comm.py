@@ -1,0 +1,178 @@
+"""Communication per training step: which collectives each parallel axis runs, how many bytes, how long.
+
+Two byte counts, kept apart on purpose:
+
+- payload: the full tensor of one collective (what `CommLedger` records: an all-reduce's tensor, a
+  reduce-scatter's input, an all-gather's output). Data parallelism all-reduces psi gradients per step:
+  payload = psi * bytes per gradient.
+- sent: what one rank puts on the wire in a ring. All-reduce 2 (p - 1) / p * payload; reduce-scatter and
+  all-gather (p - 1) / p * payload each; a point-to-point send the payload itself. The ZeRO paper's
+  "2 psi" for DP (3 psi for ZeRO-3) is this ring volume in elements for large p.
+
+Time is the alpha-beta ring model (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
+reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B, with B and alpha those
+of the slowest link the group crosses (NVLink inside a node, the network between nodes). The reduction
+arithmetic itself is not timed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from shardwise.planner.flops import params_per_rank, stage_layers
+from shardwise.planner.memory import REDUCE_BUCKET_ELEMENTS
+from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute, Schedule
+
+
+class Op(str, enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    SEND = "send"
+
+
+class Axis(str, enum.Enum):
+    DP = "dp"
+    TP = "tp"
+    PP = "pp"
+
+
+class Link(str, enum.Enum):
+    INTRA_NODE = "intra-node"
+    INTER_NODE = "inter-node"
+
+
+def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks."""
+    p = group_size
+    if op is Op.SEND:
+        return payload_bytes
+    if p == 1:
+        return 0.0
+    steps = 2 * (p - 1) if op is Op.ALL_REDUCE else p - 1
+    return steps * payload_bytes / p
+
+
+def ring_seconds(op: Op, payload_bytes: float, group_size: int, *, bandwidth: float, latency_s: float,
+                 messages: int = 1) -> float:
+    """Alpha-beta time of `op`; `messages` separate collectives (buckets, layers) share the payload,
+    each paying the latency of its ring steps."""
+    p = group_size
+    if op is not Op.SEND and p == 1:
+        return 0.0
+    hops = 1 if op is Op.SEND else (2 * (p - 1) if op is Op.ALL_REDUCE else p - 1)
+    return messages * hops * latency_s + ring_send_bytes(op, payload_bytes, p) / bandwidth
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a rank runs during a step."""
+
+    axis: Axis
+    op: Op
+    purpose: str
+    group_size: int
+    payload_bytes: float     # per call, ledger convention (the full tensor)
+    calls: int               # per step
+    link: Link
+    seconds: float           # per call
+
+    @property
+    def total_payload_bytes(self) -> float:
+        return self.payload_bytes * self.calls
+
+    @property
+    def sent_bytes(self) -> float:
+        """Ring wire volume of this rank over the step."""
+        return ring_send_bytes(self.op, self.payload_bytes, self.group_size) * self.calls
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds * self.calls
+
+
+def zero_paper_volume(num_params: float, zero_stage: int) -> float:
+    """Rajbhandari et al. section 7, elements per rank per step: 2 psi for DP and ZeRO-1/2 (reduce-scatter
+    + all-gather), 3 psi for ZeRO-3 (all-gather in forward and in backward + reduce-scatter)."""
+    return (3 if zero_stage == 3 else 2) * num_params
+
+
+def _aligned_within_node(block: int, cluster: ClusterSpec) -> bool:
+    """Groups made of `block` consecutive ranks never straddle a node boundary."""
+    return block <= cluster.gpus_per_node and cluster.gpus_per_node % block == 0
+
+
+def link_of(axis: Axis, cluster: ClusterSpec, plan: Plan) -> Link:
+    """Whether every group of `axis` stays inside one node. Ranks are laid out (pp, dp, tp) with tp
+    innermost, so a TP group spans tp ranks, a DP group dp * tp, a pipeline pp * dp * tp."""
+    size = {Axis.TP: plan.tp, Axis.DP: plan.dp, Axis.PP: plan.pp}[axis]
+    block = {Axis.TP: plan.tp, Axis.DP: plan.dp * plan.tp, Axis.PP: plan.world_size}[axis]
+    return Link.INTRA_NODE if size == 1 or _aligned_within_node(block, cluster) else Link.INTER_NODE
+
+
+def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: int, cluster: ClusterSpec,
+           plan: Plan, messages: int = 1) -> Collective:
+    link = link_of(axis, cluster, plan)
+    bw, alpha = ((cluster.intra_node_bw, cluster.intra_node_latency_s) if link is Link.INTRA_NODE
+                 else (cluster.inter_node_bw, cluster.inter_node_latency_s))
+    seconds = ring_seconds(op, payload, size, bandwidth=bw, latency_s=alpha, messages=messages)
+    return Collective(axis, op, purpose, size, payload, calls, link, seconds)
+
+
+def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    """Gradient and parameter traffic over the data-parallel group, per step. Stage 0: one all-reduce of
+    the gradients (in buckets). ZeRO-1: reduce-scatter at the step + all-gather of the updated params.
+    ZeRO-2: the gradient shards are reduce-scattered on every micro-batch's backward (partitioned
+    gradients cannot accumulate unreduced). ZeRO-3: parameters are gathered for every forward and every
+    backward of every micro-batch, gradients reduce-scattered each backward."""
+    if plan.dp == 1:
+        return []
+    psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
+    n = psi * job.precision.nbytes
+    m = plan.grad_accum(job)
+    buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
+    layers = stage_layers(model.n_layer, plan.pp)[0]
+    args = (plan.dp, n)
+    if plan.zero_stage == 0:
+        return [_timed(Axis.DP, Op.ALL_REDUCE, "gradients", *args, 1, cluster, plan, buckets)]
+    if plan.zero_stage in (1, 2):
+        rs_calls = 1 if plan.zero_stage == 1 else m
+        return [_timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, rs_calls, cluster, plan, buckets),
+                _timed(Axis.DP, Op.ALL_GATHER, "updated parameters", *args, 1, cluster, plan, buckets)]
+    return [_timed(Axis.DP, Op.ALL_GATHER, "parameters (forward, backward)", *args, 2 * m, cluster, plan, layers),
+            _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, layers)]
+
+
+def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    """Megatron TP: per layer and micro-batch, 2 all-reduces of b s h in forward and 2 in backward, 2 more
+    for the recomputed forward under full recomputation. Sequence parallelism turns each into a
+    reduce-scatter + an all-gather of the same volume."""
+    if plan.tp == 1:
+        return []
+    payload = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes
+    per_layer = 6 if plan.recompute is Recompute.FULL else 4
+    calls = per_layer * stage_layers(model.n_layer, plan.pp)[0] * plan.grad_accum(job)
+    if not plan.sequence_parallel:
+        return [_timed(Axis.TP, Op.ALL_REDUCE, "layer activations", plan.tp, payload, calls, cluster, plan)]
+    return [_timed(Axis.TP, Op.REDUCE_SCATTER, "layer activations (SP)", plan.tp, payload, calls, cluster, plan),
+            _timed(Axis.TP, Op.ALL_GATHER, "layer activations (SP)", plan.tp, payload, calls, cluster, plan)]
+
+
+def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    """Pipeline: per micro-batch a middle stage sends b s h activations forward and their gradient
+    backward (each v times interleaved); with sequence parallelism only b s h / t crosses (Narayanan's
+    scatter/gather)."""
+    if plan.pp == 1:
+        return []
+    sp = plan.tp if plan.sequence_parallel else 1
+    payload = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes / sp
+    v = plan.virtual_stages if plan.schedule is Schedule.INTERLEAVED else 1
+    calls = 2 * v * plan.grad_accum(job)
+    return [_timed(Axis.PP, Op.SEND, "stage boundary activations + grads", 2, payload, calls, cluster, plan)]
+
+
+def step_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    return (dp_collectives(model, cluster, job, plan) + tp_collectives(model, cluster, job, plan)
+            + pp_collectives(model, cluster, job, plan))

@@ -1,0 +1,223 @@
+"""Memory of one GPU: model states (ZeRO paper), activations (Korthikanti et al. 2022), buffers.
+
+Model states, per parameter (Rajbhandari et al. 2020, sections 3.1 and 5):
+
+    weights w = 2 (bf16/fp16) or 4 (fp32);  grads g = w;  optimizer K (Adam: 12 mixed = fp32 master + m + v,
+    8 in fp32 where the weights are the master)
+    ZeRO-1 shards K over dp, ZeRO-2 also g, ZeRO-3 also w; a shard is ceil(psi / dp) (padded, as ZeRO pads).
+
+Activations per transformer layer and micro-batch, in bytes, for activation dtype size e (2 in the paper),
+1-byte dropout masks, s = sequence, b = micro-batch, h = hidden, f = d_ff, kv = key/value width, a = heads,
+t = tensor-parallel size. For e = 2, f = 4h, kv = h this is the paper's s b h (34 + 5 a s / h), and under
+TP the paper's eq. 2, s b h (10 + 24/t + 5 a s / (h t)):
+
+    replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks)   = 10 sbh
+    split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))                =  8 sbh
+                        + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
+                          silu(gate), product)                                                     = 16 sbh
+                        + scores a s^2 b (e softmax + 1 mask + e dropout output)                     = 5as^2b
+    sequence parallel: the replicated part is split over t too (eq. 4); selective recomputation drops
+    the scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.flops import layer_params, params_per_rank, stage_layers
+from shardwise.planner.specs import (
+    FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute, Schedule,
+)
+
+GB = 1e9
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default zero_optimization.reduce_bucket_size: the gradient bucket ZeRO-1/2 fill and reduce."""
+FP32_BYTES = 4
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def state_bytes_per_param(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:
+    """(weights, grads, optimizer) bytes per parameter before sharding: (2, 2, 12) for mixed-precision Adam."""
+    return precision.nbytes, precision.nbytes, optimizer.state_bytes(precision)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states on one GPU, and what that GPU keeps in host memory under offload."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    cpu: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: int, *, precision: Precision = Precision.BF16,
+                      optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1,
+                      offload: Offload = Offload.NONE) -> ModelStates:
+    """The ZeRO paper's formulas: baseline (2 + 2 + K) psi; P_os 4 psi + K psi / N_d; P_os+g
+    2 psi + (2 + K) psi / N_d; P_os+g+p (4 + K) psi / N_d (mixed-precision Adam: K = 12).
+
+    Offloading the optimizer moves the K part and an fp32 copy of the gradient shard to host memory
+    (ZeRO-Offload steps on the CPU); offloading parameters (stage 3) moves the weight shard as well."""
+    w, g, k = state_bytes_per_param(precision, optimizer)
+    shard = _ceil_div(num_params, dp)
+    weights = w * (shard if zero_stage >= 3 else num_params)
+    grads = g * (shard if zero_stage >= 2 else num_params)
+    states = k * (shard if zero_stage >= 1 else num_params)
+    cpu = 0
+    if offload is not Offload.NONE:
+        cpu, states = states + FP32_BYTES * shard, 0
+    if offload is Offload.OPTIMIZER_AND_PARAMS:
+        cpu, weights = cpu + weights, 0
+    return ModelStates(weights=weights, grads=grads, optimizer=states, cpu=cpu)
+
+
+def max_trainable_params(memory_bytes: float, *, precision: Precision = Precision.BF16,
+                         optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1) -> float:
+    """Largest psi whose model states fit in `memory_bytes` (ZeRO paper Table 2's theory columns)."""
+    w, g, k = state_bytes_per_param(precision, optimizer)
+    per_param = (w / dp if zero_stage >= 3 else w) + (g / dp if zero_stage >= 2 else g) + (k / dp if zero_stage >= 1 else k)
+    return memory_bytes / per_param
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
+                           act_bytes: int = 2, flash_attention: bool = False) -> float:
+    """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank (module doc)."""
+    s, b, h, e = seq_len, micro_batch, model.d_model, act_bytes
+    sp = tp if sequence_parallel else 1
+    if recompute is Recompute.FULL:
+        return e * s * b * h / sp
+    mask = 1 if model.dropout else 0
+    f = model.d_ff
+    assert f is not None
+    replicated = s * b * h * (2 * e + e + e + 2 * mask)
+    mlp = (4 if model.ffn is FFN.SWIGLU else 2) * e * s * b * f
+    split = s * b * (e * h + 2 * e * model.kv_dim + e * h) + mlp
+    if not (flash_attention or recompute is Recompute.SELECTIVE):
+        split += model.n_head * s * s * b * (e + (mask + e if model.dropout else 0))
+    return replicated / sp + split / tp
+
+
+def in_flight_microbatches(plan: Plan, num_microbatches: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak: all m for GPipe,
+    min(p, m) for 1F1B, times (1 + (p - 1) / (p v)) interleaved (Korthikanti et al. 2022, sec. 4.2.3)."""
+    p, m = plan.pp, num_microbatches
+    if p == 1:
+        return 1.0           # gradient accumulation: each micro-batch's backward frees it before the next
+    if plan.schedule is Schedule.GPIPE:
+        return float(m)
+    held = float(min(p, m))
+    if plan.schedule is Schedule.INTERLEAVED:
+        held *= 1 + (p - 1) / (p * plan.virtual_stages)
+    return held
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of the most loaded pipeline stage."""
+
+    per_layer: float        # one layer, one micro-batch
+    layers: int             # layers on that stage
+    in_flight: float        # micro-batches held at the peak
+    recompute_working: float  # full recompute: one layer rebuilt with all its activations during backward
+    embeddings_and_logits: float
+
+    @property
+    def total(self) -> float:
+        return self.per_layer * self.layers * self.in_flight + self.recompute_working + self.embeddings_and_logits
+
+
+def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
+    """The larger of the first stage (most micro-batches in flight, embeddings) and the last (logits:
+    e s b V / t in the compute dtype plus an fp32 copy for the loss)."""
+    s, b, e = job.sequence_length(model), plan.micro_batch, job.precision.nbytes
+    kw = dict(micro_batch=b, seq_len=s, tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+              act_bytes=e, flash_attention=job.flash_attention)
+    per_layer = layer_activation_bytes(model, recompute=plan.recompute, **kw)
+    working = layer_activation_bytes(model, **kw) if plan.recompute is Recompute.FULL else 0.0
+    sp = plan.tp if plan.sequence_parallel else 1
+    embedding = s * b * model.d_model * (e + (1 if model.dropout else 0)) / sp
+    logits = s * b * (e * model.d_model / sp + (e + FP32_BYTES) * model.vocab_size / plan.tp)
+    layers = stage_layers(model.n_layer, plan.pp)
+    m = plan.grad_accum(job)
+    first = Activations(per_layer, layers[0], in_flight_microbatches(plan, m), working,
+                        embedding + (logits if plan.pp == 1 else 0.0))
+    if plan.pp == 1:
+        return first
+    last_in_flight = float(m) if plan.schedule is Schedule.GPIPE else 1.0
+    last = Activations(per_layer, layers[-1], last_in_flight, working, logits)
+    return max(first, last, key=lambda a: a.total)
+
+
+# -- everything on one GPU -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU (and in host memory for it) under a plan."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserved: float
+    cpu: float
+    capacity: float          # the GPU's memory
+    host_budget: float       # host memory per GPU (its node's, shared by the node's GPUs)
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers + self.reserved
+
+    @property
+    def over_budget(self) -> float:
+        """Bytes above the GPU's memory (> 0: does not fit)."""
+        return self.total - self.capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.over_budget <= 0 and self.cpu <= self.host_budget
+
+
+def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
+    """Communication buffers: ZeRO-1/2's gradient reduce bucket; ZeRO-3's gathered layers (the one
+    computing and the one prefetched, full size in the compute dtype); pipeline send/receive buffers."""
+    e = job.precision.nbytes
+    buffers = 0.0
+    if plan.zero_stage in (1, 2):
+        buffers += min(params_on_rank, REDUCE_BUCKET_ELEMENTS) * e
+    if plan.zero_stage == 3:
+        buffers += 2 * layer_params(model).per_tp_rank(plan.tp) * e
+    if plan.pp > 1:
+        sp = plan.tp if plan.sequence_parallel else 1
+        buffers += 2 * plan.micro_batch * job.sequence_length(model) * model.d_model * e / sp
+    return buffers
+
+
+def memory_per_rank(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
+    """Model states of the most loaded rank (`params_per_rank`), its activations and buffers."""
+    params = params_per_rank(model, tp=plan.tp, pp=plan.pp)
+    states = model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,
+                               zero_stage=plan.zero_stage, dp=plan.dp, offload=plan.offload)
+    return MemoryBreakdown(
+        weights=states.weights, grads=states.grads, optimizer=states.optimizer,
+        activations=activation_bytes(model, job, plan).total,
+        buffers=comm_buffer_bytes(model, job, plan, params),
+        reserved=cluster.reserved_memory_bytes, cpu=states.cpu,
+        capacity=cluster.memory_bytes,
+        host_budget=cluster.host_memory_bytes / cluster.gpus_per_node,
+    )

@@ -1,0 +1,85 @@
+"""Named models and clusters.
+
+Models: published shapes (GPT-3, LLaMA) and our own GPT presets, taken from `shardwise.models.presets`
+(torch-free) so that the planner's parameter count of our GPT is exactly the built model's.
+
+Clusters: one DGX-style node per preset (8 GPUs, each with its own network port); `--gpus N` scales it.
+Figures are the vendors' published ones: dense (no sparsity) peak matmul FLOP/s, HBM size and bandwidth,
+NVLink and PCIe bandwidth halved to one direction, and one InfiniBand port per GPU.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from shardwise.models.presets import PRESETS as GPT_PRESETS
+from shardwise.planner.specs import FFN, ClusterSpec, ModelSpec, Norm, PlannerError, PositionKind
+
+_PUBLISHED_MODELS: dict[str, ModelSpec] = {
+    # Brown et al. 2020 (arXiv:2005.14165) Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048;
+    # GPT-2's BPE vocabulary of 50257 and tied embeddings. 174.6e9 parameters (Table D.1's N).
+    "gpt3-175b": ModelSpec(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96, vocab_size=50257,
+                           seq_len=2048, tie_embeddings=True),
+    # Touvron et al. 2023 (arXiv:2302.13971), LLaMA 7B: 32 layers, 4096 wide, 32 heads, SwiGLU 11008,
+    # RMSNorm, rotary, no biases, untied head, vocab 32000, context 2048: 6,738,415,616 parameters.
+    "llama-7b": ModelSpec(name="llama-7b", n_layer=32, d_model=4096, n_head=32, d_ff=11008, vocab_size=32000,
+                          seq_len=2048, ffn=FFN.SWIGLU, norm=Norm.RMSNORM, positions=PositionKind.ROTARY,
+                          bias=False, tie_embeddings=False, dropout=False),
+    # Touvron et al. 2023 (arXiv:2307.09288), Llama 2 70B: 80 layers, 8192 wide, 64 query heads sharing
+    # 8 key/value heads (GQA), SwiGLU 28672, context 4096: 68,976,648,192 parameters.
+    "llama-70b": ModelSpec(name="llama-70b", n_layer=80, d_model=8192, n_head=64, n_kv_head=8, d_ff=28672,
+                           vocab_size=32000, seq_len=4096, ffn=FFN.SWIGLU, norm=Norm.RMSNORM,
+                           positions=PositionKind.ROTARY, bias=False, tie_embeddings=False, dropout=False),
+}
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    **_PUBLISHED_MODELS,
+    **{name: ModelSpec.from_gpt_config(cfg, name=name) for name, cfg in GPT_PRESETS.items()},
+}
+"""Preset name -> model. Our GPT presets (tiny, small, gpt2-124m, 350m, 1.3b) come from shardwise.models."""
+
+_DGX_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
+             "2,039 GB/s HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, both bidirectional); DGX A100 user guide "
+             "(8x 200 Gb/s HDR InfiniBand, 2 TB RAM, 2x EPYC 7742 with 8 DDR4-3200 channels each)")
+_DGX_H100 = ("NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, "
+             "FP32 67 TFLOPS, 3.35 TB/s HBM3, NVLink 900 GB/s, PCIe Gen5 128 GB/s, both bidirectional); DGX H100 "
+             "user guide (8x 400 Gb/s NDR InfiniBand, 2 TB RAM, 2x Xeon 8480C with 8 DDR5-4800 channels each)")
+_DGX_H200 = ("NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 141 GB HBM3e at 4.8 TB/s, BF16 1,979 TFLOPS with "
+             "sparsity = 989 dense, FP32 67 TFLOPS, NVLink 900 GB/s, PCIe Gen5 128 GB/s); DGX H200 "
+             "(8x 400 Gb/s NDR InfiniBand, 2 TB RAM, same CPUs as DGX H100)")
+_LATENCY_NOTE = "; latencies 5 us (NVLink) and 10 us (InfiniBand) per message are typical NCCL figures, assumed"
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    "a100-80gb": ClusterSpec(
+        name="a100-80gb", num_gpus=8, gpus_per_node=8, memory_bytes=80e9, peak_flops_bf16=312e12,
+        peak_flops_fp32=19.5e12, intra_node_bw=300e9, inter_node_bw=25e9, memory_bw=2.039e12, pcie_bw=32e9,
+        host_memory_bytes=2e12, host_memory_bw=2 * 204.8e9, source=_DGX_A100 + _LATENCY_NOTE),
+    "h100-80gb": ClusterSpec(
+        name="h100-80gb", num_gpus=8, gpus_per_node=8, memory_bytes=80e9, peak_flops_bf16=989e12,
+        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=3.35e12, pcie_bw=64e9,
+        host_memory_bytes=2e12, host_memory_bw=2 * 307.2e9, source=_DGX_H100 + _LATENCY_NOTE),
+    "h200": ClusterSpec(
+        name="h200", num_gpus=8, gpus_per_node=8, memory_bytes=141e9, peak_flops_bf16=989e12,
+        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=4.8e12, pcie_bw=64e9,
+        host_memory_bytes=2e12, host_memory_bw=2 * 307.2e9, source=_DGX_H200 + _LATENCY_NOTE),
+}
+
+
+def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
+    key = name.strip().lower()
+    if key in table:
+        return table[key]
+    close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise PlannerError(f"unknown {what} {name!r}: valid presets are {', '.join(table)}{hint}")
+
+
+def model_preset(name: str) -> ModelSpec:
+    return _lookup(MODEL_PRESETS, name, "model preset")
+
+
+def cluster_preset(name: str, num_gpus: int | None = None) -> ClusterSpec:
+    """The preset, optionally with `num_gpus` GPUs in total (whole nodes or less)."""
+    cluster = _lookup(CLUSTER_PRESETS, name, "cluster preset")
+    return cluster if num_gpus is None else cluster.replace(num_gpus=num_gpus)

@@ -1,0 +1,367 @@
+"""What the planner reasons about: a model shape, a cluster, a training job, and a parallel plan.
+
+All four are frozen dataclasses of plain ints, floats and enums (no torch), validated on construction.
+A problem with what the user gave raises `PlannerError` naming the field, the value, the rule and the fix.
+Units: bytes, seconds, FLOPs, FLOP/s and bytes/s throughout; "GB" in reports means 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.errors import UserError
+
+
+class PlannerError(UserError, ValueError):
+    """A model, cluster, job or plan the planner cannot work with; the message says how to fix it."""
+
+
+class Precision(str, enum.Enum):
+    """Dtype of weights, gradients and activations; bf16/fp16 also keep fp32 master weights."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one weight / gradient / activation element."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: the optimizer steps fp32 master copies of the 16-bit weights."""
+        return self is not Precision.FP32
+
+
+class Optimizer(str, enum.Enum):
+    """Optimizer family, which fixes the state bytes per parameter (`optimizer_state_bytes`)."""
+
+    ADAM = "adam"                  # Adam and AdamW: momentum + variance in fp32
+    SGD_MOMENTUM = "sgd-momentum"  # one fp32 momentum buffer
+    SGD = "sgd"                    # no state
+
+    def state_bytes(self, precision: Precision) -> int:
+        """The ZeRO paper's K: fp32 optimizer bytes per parameter, the fp32 master copy included
+        under mixed precision (Adam + bf16/fp16: 4 master + 4 momentum + 4 variance = 12)."""
+        moments = {Optimizer.ADAM: 8, Optimizer.SGD_MOMENTUM: 4, Optimizer.SGD: 0}[self]
+        return moments + (4 if precision.mixed else 0)
+
+
+class FFN(str, enum.Enum):
+    GELU = "gelu"       # two matrices, d -> d_ff -> d (GPT)
+    SWIGLU = "swiglu"   # three matrices: down(silu(gate(x)) * up(x)) (Llama)
+
+
+class Norm(str, enum.Enum):
+    LAYERNORM = "layernorm"   # weight (+ bias when the model has biases)
+    RMSNORM = "rmsnorm"       # weight only
+
+
+class PositionKind(str, enum.Enum):
+    LEARNED = "learned"   # a [seq_len, d_model] table
+    ROTARY = "rotary"     # no parameters
+
+
+class Offload(str, enum.Enum):
+    """ZeRO-Offload: what lives in CPU memory instead of GPU memory."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"                   # optimizer states (+ fp32 grads), stepped on the CPU; stages 1-3
+    OPTIMIZER_AND_PARAMS = "optimizer+params"  # also the 16-bit parameters; stage 3 only
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation (Korthikanti et al. 2022)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"   # recompute only the attention core (QK^T, softmax, dropout, AV)
+    FULL = "full"             # keep each layer's input, recompute the layer in backward
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule; names as the config's "pipeline.schedule"."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved_1f1b"
+
+
+def _positive_int(owner: str, name: str, value: Any, fix: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlannerError(f"{owner}.{name} = {value!r}: must be a positive integer{fix}")
+
+
+def _positive_number(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlannerError(f"{owner}.{name} = {value!r}: must be a positive number")
+
+
+def _enum(owner: str, name: str, value: Any, kind: type[enum.Enum]) -> enum.Enum:
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        valid = ", ".join(repr(k.value) for k in kind)
+        raise PlannerError(f"{owner}.{name} = {value!r}: must be one of {valid}") from None
+
+
+def _coerce_enums(obj: Any, owner: str, fields: dict[str, type[enum.Enum]]) -> None:
+    for name, kind in fields.items():
+        object.__setattr__(obj, name, _enum(owner, name, getattr(obj, name), kind))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer. d_ff=None means 4 * d_model (GELU) or Llama's
+    round_up(8 * d_model / 3, 256) (SwiGLU); n_kv_head=None means n_head (no grouped-query attention)."""
+
+    name: str = "custom"
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    """Context length the model is built for (learned position table; default job sequence length)."""
+    n_kv_head: int | None = None
+    d_ff: int | None = None
+    ffn: FFN = FFN.GELU
+    norm: Norm = Norm.LAYERNORM
+    positions: PositionKind = PositionKind.LEARNED
+    bias: bool = True
+    """Biases in every linear layer except the lm head, and in LayerNorms."""
+    tie_embeddings: bool = False
+    dropout: bool = True
+    """Dropout layers exist (their 1-byte masks are saved for backward)."""
+
+    def __post_init__(self) -> None:
+        owner = f"model {self.name!r}"
+        _coerce_enums(self, owner, {"ffn": FFN, "norm": Norm, "positions": PositionKind})
+        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.d_ff is None:
+            d_ff = 4 * self.d_model if self.ffn is FFN.GELU else 256 * math.ceil(8 * self.d_model / 3 / 256)
+            object.__setattr__(self, "d_ff", d_ff)
+        _positive_int(owner, "n_kv_head", self.n_kv_head)
+        _positive_int(owner, "d_ff", self.d_ff)
+        if self.d_model % self.n_head:
+            raise PlannerError(f"{owner}: d_model = {self.d_model} is not divisible by n_head = {self.n_head}; "
+                               f"each head gets d_model / n_head features; choose n_head dividing d_model")
+        if self.n_head % self.n_kv_head:
+            raise PlannerError(f"{owner}: n_head = {self.n_head} is not divisible by n_kv_head = "
+                               f"{self.n_kv_head}; choose n_kv_head dividing n_head")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key (and of the value) projection: n_kv_head * head_dim."""
+        assert self.n_kv_head is not None
+        return self.n_kv_head * self.head_dim
+
+    @classmethod
+    def from_gpt_config(cls, cfg: Any, name: str = "gpt") -> "ModelSpec":
+        """The spec of our reference GPT (`shardwise.models.GPTConfig`): GELU MLP, LayerNorm."""
+        return cls(name=name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head,
+                   n_kv_head=cfg.n_kv_head, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                   ffn=FFN.GELU, norm=Norm.LAYERNORM, positions=PositionKind(cfg.positions), bias=cfg.bias,
+                   tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """Identical accelerators in nodes. Bandwidths are per GPU and per direction, in bytes/s."""
+
+    name: str = "custom"
+    num_gpus: int
+    gpus_per_node: int
+    memory_bytes: float
+    """Memory of one GPU."""
+    peak_flops_bf16: float
+    """Dense 16-bit matmul peak of one GPU (also used for fp16)."""
+    peak_flops_fp32: float
+    """fp32 matmul peak of one GPU (no TF32)."""
+    intra_node_bw: float
+    """GPU-to-GPU bandwidth inside a node (NVLink), one direction."""
+    inter_node_bw: float
+    """Network bandwidth of one GPU to other nodes (its share of the node's NICs), one direction."""
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 10e-6
+    memory_bw: float = 2e12
+    """Device memory bandwidth (HBM); bounds the optimizer step, which streams every state once."""
+    pcie_bw: float = 25e9
+    """Host <-> GPU bandwidth of one GPU (offload traffic)."""
+    host_memory_bytes: float = 1e12
+    """CPU memory of one node (offloaded states of all its GPUs)."""
+    host_memory_bw: float = 100e9
+    """CPU memory bandwidth of one node (the offloaded optimizer step of all its GPUs)."""
+    compute_efficiency: float = 0.55
+    """Fraction of the peak that training matmuls sustain (communication and bubbles are modelled
+    separately). Narayanan et al. 2021 measure 44-52% of the A100 peak end to end, bubbles and
+    communication included, so the kernels alone run above that."""
+    reserved_memory_bytes: float = 1e9
+    """Taken from every GPU before anything is placed: CUDA context, allocator fragmentation."""
+    source: str = ""
+    """Where the figures come from (a datasheet, or how they were measured)."""
+
+    def __post_init__(self) -> None:
+        owner = f"cluster {self.name!r}"
+        _positive_int(owner, "num_gpus", self.num_gpus)
+        _positive_int(owner, "gpus_per_node", self.gpus_per_node)
+        for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32", "intra_node_bw", "inter_node_bw",
+                     "memory_bw", "pcie_bw", "host_memory_bytes", "host_memory_bw", "compute_efficiency"):
+            _positive_number(owner, name, getattr(self, name))
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "reserved_memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PlannerError(f"{owner}.{name} = {value!r}: must be a number >= 0")
+        if self.compute_efficiency > 1:
+            raise PlannerError(f"{owner}.compute_efficiency = {self.compute_efficiency}: a fraction of the peak, "
+                               f"must be in (0, 1]")
+        if self.reserved_memory_bytes >= self.memory_bytes:
+            raise PlannerError(f"{owner}.reserved_memory_bytes = {self.reserved_memory_bytes:.3g} leaves nothing "
+                               f"of memory_bytes = {self.memory_bytes:.3g}; lower it")
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_gpus / self.gpus_per_node)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_memory_bytes
+
+    def peak_flops(self, precision: Precision) -> float:
+        return self.peak_flops_fp32 if precision is Precision.FP32 else self.peak_flops_bf16
+
+    def replace(self, **changes: Any) -> "ClusterSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, origin: str = "cluster file") -> "ClusterSpec":
+        """Build from a dict such as `to_dict()` wrote (a calibration file); unknown keys are an error."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise PlannerError(f"{origin}: unknown key(s) {', '.join(unknown)}; valid keys are "
+                               f"{', '.join(sorted(fields))}")
+        try:
+            return cls(**data)
+        except TypeError as e:   # a required key is missing
+            raise PlannerError(f"{origin}: {e}".replace("__init__() ", "")) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """The training run: how many tokens, in what batches, at what precision."""
+
+    global_batch: int
+    """Sequences per optimizer step (DeepSpeed's train_batch_size)."""
+    tokens: float | None = None
+    """Training tokens in total; None: 20 tokens per parameter (Hoffmann et al. 2022's compute-optimal)."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the model's context length."""
+    precision: Precision = Precision.BF16
+    optimizer: Optimizer = Optimizer.ADAM
+    causal_flops: bool = False
+    """Halve the attention-score FLOPs for the causal mask (current Megatron code, our GPT's
+    flops_per_token). False is the papers' convention (Narayanan 2021, Korthikanti 2022)."""
+    flash_attention: bool = False
+    """Attention scores are never materialised (no s^2 activation memory)."""
+    overlap_dp_comm: bool = True
+    """Gradient reduction overlaps the backward pass (bucketed, as our engine and DeepSpeed do)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "job", {"precision": Precision, "optimizer": Optimizer})
+        _positive_int("job", "global_batch", self.global_batch)
+        if self.seq_len is not None:
+            _positive_int("job", "seq_len", self.seq_len)
+        if self.tokens is not None:
+            _positive_number("job", "tokens", self.tokens)
+
+    def sequence_length(self, model: ModelSpec) -> int:
+        return self.seq_len if self.seq_len is not None else model.seq_len
+
+    def total_tokens(self, num_params: int) -> float:
+        return self.tokens if self.tokens is not None else 20.0 * num_params
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One parallel layout: world = dp * tp * pp ranks, rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    offload: Offload = Offload.NONE
+    micro_batch: int = 1
+    recompute: Recompute = Recompute.NONE
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule only)."""
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": Schedule})
+        for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
+            _positive_int("plan", name, getattr(self, name))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise PlannerError(f"plan.zero_stage = {self.zero_stage!r}: must be 0, 1, 2 or 3")
+        if self.offload is Offload.OPTIMIZER and self.zero_stage == 0:
+            raise PlannerError("plan.offload = 'optimizer' needs zero_stage 1, 2 or 3 (ZeRO-Offload shards first)")
+        if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.zero_stage != 3:
+            raise PlannerError("plan.offload = 'optimizer+params' needs zero_stage 3 (only stage 3 shards params)")
+        if (self.schedule is Schedule.INTERLEAVED) != (self.virtual_stages > 1):
+            raise PlannerError(f"plan: schedule {self.schedule.value!r} with virtual_stages = {self.virtual_stages}; "
+                               f"'interleaved_1f1b' needs virtual_stages >= 2, other schedules need 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlannerError("plan.sequence_parallel needs tp > 1 (it splits activations over the TP group)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def grad_accum(self, job: JobSpec) -> int:
+        """Micro-batches per step per data-parallel rank (= pipeline micro-batches m)."""
+        return job.global_batch // (self.dp * self.micro_batch)
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""), f"pp{self.pp}",
+                 f"zero{self.zero_stage}", f"mb{self.micro_batch}"]
+        if self.offload is not Offload.NONE:
+            parts.append(f"offload:{self.offload.value}")
+        if self.recompute is not Recompute.NONE:
+            parts.append(f"rc:{self.recompute.value}")
+        if self.pp > 1:
+            parts.append(self.schedule.value + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        return " ".join(parts)
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """A dataclass as JSON-ready values (enums by value)."""
+    return {f.name: (v.value if isinstance(v := getattr(obj, f.name), enum.Enum) else v)
+            for f in dataclasses.fields(obj)}
