@@ -19,6 +19,9 @@ from shardwise.engine import Engine
 from shardwise.errors import UserError
 from shardwise.optim import build_optimizer, build_scheduler
 from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.parallel.zero.buckets import build_zero_buckets
+from shardwise.parallel.zero.grads import ZeroGradReducer
+from shardwise.parallel.zero.optimizer import ShardedOptimizer, make_shard_masters
 from shardwise.precision import DType, DynamicLossScaler, LossScaler
 from shardwise.replicated_optimizer import ReplicatedOptimizer, make_masters, param_groups_of
 
@@ -91,20 +94,59 @@ def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.op
     if isinstance(optimizer, torch.optim.Optimizer):
         if config.optimizer is not None:
             raise UserError('both an optimizer object and a config "optimizer" block were given: remove one')
-        # The client optimizer was built over the model's parameters; point it at what we step
-        # (the fp32 masters under mixed precision, the same tensors otherwise).
-        stepped = [p for g in groups for p in g["params"]]
-        originals = [p for g in optimizer.param_groups for p in g["params"]]
-        if len(originals) != len(stepped):
-            raise UserError(f"the optimizer holds {len(originals)} parameters but model_parameters has "
-                            f"{len(stepped)} trainable ones: build the optimizer over the same parameters")
-        it = iter(stepped)
-        for g in optimizer.param_groups:
-            g["params"] = [next(it) for _ in g["params"]]
+        # The client optimizer was built over the model's parameters; point each of its groups at what we
+        # step (fp32 masters under mixed precision, shard masters under ZeRO, else the same tensors).
+        if len(optimizer.param_groups) != len(groups):
+            raise UserError(f"the optimizer has {len(optimizer.param_groups)} param groups but model_parameters "
+                            f"gives {len(groups)} with trainable parameters: build the optimizer over the same "
+                            f"parameters you pass as model_parameters")
+        for mine, theirs in zip(groups, optimizer.param_groups):
+            theirs["params"] = list(mine["params"])
         return optimizer
     if callable(optimizer):
         return optimizer(groups)
     raise UserError(f"optimizer= must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
+
+
+def _replicated(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, dp_comm: Comm,
+                dtype: torch.dtype) -> tuple[ReplicatedOptimizer, BucketedAllReduce]:
+    """ZeRO stage 0: every rank holds everything; gradients all-reduced in buckets."""
+    masters = None
+    model_params = [p for g in groups for p in g["params"]]
+    if dtype != torch.float32:
+        groups, model_params, masters = make_masters(groups)
+    opt = _make_optimizer(optimizer, cfg, groups)
+    step = ReplicatedOptimizer(opt, model_params=model_params, masters=masters, scaler=scaler,
+                               clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision))
+    data_type = cfg.communication.data_type
+    sync = BucketedAllReduce(model_params, dp_comm, bucket_numel=cfg.zero.reduce_bucket_size,
+                             impl=cfg.communication.all_reduce,
+                             predivide_factor=cfg.gradient_predivide_factor, prescale=cfg.prescale_gradients,
+                             comm_dtype=data_type.torch_dtype if data_type else None)
+    return step, sync
+
+
+def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, dp_comm: Comm,
+              metrics_comm: Comm, dtype: torch.dtype) -> tuple[ShardedOptimizer, ZeroGradReducer]:
+    """ZeRO stages 1 and 2: optimizer states (and, for 2, gradients) sharded over the dp group."""
+    unsupported = {"communication.all_reduce = ring": str(cfg.communication.all_reduce) == "ring",
+                   "communication_data_type": cfg.communication.data_type is not None,
+                   "prescale_gradients": cfg.prescale_gradients,
+                   "gradient_predivide_factor": cfg.gradient_predivide_factor != 1.0}
+    given = [k for k, v in unsupported.items() if v]
+    if given:
+        raise UserError(f"{', '.join(given)}: only supported with zero_optimization.stage 0 for now "
+                        f"(ZeRO stage {cfg.zero.stage} reduce-scatters gradients with the backend); remove it")
+    buckets = build_zero_buckets([g["params"] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
+                                 bucket_numel=cfg.zero.reduce_bucket_size)
+    separate = dtype != torch.float32
+    master_groups, masters = make_shard_masters(buckets, groups, separate=separate)
+    opt = _make_optimizer(optimizer, cfg, master_groups)
+    step = ShardedOptimizer(opt, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
+                            flags_comm=metrics_comm, scaler=scaler, clip=cfg.gradient_clipping,
+                            check_overflow=_checks_overflow(cfg.precision))
+    sync = ZeroGradReducer(buckets, dp_comm, partition_grads=cfg.zero.stage >= 2)
+    return step, sync
 
 
 def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
@@ -131,23 +173,17 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     broadcast_module(model, Comm(None, ledger, name="dp:init"))
 
     groups = param_groups_of(model_parameters if model_parameters is not None else model.parameters())
-    masters = None
-    model_params = [p for g in groups for p in g["params"]]
-    if dtype != torch.float32:
-        groups, model_params, masters = make_masters(groups)
-    opt = _make_optimizer(optimizer, cfg, groups)
+    scaler = _make_scaler(cfg.precision)
+    if cfg.zero.stage == 0:
+        step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype)
+    else:
+        step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm, metrics_comm, dtype)
+    opt = step.optimizer
     sched = lr_scheduler
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         sched = lr_scheduler(opt)
     elif sched is None and cfg.scheduler is not None:
         sched = build_scheduler(cfg.scheduler, opt)
-
-    step = ReplicatedOptimizer(opt, model_params=model_params, masters=masters, scaler=_make_scaler(cfg.precision),
-                               clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision))
-    sync = BucketedAllReduce(model_params, dp_comm, bucket_numel=cfg.zero.reduce_bucket_size,
-                             impl=cfg.communication.all_reduce,
-                             predivide_factor=cfg.gradient_predivide_factor, prescale=cfg.prescale_gradients,
-                             comm_dtype=cfg.communication.data_type.torch_dtype if cfg.communication.data_type else None)
     engine = Engine(module=model, config=cfg, optimizer_step=step, grad_sync=sync, lr_scheduler=sched,
                     dp_comm=dp_comm, metrics_comm=metrics_comm, ledger=ledger, device=device,
                     compute_dtype=dtype)

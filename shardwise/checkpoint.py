@@ -3,7 +3,9 @@
     SAVE_DIR/latest                              text: the newest tag
     SAVE_DIR/TAG/mp_rank_00_model_states.pt      module, optimizer, scheduler, counters, config, client state
 
-A tag directory is first written as SAVE_DIR/.TAG.tmp-XXXX and renamed into place, and `latest` is
+    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_00_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
+
+A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and renamed into place, and `latest` is
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
 """
 
@@ -13,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,32 +38,62 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any]) -> Path:
-    """Write {filename: object} with torch.save into SAVE_DIR/TAG atomically, then point `latest` at it."""
+def optim_states_name(dp_rank: int) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
+def _save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, rank: int = 0,
+              barrier: Callable[[], None] = lambda: None,
+              any_failed: Callable[[bool], bool] = lambda failed: failed) -> Path:
+    """Collective save: every rank writes its `files` ({name: object}) into SAVE_DIR/.TAG.staging; then rank 0
+    moves the directory into place as SAVE_DIR/TAG (replacing an older one) and points `latest` at it.
+    Every rank must call it with the same tag. `barrier` synchronises the ranks and `any_failed(flag)` tells
+    every rank whether any rank failed to write (both trivial for one process): then nothing is published
+    and the previous checkpoint and `latest` stay as they were."""
     if not tag or "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or a leading '.'")
     root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{tag}.tmp-"))
+    staging = root / f".{tag}.staging"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)   # left by a crashed save
+        staging.mkdir()
+    barrier()
+    error: BaseException | None = None
     try:
         for name, obj in files.items():
-            with open(staging / name, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-        final = root / tag
-        if final.exists():
-            # Replace an existing tag: move it aside first so there is never a moment without one.
-            old = Path(tempfile.mkdtemp(dir=root, prefix=f".{tag}.old-"))
-            os.replace(final, old / tag)
-            os.replace(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    atomic_write_text(root / LATEST, tag)
+            _save(obj, staging / name)
+    except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+        error = e
+    if any_failed(error is not None):
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; nothing was published")
+    final = root / tag
+    if rank == 0:
+        try:
+            if final.exists():
+                # Replace an existing tag: move it aside first so there is never a moment without one.
+                old = Path(tempfile.mkdtemp(dir=root, prefix=f".{tag}.old-"))
+                os.replace(final, old / tag)
+                os.replace(staging, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic_write_text(root / LATEST, tag)
+    barrier()
     return final
 
 
@@ -82,3 +114,11 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
 
 def read_model_states(path: Path) -> dict:
     return torch.load(path / MODEL_STATES, map_location="cpu", weights_only=False)
+
+
+def read_optim_states(path: Path, dp_rank: int) -> dict:
+    file = path / optim_states_name(dp_rank)
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no optimizer shard for data-parallel rank {dp_rank} ({file.name}): it was "
+                              f"written with fewer ranks or without ZeRO; load it with the layout that wrote it")
+    return torch.load(file, map_location="cpu", weights_only=False)

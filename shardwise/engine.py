@@ -148,10 +148,9 @@ class Engine:
         if self.optimizer_step.scaler.loss_scale != 1.0:
             scaled = scaled * self.optimizer_step.scaler.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
-        self.grad_sync.enabled = boundary and self.dp_size > 1
+        self.grad_sync.begin_backward(boundary)
         scaled.backward()
-        if boundary:
-            self.grad_sync.finish()
+        self.grad_sync.end_backward(boundary)
         return loss
 
     def step(self) -> None:
@@ -192,9 +191,8 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this rank: model parameters, gradient buffers, optimizer states (fp32 masters
         included), activations saved by the last forward, and the process's peak RSS."""
-        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         report = {
-            "params": params,
+            "params": self.optimizer_step.param_bytes(),
             "grads": self.grad_sync.grad_bytes,
             "optimizer": self.optimizer_step.state_bytes(),
             "activations": self._last_activation_bytes,
@@ -217,18 +215,22 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        if dist.get_rank() == 0:   # stage 0: every rank holds the same state
-            state = {
+        per_rank = self.optimizer_step.checkpoint_per_rank
+        files: dict[str, Any] = {}
+        if dist.get_rank() == 0:
+            files[ckpt.MODEL_STATES] = {
                 "module": self.module.state_dict(),
-                "optimizer": self.optimizer_step.state_dict(),
+                "optimizer": None if per_rank else self.optimizer_step.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "global_steps": self.global_steps, "global_samples": self.global_samples,
                 "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
                 "dp_world_size": self.dp_size, "ds_config": getattr(self.config, "raw", None),
                 "client_state": dict(client_state or {}),
             }
-            ckpt.write_tag(save_dir, tag, {ckpt.MODEL_STATES: state})
-        self.metrics_comm.barrier()
+        if per_rank:
+            files[ckpt.optim_states_name(self.dp_rank)] = {"optimizer_state_dict": self.optimizer_step.state_dict()}
+        ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=self.metrics_comm.barrier,
+                       any_failed=lambda failed: self.metrics_comm.all_reduce_object_max(float(failed)) > 0)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -240,17 +242,17 @@ class Engine:
         state = ckpt.read_model_states(path)
         self.module.load_state_dict(state["module"], strict=load_module_strict)
         if not load_module_only:
-            self.optimizer_step.load_state_dict(state["optimizer"], load_optimizer_states=load_optimizer_states)
+            opt_state = (ckpt.read_optim_states(path, self.dp_rank)["optimizer_state_dict"]
+                         if self.optimizer_step.checkpoint_per_rank else state["optimizer"])
+            self.optimizer_step.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
             if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(state["lr_scheduler"])
             self.global_steps = state["global_steps"]
             self.global_samples = state["global_samples"]
             self.skipped_steps = state["skipped_steps"]
             self.micro_steps = state["micro_steps"]
-        elif self.optimizer_step.masters is not None:
-            with torch.no_grad():
-                for p, m in zip(self.optimizer_step.model_params, self.optimizer_step.masters):
-                    m.copy_(p)
+        else:
+            self.optimizer_step.sync_masters_from_model()
         self.grad_sync.zero_grad()
         return str(path), state["client_state"]
 

@@ -30,6 +30,8 @@ def param_groups_of(model_parameters: Iterable[Any]) -> list[dict]:
 class ReplicatedOptimizer:
     """Owns the step of stage-0 training: unscale, overflow check, clip, step, copy back."""
 
+    checkpoint_per_rank = False     # every rank holds the same state: rank 0 saves it
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, model_params: list[torch.nn.Parameter],
                  masters: list[torch.nn.Parameter] | None, scaler: LossScaler, clip: float,
                  check_overflow: bool):
@@ -74,6 +76,17 @@ class ReplicatedOptimizer:
         if self.masters is not None:
             for m in self.masters:
                 m.grad = None
+
+    def param_bytes(self) -> int:
+        """Model parameters held by this rank (all of them: stage 0 replicates)."""
+        return sum(p.numel() * p.element_size() for p in self.model_params)
+
+    def sync_masters_from_model(self) -> None:
+        """After loading module weights only: restart the fp32 masters from them."""
+        if self.masters is not None:
+            with torch.no_grad():
+                for p, m in zip(self.model_params, self.masters):
+                    m.copy_(p)
 
     def state_bytes(self) -> int:
         """Optimizer states plus fp32 masters (the ZeRO paper's K*psi, with the masters inside K)."""

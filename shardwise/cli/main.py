@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Sequence
 
 import shardwise
-from shardwise.cli import bench, check_config, train
+from shardwise.cli import bench, check_config, plan, train
 from shardwise.errors import UserError
 
 # ----- the subcommands, in the order `shardwise --help` lists them -----
@@ -24,6 +24,7 @@ SUBCOMMANDS: list[ModuleType] = [
     train,
     check_config,
     bench,
+    plan,
 ]
 
 EXIT_USER_ERROR = 2

@@ -59,6 +59,7 @@ class PipelineSchedule(enum.StrEnum):
 class PipelinePartition(enum.StrEnum):
     UNIFORM = "uniform"        # the same number of transformer blocks per stage
     PARAMETERS = "parameters"  # balance the parameter count per stage
+    FLOPS = "flops"            # balance the forward FLOPs per stage
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,9 +144,9 @@ class PipelineSection(Section):
     virtual_stages chunks per rank; a smaller bubble for more communication)."""
     virtual_stages: PositiveInt = 1
     """Model chunks per pipeline rank; > 1 only with "interleaved_1f1b"."""
-    partition: Literal["uniform", "parameters"] = "uniform"
-    """How blocks are split over stages: "uniform" (same block count) or "parameters" (balanced
-    parameter count)."""
+    partition: Literal["uniform", "parameters", "flops"] = "uniform"
+    """How blocks are split over stages: "uniform" (same block count), "parameters" (balanced
+    parameter count) or "flops" (balanced forward FLOPs)."""
 
     @model_validator(mode="after")
     def _virtual_stages_need_interleaving(self) -> "PipelineSection":

@@ -164,6 +164,14 @@ class BucketedAllReduce:
         else:
             bucket.handle = self.comm.all_reduce(wire, async_op=True)
 
+    def begin_backward(self, boundary: bool) -> None:
+        """Communicate only for the backward of the last micro-batch of a global batch."""
+        self.enabled = boundary and self.comm.size > 1
+
+    def end_backward(self, boundary: bool) -> None:
+        if boundary:
+            self.finish()
+
     def finish(self) -> None:
         """After backward on a boundary micro-batch: launch what is left (parameters that got no
         gradient keep zeros), wait for every bucket, and turn sums into means."""

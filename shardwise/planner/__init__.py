@@ -1,0 +1,67 @@
+"""The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster,
+and the search for the fastest parallel plan. Pure functions over frozen dataclasses; no torch.
+
+    from shardwise import planner
+    model = planner.model_preset("llama-7b")
+    cluster = planner.cluster_preset("h100-80gb", num_gpus=16)
+    job = planner.JobSpec(global_batch=512, tokens=1e12)
+    a = planner.analyze(model, cluster, job)            # search, recommend, explain
+    a.chosen.plan, a.chosen.time.total_s, a.chosen.memory.total
+    planner.deepspeed_config(a.chosen.plan, job)        # a config for `shardwise train`
+
+`shardwise plan --help` is the command-line face of the same functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from shardwise.planner.analysis import Analysis, analyze
+from shardwise.planner.bubble import bubble_fraction, bubble_ratio, peak_in_flight, pipeline_seconds
+from shardwise.planner.comm import (
+    Axis, Collective, Link, Op, dp_collectives, pp_collectives, ring_seconds, ring_send_bytes, step_collectives,
+    tp_collectives, zero_paper_volume,
+)
+from shardwise.planner.export import deepspeed_config, write_config
+from shardwise.planner.flops import (
+    ParamCount, TrainingCost, flops_per_token, forward_flops, iteration_flops, narayanan_params,
+    narayanan_train_seconds, param_count, params_per_rank, six_nd, training_cost,
+)
+from shardwise.planner.hf import model_from_hf_config
+from shardwise.planner.memory import (
+    MemoryBreakdown, ModelStates, activation_bytes, layer_activation_bytes, max_trainable_params,
+    memory_per_rank, model_state_bytes,
+)
+from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
+from shardwise.planner.rule import Strategy, seed_rule, strategy_of
+from shardwise.planner.search import Evaluation, Infeasible, Reason, SearchResult, evaluate, recommend, search
+from shardwise.planner.specs import (
+    FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Optimizer, Plan, PlannerError, PositionKind, Precision,
+    Recompute, Schedule,
+)
+from shardwise.planner.time import StepTime, mfu, step_time
+
+_LAZY = {"calibrate": "shardwise.planner.calibrate", "load_cluster": "shardwise.planner.calibrate",
+         "save_cluster": "shardwise.planner.calibrate"}
+
+__all__ = [
+    "Analysis", "Axis", "CLUSTER_PRESETS", "ClusterSpec", "Collective", "Evaluation", "FFN", "Infeasible", "JobSpec",
+    "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "ModelStates", "Norm", "Offload", "Op", "Optimizer",
+    "ParamCount", "Plan", "PlannerError", "PositionKind", "Precision", "Reason", "Recompute", "Schedule",
+    "SearchResult", "StepTime", "Strategy", "TrainingCost", "activation_bytes", "analyze", "bubble_fraction",
+    "bubble_ratio", "calibrate", "cluster_preset", "deepspeed_config", "dp_collectives", "evaluate",
+    "flops_per_token", "forward_flops", "iteration_flops", "layer_activation_bytes", "load_cluster",
+    "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_preset", "model_state_bytes",
+    "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
+    "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "save_cluster", "search",
+    "seed_rule", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives", "training_cost",
+    "write_config", "zero_paper_volume",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # calibrate.py doubles as the measuring child process (`python -m`), so it is not imported eagerly.
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardwise.planner' has no attribute {name!r}")

@@ -13,6 +13,7 @@ recomputation runs the forward once more. Norms, biases and softmax are not coun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardwise.planner.specs import FFN, ModelSpec, Norm, PositionKind, Recompute
@@ -50,6 +51,7 @@ def norm_params(model: ModelSpec) -> int:
     return model.d_model * (2 if model.norm is Norm.LAYERNORM and model.bias else 1)
 
 
+@functools.cache
 def layer_params(model: ModelSpec) -> LayerParams:
     d, f, kv, b = model.d_model, model.d_ff, model.kv_dim, int(model.bias)
     assert f is not None
@@ -80,6 +82,7 @@ class ParamCount:
         return self.total - self.token_embedding - self.position_embedding
 
 
+@functools.cache
 def param_count(model: ModelSpec) -> ParamCount:
     """Exact parameter count; equals `shardwise.models.gpt_num_params` for our GPT."""
     d = model.d_model
@@ -99,13 +102,15 @@ def narayanan_params(*, n_layer: int, d_model: int, vocab_size: int, seq_len: in
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab_size + seq_len) / (12 * l * h))
 
 
-def stage_layers(n_layer: int, pp: int) -> list[int]:
+@functools.cache
+def stage_layers(n_layer: int, pp: int) -> tuple[int, ...]:
     """Blocks per pipeline stage, as even as possible, earlier stages taking the remainder."""
     base, extra = divmod(n_layer, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
+    return tuple(base + (1 if i < extra else 0) for i in range(pp))
 
 
-def params_per_stage(model: ModelSpec, *, tp: int, pp: int) -> list[int]:
+@functools.cache
+def params_per_stage(model: ModelSpec, *, tp: int, pp: int) -> tuple[int, ...]:
     """Parameters held by one TP rank of each pipeline stage. The first stage holds the token (and
     position) tables; the last the final norm and the lm head, or with a tied head on pp > 1 a copy of
     the token table (Megatron keeps one there and all-reduces its gradient). Vocabulary-parallel
@@ -118,7 +123,7 @@ def params_per_stage(model: ModelSpec, *, tp: int, pp: int) -> list[int]:
     stages[-1] += count.final_norm
     if not model.tie_embeddings or pp > 1:
         stages[-1] += vocab_table
-    return stages
+    return tuple(stages)
 
 
 def params_per_rank(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> int:
@@ -151,6 +156,10 @@ class ForwardFlops:
     attention: float  # QK^T and AV: 4 * B * s^2 * h per layer (halved when causal)
     logits: float     # 2 * B * s * h * V
 
+    @property
+    def total(self) -> float:
+        return self.dense + self.attention + self.logits
+
 
 def forward_flops(model: ModelSpec, *, batch: int, seq_len: int, causal: bool = False) -> ForwardFlops:
     b, s, h, L = batch, seq_len, model.d_model, model.n_layer
@@ -167,7 +176,11 @@ def iteration_flops(model: ModelSpec, *, batch: int, seq_len: int, recompute: Re
     selective: eq. 8 as published, 72 B s l h^2 (1 + s/3h + V/12lh): the attention term doubles
     full:      4 x forward of the blocks, 3 x logits = Narayanan eq. 3, 96 B s l h^2 (1 + s/6h + V/16lh)
     The GPT forms above hold for d_ff = 4h and n_kv_head = n_head; other shapes use their own weights."""
-    f = forward_flops(model, batch=batch, seq_len=seq_len, causal=causal)
+    return training_flops(forward_flops(model, batch=batch, seq_len=seq_len, causal=causal), recompute)
+
+
+def training_flops(f: ForwardFlops, recompute: Recompute = Recompute.NONE) -> float:
+    """Forward + backward (+ recomputation) FLOPs from the forward's parts (see `iteration_flops`)."""
     if recompute is Recompute.FULL:
         return 4 * (f.dense + f.attention) + 3 * f.logits
     if recompute is Recompute.SELECTIVE:

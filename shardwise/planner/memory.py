@@ -22,6 +22,7 @@ TP the paper's eq. 2, s b h (10 + 24/t + 5 a s / (h t)):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardwise.planner.flops import layer_params, params_per_rank, stage_layers
@@ -108,17 +109,18 @@ def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     return replicated / sp + split / tp
 
 
-def in_flight_microbatches(plan: Plan, num_microbatches: int) -> float:
+def in_flight_microbatches(*, pp: int, num_microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
+                           virtual_stages: int = 1) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak: all m for GPipe,
     min(p, m) for 1F1B, times (1 + (p - 1) / (p v)) interleaved (Korthikanti et al. 2022, sec. 4.2.3)."""
-    p, m = plan.pp, num_microbatches
+    p, m = pp, num_microbatches
     if p == 1:
         return 1.0           # gradient accumulation: each micro-batch's backward frees it before the next
-    if plan.schedule is Schedule.GPIPE:
+    if schedule is Schedule.GPIPE:
         return float(m)
     held = float(min(p, m))
-    if plan.schedule is Schedule.INTERLEAVED:
-        held *= 1 + (p - 1) / (p * plan.virtual_stages)
+    if schedule is Schedule.INTERLEAVED:
+        held *= 1 + (p - 1) / (p * virtual_stages)
     return held
 
 
@@ -140,22 +142,27 @@ class Activations:
 def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
     """The larger of the first stage (most micro-batches in flight, embeddings) and the last (logits:
     e s b V / t in the compute dtype plus an fp32 copy for the loss)."""
-    s, b, e = job.sequence_length(model), plan.micro_batch, job.precision.nbytes
-    kw = dict(micro_batch=b, seq_len=s, tp=plan.tp, sequence_parallel=plan.sequence_parallel,
-              act_bytes=e, flash_attention=job.flash_attention)
-    per_layer = layer_activation_bytes(model, recompute=plan.recompute, **kw)
-    working = layer_activation_bytes(model, **kw) if plan.recompute is Recompute.FULL else 0.0
-    sp = plan.tp if plan.sequence_parallel else 1
+    return _activation_bytes(model, job, plan.tp, plan.pp, plan.sequence_parallel, plan.micro_batch,
+                             plan.recompute, plan.schedule, plan.virtual_stages, plan.grad_accum(job))
+
+
+@functools.cache   # the search asks again for every ZeRO stage and offload choice
+def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
+                      recompute: Recompute, schedule: Schedule, virtual_stages: int, m: int) -> Activations:
+    s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
+    kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
+              flash_attention=job.flash_attention)
+    per_layer = layer_activation_bytes(model, recompute=recompute, **kw)
+    working = layer_activation_bytes(model, **kw) if recompute is Recompute.FULL else 0.0
+    sp = tp if sequence_parallel else 1
     embedding = s * b * model.d_model * (e + (1 if model.dropout else 0)) / sp
-    logits = s * b * (e * model.d_model / sp + (e + FP32_BYTES) * model.vocab_size / plan.tp)
-    layers = stage_layers(model.n_layer, plan.pp)
-    m = plan.grad_accum(job)
-    first = Activations(per_layer, layers[0], in_flight_microbatches(plan, m), working,
-                        embedding + (logits if plan.pp == 1 else 0.0))
-    if plan.pp == 1:
+    logits = s * b * (e * model.d_model / sp + (e + FP32_BYTES) * model.vocab_size / tp)
+    layers = stage_layers(model.n_layer, pp)
+    in_flight = in_flight_microbatches(pp=pp, num_microbatches=m, schedule=schedule, virtual_stages=virtual_stages)
+    first = Activations(per_layer, layers[0], in_flight, working, embedding + (logits if pp == 1 else 0.0))
+    if pp == 1:
         return first
-    last_in_flight = float(m) if plan.schedule is Schedule.GPIPE else 1.0
-    last = Activations(per_layer, layers[-1], last_in_flight, working, logits)
+    last = Activations(per_layer, layers[-1], float(m) if schedule is Schedule.GPIPE else 1.0, working, logits)
     return max(first, last, key=lambda a: a.total)
 
 

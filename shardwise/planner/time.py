@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from shardwise.planner.bubble import pipeline_seconds
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
-from shardwise.planner.flops import forward_flops, iteration_flops, params_per_rank
+from shardwise.planner.flops import forward_flops, params_per_rank, training_flops
 from shardwise.planner.memory import FP32_BYTES, state_bytes_per_param
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan
 
@@ -83,12 +83,10 @@ def optimizer_step_bytes(job: JobSpec) -> int:
 def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
     s, m = job.sequence_length(model), plan.grad_accum(job)
     achieved = cluster.peak_flops(job.precision) * cluster.compute_efficiency
-    flops_mb = iteration_flops(model, batch=plan.micro_batch, seq_len=s, recompute=plan.recompute,
-                               causal=job.causal_flops) / (plan.tp * plan.pp)
     fwd = forward_flops(model, batch=plan.micro_batch, seq_len=s, causal=job.causal_flops)
-    forward_mb = (fwd.dense + fwd.attention + fwd.logits) / (plan.tp * plan.pp) / achieved
-    compute_mb = flops_mb / achieved
-    backward_mb = compute_mb - forward_mb
+    per_gpu = achieved * plan.tp * plan.pp
+    compute_mb = training_flops(fwd, plan.recompute) / per_gpu
+    backward_mb = compute_mb - fwd.total / per_gpu
 
     collectives = step_collectives(model, cluster, job, plan)
     tp = sum(c.total_seconds for c in collectives if c.axis is Axis.TP)
@@ -116,7 +114,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
         dp_comm_s=sum(c.total_seconds for c in dp),
         dp_exposed_s=_dp_exposed(dp, plan, m, compute_mb, backward_mb, job.overlap_dp_comm),
         optimizer_s=optimizer_s, offload_s=offload_s,
-        model_flops=iteration_flops(model, batch=job.global_batch, seq_len=s, causal=job.causal_flops),
+        model_flops=training_flops(fwd) * job.global_batch / plan.micro_batch,   # all terms are linear in b
     )
 
 

@@ -313,9 +313,11 @@ def test_overlap_comm_default_follows_the_stage() -> None:
 
 # ----- not-yet refusals -----
 
-def test_zero_stages_are_refused_for_now() -> None:
-    err = error_of({**BASE, "zero_optimization": {"stage": 2}})
-    assert str(err) == "zero_optimization.stage = 2: ZeRO stages 1-3 are not implemented yet in this version; use 0"
+def test_zero_stage_3_is_refused_for_now() -> None:
+    assert load({"zero_optimization": {"stage": 2}}).zero.stage == 2
+    err = error_of({**BASE, "zero_optimization": {"stage": 3}})
+    assert str(err) == ("zero_optimization.stage = 3: ZeRO stage 3 is not implemented yet in this version; "
+                        "use 0, 1 or 2")
     assert err.key == "zero_optimization.stage"
 
 
@@ -334,7 +336,7 @@ def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
 
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
     assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
-    err = error_of({"train_batch_size": 30, "zero_optimization": {"stage": 1}}, dp_size=4)
+    err = error_of({"train_batch_size": 30, "zero_optimization": {"stage": 3}}, dp_size=4)
     assert [p.key for p in err.problems] == ["train_batch_size", "zero_optimization.stage"]
 
 

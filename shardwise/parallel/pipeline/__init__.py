@@ -1,0 +1,26 @@
+"""Pipeline parallelism: schedules and partitions as pure data, a simulator, and timeline pictures.
+
+- `schedules`: `Action`, `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b`, `build_schedule`, and
+  `transfers` (the sends/receives a runtime derives from a stage's position).
+- `partition`: `partition_layers` (uniform / parameters / flops).
+- `simulate`: `simulate`, `check_schedule` (deadlock check under async, blocking and batched sends),
+  `Timeline` (also built from a measured trace) with makespan, bubble and in-flight figures.
+- `timeline`: `draw_timeline` (matplotlib, imported on use).
+
+Nothing here imports torch.
+"""
+
+from shardwise.parallel.pipeline.partition import partition_layers, stage_layers
+from shardwise.parallel.pipeline.schedules import (
+    Action, Message, Op, PipelineError, Schedule, Transfer, Transfers, build_schedule, format_actions, gpipe,
+    interleaved_one_f_one_b, one_f_one_b, parse_schedule_kind, transfers, validate_schedule)
+from shardwise.parallel.pipeline.simulate import (
+    ActionRecord, Costs, Deadlock, DeadlockError, SendMode, Timeline, check_schedule, formula_bubble_fraction,
+    formula_bubble_ratio, simulate)
+
+__all__ = [
+    "Action", "ActionRecord", "Costs", "Deadlock", "DeadlockError", "Message", "Op", "PipelineError", "Schedule",
+    "SendMode", "Timeline", "Transfer", "Transfers", "build_schedule", "check_schedule", "format_actions",
+    "formula_bubble_fraction", "formula_bubble_ratio", "gpipe", "interleaved_one_f_one_b", "one_f_one_b",
+    "parse_schedule_kind", "partition_layers", "simulate", "stage_layers", "transfers", "validate_schedule",
+]

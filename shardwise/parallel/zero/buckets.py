@@ -1,0 +1,70 @@
+"""Flat, padded buckets shared by the ZeRO-1/2 gradient reducer and the sharded optimizer.
+
+Each bucket owns one flat parameter buffer in the model dtype; the model's parameters are rebound as views
+into it, so an all-gather into the buffer updates the model in place:
+
+    bucket.param_flat : [padded]             model dtype
+    param.data        : param_flat[off : off + numel].view(shape)
+    bucket.param_shard: param_flat[r * S : (r+1) * S]   this rank's part (what the optimizer updates)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.parallel.data_parallel import plan_buckets
+from shardwise.parallel.zero.partition import FlatLayout
+
+
+@dataclass
+class ZeroBucket:
+    index: int
+    group: int                                  # optimizer param-group index
+    params: list[torch.nn.Parameter]
+    layout: FlatLayout
+    param_flat: torch.Tensor
+    rank: int
+    grad_shard: torch.Tensor                    # [S] this rank's averaged gradient, model dtype
+    grad_buffer: torch.Tensor | None = None     # [padded] full gradients (stage 1: kept; stage 2: transient)
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)
+    handle: object | None = None
+    received: torch.Tensor | None = None        # stage 2: [S] reduce-scatter output of one micro-batch
+
+    @property
+    def shard(self) -> slice:
+        r = self.layout.shard(self.rank)
+        return slice(r.start, r.stop)
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        return self.param_flat[self.shard]
+
+    def flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.layout.offsets, self.layout.sizes)]
+
+
+@torch.no_grad()
+def build_zero_buckets(groups: list[list[torch.nn.Parameter]], *, dp_size: int, dp_rank: int,
+                       bucket_numel: int) -> list[ZeroBucket]:
+    """Buckets over every param group (last group first, parameters in reverse order: roughly the order
+    backward produces their gradients), each padded to a multiple of dp_size; parameters are rebound as
+    views of their bucket's flat buffer."""
+    buckets: list[ZeroBucket] = []
+    for g in reversed(range(len(groups))):
+        order = [p for p in reversed(groups[g]) if p.requires_grad]
+        for dtype in dict.fromkeys(p.dtype for p in order):
+            same = [p for p in order if p.dtype == dtype]
+            for idx in plan_buckets([p.numel() for p in same], bucket_numel):
+                params = [same[i] for i in idx]
+                layout = FlatLayout(tuple(p.numel() for p in params), dp_size)
+                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=params[0].device)
+                bucket = ZeroBucket(len(buckets), g, params, layout, flat, dp_rank,
+                                    grad_shard=torch.zeros(layout.shard_numel, dtype=dtype, device=flat.device))
+                for p, view in zip(params, bucket.flat_views(flat)):
+                    view.copy_(p.detach())
+                    p.data = view
+                buckets.append(bucket)
+    return buckets

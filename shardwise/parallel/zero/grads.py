@@ -1,0 +1,132 @@
+"""ZeRO-1/2 gradient reduction: reduce-scatter buckets as they fill during backward.
+
+Stage 1 (`partition_grads=False`): full gradients are kept (each .grad a view of its bucket's persistent
+`grad_buffer` [padded]) and accumulate locally over micro-batches; on the accumulation boundary each bucket is
+reduce-scattered into `grad_shard` [S] as soon as backward has produced all of its gradients.
+
+Stage 2 (`partition_grads=True`): no full gradient survives backward. When a parameter's gradient is ready it
+is copied into its bucket's transient `grad_buffer` and `.grad` is dropped; a complete bucket is
+reduce-scattered at once (every micro-batch) and the result added into `grad_shard`; at most `max_in_flight`
+bucket buffers exist at a time, so gradient memory is the shard plus a few buckets.
+
+Both average by summing over the dp group and dividing by its size. Buckets launch in index order on every
+rank, so collectives match across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.zero.buckets import ZeroBucket
+
+
+class ZeroGradReducer:
+    def __init__(self, buckets: list[ZeroBucket], comm: Comm, *, partition_grads: bool, max_in_flight: int = 2):
+        self.buckets = buckets
+        self.comm = comm
+        self.partition_grads = partition_grads
+        self.max_in_flight = max_in_flight
+        self.enabled = False
+        self._next_launch = 0
+        self._in_flight: list[ZeroBucket] = []
+        self.launch_log: list[int] = []
+        self._ready_count = 0
+        self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        if not partition_grads:
+            for b in buckets:
+                b.grad_buffer = torch.zeros_like(b.param_flat)
+                b.grad_views = b.flat_views(b.grad_buffer)
+                # Stage 1 keeps full gradients anyway: its averaged shard lives in place, in the buffer.
+                b.grad_shard = b.grad_buffer[b.shard]
+            self._attach_grads()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in buckets for p in b.params]
+
+    def _attach_grads(self) -> None:
+        for b in self.buckets:
+            for p, view in zip(b.params, b.grad_views):
+                if p.grad is not view:
+                    p.grad = view
+
+    # -- engine interface ---------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self.enabled = self.partition_grads or boundary
+
+    def end_backward(self, boundary: bool) -> None:
+        if self.enabled:
+            self._launch_ready(force=True)
+            self._drain(0)
+            self._next_launch = 0
+            self._ready_count = 0
+            for b in self.buckets:
+                b.ready.clear()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            (b.grad_shard if self.partition_grads else b.grad_buffer).zero_()
+            b.ready.clear()
+        if not self.partition_grads:
+            self._attach_grads()
+        self.launch_log = []
+
+    @property
+    def grad_bytes(self) -> int:
+        held = [b.grad_shard if self.partition_grads else b.grad_buffer for b in self.buckets]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    # -- hooks and launches -------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        bucket, i = self._where[id(p)]
+        if self.partition_grads:
+            if not self.enabled:
+                return
+            if bucket.grad_buffer is None:
+                bucket.grad_buffer = torch.zeros_like(bucket.param_flat)
+            off, n = bucket.layout.offsets[i], bucket.layout.sizes[i]
+            bucket.grad_buffer[off:off + n].copy_(p.grad.reshape(-1))
+            p.grad = None            # the full gradient is not kept: that is stage 2's saving
+        else:
+            view = bucket.grad_views[i]
+            if p.grad is not view:   # someone replaced .grad: fold it back into the bucket
+                view.copy_(p.grad)
+                p.grad = view
+            if not self.enabled:
+                return
+        bucket.ready.add(id(p))
+        self._ready_count += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            if bucket.grad_buffer is None:          # stage 2: no parameter of it got a gradient
+                bucket.grad_buffer = torch.zeros_like(bucket.param_flat)
+            self._drain(self.max_in_flight - 1 if self.partition_grads else len(self.buckets))
+            self.launch_log.append(self._ready_count)
+            # The output is a separate [S] tensor: it must not alias the input, which holds the shard in stage 1.
+            out = torch.empty_like(bucket.grad_shard)
+            bucket.received = out
+            bucket.handle = self.comm.reduce_scatter_tensor(out, bucket.grad_buffer, async_op=True)
+            self._in_flight.append(bucket)
+            self._next_launch += 1
+
+    def _drain(self, keep: int) -> None:
+        """Complete launched buckets, oldest first, until at most `keep` remain in flight."""
+        while len(self._in_flight) > keep:
+            bucket = self._in_flight.pop(0)
+            bucket.handle.wait()
+            bucket.handle = None
+            received = bucket.received
+            received.div_(self.comm.size)
+            if self.partition_grads:
+                bucket.grad_shard.add_(received)
+                bucket.grad_buffer = None             # free the full-size buffer
+            else:
+                bucket.grad_shard.copy_(received)
+            bucket.received = None

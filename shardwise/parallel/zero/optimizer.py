@@ -1,0 +1,129 @@
+"""ZeRO-1/2 optimizer step: each rank updates only its shard of every bucket, then all-gathers parameters.
+
+Per bucket b, rank r holds a master of its shard: `masters[b]` [S_b]. In fp32 it is a Parameter that views
+the shard of the bucket's own parameter buffer (no copy: the optimizer updates the model's storage); under
+bf16/fp16 it is a separate fp32 tensor (ZeRO's K*psi/N includes these masters). The step:
+
+    master.grad = grad_shard.float() (/ loss scale)   overflow flag and squared norm all-reduced over dp
+    clip by the global norm; optimizer.step() on the shards; shard -> model dtype; all-gather each bucket
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.zero.buckets import ZeroBucket
+from shardwise.precision import LossScaler
+
+
+def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool
+                       ) -> tuple[list[dict], list[torch.nn.Parameter]]:
+    """One master Parameter per bucket; optimizer param groups keep the user's per-group options."""
+    masters = []
+    for b in buckets:
+        shard = b.param_shard
+        masters.append(torch.nn.Parameter(shard.detach().float().clone() if separate else shard.detach()))
+    out = [dict({k: v for k, v in g.items() if k != "params"},
+                params=[m for b, m in zip(buckets, masters) if b.group == gi]) for gi, g in enumerate(groups)]
+    return [g for g in out if g["params"]], masters
+
+
+class ShardedOptimizer:
+    checkpoint_per_rank = True      # each rank saves its own optimizer shard
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
+                 masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, flags_comm: Comm,
+                 scaler: LossScaler, clip: float, check_overflow: bool):
+        self.optimizer = optimizer
+        self.buckets = buckets
+        self.masters = masters
+        self.separate_masters = separate_masters
+        self.comm = comm              # parameter all-gathers: gradient-step traffic, group "dp"
+        self.flags_comm = flags_comm  # overflow flag and norm: a few bytes, group "dp:metrics"
+        self.scaler = scaler
+        self.clip = clip
+        self.check_overflow = check_overflow
+        self.last_grad_norm: float | None = None
+        self.model_params = [p for b in buckets for p in b.params]
+
+    def step(self) -> bool:
+        for b, m in zip(self.buckets, self.masters):
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            m.grad.copy_(b.grad_shard)
+        grads = [m.grad for m in self.masters]
+        if self.check_overflow:
+            local = any(not bool(torch.isfinite(g).all()) for g in grads)
+            if self.flags_comm.all_reduce_object_max(float(local)) > 0:
+                self.scaler.update(overflow=True)
+                self.last_grad_norm = float("inf")
+                return False
+        scale = self.scaler.loss_scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if self.clip > 0:
+            sq = torch.zeros(1, dtype=torch.float64)
+            for g in grads:
+                sq += g.double().pow(2).sum()
+            self.flags_comm.all_reduce(sq)
+            norm = math.sqrt(float(sq))
+            self.last_grad_norm = norm
+            coef = self.clip / (norm + 1e-6)       # torch.nn.utils.clip_grad_norm_'s rule
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self._gather_params()
+        self.scaler.update(overflow=False)
+        return True
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        handles = []
+        for b, m in zip(self.buckets, self.masters):
+            # A separate send buffer: the input of all_gather must not alias its output.
+            send = m.detach().to(b.param_flat.dtype, copy=True)
+            handles.append(self.comm.all_gather_into_tensor(b.param_flat, send, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_master_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    def param_bytes(self) -> int:
+        return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets)
+
+    def state_bytes(self) -> int:
+        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                    for t in st.values() if torch.is_tensor(t))
+        if self.separate_masters:
+            total += sum(m.numel() * m.element_size() for m in self.masters)
+        return total
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        if self.separate_masters:
+            for b, m in zip(self.buckets, self.masters):
+                m.copy_(b.param_shard)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [m.detach().clone() for m in self.masters],
+                "dp_rank": self.comm.rank, "dp_size": self.comm.size}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
+        if state["dp_size"] != self.comm.size:
+            from shardwise.checkpoint import CheckpointError
+            raise CheckpointError(f"this ZeRO checkpoint was written by {state['dp_size']} data-parallel ranks and "
+                                  f"is being loaded by {self.comm.size}: resharding is not supported yet; load it "
+                                  f"with {state['dp_size']} ranks")
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+        for m, saved in zip(self.masters, state["masters"]):
+            m.copy_(saved)
+        self._gather_params()

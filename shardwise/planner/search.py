@@ -1,0 +1,246 @@
+"""The search: every layout of the cluster's GPUs, ranked by estimated step time, and why others fail.
+
+Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
+MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
+recomputation. Two dominance rules keep it well under a second, and are the only pruning:
+
+- For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
+  selective -> full and offload only when nothing fits without it: each step down costs time in the
+  model and only buys memory, so the first variant that fits is the fastest.
+- With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al.
+  2022) and strictly less activation memory.
+
+A plan that cannot run gets an `Infeasible` naming the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shardwise.planner.memory import GB, MemoryBreakdown, memory_per_rank
+from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute, Schedule
+from shardwise.planner.time import StepTime, step_time
+
+MAX_MICRO_BATCH = 64
+INTERLEAVED_CHUNKS = 2
+
+
+class Reason(str, enum.Enum):
+    WORLD_SIZE = "dp * tp * pp != GPUs"
+    TP_OVER_NODE = "tp > GPUs per node"
+    TP_HEADS = "heads not divisible by tp"
+    TP_FFN = "d_ff not divisible by tp"
+    PP_LAYERS = "pp > layers"
+    BATCH = "global batch not divisible"
+    INTERLEAVING = "interleaving needs divisible layers and micro-batches"
+    MEMORY = "GPU memory over budget"
+    HOST_MEMORY = "host memory over budget"
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    plan: Plan
+    reason: Reason
+    detail: str
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A plan with its memory and step time (time is None when it cannot run)."""
+
+    plan: Plan
+    memory: MemoryBreakdown | None
+    time: StepTime | None
+    problems: tuple[Infeasible, ...] = ()
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+
+def layout_problems(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Infeasible]:
+    """Rules a plan breaks before memory is even considered."""
+    out: list[Infeasible] = []
+
+    def bad(reason: Reason, detail: str) -> None:
+        out.append(Infeasible(plan, reason, detail))
+
+    if plan.world_size != cluster.num_gpus:
+        bad(Reason.WORLD_SIZE, f"dp * tp * pp = {plan.dp} * {plan.tp} * {plan.pp} = {plan.world_size}, but the "
+                               f"cluster has {cluster.num_gpus} GPUs")
+    if plan.tp > cluster.gpus_per_node:
+        bad(Reason.TP_OVER_NODE, f"tp = {plan.tp} > {cluster.gpus_per_node} GPUs per node: tensor parallelism "
+                                 f"communicates every layer and must stay on NVLink")
+    assert model.n_kv_head is not None and model.d_ff is not None
+    if model.n_head % plan.tp or model.n_kv_head % plan.tp:
+        bad(Reason.TP_HEADS, f"tp = {plan.tp} does not divide n_head = {model.n_head} and n_kv_head = "
+                             f"{model.n_kv_head}: each TP rank takes whole heads")
+    if model.d_ff % plan.tp:
+        bad(Reason.TP_FFN, f"tp = {plan.tp} does not divide d_ff = {model.d_ff}")
+    if plan.pp > model.n_layer:
+        bad(Reason.PP_LAYERS, f"pp = {plan.pp} > n_layer = {model.n_layer}: a stage needs at least one layer")
+    if job.global_batch % (plan.dp * plan.micro_batch):
+        bad(Reason.BATCH, f"global batch {job.global_batch} is not a multiple of dp * micro_batch = "
+                          f"{plan.dp} * {plan.micro_batch}")
+    elif plan.schedule is Schedule.INTERLEAVED:
+        chunks = plan.pp * plan.virtual_stages
+        if model.n_layer % chunks or plan.grad_accum(job) % plan.pp:
+            bad(Reason.INTERLEAVING, f"interleaved 1F1B needs n_layer = {model.n_layer} divisible by pp * v = "
+                                     f"{chunks} and micro-batches {plan.grad_accum(job)} divisible by pp = {plan.pp}")
+    return out
+
+
+def _memory_problem(plan: Plan, mem: MemoryBreakdown) -> Infeasible | None:
+    if mem.over_budget > 0:
+        return Infeasible(plan, Reason.MEMORY,
+                          f"needs {mem.total / GB:.1f} GB > {mem.capacity / GB:.1f} GB, over by "
+                          f"{mem.over_budget / GB:.1f} GB (model states {mem.model_states / GB:.1f}, activations "
+                          f"{mem.activations / GB:.1f}, buffers {mem.buffers / GB:.1f}, reserved "
+                          f"{mem.reserved / GB:.1f})")
+    if mem.cpu > mem.host_budget:
+        return Infeasible(plan, Reason.HOST_MEMORY,
+                          f"offloads {mem.cpu / GB:.1f} GB per GPU to host memory, more than its share "
+                          f"{mem.host_budget / GB:.1f} GB")
+    return None
+
+
+def evaluate(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Evaluation:
+    """Memory, step time and problems of one plan."""
+    problems = layout_problems(model, cluster, job, plan)
+    if any(p.reason in (Reason.BATCH, Reason.PP_LAYERS) for p in problems):
+        return Evaluation(plan, None, None, tuple(problems))
+    mem = memory_per_rank(model, cluster, job, plan)
+    if (p := _memory_problem(plan, mem)) is not None:
+        problems.append(p)
+    return Evaluation(plan, mem, step_time(model, cluster, job, plan) if not problems else None, tuple(problems))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _variants(zero_stage: int) -> list[list[tuple[Offload, Recompute]]]:
+    """Groups tried in order; within a group the first that fits wins (see the module notes)."""
+    recomputes = list(Recompute)
+    groups = [[(Offload.NONE, r) for r in recomputes]]
+    if zero_stage >= 1:
+        groups.append([(Offload.OPTIMIZER, r) for r in recomputes])
+    if zero_stage == 3:
+        groups.append([(Offload.OPTIMIZER_AND_PARAMS, r) for r in recomputes])
+    return groups
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Evaluation]
+    """Feasible plans, fastest first."""
+    infeasible: list[Infeasible]
+    """One entry per layout that cannot run at all: its first broken rule, or the least memory it needs."""
+    considered: int = 0
+    counts: dict[Reason, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _schedules(model: ModelSpec, pp: int) -> list[tuple[Schedule, int]]:
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    return [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, INTERLEAVED_CHUNKS)]
+
+
+def _rank_key(e: Evaluation) -> tuple:
+    # Exact ties (the model has no per-kernel efficiency) go to the simpler plan.
+    assert e.time is not None
+    return (round(e.time.total_s, 12), simplicity(e.plan))
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
+    """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time."""
+    result = SearchResult(ranked=[], infeasible=[])
+    n = cluster.num_gpus
+    for tp in _divisors(n):
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            base = Plan(dp=dp, tp=tp, pp=pp, sequence_parallel=tp > 1)
+            problems = layout_problems(model, cluster, job, base)
+            if problems:
+                result.infeasible.append(problems[0])
+                for p in problems:
+                    result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
+                continue
+            _search_layout(model, cluster, job, base, result)
+    result.ranked.sort(key=_rank_key)
+    return result
+
+
+def _variant(plan: Plan, **changes: object) -> Plan:
+    """`plan.replace(**changes)` without re-validation: the search only combines values that
+    `_schedules` and `_variants` produce, which are valid together (Plan's own checks cost more than
+    the rest of an evaluation)."""
+    new = object.__new__(Plan)
+    new.__dict__.update(plan.__dict__, **changes)
+    return new
+
+
+def _search_layout(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
+    """Add the feasible plans of one (dp, tp, pp) layout; if there are none, its closest miss.
+    Micro-batches grow until none of a size fits: memory only grows with the micro-batch."""
+    closest: tuple[float, Plan, MemoryBreakdown] | None = None
+    found = False
+    for mb in (d for d in _divisors(job.global_batch // base.dp) if d <= MAX_MICRO_BATCH):
+        fitted_mb = False
+        for schedule, v in _schedules(model, base.pp):
+            shaped = _variant(base, micro_batch=mb, schedule=schedule, virtual_stages=v)
+            problems = layout_problems(model, cluster, job, shaped)
+            if problems:
+                for p in problems:
+                    result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
+                fitted_mb = True    # not a memory verdict: keep growing the micro-batch
+                continue
+            for stage in range(4):
+                for group in _variants(stage):
+                    fitted = False
+                    for offload, recompute in group:
+                        plan = _variant(shaped, zero_stage=stage, offload=offload, recompute=recompute)
+                        result.considered += 1
+                        mem = memory_per_rank(model, cluster, job, plan)
+                        if mem.fits:
+                            result.ranked.append(Evaluation(plan, mem, step_time(model, cluster, job, plan)))
+                            fitted = fitted_mb = found = True
+                            break
+                        reason = Reason.MEMORY if mem.over_budget > 0 else Reason.HOST_MEMORY
+                        result.counts[reason] = result.counts.get(reason, 0) + 1
+                        over = max(mem.over_budget, mem.cpu - mem.host_budget)
+                        if closest is None or over < closest[0]:
+                            closest = (over, plan, mem)
+                    if fitted:
+                        break
+        if not fitted_mb:
+            break
+    if not found and closest is not None:
+        problem = _memory_problem(closest[1], closest[2])
+        assert problem is not None
+        result.infeasible.append(problem)
+
+
+TIE_TOLERANCE = 0.03
+"""Plans within 3% of the fastest estimate are treated as equally fast: the model cannot rank them."""
+
+
+def simplicity(plan: Plan) -> tuple:
+    """Fewer model-parallel ranks, no offload, less recomputation, lower ZeRO stage, bigger micro-batch."""
+    return (plan.tp * plan.pp, plan.offload is not Offload.NONE, list(Recompute).index(plan.recompute),
+            plan.zero_stage, -plan.micro_batch)
+
+
+def recommend(result: SearchResult, tolerance: float = TIE_TOLERANCE) -> Evaluation | None:
+    """The simplest plan among those within `tolerance` of the fastest estimate."""
+    best = result.best
+    if best is None or best.time is None:
+        return None
+    limit = best.time.total_s * (1 + tolerance)
+    near = [e for e in result.ranked if e.time is not None and e.time.total_s <= limit]
+    return min(near, key=lambda e: (simplicity(e.plan), e.time.total_s if e.time else 0.0))

@@ -1,0 +1,100 @@
+"""ZeRO stages 1 and 2 equal single-process training (fp32, 2 and 4 ranks, with accumulation and clipping);
+model-state bytes follow the ZeRO paper's formulas; gradient-step traffic is 2 psi."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_dp_parity import (CASES, _assert_state_close, as_micro, global_batches, run_reference, shard_global_batch,
+                            tiny_model)
+from shardwise.testing import assert_close_lists, run_distributed
+
+ZERO_CASES = ["adamw", "sgd_accum_clip", "adam_ring_accum_clip"]
+
+
+def _config(name: str, world: int, stage: int, **extra) -> dict:
+    case = CASES[name]
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": case["gas"], "gradient_clipping": case["clip"],
+           "optimizer": case["optimizer"], "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+    cfg.update(extra)
+    return cfg
+
+
+def _train_stages(stages: list[int], names: list[str]) -> dict:
+    return {stage: _train(stage, names) for stage in stages}
+
+
+def _train(stage: int, names: list[str]) -> dict:
+    import shardwise
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name in names:
+        model = tiny_model()
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(name, world, stage))
+        losses = []
+        for b in global_batches():
+            micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
+            losses.append(engine.train_batch(iter(micro)))
+        out[name] = {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                     "memory": engine.memory_report(), "comm": engine.comm_report(),
+                     "num_params": sum(p.numel() for p in model.parameters())}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_matches_single_process(world_size):
+    results = run_distributed(_train_stages, world_size, args=([1, 2], ZERO_CASES), timeout=400)
+    for name in ZERO_CASES:
+        ref_losses, ref_state = run_reference(CASES[name])
+        for stage in (1, 2):
+            for rank, res in enumerate(results):
+                got = res[stage][name]
+                assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"stage {stage} {name} rank {rank}")
+                _assert_state_close(got["state"], ref_state, f"stage {stage} {name} rank {rank}",
+                                    adam="Adam" in CASES[name]["optimizer"]["type"])
+
+
+def _memory_and_comm_all() -> dict:
+    return {(stage, bf16): _memory_and_comm(stage, bf16) for stage in (1, 2) for bf16 in (False, True)}
+
+
+def _memory_and_comm(stage: int, bf16: bool) -> dict:
+    import shardwise
+    world = dist.get_world_size()
+    model = tiny_model()
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config("adamw", world, stage, **extra))
+    for b in global_batches()[:2]:
+        micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=dist.get_rank(), grad_accum=1)]
+        engine.train_batch(iter(micro))
+    buckets = engine.optimizer_step.buckets
+    return {"memory": engine.memory_report(), "comm": engine.comm_report(),
+            "psi": sum(p.numel() for p in model.parameters()),
+            "padding": sum(b.layout.padded_numel - b.layout.numel for b in buckets),
+            "tensors": len(buckets)}
+
+
+def test_memory_formula_and_two_psi_traffic():
+    n = 4
+    results = run_distributed(_memory_and_comm_all, n)
+    for (stage, bf16) in [(1, False), (1, True), (2, False), (2, True)]:
+        for r in (res[(stage, bf16)] for res in results):
+            psi, pad, mem = r["psi"], r["padding"], r["memory"]
+            e = 2 if bf16 else 4                     # model dtype bytes
+            padded = psi + pad
+            assert mem["params"] == e * padded
+            if stage == 1:
+                assert mem["grads"] == e * padded                    # full gradients kept
+            else:
+                assert mem["grads"] == e * padded // n               # only this rank's shard
+            k = 12 if bf16 else 8                    # Adam m, v (+ fp32 masters under bf16)
+            assert k * padded // n <= mem["optimizer"] <= k * padded // n + 8 * r["tensors"]
+            grad_traffic = [c for c in r["comm"] if c["group"] == "dp"]
+            assert {c["op"] for c in grad_traffic} == {"reduce_scatter", "all_gather"}
+            total = sum(c["bytes"] for c in grad_traffic)
+            assert 2 * e * psi <= total <= 2 * e * padded            # 2 psi: reduce-scatter + all-gather
