@@ -139,8 +139,11 @@ def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, 
                         f"(ZeRO stage {cfg.zero.stage} reduce-scatters gradients with the backend); remove it")
     buckets = build_zero_buckets([g["params"] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
                                  bucket_numel=cfg.zero.reduce_bucket_size)
-    separate = dtype != torch.float32
-    master_groups, masters = make_shard_masters(buckets, groups, separate=separate)
+    offload = cfg.zero.offload_optimizer if cfg.zero.offloads_optimizer else None
+    separate = dtype != torch.float32 or offload is not None
+    master_groups, masters = make_shard_masters(
+        buckets, groups, separate=separate, offload_device=torch.device("cpu") if offload else None,
+        pin_memory=bool(offload and offload.pin_memory))
     opt = _make_optimizer(optimizer, cfg, master_groups)
     step = ShardedOptimizer(opt, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
                             flags_comm=metrics_comm, scaler=scaler, clip=cfg.gradient_clipping,

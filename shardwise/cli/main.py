@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Sequence
 
 import shardwise
-from shardwise.cli import bench, check_config, plan, train
+from shardwise.cli import bench, check_config, plan, schedule, train
 from shardwise.errors import UserError
 
 # ----- the subcommands, in the order `shardwise --help` lists them -----
@@ -25,6 +25,7 @@ SUBCOMMANDS: list[ModuleType] = [
     check_config,
     bench,
     plan,
+    schedule,
 ]
 
 EXIT_USER_ERROR = 2

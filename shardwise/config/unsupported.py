@@ -25,16 +25,19 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                f"zero_optimization.stage = {zero.stage}: ZeRO stage 3 is not implemented yet in this "
                f"version; use 0, 1 or 2")
     for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        if block is not None and block.device != "none":
-            if zero.stage == 0:
-                refuse(f"zero_optimization.{name}.device",
-                       f'zero_optimization.{name}.device = "{block.device}": offloading needs ZeRO '
-                       f'(stage 1-3{" for the optimizer" if name == "offload_optimizer" else ", params: 3"}), '
-                       f'and zero_optimization.stage is 0; set the device to "none" or remove the block')
-            else:
-                refuse(f"zero_optimization.{name}.device",
-                       f'zero_optimization.{name}.device = "{block.device}": offloading is not implemented '
-                       f'yet in this version; set it to "none"')
+        if block is None or block.device == "none":
+            continue
+        key = f"zero_optimization.{name}.device"
+        needed = 3 if name == "offload_param" else 1
+        what = "parameter" if name == "offload_param" else "optimizer"
+        if zero.stage < needed:   # an invalid combination, not a missing feature
+            refuse(key, f'{key} = "{block.device}": {what} offloading needs zero_optimization.stage >= {needed} '
+                        f'(it is {zero.stage}); raise the stage or set the device to "none"')
+        elif block.device != "cpu":
+            refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
+        elif name == "offload_param" or zero.stage == 3:
+            refuse(key, f'{key} = "cpu" with zero_optimization.stage {zero.stage}: not implemented yet in this '
+                        f'version; use "none"')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
     if model.tensor_parallel.size > 1:

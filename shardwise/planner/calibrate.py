@@ -7,8 +7,9 @@ numpy loads its BLAS):
   thread count one rank gets. Warm-up calls, then timed calls for about `seconds`; the BEST sample
   counts, because on a shared machine noise only ever adds time. 2 n^3 FLOPs per call. numpy has no
   bf16 matmul, so the same figure stands for every precision.
-- memory bandwidth: `np.copyto` of a 128 MiB buffer into another (both far beyond any cache), read + write bytes over the best time.
-  It bounds the optimizer step (which streams its states) and stands in for PCIe (host = device here).
+- memory bandwidth: `np.copyto` of a 128 MiB buffer into another (far beyond any cache), read + write
+  bytes over the best time. It bounds the optimizer step (which streams its states) and stands in for
+  PCIe (host = device here).
 - loopback bandwidth and latency: what gloo uses between local ranks is TCP over loopback. Two
   processes connect over 127.0.0.1 and each sends 64 MiB while receiving 64 MiB (full duplex, as in a
   ring step); bandwidth per direction = bytes / time, best of 3. Latency: half the median round trip

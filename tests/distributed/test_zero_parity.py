@@ -23,17 +23,24 @@ def _config(name: str, world: int, stage: int, **extra) -> dict:
 
 
 def _train_stages(stages: list[int], names: list[str]) -> dict:
-    return {stage: _train(stage, names) for stage in stages}
+    out = {stage: _train(stage, names) for stage in stages}
+    out.update({(stage, "offload"): _train(stage, names[:2], offload=True) for stage in stages})
+    return out
 
 
-def _train(stage: int, names: list[str]) -> dict:
+def _train(stage: int, names: list[str], offload: bool = False) -> dict:
     import shardwise
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
     for name in names:
         model = tiny_model()
+        extra = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True}}} if offload else {}
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(name, world, stage))
+                                          config=_config(name, world, stage, **extra))
+        if offload:
+            assert all(m.device.type == "cpu" and m.data_ptr() != b.param_flat.data_ptr()
+                       for m, b in zip(engine.optimizer_step.masters, engine.optimizer_step.buckets))
         losses = []
         for b in global_batches():
             micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
@@ -50,9 +57,10 @@ def test_zero_matches_single_process(world_size):
     results = run_distributed(_train_stages, world_size, args=([1, 2], ZERO_CASES), timeout=400)
     for name in ZERO_CASES:
         ref_losses, ref_state = run_reference(CASES[name])
-        for stage in (1, 2):
+        for key in [1, 2] + ([(1, "offload"), (2, "offload")] if name in ZERO_CASES[:2] else []):
+            stage = key if isinstance(key, int) else f"{key[0]}+offload"
             for rank, res in enumerate(results):
-                got = res[stage][name]
+                got = res[key][name]
                 assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"stage {stage} {name} rank {rank}")
                 _assert_state_close(got["state"], ref_state, f"stage {stage} {name} rank {rank}",
                                     adam="Adam" in CASES[name]["optimizer"]["type"])

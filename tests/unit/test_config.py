@@ -331,13 +331,27 @@ def test_zero_stage_3_is_refused_for_now() -> None:
 def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
     err = error_of({**BASE, **extra}, dp_size=1)
     assert err.key == key and len(err.problems) == 1
-    assert "not implemented" in str(err) or "zero_optimization.stage is 0" in str(err)
+    assert "not implemented" in str(err) or "needs zero_optimization.stage >=" in str(err)
 
 
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
     assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
     err = error_of({"train_batch_size": 30, "zero_optimization": {"stage": 3}}, dp_size=4)
     assert [p.key for p in err.problems] == ["train_batch_size", "zero_optimization.stage"]
+
+
+@pytest.mark.parametrize("zero,message", [
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "parameter offloading needs zero_optimization.stage >= 3"),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "optimizer offloading needs zero_optimization.stage >= 1"),
+    ({"stage": 1, "offload_optimizer": {"device": "nvme"}}, 'only "cpu" offloading is implemented'),
+])
+def test_invalid_offload_combinations(zero: dict, message: str) -> None:
+    assert message in str(error_of({**BASE, "zero_optimization": zero}))
+
+
+def test_optimizer_offload_with_stages_1_and_2() -> None:
+    for stage in (1, 2):
+        assert load({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}).zero.offloads_optimizer
 
 
 def test_offload_device_none_is_fine() -> None:

@@ -45,7 +45,7 @@ def test_json_report_for_a_preset(capsys) -> None:
 def test_tables_are_printed(capsys) -> None:
     assert main(["plan", "--model", "gpt2-124m", "--cluster", "h100-80gb", "--global-batch", "64"]) == 0
     text = capsys.readouterr().out
-    for needle in ("Model llama-7b", "Memory per GPU", "Recommended plan", "Communication per step",
+    for needle in ("Model gpt2-124m", "Memory per GPU", "Recommended plan", "Communication per step",
                    "Seed rule (section 10.3)", "Layouts that cannot run"):
         assert needle in text
 

@@ -166,13 +166,15 @@ def interleaved_one_f_one_b(*, num_stages: int, stage: int, num_microbatches: in
 
     Local chunk v of stage p is model chunk v * P + p. Warm up with `interleaved_warmup` forwards,
     alternate one forward and one backward, drain the backwards. Any M >= 1 works (see
-    `interleaved_groups`); the bubble shrinks by V only when M >= P.
+    `interleaved_groups`); the bubble shrinks by V only when M >= P. V = 1 is plain `one_f_one_b`.
 
     Activations held on stage s: at most min(warm-up + 1, M * V) chunk activations, each 1/V of the
     stage's layers; for P | M that is 2(P - s - 1) + (V - 1) P + 1, a little more than 1F1B's P - s
     micro-batches' worth once divided by V.
     """
     _check_sizes(num_stages, stage, num_microbatches, virtual_stages)
+    if virtual_stages == 1:  # one chunk: plain 1F1B (its warm-up is P - s - 1, not 2(P - s - 1))
+        return one_f_one_b(num_stages=num_stages, stage=stage, num_microbatches=num_microbatches)
     order = interleaved_order(num_stages=num_stages, num_microbatches=num_microbatches,
                               virtual_stages=virtual_stages)
     total = len(order)  # M * V forwards and as many backwards

@@ -19,13 +19,21 @@ from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.precision import LossScaler
 
 
-def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool
+def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
+                       offload_device: torch.device | None = None, pin_memory: bool = False
                        ) -> tuple[list[dict], list[torch.nn.Parameter]]:
-    """One master Parameter per bucket; optimizer param groups keep the user's per-group options."""
+    """One master Parameter per bucket; optimizer param groups keep the user's per-group options.
+    With `offload_device` (ZeRO-Offload) the masters, hence the optimizer states built on them, live there
+    (pinned when asked and CUDA is present, so device<->host copies can be asynchronous)."""
     masters = []
     for b in buckets:
-        shard = b.param_shard
-        masters.append(torch.nn.Parameter(shard.detach().float().clone() if separate else shard.detach()))
+        shard = b.param_shard.detach()
+        if offload_device is not None:
+            host = torch.empty(shard.shape, dtype=torch.float32, device=offload_device,
+                               pin_memory=pin_memory and torch.cuda.is_available())
+            masters.append(torch.nn.Parameter(host.copy_(shard)))
+        else:
+            masters.append(torch.nn.Parameter(shard.float().clone() if separate else shard))
     out = [dict({k: v for k, v in g.items() if k != "params"},
                 params=[m for b, m in zip(buckets, masters) if b.group == gi]) for gi, g in enumerate(groups)]
     return [g for g in out if g["params"]], masters
@@ -53,7 +61,11 @@ class ShardedOptimizer:
         for b, m in zip(self.buckets, self.masters):
             if m.grad is None:
                 m.grad = torch.empty_like(m)
-            m.grad.copy_(b.grad_shard)
+            # Offloaded masters: device -> pinned host copies queue up without blocking; one sync below.
+            m.grad.copy_(b.grad_shard, non_blocking=True)
+        if self.masters and self.masters[0].device != self.buckets[0].grad_shard.device \
+                and self.buckets[0].grad_shard.is_cuda:
+            torch.cuda.current_stream().synchronize()
         grads = [m.grad for m in self.masters]
         if self.check_overflow:
             local = any(not bool(torch.isfinite(g).all()) for g in grads)
@@ -84,7 +96,8 @@ class ShardedOptimizer:
         handles = []
         for b, m in zip(self.buckets, self.masters):
             # A separate send buffer: the input of all_gather must not alias its output.
-            send = m.detach().to(b.param_flat.dtype, copy=True)
+            send = m.detach().to(device=b.param_flat.device, dtype=b.param_flat.dtype, non_blocking=True,
+                                 copy=True)
             handles.append(self.comm.all_gather_into_tensor(b.param_flat, send, async_op=True))
         for h in handles:
             h.wait()
@@ -102,6 +115,10 @@ class ShardedOptimizer:
         if self.separate_masters:
             total += sum(m.numel() * m.element_size() for m in self.masters)
         return total
+
+    @property
+    def optimizer_device(self) -> str:
+        return str(self.masters[0].device) if self.masters else "none"
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
