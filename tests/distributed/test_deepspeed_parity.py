@@ -61,6 +61,15 @@ CASES: dict[str, dict] = {
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "nesterov": True}},
         "gradient_accumulation_steps": 2, "gradient_clipping": 0.3, "scheduler": _DECAY},
 }
+# ZeRO stages 1 and 2 on the same configs. DeepSpeed accepts torch's SGD under ZeRO only with
+# zero_allow_untested_optimizer (torch Adam/AdamW are on its tested list).
+ZERO_CASES: dict[str, dict] = {
+    f"zero{stage}_{name}": {**extra, "zero_allow_untested_optimizer": True,
+                            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+    for stage in (1, 2)
+    for name, extra in (("adam_is_adamw_accum_clip_warmup", CASES["adam_is_adamw_accum_clip_warmup"]),
+                        ("sgd_accum_clip_decay", CASES["sgd_accum_clip_decay"]))
+}
 # bf16 at stage 0: DeepSpeed wraps the optimizer in FP16_UnfusedOptimizer, whose constructor takes one optimizer
 # step with all-zero gradients to create the optimizer state (fp16/unfused_optimizer.py,
 # initialize_optimizer_states; the fused FP16_Optimizer does the same). For SGD with momentum and no weight
@@ -165,7 +174,7 @@ def _run_cases(extras: dict[str, dict]) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     """Every case in one pair of spawned ranks (importing DeepSpeed costs seconds per process)."""
-    return run_distributed(_run_cases, WORLD, args=({**CASES, **BF16_CASES},), timeout=300)
+    return run_distributed(_run_cases, WORLD, args=({**CASES, **ZERO_CASES, **BF16_CASES},), timeout=400)
 
 
 def _assert_states_close(actual: dict, expected: dict, what: str, *, rtol: float, atol: float) -> None:
@@ -174,7 +183,7 @@ def _assert_states_close(actual: dict, expected: dict, what: str, *, rtol: float
         torch.testing.assert_close(actual[k], expected[k], rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(ZERO_CASES))
 def test_fp32_matches_deepspeed(results: list[dict], name: str) -> None:
     for rank, res in enumerate(results):
         ours, theirs = res[name]["shardwise"], res[name]["deepspeed"]

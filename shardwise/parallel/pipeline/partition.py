@@ -10,8 +10,9 @@ Methods (`PipelinePartition`):
   must have the same count (Megatron's rule), so L must be a multiple of P * V.
 - "parameters" / "flops": contiguous chunks that minimise the largest chunk load, where ``costs`` is
   each layer's parameter count or FLOPs. The optimum is exact (binary search over the candidate
-  loads, which are sums of contiguous runs, with a greedy feasibility test). Among optimal cuts
-  the earliest chunks are filled first. All-zero costs fall back to "uniform".
+  loads, which are sums of contiguous runs, with a greedy feasibility test). Among the optimal
+  cuts, the one with the most even loads (least sum of squares) wins. All-zero costs fall back to
+  "uniform".
 """
 
 from __future__ import annotations
@@ -119,15 +120,24 @@ def _fits(n: int, parts: int, limit: float, load) -> bool:
 
 
 def _cut(n: int, parts: int, limit: float, load) -> list[range]:
-    """Exactly ``parts`` non-empty chunks under ``limit``: fill each greedily, leaving a layer per later chunk."""
-    chunks, start = [], 0
-    for k in range(parts):
-        remaining_parts = parts - k - 1
-        end = start + 1
-        while end < n - remaining_parts and load(start, end + 1) <= limit:
-            end += 1
-        if k == parts - 1:
-            end = n
-        chunks.append(range(start, end))
-        start = end
-    return chunks
+    """Among the cuts with no chunk over ``limit``, the one with the least sum of squared loads (the most
+    even spread below the bottleneck): exact dynamic programme over (chunks used, layers placed)."""
+    inf = float("inf")
+    # best[k][j]: least sum of squares putting layers 0..j-1 into k chunks; cut[k][j]: where chunk k starts.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(j - 1, k - 2, -1):
+                size = load(i, j)
+                if size > limit:
+                    break  # loads only grow as the chunk extends to the left (costs >= 0)
+                value = best[k - 1][i] + size * size
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
