@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", nargs="+", choices=[t.value for t in Trainer], default=None,
                    help="which trainers to run; shardwise is always included (default: all three, or shardwise and "
                         "ddp when deepspeed is not installed)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
+                   help="ZeRO stage of shardwise and DeepSpeed; DDP runs only at stage 0 (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
     return p
 
@@ -160,7 +162,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
     if args.trainers is None:
-        args.trainers = [t.value for t in Trainer if t is not Trainer.DEEPSPEED or has_deepspeed]
+        args.trainers = [t.value for t in Trainer if (t is not Trainer.DEEPSPEED or has_deepspeed)
+                         and (t is not Trainer.DDP or args.zero_stage == 0)]
+    elif Trainer.DDP.value in args.trainers and args.zero_stage > 0:
+        parser.error(f"--trainers ddp with --zero-stage {args.zero_stage}: DDP replicates the optimizer; leave it out")
     elif Trainer.DEEPSPEED.value in args.trainers and not has_deepspeed:
         parser.error("--trainers deepspeed: DeepSpeed is not installed (pip install deepspeed, or leave it out)")
     limit = gpt_config(args.model).seq_len
@@ -179,7 +184,7 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": int(args.bucket_mb * MIB) // 4},
+        "zero_optimization": {"stage": args.zero_stage, "reduce_bucket_size": int(args.bucket_mb * MIB) // 4},
         "steps_per_print": 1 << 30,
     }
 

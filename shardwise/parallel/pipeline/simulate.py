@@ -27,6 +27,7 @@ The two carry the same information: fraction = ratio / (1 + ratio). `formula_bub
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Sequence, Union
@@ -117,20 +118,28 @@ class Timeline:
                    num_microbatches=max(r.action.microbatch for r in rows) + 1,
                    virtual_stages=max(r.action.chunk for r in rows) + 1, name=name)
 
-    def stage_records(self, stage: int) -> list[ActionRecord]:
-        return sorted((r for r in self.records if r.stage == stage), key=lambda r: (r.start, r.end))
+    @functools.cached_property
+    def _by_stage(self) -> dict[int, list[ActionRecord]]:
+        rows: dict[int, list[ActionRecord]] = {s: [] for s in range(self.num_stages)}
+        for r in sorted(self.records, key=lambda r: (r.start, r.end)):
+            rows.setdefault(r.stage, []).append(r)
+        return rows
 
-    @property
+    def stage_records(self, stage: int) -> list[ActionRecord]:
+        """The stage's records in time order."""
+        return list(self._by_stage.get(stage, []))
+
+    @functools.cached_property
     def start(self) -> Number:
         return min(r.start for r in self.records)
 
-    @property
+    @functools.cached_property
     def makespan(self) -> Number:
         """From the first action's start to the last action's end, over all stages."""
         return max(r.end for r in self.records) - self.start
 
     def busy(self, stage: int) -> Number:
-        return sum((r.end - r.start for r in self.records if r.stage == stage), 0)
+        return sum((r.end - r.start for r in self._by_stage.get(stage, [])), 0)
 
     def idle(self, stage: int) -> Number:
         return self.makespan - self.busy(stage)
@@ -197,7 +206,8 @@ def formula_bubble_ratio(kind: str | PipelineSchedule, *, num_stages: int, num_m
 class _Compute:
     action: Action
     duration: Number
-    local_input: Message | None  # produced earlier on this same stage (P = 1 with V > 1)
+    local_input: Message | None   # produced earlier on this same stage (P = 1 with V > 1)
+    local_output: Message | None  # consumed later on this same stage
 
 
 @dataclass(frozen=True)
@@ -237,6 +247,7 @@ def _programs(schedule: Sequence[Sequence[Action]], costs: Costs, mode: SendMode
               sizes: tuple[int, int, int]) -> list[list[_Compute | _Exchange]]:
     """Each stage's steps: [recv] compute [send] per action; BATCHED merges a send with the next recv."""
     num_stages, _, virtual = sizes
+    durations = [{op: costs.duration(op, stage, num_stages, virtual) for op in Op} for stage in range(num_stages)]
     programs = []
     for stage, actions in enumerate(schedule):
         steps: list[_Compute | _Exchange] = []
@@ -248,8 +259,8 @@ def _programs(schedule: Sequence[Sequence[Action]], costs: Costs, mode: SendMode
                     steps[-1] = _Exchange(last.sends, (t.recv,), last.after, action)
                 else:
                     steps.append(_Exchange((), (t.recv,), None, action))
-            steps.append(_Compute(action, costs.duration(action.op, stage, num_stages, virtual),
-                                  t.recv.message if t.recv_local else None))
+            steps.append(_Compute(action, durations[stage][action.op], t.recv.message if t.recv_local else None,
+                                  t.send.message if t.send_local else None))
             if t.send is not None and not t.send_local:
                 steps.append(_Exchange((t.send,), (), action, None))
         programs.append(steps)
@@ -289,9 +300,8 @@ def check_schedule(schedule: Sequence[Sequence[Action]], *, costs: Costs = Costs
                     start = clock[stage]
                     clock[stage] = start + step.duration
                     records.append(ActionRecord(stage, step.action, start, clock[stage]))
-                    t = transfers(step.action, stage=stage, num_stages=num_stages, virtual_stages=sizes[2])
-                    if t.send_local:
-                        local_ready[(stage, t.send.message)] = clock[stage]
+                    if step.local_output is not None:
+                        local_ready[(stage, step.local_output)] = clock[stage]
                 else:
                     ops = [(True, s.message) for s in step.sends] + [(False, r.message) for r in step.recvs]
                     for op in ops:
