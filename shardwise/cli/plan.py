@@ -129,6 +129,14 @@ def _model(args: argparse.Namespace) -> Any:
                      tie_embeddings=not llama, dropout=not llama)
 
 
+_CLUSTER_FLAGS = (  # flag -> ClusterSpec field, unit
+    ("gpus", "num_gpus", 1), ("gpus_per_node", "gpus_per_node", 1), ("gpu_memory_gb", "memory_bytes", 1e9),
+    ("intra_bw_gbs", "intra_node_bw", 1e9), ("inter_bw_gbs", "inter_node_bw", 1e9),
+    ("intra_latency_us", "intra_node_latency_s", 1e-6), ("inter_latency_us", "inter_node_latency_s", 1e-6),
+    ("efficiency", "compute_efficiency", 1),
+)
+
+
 def _cluster(args: argparse.Namespace) -> Any:
     from shardwise.planner.calibrate import calibrate, load_cluster, save_cluster
     from shardwise.planner.presets import cluster_preset
@@ -141,10 +149,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     else:
         cluster = cluster_preset(args.cluster)
     changes: dict[str, Any] = {}
-    for flag, field, scale in (("gpus", "num_gpus", 1), ("gpus_per_node", "gpus_per_node", 1),
-                               ("gpu_memory_gb", "memory_bytes", 1e9), ("intra_bw_gbs", "intra_node_bw", 1e9),
-                               ("inter_bw_gbs", "inter_node_bw", 1e9), ("intra_latency_us", "intra_node_latency_s", 1e-6),
-                               ("inter_latency_us", "inter_node_latency_s", 1e-6), ("efficiency", "compute_efficiency", 1)):
+    for flag, field, scale in _CLUSTER_FLAGS:
         value = getattr(args, flag)
         if value is not None:
             changes[field] = value * scale if scale != 1 else value

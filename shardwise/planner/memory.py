@@ -84,7 +84,8 @@ def max_trainable_params(memory_bytes: float, *, precision: Precision = Precisio
                          optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1) -> float:
     """Largest psi whose model states fit in `memory_bytes` (ZeRO paper Table 2's theory columns)."""
     w, g, k = state_bytes_per_param(precision, optimizer)
-    per_param = (w / dp if zero_stage >= 3 else w) + (g / dp if zero_stage >= 2 else g) + (k / dp if zero_stage >= 1 else k)
+    per_param = ((w / dp if zero_stage >= 3 else w) + (g / dp if zero_stage >= 2 else g)
+                 + (k / dp if zero_stage >= 1 else k))
     return memory_bytes / per_param
 
 

@@ -62,7 +62,8 @@ def to_json(a: Analysis) -> dict[str, Any]:
                            "sent_bytes": c.sent_bytes, "seconds": c.total_seconds} for c in a.collectives],
         "zero_paper_volume_elements": {f"stage{s}": zero_paper_volume(a.params.total, s) for s in range(4)},
         "bubble_fraction": a.bubble,
-        "seed_rule": {"strategy": a.rule.strategy.value, "tests": a.rule.lines(), "comparison": list(a.rule_comparison)},
+        "seed_rule": {"strategy": a.rule.strategy.value, "tests": a.rule.lines(),
+                      "comparison": list(a.rule_comparison)},
     }
     if a.result is not None:
         out["search"] = {
@@ -83,6 +84,17 @@ def _s(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _amount(x: float) -> str:
+    return f"{x:,.0f}" if x >= 10 else f"{x:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("hours", 3600.0), ("minutes", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.3g} s"
+
+
 def render(a: Analysis, console: Any) -> None:
     """Print the report as rich tables on `console` (a rich.console.Console)."""
     from rich.table import Table
@@ -92,6 +104,12 @@ def render(a: Analysis, console: Any) -> None:
     t.add_row("shape", f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} kv), d_ff {m.d_ff} "
                        f"{m.ffn.value}, vocab {m.vocab_size}, context {m.seq_len}")
     t.add_row("parameters", f"{a.params.total:,} (non-embedding {a.params.non_embedding:,})")
+    t.add_row("cluster", f"{c.num_gpus} x {c.name} in {c.num_nodes} node(s) of {c.gpus_per_node}: "
+                         f"{c.peak_flops(j.precision) / 1e12:,.1f} TFLOP/s {j.precision.value} peak x "
+                         f"{c.compute_efficiency:.2f} sustained, {_gb(c.memory_bytes)} GB, links "
+                         f"{c.intra_node_bw / 1e9:,.1f} / {c.inter_node_bw / 1e9:,.1f} GB/s intra / inter node")
+    if c.source:
+        t.add_row("figures from", c.source)
     if a.cost.params_narayanan is not None:
         t.add_row("Narayanan eq. 2", f"{a.cost.params_narayanan:,.0f}")
     t.add_row("training tokens", f"{a.cost.tokens:.3g}" + ("" if j.tokens else " (20 per parameter)"))
@@ -100,10 +118,10 @@ def render(a: Analysis, console: Any) -> None:
                                 f"with full recompute; {flops_convention(a)}")
     if a.train is not None:
         tr = a.train
-        t.add_row("time to train", f"{tr.seconds / 86400:,.1f} days on {c.num_gpus} GPUs ({tr.gpu_days:,.0f} GPU-days, "
+        t.add_row("time to train", f"{_duration(tr.seconds)} on {c.num_gpus} GPUs ({_amount(tr.gpu_days)} GPU-days, "
                                    f"MFU {100 * tr.mfu:.1f}%, {tr.steps:,.0f} steps)")
-        t.add_row("cross-checks", f"Narayanan eq. 4: {tr.narayanan_days:,.1f} days; 6ND at 100% of peak: "
-                                  f"{tr.gpu_days_at_peak:,.0f} GPU-days")
+        t.add_row("cross-checks", f"Narayanan eq. 4: {_duration(tr.narayanan_days * 86400)}; 6ND at 100% of peak: "
+                                  f"{_amount(tr.gpu_days_at_peak)} GPU-days")
     console.print(t)
 
     t = Table(title=f"Memory per GPU, GB: {c.num_gpus} x {c.name} ({_gb(c.memory_bytes)} GB), micro-batch "

@@ -238,10 +238,6 @@ class ClusterSpec:
     def num_nodes(self) -> int:
         return math.ceil(self.num_gpus / self.gpus_per_node)
 
-    @property
-    def usable_memory_bytes(self) -> float:
-        return self.memory_bytes - self.reserved_memory_bytes
-
     def peak_flops(self, precision: Precision) -> float:
         return self.peak_flops_fp32 if precision is Precision.FP32 else self.peak_flops_bf16
 

@@ -23,7 +23,7 @@ from shardwise.planner.bubble import pipeline_seconds
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
 from shardwise.planner.flops import forward_flops, params_per_rank, training_flops
 from shardwise.planner.memory import FP32_BYTES, state_bytes_per_param
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan
+from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, PlannerError
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ def optimizer_step_bytes(job: JobSpec) -> int:
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
     s, m = job.sequence_length(model), plan.grad_accum(job)
+    if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
+        raise PlannerError(f"step_time: global batch {job.global_batch} is not a multiple of dp * micro_batch = "
+                           f"{plan.dp} * {plan.micro_batch}; every step must split into whole micro-batches")
     achieved = cluster.peak_flops(job.precision) * cluster.compute_efficiency
     fwd = forward_flops(model, batch=plan.micro_batch, seq_len=s, causal=job.causal_flops)
     per_gpu = achieved * plan.tp * plan.pp

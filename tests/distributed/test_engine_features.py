@@ -64,10 +64,10 @@ def test_every_rank_starts_from_rank0_parameters_and_buffers():
 
 # -- fp16 dynamic loss scaling ------------------------------------------------------------------------
 
-def _run_fp16(steps: int) -> dict:
+def _run_fp16(steps: int, stage: int = 0) -> dict:
     import shardwise
     model = _model()
-    cfg = _config(fp16={"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 2},
+    cfg = _config(zero_optimization={"stage": stage, "reduce_bucket_size": 5000}, fp16={"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 2},
                   scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2,
                                                             "warmup_num_steps": 100}})
     engine, _, _, sched = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -84,9 +84,10 @@ def _run_fp16(steps: int) -> dict:
             "dtypes": {str(p.dtype) for p in model.parameters()}}
 
 
-def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed():
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed(stage):
     from shardwise.precision import DynamicLossScaler
-    out = run_distributed(_run_fp16, 2, args=(14,))
+    out = run_distributed(_run_fp16, 2, args=(14, stage))
     assert out[0]["rows"] == out[1]["rows"] or all(
         a["applied"] == b["applied"] for a, b in zip(out[0]["rows"], out[1]["rows"]))
     rows = out[0]["rows"]
@@ -137,10 +138,11 @@ def test_bf16_tracks_fp32_and_memory_report_counts_mixed_precision_states():
 
 # -- checkpoints ----------------------------------------------------------------------------------------
 
-def _run_checkpoint(save_dir: str) -> dict:
+def _run_checkpoint(save_dir: str, stage: int = 0) -> dict:
     import shardwise
     model = _model()
-    cfg = _config(gradient_accumulation_steps=2, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
+    cfg = _config(gradient_accumulation_steps=2, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+                  zero_optimization={"stage": stage, "reduce_bucket_size": 5000})
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     for s in range(3):
         _one_step(engine, s)
@@ -158,11 +160,14 @@ def _run_checkpoint(save_dir: str) -> dict:
             "final": final, "final2": {k: v.clone() for k, v in fresh.state_dict().items()}, "missing": missing}
 
 
-def test_checkpoint_round_trip_resumes_exactly():
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_checkpoint_round_trip_resumes_exactly(stage):
     with tempfile.TemporaryDirectory() as d:
-        out = run_distributed(_run_checkpoint, 2, args=(d,))
+        out = run_distributed(_run_checkpoint, 2, args=(d, stage))
         assert open(os.path.join(d, "latest")).read() == "global_step3"
         assert sorted(os.listdir(d)) == ["global_step3", "latest"]       # no staging directories left
+        shards = sorted(f for f in os.listdir(os.path.join(d, "global_step3")) if f.startswith("zero_pp_rank"))
+        assert shards == ([] if stage == 0 else [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)])
     for r in out:
         assert r["path"].endswith("global_step3") and r["client"] == {"epoch": 7}
         assert r["resumed"] == r["continued"]

@@ -132,7 +132,8 @@ def test_search_explains_where_it_departs_from_the_rule() -> None:
     assert "longer, mostly from" in a.rule_comparison[1]
     b = analyze(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024), JobSpec(global_batch=1536))
     assert "No ZeRO (sharded data parallelism) plan is feasible" in b.rule_comparison[1]
-    verdict = seed_rule(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024), JobSpec(global_batch=1536))
+    verdict = seed_rule(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024),
+                        JobSpec(global_batch=1536))
     assert [s.fits for s in verdict.steps] == [False, True]
 
 
@@ -204,7 +205,8 @@ def test_planner_and_plan_command_import_no_torch() -> None:
 
 
 def test_search_answers_in_well_under_a_second() -> None:
-    model, cluster, job = model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024), JobSpec(global_batch=1536)
+    model, job = model_preset("gpt3-175b"), JobSpec(global_batch=1536)
+    cluster = cluster_preset("a100-80gb", num_gpus=1024)
     fresh = dataclasses.replace(model, name="gpt3-timing")     # defeat the caches of earlier tests
     t0 = time.process_time()                                   # CPU time: other tenants do not count
     analyze(fresh, cluster, job)

@@ -8,7 +8,9 @@ exactly as the runtime does. How a send behaves is the :class:`SendMode`:
 - BLOCKING (send/recv rendezvous): a send and its receive each block until the peer posts the other.
   Plain 1F1B deadlocks this way for P >= 2, M >= 2 (stage 0 sends F1 while stage 1 sends B0).
 - BATCHED: blocking, but the send after an action and the receive before the next action are posted
-  together and waited on together (``dist.batch_isend_irecv`` + wait, as Megatron does).
+  together and waited on together (``dist.batch_isend_irecv`` + wait, Megatron's 1F1B pairing).
+  Enough for GPipe and 1F1B, not for interleaved 1F1B (Megatron batches both directions of a
+  forward/backward pair there, which this mode does not model). The runtime should use ASYNC.
 
 Times follow max-plus rules (an action starts when its stage is free and its input has arrived),
 so they do not depend on the order in which the loop visits stages. Give integer or Fraction costs
