@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_torch.sh
 	$(PIP) install --quiet -e .
 	touch $@
 
-$(VENV)/.dev-installed: $(VENV)/.installed
+$(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	DS_BUILD_OPS=0 $(PIP) install --quiet -e '.[dev]'
 	touch $@
 

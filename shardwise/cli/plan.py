@@ -92,7 +92,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--recompute", choices=[x.value for x in Recompute])
     g.add_argument("--schedule", choices=[x.value for x in Schedule])
     g.add_argument("--virtual-stages", type=_positive(int))
-    g.add_argument("--sequence-parallel", action="store_true", default=None)
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="split layer-norm/dropout activations over the TP group (default: on when tp > 1)")
 
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print every figure as JSON")
@@ -173,7 +174,7 @@ def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     return Plan(dp=dp, tp=tp, pp=pp, zero_stage=args.zero or 0, offload=args.offload or "none",
                 micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", schedule=schedule,
                 virtual_stages=args.virtual_stages or (2 if schedule == Schedule.INTERLEAVED.value else 1),
-                sequence_parallel=bool(args.sequence_parallel) if args.sequence_parallel is not None else tp > 1)
+                sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
 
 
 def run(args: argparse.Namespace) -> int:

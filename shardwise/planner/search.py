@@ -145,7 +145,7 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def _schedules(model: ModelSpec, pp: int) -> list[tuple[Schedule, int]]:
+def _schedules(pp: int) -> list[tuple[Schedule, int]]:
     if pp == 1:
         return [(Schedule.ONE_F_ONE_B, 1)]
     return [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, INTERLEAVED_CHUNKS)]
@@ -192,7 +192,7 @@ def _search_layout(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, base: P
     found = False
     for mb in (d for d in _divisors(job.global_batch // base.dp) if d <= MAX_MICRO_BATCH):
         fitted_mb = False
-        for schedule, v in _schedules(model, base.pp):
+        for schedule, v in _schedules(base.pp):
             shaped = _variant(base, micro_batch=mb, schedule=schedule, virtual_stages=v)
             problems = layout_problems(model, cluster, job, shaped)
             if problems:

@@ -81,6 +81,7 @@ def optimizer_step_bytes(job: JobSpec) -> int:
 
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
+    """Estimated seconds of one optimizer step of `plan` (module notes); memory is not checked here."""
     s, m = job.sequence_length(model), plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"step_time: global batch {job.global_batch} is not a multiple of dp * micro_batch = "
