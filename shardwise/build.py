@@ -22,6 +22,7 @@ from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.zero.buckets import build_zero_buckets
 from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.optimizer import ShardedOptimizer, make_shard_masters
+from shardwise.parallel.zero.stage3_build import Stage3Optimizer, ZeroParamRuntime, build_stage3
 from shardwise.precision import DType, DynamicLossScaler, LossScaler
 from shardwise.replicated_optimizer import ReplicatedOptimizer, make_masters, param_groups_of
 
@@ -152,6 +153,15 @@ def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, 
     return step, sync
 
 
+def _zero_3(cfg: Any, model: torch.nn.Module, groups: list[dict], optimizer: Any, scaler: LossScaler,
+            dp_comm: Comm, metrics_comm: Comm, dtype: torch.dtype,
+            device: torch.device) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
+    """ZeRO stage 3: parameters sharded too, gathered per unit around its forward and backward."""
+    return build_stage3(cfg, model, groups, make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
+                        scaler=scaler, dp_comm=dp_comm, flags_comm=metrics_comm, dtype=dtype, device=device,
+                        check_overflow=_checks_overflow(cfg.precision))
+
+
 def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
                config: str | os.PathLike | dict | None = None, training_data: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None,
@@ -179,6 +189,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     scaler = _make_scaler(cfg.precision)
     if cfg.zero.stage == 0:
         step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype)
+    elif cfg.zero.stage == 3:
+        step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device)
     else:
         step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm, metrics_comm, dtype)
     opt = step.optimizer

@@ -20,10 +20,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     def refuse(key: str, message: str) -> None:
         problems.append(ConfigProblem(key, message))
 
-    if zero.stage > 2:
-        refuse("zero_optimization.stage",
-               f"zero_optimization.stage = {zero.stage}: ZeRO stage 3 is not implemented yet in this "
-               f"version; use 0, 1 or 2")
     for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         if block is None or block.device == "none":
             continue

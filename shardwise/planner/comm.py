@@ -130,6 +130,8 @@ def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
     if plan.dp == 1:
         return []
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
+    if plan.zero_stage >= 1:   # ZeRO pads the flat buffer to whole shards: dp * ceil(psi / dp) elements
+        psi = plan.dp * math.ceil(psi / plan.dp)
     n = psi * job.precision.nbytes
     m = plan.grad_accum(job)
     buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)

@@ -1,15 +1,23 @@
-"""The planner's predictions against the engine's own measurements (ZeRO stage 0, 2 gloo ranks).
+"""The planner's predictions against the engine's own measurements (ZeRO stages 0-2, 2 gloo ranks).
 
-Model states: `engine.memory_report()` must equal the ZeRO formulas exactly, with one explicit extra the
-formulas leave out: torch's Adam keeps a scalar `step` tensor per parameter tensor.
+Model states: `engine.memory_report()` equals the ZeRO formulas exactly (shards are ceil(psi / dp)), with
+two explicit differences the formulas leave out or the report does not show:
+- torch's Adam keeps a 4-byte scalar `step` tensor per tensor it steps (per parameter at stage 0, per flat
+  master shard at stages 1-2);
+- ZeRO-1/2 keep the parameters (and stage 1 its full gradients) in flat buffers padded to whole shards,
+  dp * ceil(psi / dp) elements: at most dp - 1 more than psi.
+Under ZeRO-Offload the report counts the (host) optimizer states under "optimizer"; the planner puts them,
+plus the fp32 gradient shard the host step reads (the masters' .grad, not in the report), in `cpu`.
 
-Communication: the ledger records each all-reduce's payload (the tensor: psi * bytes per gradient per
-step); the planner's `payload_bytes` is that figure. What a rank actually sends in a ring is
-2 (p - 1) / p of it (the ZeRO paper's "2 psi" for large p); that relationship is checked against the
-ring's own index arithmetic (`RingPlan`), up to the rounding of uneven chunks.
+Communication: the ledger records each collective's payload (an all-reduce's tensor, a reduce-scatter's
+input, an all-gather's output); the planner's `payload_bytes` is that figure, padded to whole shards for
+ZeRO. What a rank actually sends in a ring is 2 (p - 1) / p of an all-reduce's payload (the ZeRO paper's
+"2 psi" for large p); that relationship is checked against the ring's own index arithmetic (`RingPlan`).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,44 +25,52 @@ import torch
 from shardwise.comm.ring import RingPlan
 from shardwise.models import gpt_config
 from shardwise.planner import (
-    JobSpec, ModelSpec, Op, Optimizer, Plan, Precision, cluster_preset, dp_collectives, model_state_bytes,
+    JobSpec, ModelSpec, Offload, Op, Optimizer, Plan, Precision, cluster_preset, dp_collectives, model_state_bytes,
     param_count, ring_send_bytes,
 )
 from shardwise.testing import run_distributed, shard_global_batch
 
 SEQ, WORLD, BATCH = 16, 2, 8
-CFG = gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ)
+# d_model 33 makes the parameter count odd (30,987), so ZeRO's shards are padded
+CFG = gpt_config("tiny", n_layer=1, d_model=33, n_head=3, seq_len=SEQ)
+BF16 = {"bf16": {"enabled": True}}
+
+CASES = {  # name -> (precision, stage, offload, gradient accumulation, config additions)
+    "stage0-fp32-gas2": (Precision.FP32, 0, Offload.NONE, 2, {}),
+    "stage0-bf16-ring": (Precision.BF16, 0, Offload.NONE, 1, {**BF16, "communication": {"all_reduce": "ring"}}),
+    "stage1-fp32-gas2": (Precision.FP32, 1, Offload.NONE, 2, {}),
+    "stage2-fp32-gas2": (Precision.FP32, 2, Offload.NONE, 2, {}),
+    "stage2-bf16": (Precision.BF16, 2, Offload.NONE, 1, BF16),
+    "stage1-bf16-offload": (Precision.BF16, 1, Offload.OPTIMIZER, 1, BF16),
+}
 
 
-def _train_and_report(extra: dict, gas: int, steps: int) -> dict:
+def _train_and_report(stage: int, offload: Offload, gas: int, extra: dict) -> dict:
     import shardwise
     from shardwise.models import GPT
     torch.manual_seed(0)
     model = GPT(CFG)
+    zero: dict = {"stage": stage}
+    if offload is Offload.OPTIMIZER:
+        zero["offload_optimizer"] = {"device": "cpu"}
     config = {"train_batch_size": BATCH, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0}, **extra}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra, "zero_optimization": zero}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    for step in range(steps):
+    for step in range(2):
         batch = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
         micro = shard_global_batch(batch, dp_size=engine.dp_size, dp_rank=engine.dp_rank, grad_accum=gas)
         engine.train_batch(iter([(m[:, :-1], m[:, 1:]) for m in micro]))
+    stepped = [p for g in engine.optimizer.param_groups for p in g["params"]]
     step_counters = sum(t.numel() * t.element_size() for state in engine.optimizer.state.values()
                         for key, t in state.items() if key == "step" and torch.is_tensor(t))
     return {"memory": engine.memory_report(), "comm": engine.comm_report(), "step_counters": step_counters,
-            "buckets": [b.buffer.numel() for b in engine.grad_sync.buckets],
-            "num_params": sum(p.numel() for p in model.parameters())}
-
-
-CASES = {  # name -> (precision, config additions, gradient accumulation, ledger op names)
-    "fp32-backend-gas2": (Precision.FP32, {}, 2, {"all_reduce"}),
-    "bf16-ring": (Precision.BF16, {"bf16": {"enabled": True}, "communication": {"all_reduce": "ring"}}, 1,
-                  {"ring_all_reduce"}),
-}
+            "stepped_tensors": len(stepped), "num_params": sum(p.numel() for p in model.parameters())}
 
 
 def _all_cases() -> dict:
     # one spawn of the ranks for every case: starting processes costs more than the training
-    return {name: _train_and_report(extra, gas, 2) for name, (_, extra, gas, _) in CASES.items()}
+    return {name: _train_and_report(stage, offload, gas, extra)
+            for name, (_, stage, offload, gas, extra) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -63,39 +79,48 @@ def measured() -> list[dict]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_predicted_model_states_and_dp_traffic_equal_the_engine(measured: list[dict], case: str) -> None:
-    precision, _, _, ops = CASES[case]
-    spec = ModelSpec.from_gpt_config(CFG)
-    psi = param_count(spec).total
-    reports = [rank[case] for rank in measured]
-    predicted = model_state_bytes(psi, precision=precision, optimizer=Optimizer.ADAM, zero_stage=0, dp=WORLD)
-    job = JobSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
-    (grad_sync,) = dp_collectives(spec, cluster_preset("a100-80gb", num_gpus=WORLD), job, Plan(dp=WORLD))
-    for r in reports:
-        assert r["num_params"] == psi
+def test_predicted_model_states_equal_the_engine(measured: list[dict], case: str) -> None:
+    precision, stage, offload, _, _ = CASES[case]
+    psi = param_count(ModelSpec.from_gpt_config(CFG)).total
+    assert psi % WORLD == 1
+    shard = math.ceil(psi / WORLD)
+    p = model_state_bytes(psi, precision=precision, optimizer=Optimizer.ADAM, zero_stage=stage, dp=WORLD,
+                          offload=offload)
+    for r in (rank[case] for rank in measured):
         mem = r["memory"]
-        assert mem["params"] == predicted.weights
-        assert mem["grads"] == predicted.grads
-        # K psi (Adam m, v; + fp32 masters under bf16) plus torch's per-tensor scalar step counters
-        assert r["step_counters"] == 4 * len(list(_param_tensors()))
-        assert mem["optimizer"] - r["step_counters"] == predicted.optimizer
-        dp = [c for c in r["comm"] if c["group"] == "dp"]
-        assert {c["op"] for c in dp} == ops
-        assert {c["dtype"] for c in dp} == {"float32" if precision is Precision.FP32 else "bfloat16"}
-        # one reduction per optimizer step (on the accumulation boundary), in one bucket at the default size
-        assert sum(c["count"] for c in dp) == grad_sync.calls == len(r["buckets"]) == 1
-        assert grad_sync.op is Op.ALL_REDUCE and grad_sync.group_size == WORLD
-        assert sum(c["bytes"] for c in dp) == grad_sync.total_payload_bytes == psi * precision.nbytes
-        # the wire: a rank of the ring sends 2 (p - 1) / p of the payload; at p = 2, exactly the payload
-        element = precision.nbytes
-        sent = sum(_ring_sent_elements(n, WORLD, rank) for n in r["buckets"] for rank in range(WORLD)) / WORLD
-        assert sent * element == grad_sync.sent_bytes == psi * element
+        assert r["num_params"] == psi
+        padding = (shard * WORLD - psi) * precision.nbytes if stage >= 1 else 0   # one element here
+        assert mem["params"] == p.weights + padding
+        assert mem["grads"] == p.grads + (padding if stage == 1 else 0)
+        assert r["step_counters"] == 4 * r["stepped_tensors"]
+        states = mem["optimizer"] - r["step_counters"]
+        if offload is Offload.NONE:
+            assert states == p.optimizer
+        else:
+            assert p.optimizer == 0 and states == p.cpu - 4 * shard
 
 
-def _param_tensors():
-    from shardwise.models import GPT
-    with torch.device("meta"):
-        return GPT(CFG).parameters()
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_dp_traffic_equals_the_ledger(measured: list[dict], case: str) -> None:
+    precision, stage, offload, gas, extra = CASES[case]
+    spec = ModelSpec.from_gpt_config(CFG)
+    job = JobSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
+    plan = Plan(dp=WORLD, zero_stage=stage, offload=offload, micro_batch=BATCH // (WORLD * gas))
+    predicted = {c.op: c for c in dp_collectives(spec, cluster_preset("a100-80gb", num_gpus=WORLD), job, plan)}
+    ring = extra.get("communication", {}).get("all_reduce") == "ring"
+    ledger_name = {Op.ALL_REDUCE: "ring_all_reduce" if ring else "all_reduce",
+                   Op.REDUCE_SCATTER: "reduce_scatter", Op.ALL_GATHER: "all_gather"}
+    dtype = "float32" if precision is Precision.FP32 else "bfloat16"
+    for r in (rank[case] for rank in measured):
+        dp = {c["op"]: c for c in r["comm"] if c["group"] == "dp"}     # "dp:metrics" is bookkeeping
+        assert set(dp) == {ledger_name[op] for op in predicted}
+        for op, c in predicted.items():
+            got = dp[ledger_name[op]]
+            assert (got["count"], got["bytes"], got["dtype"]) == (c.calls, c.total_payload_bytes, dtype), op
+    if stage == 0:   # one all-reduce per step whatever the accumulation, psi * bytes per gradient
+        assert predicted[Op.ALL_REDUCE].total_payload_bytes == param_count(spec).total * precision.nbytes
+    if stage == 2:   # partitioned gradients are reduce-scattered on every micro-batch
+        assert predicted[Op.REDUCE_SCATTER].calls == gas
 
 
 def _ring_sent_elements(numel: int, size: int, rank: int) -> int:
@@ -105,8 +130,10 @@ def _ring_sent_elements(numel: int, size: int, rank: int) -> int:
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 7, 8])
-@pytest.mark.parametrize("numel", [1, 10, 1000, 12_345])
+@pytest.mark.parametrize("numel", [1, 10, 1000, 12_345, 20_001])
 def test_ring_wire_volume_is_the_planner_volume_up_to_chunk_rounding(numel: int, size: int) -> None:
     for rank in range(size):
         actual = _ring_sent_elements(numel, size, rank)
         assert abs(actual - ring_send_bytes(Op.ALL_REDUCE, numel, size)) < 2   # chunks differ by one element
+        if size == 2:
+            assert actual == numel                                             # 2 (p - 1) / p = 1: exact

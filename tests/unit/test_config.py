@@ -313,12 +313,9 @@ def test_overlap_comm_default_follows_the_stage() -> None:
 
 # ----- not-yet refusals -----
 
-def test_zero_stage_3_is_refused_for_now() -> None:
-    assert load({"zero_optimization": {"stage": 2}}).zero.stage == 2
-    err = error_of({**BASE, "zero_optimization": {"stage": 3}})
-    assert str(err) == ("zero_optimization.stage = 3: ZeRO stage 3 is not implemented yet in this version; "
-                        "use 0, 1 or 2")
-    assert err.key == "zero_optimization.stage"
+def test_zero_stage_3_is_accepted() -> None:
+    cfg = load({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}})
+    assert cfg.zero.stage == 3 and cfg.zero.stage3_param_persistence_threshold == 10
 
 
 @pytest.mark.parametrize("extra,key", [
@@ -336,8 +333,8 @@ def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
 
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
     assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
-    err = error_of({"train_batch_size": 30, "zero_optimization": {"stage": 3}}, dp_size=4)
-    assert [p.key for p in err.problems] == ["train_batch_size", "zero_optimization.stage"]
+    err = error_of({"train_batch_size": 30, "pipeline": {"stages": 2}}, dp_size=4)
+    assert [p.key for p in err.problems] == ["train_batch_size", "pipeline.stages"]
 
 
 @pytest.mark.parametrize("zero,message", [
@@ -411,7 +408,7 @@ def test_engine_config_is_frozen_and_keeps_a_raw_copy() -> None:
 
 
 def test_config_error_is_a_user_error_and_pickles() -> None:
-    err = error_of({**BASE, "zero_optimization": {"stage": 3}})
+    err = error_of({**BASE, "tensor_parallel": {"size": 2}})
     assert isinstance(err, UserError) and isinstance(err, ValueError)
     again = pickle.loads(pickle.dumps(err))
     assert again.key == err.key and str(again) == str(err)

@@ -44,8 +44,10 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
                  masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, flags_comm: Comm,
-                 scaler: LossScaler, clip: float, check_overflow: bool):
+                 scaler: LossScaler, clip: float, check_overflow: bool, gather_after_step: bool = True):
         self.optimizer = optimizer
+        # ZeRO-3 (False): parameters stay sharded after the step; only separate masters are written back.
+        self.gather_after_step = gather_after_step
         self.buckets = buckets
         self.masters = masters
         self.separate_masters = separate_masters
@@ -87,9 +89,19 @@ class ShardedOptimizer:
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         self.optimizer.step()
-        self._gather_params()
+        self._publish()
         self.scaler.update(overflow=False)
         return True
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Make the updated masters the model's parameters: all-gathered (stages 1-2) or, for stage 3, only
+        cast into this rank's shard (nothing to do when the masters are the shards themselves)."""
+        if self.gather_after_step:
+            self._gather_params()
+        elif self.separate_masters:
+            for b, m in zip(self.buckets, self.masters):
+                b.param_shard.copy_(m)
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -143,4 +155,4 @@ class ShardedOptimizer:
             self.scaler.load_state_dict(state["scaler"])
         for m, saved in zip(self.masters, state["masters"]):
             m.copy_(saved)
-        self._gather_params()
+        self._publish()

@@ -268,17 +268,17 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
     rank takes the same branch, the keys are the same everywhere) and re-sharded."""
     units = []
     for u in partition.units:
-        local = all(len({key_of(p) for p in f.params}) == 1 for f in u.flats)
         plan = UnitPlan(u.name, u.module, [p for f in u.flats for p in f.params], u.is_root)
         shapes = {id(p): s for f in u.flats for p, s in zip(f.params, f.shapes)}
         (new,) = build_units([plan], key_of=key_of, shape_of=lambda p: shapes[id(p)], dp_size=partition.dp_size,
                              dp_rank=partition.dp_rank, device=device)
         new.index = u.index
         where = {id(p): (f, i) for f in new.flats for i, p in enumerate(f.params)}
-        if local:
+        same_layout = {id(f.params[0]): f for f in new.flats}
+        ids = lambda flat: [id(p) for p in flat.params]  # noqa: E731
+        if all(id(f.params[0]) in same_layout and ids(same_layout[id(f.params[0])]) == ids(f) for f in u.flats):
             for f in u.flats:
-                target, _ = where[id(f.params[0])]
-                target.shard.copy_(f.shard)
+                same_layout[id(f.params[0])].shard.copy_(f.shard)     # converts dtype/device
         else:
             u.launch_gather(comm)
             u.wait()

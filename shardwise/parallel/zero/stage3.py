@@ -1,0 +1,272 @@
+"""ZeRO stage 3 runtime: gather each unit around its forward and its backward, reduce-scatter its gradients.
+
+    forward, unit u    pre-hook: all-gather u (or wait for its prefetch); prefetch the next units in the
+                       order the previous forward ran them. post-hook: free u; hook u's outputs for backward.
+                       The root unit (the model itself) stays gathered from its forward into backward when
+                       training, as in FSDP2: backward needs the lm-head at once (`reshard_root_after_forward`
+                       frees it too, for exactly 3 psi of traffic per step).
+    backward, unit u   a hook on u's forward outputs fires when their gradient is ready, before u's backward
+                       runs: all-gather u again; prefetch the previous units. Each parameter's
+                       post-accumulate-grad hook copies its gradient into its flat's [padded] buffer and drops
+                       .grad; a complete flat is reduce-scattered (async) into [S], divided by dp and added to
+                       grad_shard (gradients accumulate as shards over micro-batches; communication every
+                       micro-batch, as in ZeRO-2); when all of u's flats are launched, u is freed.
+    end of backward    (autograd's final callback, or the engine's end_backward) flats that got no gradient
+                       are reduce-scattered as zeros in unit order (the same on every rank); every
+                       reduce-scatter is waited on; every unit is freed.
+
+Prefetch launches all-gathers ahead while the elements gathered ahead stay within
+`stage3_prefetch_bucket_size` and the elements gathered at once within `stage3_max_live_parameters` (a unit
+needed now is gathered whatever the bound). Persistent parameters (whole on every rank) are ZeRO-2 buckets:
+a `ZeroGradReducer(partition_grads=True)` reduces their gradients and `Stage3Optimizer` all-gathers them after
+each step. Collectives are launched from module and autograd hooks, in the same order on every rank as long as
+every rank's forward runs the same modules (ZeRO-3's and FSDP's requirement).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.zero.grads import ZeroGradReducer
+from shardwise.parallel.zero.params import FlatShard, Partition, Unit, UnitState, load_full_tensors
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class ZeroParamRuntime:
+    """The engine's `grad_sync` for stage 3 (`begin_backward`, `end_backward`, `zero_grad`, `grad_bytes`,
+    `close`) and the hooks that gather and free the parameters of `module`."""
+
+    def __init__(self, module: nn.Module, partition: Partition, comm: Comm, *,
+                 persistent: ZeroGradReducer | None, prefetch_numel: int, max_live_numel: int,
+                 reshard_root_after_forward: bool = False, max_reduce_in_flight: int = 2):
+        self.module = module
+        self.partition = partition
+        self.units = partition.units
+        self.comm = comm
+        self.persistent = persistent
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.reshard_root_after_forward = reshard_root_after_forward
+        self.max_reduce_in_flight = max_reduce_in_flight
+        self.root = next((u for u in self.units if u.is_root), None)
+        self.live_numel = 0                     # elements of the units gathered or being gathered
+        self.peak_live_numel = 0
+        self.loaded_placeholders = False        # the last load_state_dict got ZeRO-3 placeholders
+        self._order: list[Unit] = []            # non-root units in the order the last forward ran them
+        self._position: dict[int, int] = {}
+        self._running: list[Unit] = []
+        self._in_flight: list[FlatShard] = []
+        self._expect_backward = False
+        self._callback_queued = False
+        self._where = partition.where()
+        self._named = dict(module.named_parameters(remove_duplicate=False))
+        hooks = [module.register_forward_pre_hook(self._pre_forward_root),
+                 module.register_forward_hook(self._post_forward_root),
+                 module.register_load_state_dict_pre_hook(self._on_load_state_dict)]
+        for u in self.units:
+            if not u.is_root:
+                hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u)))
+                hooks.append(u.module.register_forward_hook(functools.partial(self._post_forward, u)))
+        hooks += [p.register_post_accumulate_grad_hook(self._on_grad)
+                  for f in partition.flats for p in f.params if p.requires_grad]
+        self._hooks = hooks
+        if persistent is not None:
+            persistent.begin_backward(True)     # partition_grads: enabled on every micro-batch
+
+    # -- engine interface ---------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        """Nothing to prepare: stage 3 reduce-scatters on every micro-batch."""
+
+    def end_backward(self, boundary: bool) -> None:
+        if self._expect_backward:               # autograd's callback did not run (no unit took part)
+            self._finish_backward()
+
+    def zero_grad(self) -> None:
+        for f in self.partition.flats:
+            if f.grad_shard is not None:
+                f.grad_shard.zero_()
+        if self.persistent is not None:
+            self.persistent.zero_grad()
+
+    @property
+    def grad_bytes(self) -> int:
+        own = sum(f.grad_shard.numel() * f.grad_shard.element_size()
+                  for f in self.partition.flats if f.grad_shard is not None)
+        return own + (self.persistent.grad_bytes if self.persistent is not None else 0)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.persistent is not None:
+            self.persistent.close()
+
+    # -- gather / free ------------------------------------------------------------------------------
+    def _launch(self, u: Unit) -> None:
+        if u.state is UnitState.FREE:
+            u.launch_gather(self.comm)
+            self.live_numel += u.padded_numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+
+    def _gather_now(self, u: Unit) -> None:
+        self._launch(u)
+        u.wait()
+
+    def _free(self, u: Unit) -> None:
+        if u.state is not UnitState.FREE:
+            u.free()
+            self.live_numel -= u.padded_numel
+
+    def _prefetch(self, upcoming: list[Unit]) -> None:
+        """Launch all-gathers of the next units (in the order they will be needed) within the bounds."""
+        ahead = 0
+        for v in upcoming:
+            n = v.padded_numel
+            if v.state is UnitState.FREE:
+                if ahead + n > self.prefetch_numel or self.live_numel + n > self.max_live_numel:
+                    return
+                self._launch(v)
+            ahead += n
+            if ahead >= self.prefetch_numel:
+                return
+
+    # -- forward hooks ------------------------------------------------------------------------------
+    def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
+        self._running = []
+        if self.root is not None:
+            self._gather_now(self.root)
+        self._prefetch(self._order)
+
+    def _pre_forward(self, u: Unit, module: nn.Module, args: Any) -> None:
+        self._running.append(u)
+        self._gather_now(u)
+        pos = self._position.get(id(u))
+        if pos is not None:
+            self._prefetch(self._order[pos + 1:])
+
+    def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        tensors = _grad_tensors(output)
+        if tensors:
+            self._expect_backward = True
+            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, u),
+                                                          mode="any")
+        self._free(u)
+
+    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._order = self._running
+        self._position = {id(u): i for i, u in enumerate(self._order)}
+        for u in self.units:                    # prefetched but not run (the forward took another path)
+            if not u.is_root:
+                self._free(u)
+        tensors = _grad_tensors(output)
+        if tensors:
+            self._expect_backward = True
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._pre_backward, self.root), mode="any")
+        if self.root is not None and not (tensors and module.training and not self.reshard_root_after_forward):
+            self._free(self.root)
+
+    # -- backward hooks -----------------------------------------------------------------------------
+    def _pre_backward(self, u: Unit | None, grad: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if u is not None:
+            self._gather_now(u)
+        pos = self._position.get(id(u), len(self._order)) if u is not None else len(self._order)
+        self._prefetch(self._order[:pos][::-1])
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        flat, i = self._where[id(p)]
+        if flat.group is None:                  # not optimized: the gradient is not wanted
+            p.grad = None
+            return
+        if flat.grad_full is None:
+            flat.grad_full = torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.shard.device)
+        off, n = flat.layout.offsets[i], flat.layout.sizes[i]
+        flat.grad_full[off:off + n].copy_(p.grad.reshape(-1))
+        p.grad = None                           # the full gradient is not kept: stage 2/3's saving
+        flat.ready += 1
+        if flat.ready == len(flat.params):
+            self._launch_reduce(flat)
+            u = self.units[flat.unit]
+            if all(f.launched for f in u.flats if f.group is not None):
+                self._free(u)
+
+    def _launch_reduce(self, flat: FlatShard) -> None:
+        self._drain(self.max_reduce_in_flight - 1)
+        if flat.grad_full is None:              # no parameter of it got a gradient in this backward
+            flat.grad_full = torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.shard.device)
+        # A separate [S] output: the input must not alias it.
+        flat.received = torch.empty_like(flat.grad_shard)
+        flat.handle = self.comm.reduce_scatter_tensor(flat.received, flat.grad_full, async_op=True)
+        flat.launched = True
+        self._in_flight.append(flat)
+
+    def _drain(self, keep: int) -> None:
+        """Complete launched reduce-scatters, oldest first, until at most `keep` remain in flight."""
+        while len(self._in_flight) > keep:
+            flat = self._in_flight.pop(0)
+            flat.handle.wait()
+            flat.handle = None
+            flat.received.div_(self.comm.size)
+            flat.grad_shard.add_(flat.received)
+            flat.received = None
+            flat.grad_full = None
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        if not self._expect_backward:
+            return
+        self._expect_backward = False
+        for u in self.units:                    # unit order: the same on every rank
+            for f in u.flats:
+                if f.group is not None and not f.launched:
+                    self._launch_reduce(f)
+        self._drain(0)
+        for u in self.units:
+            self._free(u)
+            for f in u.flats:
+                f.ready, f.launched = 0, False
+        if self.persistent is not None:
+            self.persistent.end_backward(True)
+
+    # -- state dicts --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def gathered_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+        """The module's full state dict (collective: every rank must call it). Gathers one unit at a time;
+        with rank0_only, ranks other than 0 keep nothing and get None."""
+        keep = not rank0_only or self.comm.rank == 0
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            was_free = u.state is UnitState.FREE
+            self._gather_now(u)
+            if keep:
+                for f in u.flats:
+                    values.update({id(p): v.detach().clone() for p, v in zip(f.params, f.views)})
+            if was_free:
+                self._free(u)
+        if not keep:
+            return None
+        state = self.module.state_dict()
+        for name, p in self._named.items():
+            if id(p) in values and name in state:
+                state[name] = values[id(p)]
+        return state
+
+    def _on_load_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        """Full tensors are split into this rank's shards; ZeRO-3 placeholders (a per-rank checkpoint's
+        module states) are noted: the values then come from the optimizer shard files."""
+        for u in self.units:
+            self._free(u)
+        named = {prefix + n: p for n, p in self._named.items()}
+        self.loaded_placeholders = bool(load_full_tensors(self.partition, named, state_dict))
