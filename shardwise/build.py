@@ -1,7 +1,8 @@
 """`init_distributed` and `initialize`: build the engine's strategy objects once.
 
-Order of construction (DESIGN.md principle 4, for stage 0): config -> device/dtype -> identical start on every
-rank (broadcast from dp rank 0) -> fp32 masters (mixed precision) -> optimizer and scheduler -> gradient sync.
+Order of construction (DESIGN.md principle 4, for stage 0): config -> process groups ((dp, tp) mesh) ->
+device/dtype -> identical start on every rank (the full model broadcast from rank 0) -> tensor-parallel slicing
+-> fp32 masters (mixed precision) -> optimizer and scheduler -> gradient sync (over the dp group).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.config import load_config
+from shardwise.config import load_config_for_world
 from shardwise.engine import Engine
 from shardwise.errors import UserError
 from shardwise.optim import build_optimizer, build_scheduler
@@ -25,6 +26,7 @@ from shardwise.parallel.zero.optimizer import ShardedOptimizer, make_shard_maste
 from shardwise.parallel.zero.stage3_build import Stage3Optimizer, ZeroParamRuntime, build_stage3
 from shardwise.precision import DType, DynamicLossScaler, LossScaler
 from shardwise.replicated_optimizer import ReplicatedOptimizer, make_masters, param_groups_of
+from shardwise.topology import Axis, MeshShape, ParallelMesh
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
@@ -110,15 +112,22 @@ def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.op
 
 
 def _replicated(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, dp_comm: Comm,
-                dtype: torch.dtype) -> tuple[ReplicatedOptimizer, BucketedAllReduce]:
-    """ZeRO stage 0: every rank holds everything; gradients all-reduced in buckets."""
+                dtype: torch.dtype, tp_metrics: Comm | None = None) -> tuple[ReplicatedOptimizer, BucketedAllReduce]:
+    """ZeRO stage 0: every rank holds everything (of its tensor-parallel slice); gradients all-reduced in
+    buckets over the dp group. `tp_metrics`: the TP group, over which the clipping norm and the overflow
+    verdict are agreed."""
     masters = None
     model_params = [p for g in groups for p in g["params"]]
+    tp_grads = None
+    if tp_metrics is not None:
+        from shardwise.parallel.tensor_parallel import TensorParallelGrads
+        tp_grads = TensorParallelGrads.for_params(tp_metrics, model_params)
     if dtype != torch.float32:
         groups, model_params, masters = make_masters(groups)
     opt = _make_optimizer(optimizer, cfg, groups)
     step = ReplicatedOptimizer(opt, model_params=model_params, masters=masters, scaler=scaler,
-                               clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision))
+                               clip=cfg.gradient_clipping, check_overflow=_checks_overflow(cfg.precision),
+                               tp_grads=tp_grads)
     data_type = cfg.communication.data_type
     sync = BucketedAllReduce(model_params, dp_comm, bucket_numel=cfg.zero.reduce_bucket_size,
                              impl=cfg.communication.all_reduce,
@@ -174,25 +183,53 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict)")
     init_distributed()
     ledger = CommLedger()
-    dp_comm = Comm(None, ledger, name="dp")
-    metrics_comm = Comm(None, ledger, name="dp:metrics")
-    cfg = load_config(config, dp_size=dp_comm.size)
+    world = dist.get_world_size()
+    cfg = load_config_for_world(config, world_size=world)     # batch rule with dp = world / tensor_parallel.size
+    tp = cfg.tensor_parallel.size
+    # (dp, tp) layout, tp innermost; with tp = 1 the dp group is the world and no group is created.
+    mesh = ParallelMesh.build(MeshShape.for_world(world, tp=tp, pp=cfg.pipeline.stages))
+    dp_comm = mesh.comm(Axis.DP, ledger, name="dp")
+    metrics_comm = mesh.comm(Axis.DP, ledger, name="dp:metrics")
 
     device = _device_for(dist.get_backend())
     dtype = cfg.precision.dtype.torch_dtype
     model.to(device)
     if dtype != torch.float32:
         model.to(dtype)
+    # The FULL model from world rank 0 to every rank, before any tensor-parallel slicing: all TP ranks must
+    # cut their slices from one model (a DP-group broadcast would leave TP peers on different models).
     broadcast_module(model, Comm(None, ledger, name="dp:init"))
+    pipeline = None
+    if cfg.pipeline.stages > 1:
+        # Pipeline split first (DESIGN principle 4): from here on `model` is this rank's stage, and every strategy
+        # below (optimizer, gradient sync over the stage's dp group) sees only the stage's parameters.
+        from shardwise.parallel.pipeline.apply import apply_pipeline
+        pipeline = apply_pipeline(model, config=cfg, mesh=mesh, ledger=ledger, device=device)
+        model = pipeline.stage
+        if model_parameters is not None:
+            model_parameters = pipeline.owned(model_parameters)
+    tp_metrics = None
+    if tp > 1:
+        from shardwise.parallel.tensor_parallel import parallelize_model
+        info = parallelize_model(model, mesh.comm(Axis.TP, ledger),
+                                 sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+        if model_parameters is not None:      # given from the full model: point them at the slices
+            model_parameters = info.remap(model_parameters)
+        del info                              # releases the full layers' parameters
+        tp_metrics = mesh.comm(Axis.TP, ledger, name="tp:metrics")
 
     groups = param_groups_of(model_parameters if model_parameters is not None else model.parameters())
     scaler = _make_scaler(cfg.precision)
     if cfg.zero.stage == 0:
-        step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype)
+        step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype, tp_metrics)
+        if pipeline is not None:   # clipping norm and overflow verdict over all stages (same interface as TP's)
+            step.tp_grads = pipeline.grads
     elif cfg.zero.stage == 3:
         step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device)
     else:
-        step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm, metrics_comm, dtype)
+        # Under a pipeline the overflow flag and squared norm are reduced over pp x dp (every stage's shards).
+        step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm,
+                               pipeline.flags_comm if pipeline is not None else metrics_comm, dtype)
     opt = step.optimizer
     sched = lr_scheduler
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -201,7 +238,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         sched = build_scheduler(cfg.scheduler, opt)
     engine = Engine(module=model, config=cfg, optimizer_step=step, grad_sync=sync, lr_scheduler=sched,
                     dp_comm=dp_comm, metrics_comm=metrics_comm, ledger=ledger, device=device,
-                    compute_dtype=dtype)
+                    compute_dtype=dtype, pipeline=pipeline)
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader

@@ -58,8 +58,11 @@ class Engine:
 
     def __init__(self, *, module: torch.nn.Module, config: Any, optimizer_step: Any, grad_sync: Any,
                  lr_scheduler: Any, dp_comm: Comm, metrics_comm: Comm, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype):
+                 device: torch.device, compute_dtype: torch.dtype, pipeline: Any = None):
         self.module = module
+        # Pipeline parallelism (`parallel.pipeline.apply.PipelineTrainer`): `module` is this rank's stage and
+        # train_batch is the only way to train (the schedule interleaves the micro-batches' forwards/backwards).
+        self.pipeline = pipeline
         self.config = config
         self.optimizer_step = optimizer_step
         self.optimizer = optimizer_step.optimizer
@@ -122,6 +125,7 @@ class Engine:
         """Call the model. A single tuple/list (dict) argument is unpacked into positional (keyword)
         arguments when the model's forward takes more than one parameter, so `engine(batch)` works
         for `model(input_ids, labels)` as well as for `model(batch)`."""
+        self._refuse_under_pipeline("engine(batch)")
         if len(inputs) == 1 and not kwargs and self._unpack_args:
             if isinstance(inputs[0], (tuple, list)):
                 inputs = tuple(inputs[0])
@@ -142,6 +146,7 @@ class Engine:
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
+        self._refuse_under_pipeline("engine.backward(loss)")
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
@@ -175,6 +180,8 @@ class Engine:
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> float:
         """One global batch: gradient_accumulation_steps micro-batches from `data_iter`, one optimizer
         step. Returns the loss averaged over micro-batches and data-parallel ranks."""
+        if self.pipeline is not None:
+            return self.pipeline.train_batch(self, data_iter)
         if data_iter is None:
             raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches")
         total = torch.zeros((), dtype=torch.float32)
@@ -214,6 +221,8 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
+        self._refuse_tensor_parallel_checkpoint("save_checkpoint")
+        self._refuse_under_pipeline("engine.save_checkpoint")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         per_rank = self.optimizer_step.checkpoint_per_rank
         files: dict[str, Any] = {}
@@ -236,6 +245,8 @@ class Engine:
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        self._refuse_tensor_parallel_checkpoint("load_checkpoint")
+        self._refuse_under_pipeline("engine.load_checkpoint")
         path = ckpt.resolve_tag(load_dir, tag)
         if path is None:
             return None, None
@@ -256,8 +267,26 @@ class Engine:
         self.grad_sync.zero_grad()
         return str(path), state["client_state"]
 
+    def _refuse_tensor_parallel_checkpoint(self, what: str) -> None:
+        # Each TP rank holds different slices: one rank's state dict is not the model. Per-TP-rank files
+        # (mp_rank_XX) written under a world-wide barrier are still to be built.
+        tp = getattr(getattr(self.config, "tensor_parallel", None), "size", 1)
+        if tp > 1:
+            raise UserError(f"engine.{what} with tensor_parallel.size = {tp} is not implemented yet in this version; "
+                            f"gather the full weights with shardwise.parallel.tensor_parallel.gather_full_state_dict "
+                            f"(every rank calls it) and save them yourself, or train with tensor_parallel.size 1")
+
+    def _refuse_under_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            hint = ("train with engine.train_batch(data_iter)" if "checkpoint" not in what else
+                    "per-stage checkpoint files are not implemented yet in this version")
+            raise UserError(f"{what} is not available with pipeline.stages = {self.pipeline.stage.num_stages}: "
+                            f"{hint}")
+
     def close(self) -> None:
         self.grad_sync.close()
+        if self.pipeline is not None:
+            self.pipeline.runtime.close()
 
 
 def _forward_wants_unpacking(module: torch.nn.Module) -> bool:

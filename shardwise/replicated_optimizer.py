@@ -9,11 +9,14 @@ norm, steps, and casts the masters back into the model.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from shardwise.precision import LossScaler, grads_have_inf_or_nan
+
+if TYPE_CHECKING:
+    from shardwise.parallel.tensor_parallel.grads import TensorParallelGrads
 
 
 def param_groups_of(model_parameters: Iterable[Any]) -> list[dict]:
@@ -34,13 +37,15 @@ class ReplicatedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model_params: list[torch.nn.Parameter],
                  masters: list[torch.nn.Parameter] | None, scaler: LossScaler, clip: float,
-                 check_overflow: bool):
+                 check_overflow: bool, tp_grads: TensorParallelGrads | None = None):
         self.optimizer = optimizer
         self.model_params = model_params
         self.masters = masters
         self.scaler = scaler
         self.clip = clip
         self.check_overflow = check_overflow
+        # Tensor parallelism: the norm and the overflow verdict span the TP group (each rank holds slices).
+        self.tp_grads = tp_grads
         self.last_grad_norm: float | None = None
 
     @property
@@ -56,13 +61,18 @@ class ReplicatedOptimizer:
                     m.grad = torch.empty_like(m)
                 m.grad.copy_(p.grad)      # [shape] low precision -> fp32
         grads = [p.grad for p in self.stepped_params if p.grad is not None]
-        if self.check_overflow and grads_have_inf_or_nan(grads):
+        overflow = self.check_overflow and grads_have_inf_or_nan(grads)
+        if self.check_overflow and self.tp_grads is not None:
+            overflow = self.tp_grads.any_overflow(overflow)
+        if overflow:
             self.scaler.update(overflow=True)
             self.last_grad_norm = float("inf")
             return False
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
-        if self.clip > 0:
+        if self.clip > 0 and self.tp_grads is not None:
+            self.last_grad_norm = self.tp_grads.clip_(self.stepped_params, self.clip)
+        elif self.clip > 0:
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.stepped_params, self.clip))
         self.optimizer.step()
         if self.masters is not None:

@@ -36,14 +36,20 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                         f'version; use "none"')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
-    if model.tensor_parallel.size > 1:
+    if model.tensor_parallel.size > 1 and zero.stage > 0:
         refuse("tensor_parallel.size",
-               f"tensor_parallel.size = {model.tensor_parallel.size}: tensor parallelism is not implemented "
-               f"yet in this version; use 1")
-    if model.pipeline.stages > 1:
+               f"tensor_parallel.size = {model.tensor_parallel.size} with zero_optimization.stage {zero.stage}: "
+               f"tensor parallelism with ZeRO stages 1-3 is not implemented yet in this version; use "
+               f"zero_optimization.stage 0 or tensor_parallel.size 1")
+    pp = model.pipeline.stages
+    if pp > 1 and zero.stage == 3:
         refuse("pipeline.stages",
-               f"pipeline.stages = {model.pipeline.stages}: pipeline parallelism is not implemented yet in this "
-               f"version; use 1")
+               f"pipeline.stages = {pp} with zero_optimization.stage 3: pipeline parallelism with ZeRO stage 3 is "
+               f"not implemented yet in this version; use zero_optimization.stage 0, 1 or 2, or pipeline.stages 1")
+    if pp > 1 and model.tensor_parallel.size > 1:
+        refuse("pipeline.stages",
+               f"pipeline.stages = {pp} with tensor_parallel.size = {model.tensor_parallel.size}: pipeline and "
+               f"tensor parallelism together (3D) are not implemented yet in this version; set one of them to 1")
     checkpointing = model.activation_checkpointing
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(checkpointing, name):

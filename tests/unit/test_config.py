@@ -294,6 +294,13 @@ def test_pipeline_and_tensor_parallel_rules() -> None:
     sequence_parallel_alone = {**BASE, "tensor_parallel": {"sequence_parallel": True}}
     assert 'needs "tensor_parallel.size" > 1' in str(error_of(sequence_parallel_alone))
     assert load({"tensor_parallel": {"autotp_size": 0}}).tensor_parallel.size == 1  # DeepSpeed: 0 = off
+    piped = load_config_for_world({**BASE, "gradient_accumulation_steps": 4,
+                                   "pipeline": {"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
+                                                "partition": "parameters"}}, world_size=8)
+    assert piped.pipeline.stages == 2 and piped.pipeline.virtual_stages == 2 and piped.batch.dp_size == 4
+    assert piped.pipeline.schedule.value == "interleaved_1f1b" and piped.pipeline.partition.value == "parameters"
+    assert "(3D) are not implemented yet" in str(error_of(
+        {**BASE, "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}, dp_size=2))
 
 
 def test_zero_alternative_and_deprecated_spellings() -> None:
@@ -319,8 +326,8 @@ def test_zero_stage_3_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("extra,key", [
-    ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size"),
-    ({"pipeline": {"stages": 2}}, "pipeline.stages"),
+    ({"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1}}, "tensor_parallel.size"),
+    ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}}, "pipeline.stages"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
@@ -333,7 +340,7 @@ def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
 
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
     assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
-    err = error_of({"train_batch_size": 30, "pipeline": {"stages": 2}}, dp_size=4)
+    err = error_of({"train_batch_size": 30, "pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}}, dp_size=4)
     assert [p.key for p in err.problems] == ["train_batch_size", "pipeline.stages"]
 
 
@@ -389,6 +396,11 @@ def test_path_and_dict_give_the_same_config(tmp_path: Path) -> None:
 
 def test_world_size_gives_the_data_parallel_size() -> None:
     assert load_config_for_world(BASE, world_size=8).batch.dp_size == 8
+    tensor_parallel = load_config_for_world({**BASE, "tensor_parallel": {"size": 2, "sequence_parallel": True}},
+                                            world_size=8)
+    assert tensor_parallel.batch.dp_size == 4 and tensor_parallel.batch.micro_batch == 8
+    assert tensor_parallel.tensor_parallel.size == 2 and tensor_parallel.tensor_parallel.sequence_parallel
+    assert load_config_for_world({**BASE, "tensor_parallel": {"autotp_size": 4}}, world_size=4).batch.dp_size == 1
     with pytest.raises(ConfigError, match=r"world size 3 is not a multiple of tensor_parallel.size 2 \* "
                                           r"pipeline.stages 1 = 2"):
         load_config_for_world({**BASE, "tensor_parallel": {"size": 2}}, world_size=3)
@@ -408,7 +420,7 @@ def test_engine_config_is_frozen_and_keeps_a_raw_copy() -> None:
 
 
 def test_config_error_is_a_user_error_and_pickles() -> None:
-    err = error_of({**BASE, "tensor_parallel": {"size": 2}})
+    err = error_of({**BASE, "tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 2}})
     assert isinstance(err, UserError) and isinstance(err, ValueError)
     again = pickle.loads(pickle.dumps(err))
     assert again.key == err.key and str(again) == str(err)

@@ -78,7 +78,8 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
     plans = [type(plan)(plan.name, plan.module, [memo[id(p)] for p in plan.params], plan.is_root) for plan in plans]
     persistent = [memo[id(p)] for p in persistent]
     units = build_units(plans, key_of=lambda p: FlatKey(0 if p.requires_grad else None, p.dtype),
-                        shape_of=lambda p: shape_of[id(p)], dp_size=comm.size, dp_rank=comm.rank, device=device)
+                        shape_of=lambda p: shape_of[id(p)], dp_size=comm.size, dp_rank=comm.rank, device=device,
+                        grad_shards=False)          # the engine re-keys the flats by param group and adds them
     where = {id(p): (f, i) for u in units for f in u.flats for i, p in enumerate(f.params)}
     modules = list(model.named_modules())
     last_holder = {id(p): k for k, (_, m) in enumerate(modules) for p in m._parameters.values() if p is not None}

@@ -62,7 +62,7 @@ class FlatShard:
     layout: FlatLayout
     rank: int
     shard: torch.Tensor                  # [S]
-    full: torch.Tensor                   # [padded]; storage resized to 0 bytes while free
+    full: torch.Tensor | None            # [padded], allocated at the first gather; 0 bytes while free
     views: list[torch.Tensor]            # views[i] = full[off_i : off_i + n_i].view(shapes[i])
     empty: torch.Tensor                  # [0] placeholder every parameter points at while free
     grad_shard: torch.Tensor | None      # [S] averaged gradient, summed over micro-batches (optimized keys)
@@ -76,15 +76,13 @@ class FlatShard:
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
-                 dp_size: int, rank: int, device: torch.device) -> "FlatShard":
+                 dp_size: int, rank: int, device: torch.device, grad_shard: bool = True) -> "FlatShard":
+        """A zeroed shard (and, for an optimized key when `grad_shard`, a zeroed gradient shard)."""
         layout = FlatLayout(tuple(math.prod(s) for s in shapes), dp_size)
-        full = torch.empty(layout.padded_numel, dtype=key.dtype, device=device)
-        views = [full[o:o + n].view(s) for o, n, s in zip(layout.offsets, layout.sizes, shapes)]
-        _resize(full, 0)
         shard = torch.zeros(layout.shard_numel, dtype=key.dtype, device=device)
-        flat = cls(unit, key, params, list(shapes), layout, rank, shard, full, views,
+        flat = cls(unit, key, params, list(shapes), layout, rank, shard, None, [],
                    torch.empty(0, dtype=key.dtype, device=device),
-                   torch.zeros_like(shard) if key.group is not None else None)
+                   torch.zeros_like(shard) if key.group is not None and grad_shard else None)
         flat.pieces = {i: (lo, hi, dst) for i, lo, hi, dst in layout.pieces_in_shard(rank)}
         return flat
 
@@ -104,7 +102,12 @@ class FlatShard:
             self.shard[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
 
     def launch_gather(self, comm: Comm) -> Handle:
-        _resize(self.full, self.layout.padded_numel)
+        if self.full is None:
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.key.dtype, device=self.shard.device)
+            self.views = [self.full[o:o + n].view(s)
+                          for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
+        else:
+            _resize(self.full, self.layout.padded_numel)
         return comm.all_gather_into_tensor(self.full, self.shard, async_op=True)
 
     def attach(self) -> None:
@@ -114,7 +117,8 @@ class FlatShard:
     def release(self) -> None:
         for p in self.params:
             p.data = self.empty
-        _resize(self.full, 0)
+        if self.full is not None:
+            _resize(self.full, 0)
 
 
 @dataclass(eq=False)
@@ -229,7 +233,7 @@ def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistenc
 
 def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatKey],
                 shape_of: Callable[[nn.Parameter], torch.Size], dp_size: int, dp_rank: int,
-                device: torch.device) -> list[Unit]:
+                device: torch.device, grad_shards: bool = True) -> list[Unit]:
     """Units with zeroed shards (fill them with FlatShard.take); one flat per key, keys in first-seen order."""
     units = []
     for index, plan in enumerate(plans):
@@ -237,7 +241,7 @@ def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatK
         for p in plan.params:
             by_key.setdefault(key_of(p), []).append(p)
         flats = [FlatShard.allocate(index, key, ps, [shape_of(p) for p in ps], dp_size=dp_size, rank=dp_rank,
-                                    device=device) for key, ps in by_key.items()]
+                                    device=device, grad_shard=grad_shards) for key, ps in by_key.items()]
         units.append(Unit(index, plan.name, plan.module, flats, is_root=plan.is_root))
     return units
 

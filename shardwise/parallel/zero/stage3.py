@@ -41,6 +41,12 @@ def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward: a forward now is activation recomputation, whose unit must stay
+    gathered for the backward that follows it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class ZeroParamRuntime:
     """The engine's `grad_sync` for stage 3 (`begin_backward`, `end_backward`, `zero_grad`, `grad_bytes`,
     `close`) and the hooks that gather and free the parameters of `module`."""
@@ -61,6 +67,9 @@ class ZeroParamRuntime:
         self.live_numel = 0                     # elements of the units gathered or being gathered
         self.peak_live_numel = 0
         self.loaded_placeholders = False        # the last load_state_dict got ZeRO-3 placeholders
+        # Debugging aid (tests): fill a unit's buffer with NaN before freeing it, so that a computation reading
+        # parameters after their unit was freed (memory the allocator has not reused yet) shows up as NaN.
+        self.poison_freed = False
         self._order: list[Unit] = []            # non-root units in the order the last forward ran them
         self._position: dict[int, int] = {}
         self._running: list[Unit] = []
@@ -123,6 +132,10 @@ class ZeroParamRuntime:
 
     def _free(self, u: Unit) -> None:
         if u.state is not UnitState.FREE:
+            u.wait()
+            if self.poison_freed:
+                for f in u.flats:
+                    f.full.fill_(float("nan"))
             u.free()
             self.live_numel -= u.padded_numel
 
@@ -147,6 +160,9 @@ class ZeroParamRuntime:
         self._prefetch(self._order)
 
     def _pre_forward(self, u: Unit, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            self._gather_now(u)
+            return
         self._running.append(u)
         self._gather_now(u)
         pos = self._position.get(id(u))
@@ -154,6 +170,8 @@ class ZeroParamRuntime:
             self._prefetch(self._order[pos + 1:])
 
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
         tensors = _grad_tensors(output)
         if tensors:
             self._expect_backward = True

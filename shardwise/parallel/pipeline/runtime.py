@@ -1,0 +1,342 @@
+"""Execute one stage's schedule: forwards and backwards of micro-batches, with asynchronous p2p.
+
+    runtime = PipelineRuntime(stage_module, pp_comm, schedule="1f1b", num_microbatches=M)
+    result = runtime.step(micro_batches)     # [(inputs, labels)] * M on the first/last stage, else None
+    result.loss, result.records, result.peak_in_flight
+
+Each action of the stage's list (`build_schedule`) runs as: take its input (the data batch, or a
+received activation / gradient, see `transfers`), post the receive of the *next* action's input, compute,
+then post the send of the output. Sends are never waited on by this thread (`p2p.Wire`).
+
+F(m, v): the chunk's forward on micro-batch m. Received activations become leaves that require grad; the
+output is sent and its data freed as soon as the send completes (only its autograd node is kept: the
+backward root needs no data). The last model chunk also computes ``loss_fn(output, labels) / M`` (times the
+loss scale), the root of its backward.
+B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
+the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
+over the micro-batches; `GradSync.begin_backward(boundary)` / `end_backward(boundary)` bracket every
+backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it.
+
+Measured, not assumed: `ActivationMeter` follows every tensor autograd saves during each forward (weakref
+finalizers, parameters and data excluded) until it is freed, giving the peak number of micro-batch chunks
+whose activations are alive at once and their bytes; per-action (stage, action, start, end) times feed
+`Timeline.from_records`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from shardwise.comm.collectives import Comm
+from shardwise.config.resolved import PipelineSchedule
+from shardwise.parallel.pipeline.p2p import TensorMeta, Wire
+from shardwise.parallel.pipeline.schedules import (
+    Action, Message, Op, PipelineError, build_schedule, format_actions, parse_schedule_kind, transfers)
+from shardwise.parallel.pipeline.simulate import ActionRecord
+from shardwise.parallel.pipeline.stage import PipelineStage
+
+
+class GradSync(Protocol):
+    """The engine's gradient synchronisation (`BucketedAllReduce`, `ZeroGradReducer`)."""
+
+    def begin_backward(self, boundary: bool) -> None: ...
+
+    def end_backward(self, boundary: bool) -> None: ...
+
+
+@dataclass
+class StepResult:
+    """One pipeline step on one stage."""
+
+    stage: int
+    losses: list[float]
+    """Loss of each micro-batch (unscaled, before the division by M); only on the stage with the last chunk."""
+    records: list[ActionRecord]
+    """(stage, action, start, end) of every action, in `time.perf_counter` seconds."""
+    peak_in_flight: int
+    """Most (micro-batch, chunk) forwards whose saved activations were alive at once."""
+    peak_activation_bytes: int
+    """Most bytes of saved activations alive at once (storages counted once)."""
+
+    @property
+    def loss(self) -> float | None:
+        """Mean loss over the micro-batches (the step's loss), on the last stage; else None."""
+        return sum(self.losses) / len(self.losses) if self.losses else None
+
+
+class ActivationMeter:
+    """Tensors autograd saves for backward, per key, followed until they are freed."""
+
+    def __init__(self) -> None:
+        self._live: dict[Any, int] = {}            # key -> saved tensors still alive
+        self._storages: dict[Any, set[int]] = {}   # key -> storages counted
+        self._bytes: dict[Any, int] = {}
+        self._total = 0
+        self.peak_count = 0
+        self.peak_bytes = 0
+
+    def reset_peaks(self) -> None:
+        self.peak_count, self.peak_bytes = len(self._live), self._total
+
+    @property
+    def live_keys(self) -> list[Any]:
+        return list(self._live)
+
+    @contextlib.contextmanager
+    def track(self, key: Any, skip: Iterable[Tensor]) -> Iterator[None]:
+        """Attribute to ``key`` what autograd saves in this block, except storages of ``skip`` (parameters,
+        data batches: they outlive the micro-batch by design)."""
+        skipped = {_storage_ptr(t) for t in skip}
+
+        def pack(t: Tensor) -> Tensor:
+            ptr = _storage_ptr(t)
+            if ptr is None or ptr in skipped:
+                return t
+            self._live[key] = self._live.get(key, 0) + 1
+            seen = self._storages.setdefault(key, set())
+            if ptr not in seen:
+                seen.add(ptr)
+                size = t.untyped_storage().nbytes()
+                self._bytes[key] = self._bytes.get(key, 0) + size
+                self._total += size
+            weakref.finalize(t, self._release, key)
+            self.peak_count = max(self.peak_count, len(self._live))
+            self.peak_bytes = max(self.peak_bytes, self._total)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def _release(self, key: Any) -> None:
+        self._live[key] -= 1
+        if self._live[key] == 0:
+            del self._live[key]
+            del self._storages[key]
+            self._total -= self._bytes.pop(key)
+
+
+def _storage_ptr(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # tensors without storage (meta, sparse)
+        return None
+
+
+@dataclass
+class _Slot:
+    """What F(m, v) keeps for B(m, v)."""
+
+    inputs: list[Tensor]                  # received activations that require grad: their .grad goes back
+    outputs: list[Tensor]                 # outputs that require grad: the backward roots (data freed once sent)
+    out_metas: list[TensorMeta]           # their shapes: the gradients to receive
+    loss: Tensor | None = None            # last chunk: loss / M * loss_scale
+    local_out: list[Tensor] = field(default_factory=list)
+
+
+def _flatten(value: Any, where: str) -> list[Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(torch.is_tensor(v) for v in value):
+        return list(value)
+    raise PipelineError(f"{where} gave a {type(value).__name__}: values passed between pipeline stages must be a "
+                        f"tensor or a tuple of tensors")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _free_data(t: Tensor) -> None:
+    """Drop ``t``'s activation data and keep its autograd node (Megatron's output deallocation): the
+    backward root only needs the node and the shape (a 1-element expanded placeholder keeps the shape)."""
+    if t._base is None:   # a view shares its base's storage: nothing to free
+        t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+
+
+class PipelineRuntime:
+    """Runs ``stage``'s actions of one schedule; ``comm`` is the pipeline group (group rank = stage)."""
+
+    def __init__(self, stage: PipelineStage, comm: Comm, *, schedule: str | PipelineSchedule, num_microbatches: int,
+                 device: torch.device | None = None) -> None:
+        if comm.size != stage.num_stages or comm.rank != stage.stage:
+            raise PipelineError(f"the pipeline group has {comm.size} rank(s) and this is rank {comm.rank}, but the "
+                                f"stage module is stage {stage.stage} of {stage.num_stages}: they must match")
+        self.stage = stage
+        self.comm = comm
+        self.kind = parse_schedule_kind(schedule)
+        self.num_microbatches = num_microbatches
+        self.device = device if device is not None else _module_device(stage)
+        self.actions: list[Action] = build_schedule(
+            self.kind, num_stages=stage.num_stages, num_microbatches=num_microbatches,
+            virtual_stages=stage.virtual_stages)[stage.stage]
+        self.plan = [transfers(a, stage=stage.stage, num_stages=stage.num_stages, virtual_stages=stage.virtual_stages)
+                     for a in self.actions]
+        self._last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
+        self.wire = Wire(comm, num_model_chunks=stage.num_model_chunks, device=self.device)
+        self.meter = ActivationMeter()
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._local: dict[Message, list[Tensor]] = {}   # hand-offs between chunks of this stage (P = 1)
+
+    def describe(self) -> str:
+        return f"{self.stage.describe()}\n  {self.kind.value}: {format_actions(self.actions)}"
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self, micro_batches: Sequence[Any] | None, *, loss_scale: float = 1.0,
+             grad_sync: GradSync | None = None) -> StepResult:
+        """Run every action of one global batch. ``micro_batches``: M pairs (inputs, labels) on a stage that
+        holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
+        elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
+        needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
+        batches = self._check_batches(micro_batches) if needs_data else []
+        self.wire.begin_step()
+        self.meter.reset_peaks()
+        skip = list(self.stage.parameters()) + list(self.stage.buffers())
+        losses: dict[int, float] = {}
+        records = []
+        for i, action in enumerate(self.actions):
+            inputs = self._take_input(i)
+            if i + 1 < len(self.actions):
+                self._post_input(i + 1)
+            start = time.perf_counter()
+            if action.op is Op.FORWARD:
+                self._forward(i, inputs, batches, skip, losses, loss_scale)
+            else:
+                self._backward(i, inputs, grad_sync)
+            records.append(ActionRecord(self.stage.stage, action, start, time.perf_counter()))
+            del inputs
+        self.wire.end_step()
+        if self._slots or self._local:
+            raise PipelineError(f"stage {self.stage.stage}: micro-batches left without backward after the step: "
+                                f"{sorted(self._slots)}")
+        return StepResult(stage=self.stage.stage, losses=[losses[m] for m in sorted(losses)], records=records,
+                          peak_in_flight=self.meter.peak_count, peak_activation_bytes=self.meter.peak_bytes)
+
+    def close(self) -> None:
+        self.wire.close()
+
+    def _check_batches(self, micro_batches: Sequence[Any] | None) -> list[tuple[Any, Any]]:
+        if micro_batches is None or len(micro_batches) != self.num_microbatches:
+            got = "None" if micro_batches is None else f"{len(micro_batches)}"
+            raise PipelineError(f"stage {self.stage.stage} holds the first or last layers and needs "
+                                f"{self.num_microbatches} micro-batches (gradient_accumulation_steps) per step, "
+                                f"got {got}")
+        out = []
+        for m, mb in enumerate(micro_batches):
+            if not (isinstance(mb, (tuple, list)) and len(mb) == 2):
+                raise PipelineError(f"micro-batch {m} is a {type(mb).__name__}: a pipeline micro-batch must be a pair "
+                                    f"(inputs, labels); the first stage reads the inputs, the last the labels")
+            out.append((_to_device(mb[0], self.device), _to_device(mb[1], self.device)))
+        return out
+
+    # -- inputs -------------------------------------------------------------------------------------
+    def _grad_metas(self, message: Message) -> list[TensorMeta] | None:
+        """Shapes of a gradient to receive: those of this stage's own output (None until its forward ran)."""
+        slot = self._slots.get((message.microbatch, (message.source - 1) // self.stage.num_stages))
+        return None if slot is None else slot.out_metas
+
+    def _post_input(self, i: int) -> None:
+        t = self.plan[i]
+        if t.recv is None or t.recv_local:
+            return
+        message = t.recv.message
+        if message.op is Op.FORWARD:
+            self.wire.post(message, t.recv.peer)
+        else:
+            metas = self._grad_metas(message)
+            if metas is not None:
+                self.wire.post(message, t.recv.peer, metas)
+
+    def _take_input(self, i: int) -> list[Tensor] | None:
+        t = self.plan[i]
+        if t.recv is None:
+            return None
+        message = t.recv.message
+        if t.recv_local:
+            tensors = self._local.pop(message)
+            if message.op is Op.FORWARD:
+                return [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+            return tensors
+        if message.op is Op.FORWARD:
+            return self.wire.take(message, t.recv.peer)
+        metas = self._grad_metas(message)
+        assert metas is not None, f"{self.actions[i]} runs before its forward"   # validate_schedule forbids it
+        return self.wire.take(message, t.recv.peer, metas)
+
+    # -- compute ------------------------------------------------------------------------------------
+    def _forward(self, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]], skip: list[Tensor],
+                 losses: dict[int, float], loss_scale: float) -> None:
+        action, t = self.actions[i], self.plan[i]
+        m, v = action.microbatch, action.chunk
+        chunk = self.stage.chunks[v]
+        where = f"model chunk {chunk.model_chunk} ({chunk.names[0]}..{chunk.names[-1]})"
+        data: list[Tensor] = []
+        if self.stage.is_first(v):
+            x = batches[m][0]
+            data += _flatten(x, f"micro-batch {m}'s inputs")
+        else:
+            assert received is not None
+            x = received[0] if len(received) == 1 else tuple(received)
+        if self.stage.is_last(v):
+            data += [y for y in _flatten(batches[m][1], f"micro-batch {m}'s labels")]
+        with self.meter.track((m, v), skip + data):
+            out = chunk(x)
+            loss = self.stage.loss_fn(out, batches[m][1]) if self.stage.is_last(v) else None
+        slot = _Slot(inputs=[r for r in (received or []) if r.requires_grad], outputs=[], out_metas=[])
+        self._slots[(m, v)] = slot
+        if loss is not None:
+            if not (torch.is_tensor(loss) and loss.dim() == 0):
+                raise PipelineError(f"the loss function returned {type(loss).__name__} "
+                                    f"{list(loss.shape) if torch.is_tensor(loss) else ''}: it must return a scalar "
+                                    f"tensor (the mean loss of the micro-batch)")
+            losses[m] = float(loss.detach())
+            slot.loss = loss.float() / self.num_microbatches * loss_scale
+            return
+        outs = _flatten(out, where)
+        slot.outputs = [o for o in outs if o.requires_grad]
+        slot.out_metas = [TensorMeta.of(o) for o in slot.outputs]
+        assert t.send is not None
+        if t.send_local:
+            self._local[t.send.message] = outs
+            return
+        self.wire.send(t.send.message, t.send.peer, [o.detach().contiguous() for o in outs],
+                       requires_grad=[o.requires_grad for o in outs])
+        for o in slot.outputs:
+            _free_data(o)
+
+    def _backward(self, i: int, grads: list[Tensor] | None, grad_sync: GradSync | None) -> None:
+        action, t = self.actions[i], self.plan[i]
+        slot = self._slots.pop((action.microbatch, action.chunk))
+        boundary = i == self._last_backward
+        if grad_sync is not None:
+            grad_sync.begin_backward(boundary)
+        if slot.loss is not None:
+            torch.autograd.backward(slot.loss)
+        elif slot.outputs:
+            assert grads is not None and len(grads) == len(slot.outputs)
+            torch.autograd.backward(slot.outputs, grads)
+        if grad_sync is not None:
+            grad_sync.end_backward(boundary)
+        if t.send is None:
+            return
+        back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in slot.inputs]
+        if t.send_local:
+            self._local[t.send.message] = back
+        else:
+            self.wire.send(t.send.message, t.send.peer, back)
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,278 @@
+"""Cut a model into pipeline stages: each rank keeps only its own layers, as V model chunks.
+
+A pipelined model is a sequence of L layers plus a loss function. Three forms are accepted:
+
+- the built-in `GPT`: its ``blocks`` are the L layers; ``embed`` is glued in front of the first model
+  chunk and ``head`` behind the last one, and ``GPT.loss`` is the loss;
+- a `PipelineModel(layers, loss_fn)` (DeepSpeed's PipelineModule without the built-in partitioning);
+- an ``nn.Sequential`` or a list of layers, with ``loss_fn=`` given to `split_model`.
+
+`split_model` cuts the layers into P * V contiguous model chunks with `partition_layers` (costs: one per
+layer for "uniform", parameter counts for "parameters", forward FLOPs of one sample for "flops"; the
+embed's and head's costs count with the first and last layer, since they always travel with them) and
+returns the `PipelineStage` of one rank: its V chunks, in local order (local chunk v = model chunk
+v * P + stage). The chunks hold the very modules of the full model, so a run that builds the full model
+from one seed on every rank starts bit-identical to the single-process model;
+`release_unowned` then frees the parameters this rank does not hold.
+
+Layers pass one value along: a tensor or a tuple of tensors (a layer gets it as its one argument).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from shardwise.config.resolved import PipelinePartition
+from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
+from shardwise.parallel.pipeline.schedules import PipelineError
+
+LossFn = Callable[[Any, Any], Tensor]
+"""loss_fn(outputs of the last layer, labels) -> scalar loss of one micro-batch (a mean over its samples)."""
+
+
+class PipelineModel(nn.Module):
+    """A model given as a sequence of layers plus a loss function, ready to be split into stages.
+
+    Single-process it is an ordinary model: ``model(inputs)`` runs every layer, ``model(inputs, labels)``
+    returns ``loss_fn(outputs, labels)``. ``sample_input`` (one micro-batch of inputs, a sample is enough)
+    is only needed for ``"partition": "flops"``, which counts each layer's forward FLOPs on it.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential, loss_fn: LossFn, *,
+                 sample_input: Any = None) -> None:
+        super().__init__()
+        if not callable(loss_fn):
+            raise PipelineError(f"PipelineModel: loss_fn must be callable(outputs, labels) -> loss, got "
+                                f"{type(loss_fn).__name__}")
+        self.layers = nn.ModuleList(layers)
+        if len(self.layers) == 0:
+            raise PipelineError("PipelineModel: layers is empty; give at least one layer per pipeline stage")
+        self.loss_fn = loss_fn
+        self.sample_input = sample_input
+
+    def forward(self, inputs: Any, labels: Any = None) -> Any:
+        x = inputs
+        for layer in self.layers:
+            x = layer(x)
+        return x if labels is None else self.loss_fn(x, labels)
+
+
+@dataclass
+class _Layers:
+    """A model seen as a pipeline: named layers to partition, fixed layers glued to both ends, a loss."""
+
+    items: list[tuple[str, nn.Module]]
+    loss_fn: LossFn
+    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)   # travel with the first layer
+    suffix: list[tuple[str, nn.Module]] = field(default_factory=list)   # travel with the last layer
+    sample_input: Any = None
+
+
+def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
+    from shardwise.models.gpt import GPT
+    if isinstance(model, GPT):
+        sample = torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device=model.embed.tok.weight.device)
+        return _Layers(items=[(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], loss_fn=loss_fn or GPT.loss,
+                       prefix=[("embed", model.embed)], suffix=[("head", model.head)], sample_input=sample)
+    if isinstance(model, PipelineModel):
+        return _Layers(items=[(f"layers.{i}", m) for i, m in enumerate(model.layers)],
+                       loss_fn=loss_fn or model.loss_fn, sample_input=model.sample_input)
+    if isinstance(model, nn.Sequential) or (isinstance(model, (list, tuple))
+                                            and all(isinstance(m, nn.Module) for m in model)):
+        named = list(model.named_children()) if isinstance(model, nn.Sequential) else \
+            [(str(i), m) for i, m in enumerate(model)]
+        if loss_fn is None:
+            raise PipelineError(f"a pipelined {type(model).__name__} needs a loss function: pass loss_fn= (or wrap "
+                                f"the layers in shardwise.parallel.pipeline.PipelineModel(layers, loss_fn))")
+        if not named:
+            raise PipelineError("the layer list is empty; give at least one layer per pipeline stage")
+        return _Layers(items=named, loss_fn=loss_fn)
+    raise PipelineError(f"cannot split a {type(model).__name__} into pipeline stages: give the built-in GPT, a "
+                        f"shardwise.parallel.pipeline.PipelineModel(layers, loss_fn), or an nn.Sequential / list "
+                        f"of layers together with loss_fn=")
+
+
+# ----- partition costs -----
+
+def _param_count(modules: Sequence[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _no_side_effects(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """No autograd, no RNG draw (dropout would shift the stream the reference run sees), eval mode."""
+    modes = [m.training for m in modules]
+    devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_initialized() else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for m in modules:
+                m.eval()
+            yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def _flop_counts(layers: _Layers) -> list[int]:
+    """Forward FLOPs of each layer on ``sample_input`` (prefix counted in the first, suffix in the last)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    if layers.sample_input is None:
+        raise PipelineError('pipeline.partition = "flops" needs a sample micro-batch to count each layer\'s FLOPs: '
+                            'build PipelineModel(layers, loss_fn, sample_input=...) (or pass sample_input= to '
+                            'split_model), or use partition "parameters" or "uniform"')
+    ordered = [m for _, m in layers.prefix + layers.items + layers.suffix]
+    counts = []
+    x = layers.sample_input
+    with _no_side_effects(ordered):
+        for module in ordered:
+            with FlopCounterMode(display=False) as counter:
+                x = module(x)
+            counts.append(counter.get_total_flops())
+    head = len(layers.prefix)
+    per_item = counts[head:head + len(layers.items)]
+    per_item[0] += sum(counts[:head])
+    per_item[-1] += sum(counts[head + len(layers.items):])
+    return per_item
+
+
+def layer_costs(model: Any, method: str | PipelinePartition, *, loss_fn: LossFn | None = None,
+                sample_input: Any = None) -> list[float]:
+    """The per-layer costs `partition_layers` balances: 1 each ("uniform"), parameter counts ("parameters")
+    or forward FLOPs of one sample micro-batch ("flops"); embed/head costs are added to the first/last layer."""
+    return _costs(_with_sample(_as_layers(model, loss_fn), sample_input), parse_partition_method(method))
+
+
+def _with_sample(layers: _Layers, sample_input: Any) -> _Layers:
+    if sample_input is not None:
+        layers.sample_input = sample_input
+    return layers
+
+
+def _costs(layers: _Layers, method: PipelinePartition) -> list[float]:
+    if method is PipelinePartition.UNIFORM:
+        return [1.0] * len(layers.items)
+    if method is PipelinePartition.PARAMETERS:
+        costs = [float(_param_count([m])) for _, m in layers.items]
+        costs[0] += _param_count([m for _, m in layers.prefix])
+        costs[-1] += _param_count([m for _, m in layers.suffix])
+        return costs
+    return [float(c) for c in _flop_counts(layers)]
+
+
+# ----- the stage modules -----
+
+class StageChunk(nn.Module):
+    """One model chunk: contiguous layers run in order. ``names[j]`` is layer j's name in the full model."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, model_chunk: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(m for _, m in layers)
+        self.names = [n for n, _ in layers]
+        self.model_chunk = model_chunk
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"model_chunk={self.model_chunk}, layers={self.names[0]}..{self.names[-1]}"
+
+
+class PipelineStage(nn.Module):
+    """What one pipeline rank holds: its V model chunks (``chunks[v]`` is model chunk v * P + stage)."""
+
+    def __init__(self, chunks: Sequence[StageChunk], *, stage: int, num_stages: int, virtual_stages: int,
+                 loss_fn: LossFn, layer_ranges: Sequence[range]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.virtual_stages = virtual_stages
+        self.loss_fn = loss_fn
+        self.layer_ranges = list(layer_ranges)
+        """Indices (into the partitioned layers, e.g. GPT blocks) of each local chunk."""
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.num_stages * self.virtual_stages
+
+    def model_chunk(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage
+
+    def is_first(self, chunk: int) -> bool:
+        """Does local ``chunk`` take the data batch's inputs?"""
+        return self.model_chunk(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        """Does local ``chunk`` compute the loss?"""
+        return self.model_chunk(chunk) == self.num_model_chunks - 1
+
+    def full_names(self) -> dict[str, str]:
+        """This module's state-dict keys -> the full model's keys."""
+        out = {}
+        for v, chunk in enumerate(self.chunks):
+            for j, (name, layer) in enumerate(zip(chunk.names, chunk.layers)):
+                for key in layer.state_dict(keep_vars=True):
+                    out[f"chunks.{v}.layers.{j}.{key}"] = f"{name}.{key}"
+        return out
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """This stage's parameters and buffers under the full model's names (gather all stages' to rebuild it)."""
+        names = self.full_names()
+        return {names[k]: t for k, t in self.state_dict().items()}
+
+    def describe(self) -> str:
+        parts = [f"chunk {v} (model chunk {self.model_chunk(v)}): {c.names[0]}..{c.names[-1]}"
+                 for v, c in enumerate(self.chunks)]
+        return f"stage {self.stage}/{self.num_stages}: " + "; ".join(parts)
+
+
+def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int = 1,
+                partition: str | PipelinePartition = PipelinePartition.UNIFORM, loss_fn: LossFn | None = None,
+                sample_input: Any = None) -> PipelineStage:
+    """The `PipelineStage` of ``stage``: its chunks of ``model`` (see the module docstring for the forms).
+
+    Raises `PipelineError` for more stages (or chunks) than layers, virtual stages that do not divide the
+    layers under "uniform", a GPT with tied embeddings split across stages, and unsplittable models.
+    """
+    layers = _with_sample(_as_layers(model, loss_fn), sample_input)
+    if not 0 <= stage < num_stages:
+        raise PipelineError(f"stage = {stage} is outside 0..{num_stages - 1} for {num_stages} pipeline stage(s)")
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    if tied and num_stages > 1:
+        raise PipelineError("a GPT with tie_embeddings = true cannot be split over pipeline stages yet: the "
+                            "embedding (first stage) and the lm-head (last stage) share one weight; build the model "
+                            "with tie_embeddings=False or use pipeline.stages = 1")
+    method = parse_partition_method(partition)
+    ranges = partition_layers(_costs(layers, method), num_stages, method, virtual_stages=virtual_stages)
+    last = len(ranges) - 1
+    chunks, local_ranges = [], stage_layers(ranges, stage=stage, num_stages=num_stages)
+    for v, r in enumerate(local_ranges):
+        k = v * num_stages + stage
+        named = (layers.prefix if k == 0 else []) + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
+        chunks.append(StageChunk(named, model_chunk=k))
+    return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
+                         loss_fn=layers.loss_fn, layer_ranges=local_ranges)
+
+
+@torch.no_grad()
+def release_unowned(model: nn.Module, stage: PipelineStage) -> int:
+    """Free every parameter and buffer of ``model`` that ``stage`` does not hold (their data becomes an
+    empty tensor, so a stray use fails loudly). Returns the bytes released."""
+    owned = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+    released = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in owned and t.numel() > 0:
+            released += t.numel() * t.element_size()
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return released

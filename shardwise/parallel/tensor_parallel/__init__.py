@@ -1,0 +1,38 @@
+"""Megatron-style tensor parallelism: layers cut from full layers, conjugate communication operators, a
+vocabulary-parallel loss, and plans that apply them to a model.
+
+    from shardwise.parallel.tensor_parallel import parallelize_gpt, gather_full_state_dict
+    info = parallelize_gpt(model, tp_comm, sequence_parallel=True)   # in place; model(ids, labels) -> loss
+
+Files: `mappings.py` (autograd comm operators), `layers.py` (ColumnParallelLinear, RowParallelLinear,
+VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (apply_tensor_parallel and the
+styles), `models.py` (GPT and Hugging Face plans, validation, `parallelize_model`), `grads.py` (global norm,
+overflow agreement, gathering the full state dict).
+"""
+
+from shardwise.parallel.tensor_parallel.grads import (
+    TensorParallelGrads, gather_full_state_dict, load_full_state_dict,
+)
+from shardwise.parallel.tensor_parallel.layers import (
+    TP_DIM_ATTR, ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding,
+    is_tensor_parallel_shard,
+)
+from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss, vocab_parallel_cross_entropy
+from shardwise.parallel.tensor_parallel.mappings import (
+    copy_to_region, gather_from_last_dim, gather_from_sequence, reduce_from_region, reduce_scatter_to_sequence,
+    scatter_to_last_dim, scatter_to_sequence, sum_grad_over_region,
+)
+from shardwise.parallel.tensor_parallel.models import (
+    gpt_tp_plan, hf_tp_plan, parallelize_gpt, parallelize_hf, parallelize_model, validate_gpt, validate_hf,
+)
+from shardwise.parallel.tensor_parallel.plan import Style, TensorParallelInfo, apply_tensor_parallel, resolve_plan
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TP_DIM_ATTR", "TensorParallelError",
+    "is_tensor_parallel_shard", "vocab_parallel_cross_entropy", "VocabParallelLoss",
+    "copy_to_region", "reduce_from_region", "gather_from_sequence", "reduce_scatter_to_sequence",
+    "scatter_to_sequence", "gather_from_last_dim", "scatter_to_last_dim", "sum_grad_over_region",
+    "Style", "TensorParallelInfo", "apply_tensor_parallel", "resolve_plan",
+    "gpt_tp_plan", "parallelize_gpt", "validate_gpt", "hf_tp_plan", "parallelize_hf", "validate_hf",
+    "parallelize_model", "TensorParallelGrads", "gather_full_state_dict", "load_full_state_dict",
+]

@@ -1,0 +1,230 @@
+"""Plans for known model families, their validation, and the engine's entry point `parallelize_model`.
+
+- The built-in GPT: `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which also installs the
+  vocabulary-parallel loss, so the full logits are never gathered.
+- Hugging Face models that publish `config.base_model_tp_plan` (Llama family): `hf_tp_plan` reads the
+  plan as transformers resolves it (the base model's plan under its prefix, the input embedding split by
+  vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and `parallelize_hf`
+  applies it and adjusts the attention modules' head counts.
+- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `plan.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
+from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
+from shardwise.parallel.tensor_parallel.plan import (
+    COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, pattern_regex, resolve_plan,
+)
+
+# -- the built-in GPT ---------------------------------------------------------------------------------
+
+
+def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = True) -> dict[str, Style]:
+    """Megatron's layout for `shardwise.models.GPT`. Per block, without sequence parallelism: the attention
+    input enters the region once (all-reduce backward), q/k/v column-parallel (heads split), o_proj
+    row-parallel (all-reduce forward); fc_in column-parallel (all-reduce backward), fc_out row-parallel
+    (all-reduce forward). The token table is split by vocabulary, the lm-head by vocabulary columns (its
+    logits stay sharded for the vocabulary-parallel loss).
+
+    With sequence parallelism the residual stream between blocks is [b, s/t, h]: the norms run on
+    sequence shards, each all-reduce becomes an all-gather entering a region and a reduce-scatter
+    leaving it. Learned positions are added to the replicated token embeddings, which are then split
+    (`sequence_scatter`); without them the embedding reduce-scatters directly (`vocab_sp`)."""
+    blocks = "blocks.*"
+    if not sequence_parallel:
+        return {
+            "embed.tok": Style.VOCAB,
+            f"{blocks}.attn": Style.REGION,
+            f"{blocks}.attn.q_proj": Style.COLWISE,
+            f"{blocks}.attn.k_proj": Style.COLWISE,
+            f"{blocks}.attn.v_proj": Style.COLWISE,
+            f"{blocks}.attn.o_proj": Style.ROWWISE,
+            f"{blocks}.mlp.fc_in": Style.COLWISE,
+            f"{blocks}.mlp.fc_out": Style.ROWWISE,
+            "head.lm_head": Style.COLWISE,
+        }
+    embedding = ({"embed.tok": Style.VOCAB, "embed": Style.SEQUENCE_SCATTER} if learned_positions
+                 else {"embed.tok": Style.VOCAB_SP})
+    return {
+        **embedding,
+        f"{blocks}.ln_1": Style.SEQUENCE_PARALLEL,
+        f"{blocks}.attn": Style.REGION_SP,
+        f"{blocks}.attn.q_proj": Style.COLWISE,
+        f"{blocks}.attn.k_proj": Style.COLWISE,
+        f"{blocks}.attn.v_proj": Style.COLWISE,
+        f"{blocks}.attn.o_proj": Style.ROWWISE_SP,
+        f"{blocks}.ln_2": Style.SEQUENCE_PARALLEL,
+        f"{blocks}.mlp.fc_in": Style.COLWISE_SP,
+        f"{blocks}.mlp.fc_out": Style.ROWWISE_SP,
+        "head.norm": Style.SEQUENCE_PARALLEL,
+        "head.lm_head": Style.COLWISE_SP,
+    }
+
+
+def _divisors(n: int, limit: int = 64) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _size_problems(sizes: list[tuple[str, int, str]], tp: int) -> list[str]:
+    return [not_divisible(what, value, tp, f"{why}; use a tensor_parallel.size dividing {value} "
+                                           f"({_divisors(value)}) or change the model")
+            for what, value, why in sizes if isinstance(value, int) and value % tp]
+
+
+def validate_gpt(cfg: Any, tp: int) -> list[str]:
+    """Problems splitting a `GPTConfig` over `tp` ranks (empty: it splits)."""
+    return _size_problems([
+        ("n_head (attention heads)", cfg.n_head, "each rank computes whole attention heads"),
+        ("n_kv_head (key/value heads)", cfg.n_kv_head, "each rank holds whole key/value heads"),
+        ("d_model (hidden size)", cfg.d_model, "the attention output projection is split by hidden features"),
+        ("d_ff (FFN size)", cfg.d_ff, "each rank holds d_ff / size MLP features"),
+        ("vocab_size", cfg.vocab_size, "the embedding and the lm-head are split by vocabulary rows"),
+    ], tp)
+
+
+def _raise_if(problems: list[str], tp: int, what: str) -> None:
+    if problems:
+        raise TensorParallelError(f"tensor_parallel.size = {tp} cannot split {what}:\n  - " + "\n  - ".join(problems))
+
+
+def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
+    """Split a `shardwise.models.GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
+    `model(ids, labels)`) the vocabulary-parallel cross-entropy. `model(ids)` then returns this rank's
+    vocabulary shard of the logits, [b, s, vocab / t]."""
+    _raise_if(validate_gpt(model.cfg, comm.size), comm.size, "this GPT")
+    plan = gpt_tp_plan(sequence_parallel, learned_positions=model.cfg.positions == "learned")
+    info = apply_tensor_parallel(model, comm, plan)
+    model.loss = VocabParallelLoss(comm)   # shadows the static GPT.loss on this instance only
+    return info
+
+
+# -- Hugging Face models ------------------------------------------------------------------------------
+
+HF_STYLES: dict[str, Style | None] = {
+    "colwise": Style.COLWISE,
+    "rowwise": Style.ROWWISE,                  # on an nn.Embedding: vocabulary split
+    "colwise_rep": Style.COLWISE_REP,
+    "colwise_gather_output": Style.COLWISE_REP,
+    "rowwise_rep": Style.ROWWISE_REP,
+    "rowwise_split_input": Style.ROWWISE_REP,
+    "embedding_rowwise": Style.VOCAB,
+    "replicated_with_grad_allreduce": Style.GRAD_ALLREDUCE,
+    "replicate": None,                         # every rank keeps the full module: nothing to do
+}
+"""transformers' tensor-parallel style strings -> ours (None: leave the module whole)."""
+
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "hidden_size",
+                    "all_head_size", "embed_dim")
+"""Integer attributes of an attention module that count its heads or their total width; attention code
+written before the `view(*shape, -1, head_dim)` idiom reshapes with them, so they become per-rank."""
+
+_QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "base_model_tp_plan", None))
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan in transformers' strings, resolved as transformers does: the base
+    model's `config.base_model_tp_plan` under its `base_model_prefix`, its `embed_tokens` split by vocabulary
+    unless named, and the head module's class-level `_tp_plan` (e.g. {"lm_head": "colwise_gather_output"})."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module):
+        base, prefix = model, ""
+    dot = f"{prefix}." if prefix else ""
+    plan: dict[str, str] = {}
+    if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        plan[f"{dot}embed_tokens"] = "embedding_rowwise"
+    plan.update({f"{dot}{k}": v for k, v in (model.config.base_model_tp_plan or {}).items()})
+    if base is not model:
+        plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+def translate_hf_plan(model: nn.Module, hf_plan: Mapping[str, str]) -> dict[str, Style]:
+    """transformers' plan -> ours. Entries naming parameters, or styles we do not implement (MoE, packed,
+    local, sequence_parallel), are errors; entries matching nothing are dropped, as transformers does."""
+    params = [n for n, _ in model.named_parameters()]
+    problems, plan = [], {}
+    for key, value in hf_plan.items():
+        if value not in HF_STYLES:
+            problems.append(f'"{key}": style "{value}" is not supported (supported: {", ".join(HF_STYLES)})')
+            continue
+        if any(pattern_regex(key).fullmatch(p) for p in params):
+            problems.append(f'"{key}": plan entries that name a parameter rather than a module are not supported')
+            continue
+        if HF_STYLES[value] is not None:
+            plan[key] = HF_STYLES[value]
+    if problems:
+        raise TensorParallelError(f"cannot use the tensor-parallel plan of {type(model).__name__}:\n  - "
+                                  + "\n  - ".join(problems))
+    return plan
+
+
+def validate_hf(config: Any, tp: int) -> list[str]:
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return _size_problems([
+        ("num_attention_heads", getattr(config, "num_attention_heads", None), "each rank computes whole heads"),
+        ("num_key_value_heads", kv, "each rank holds whole key/value heads"),
+        ("hidden_size", getattr(config, "hidden_size", None), "row-parallel layers split the hidden features"),
+        ("intermediate_size (FFN)", getattr(config, "intermediate_size", None),
+         "each rank holds intermediate_size / size MLP features"),
+        ("vocab_size", getattr(config, "vocab_size", None), "the embedding and lm-head are split by vocabulary"),
+    ], tp)
+
+
+def _adjust_head_counts(model: nn.Module, styles: Mapping[str, Style], tp: int) -> None:
+    adjusted: set[str] = set()
+    for name, style in styles.items():
+        parent, _, leaf = name.rpartition(".")
+        if style not in COLWISE_STYLES or leaf not in _QKV_NAMES or parent in adjusted:
+            continue
+        adjusted.add(parent)
+        attention = model.get_submodule(parent)
+        for attr in HEAD_COUNT_ATTRS:
+            value = getattr(attention, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(attention, attr, value // tp)
+
+
+def parallelize_hf(model: nn.Module, comm: Comm) -> TensorParallelInfo:
+    """Split a transformers model in place from its own plan (see `hf_tp_plan`); attention modules' head
+    counts become per-rank. Needs `transformers` only to build the model, not here."""
+    tp = comm.size
+    _raise_if(validate_hf(model.config, tp), tp, type(model).__name__)
+    plan = translate_hf_plan(model, hf_tp_plan(model))
+    styles = resolve_plan((n for n, _ in model.named_modules()), plan, strict=False)
+    info = apply_tensor_parallel(model, comm, styles, strict=True)
+    _adjust_head_counts(model, styles, tp)
+    return info
+
+
+# -- the engine's entry point -------------------------------------------------------------------------
+
+def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
+    """Split a model the engine was given: the built-in GPT, a transformers model with a tp plan, or a model
+    carrying `shardwise_tp_plan`. Anything else is a `TensorParallelError` saying what to provide."""
+    from shardwise.models.gpt import GPT
+    if isinstance(model, GPT):
+        return parallelize_gpt(model, comm, sequence_parallel=sequence_parallel)
+    if is_hf_model(model):
+        if sequence_parallel:
+            raise TensorParallelError("tensor_parallel.sequence_parallel = true: Hugging Face plans describe no "
+                                      "sequence-parallel layout; set it to false, or give the model a "
+                                      "`shardwise_tp_plan` with sequence-parallel styles")
+        return parallelize_hf(model, comm)
+    plan = getattr(model, "shardwise_tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return apply_tensor_parallel(model, comm, plan)
+    raise TensorParallelError(f"tensor_parallel.size = {comm.size}: shardwise does not know how to split a "
+                              f"{type(model).__name__}; use shardwise.models.GPT, a Hugging Face model whose config "
+                              f"has base_model_tp_plan, or set model.shardwise_tp_plan (module-name patterns -> "
+                              f'"colwise", "rowwise", "vocab", ...; see shardwise.parallel.tensor_parallel.plan)')

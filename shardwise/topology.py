@@ -1,0 +1,168 @@
+"""The parallel layout of a run: pure rank arithmetic first (`MeshShape`), process groups second
+(`ParallelMesh`).
+
+Ranks are laid out (pp, dp, tp) with tp innermost:
+
+    rank = (pp * dp_size + dp) * tp_size + tp
+
+so a TP group is tp consecutive ranks (one node, where the bandwidth is), ranks [d*tp, (d+1)*tp) for
+pp = 0; a DP group is the ranks with equal (pp, tp) coordinates, tp apart. Example, dp=2 x tp=2 on 4
+ranks: TP groups {0,1} {2,3}; DP groups {0,2} {1,3}.
+
+The mesh is built once by every rank (`dist.new_group` is collective: all ranks create every group, in
+the same order) and its groups are passed explicitly to the components that need them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.errors import UserError
+
+
+class Axis(enum.StrEnum):
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+AXES: tuple[Axis, ...] = (Axis.PP, Axis.DP, Axis.TP)
+"""Outermost first."""
+
+
+class TopologyError(UserError, ValueError):
+    """Parallel sizes that do not fit the number of processes."""
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the parallel axes. rank = (pp * dp + dp_index) * tp + tp_index."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis.value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopologyError(f"MeshShape: {axis.value} = {value!r} must be a positive integer")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> "MeshShape":
+        """The shape whose data-parallel size fills `world_size` ranks: dp = world / (tp * pp)."""
+        model_parallel = tp * pp
+        if world_size % model_parallel:
+            fits = [d for d in range(1, world_size + 1) if world_size % (d * pp) == 0]
+            raise TopologyError(
+                f"tensor_parallel.size = {tp} (x pipeline.stages = {pp}) does not divide the world size {world_size} "
+                f"({world_size} = {model_parallel} * {world_size // model_parallel} + {world_size % model_parallel}): "
+                f"the data-parallel size is world / (tensor_parallel.size * pipeline.stages); use a "
+                f"tensor_parallel.size in {fits} or launch a multiple of {model_parallel} processes")
+        return cls(pp=pp, dp=world_size // model_parallel, tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def size(self, axis: Axis) -> int:
+        return getattr(self, Axis(axis).value)
+
+    def coords(self, rank: int) -> dict[Axis, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}
+
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def groups(self, axis: Axis) -> list[list[int]]:
+        """Every group along `axis`: the ranks that differ only in that coordinate, in coordinate order.
+        Groups are listed by the other coordinates (outermost first), the order every rank creates them."""
+        axis = Axis(axis)
+        others = [a for a in AXES if a is not axis]
+        out = []
+        for i in range(self.size(others[0])):
+            for j in range(self.size(others[1])):
+                fixed = {others[0]: i, others[1]: j}
+                out.append([self.rank_of(**{a.value: fixed.get(a, k) for a in AXES})
+                            for k in range(self.size(axis))])
+        return out
+
+    def group_of(self, axis: Axis, rank: int) -> list[int]:
+        return next(g for g in self.groups(axis) if rank in g)
+
+
+class SoloComm(Comm):
+    """The `Comm` of an axis of size 1: a group of this rank alone. Every `Comm` collective is a no-op (or a
+    local copy) at size 1, so no process group is needed; creating one per rank would cost a collective
+    `new_group` per rank of the world."""
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+
+class ParallelMesh:
+    """The process groups of one run, one per axis for this rank. An axis spanning every rank uses the
+    default group (no duplicate communicator); an axis of size 1 has no group (`comm` gives a `SoloComm`)."""
+
+    def __init__(self, shape: MeshShape, rank: int, groups: dict[Axis, dist.ProcessGroup | None]):
+        self.shape = shape
+        self.global_rank = rank
+        self._groups = groups
+
+    @classmethod
+    def build(cls, shape: MeshShape) -> "ParallelMesh":
+        """Create the groups of `shape` (collective: every rank of the default group must call it)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if shape.world_size != world:
+            raise TopologyError(f"the parallel layout {shape} needs {shape.world_size} processes, "
+                                f"but {world} were launched")
+        groups: dict[Axis, dist.ProcessGroup | None] = {}
+        for axis in AXES:
+            size = shape.size(axis)
+            if size == world:
+                groups[axis] = None
+            elif size > 1:
+                for ranks in shape.groups(axis):
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        groups[axis] = group
+        return cls(shape, rank, groups)
+
+    def size(self, axis: Axis) -> int:
+        return self.shape.size(axis)
+
+    def rank(self, axis: Axis) -> int:
+        """This rank's coordinate along `axis` (its rank inside that axis' group)."""
+        return self.shape.coords(self.global_rank)[Axis(axis)]
+
+    def group(self, axis: Axis) -> dist.ProcessGroup | None:
+        axis = Axis(axis)
+        if axis not in self._groups:
+            raise ValueError(f"the {axis.value} axis has size 1: there is no {axis.value} group to communicate over")
+        return self._groups[axis]
+
+    def comm(self, axis: Axis, ledger: CommLedger, name: str | None = None) -> Comm:
+        """A `Comm` over this rank's `axis` group, recording into `ledger` under `name` (default: the axis)."""
+        name = name or Axis(axis).value
+        if self.size(axis) == 1:
+            return SoloComm(None, ledger, name=name)
+        return Comm(self.group(axis), ledger, name=name)
+
+    def __repr__(self) -> str:
+        coords = self.shape.coords(self.global_rank)
+        return (f"ParallelMesh({self.shape}, rank {self.global_rank} at "
+                + ", ".join(f"{a.value}={coords[a]}" for a in AXES) + ")")
