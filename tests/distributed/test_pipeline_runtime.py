@@ -83,8 +83,17 @@ def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: s
     """The direct harness: split, runtime, plain SGD on the stage's parameters."""
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ledger import CommLedger
+    from shardwise.parallel.pipeline import runtime as runtime_module
     from shardwise.parallel.pipeline.runtime import PipelineRuntime
     from shardwise.parallel.pipeline.stage import split_model
+    freed: list[int] = []
+    free = runtime_module._free_data
+
+    def counting_free(t: torch.Tensor) -> None:   # count the outputs whose data was dropped after sending
+        free(t)
+        freed.append(t.untyped_storage().nbytes() // t.element_size())
+
+    runtime_module._free_data = counting_free
     module = split_model(model, num_stages=p, stage=stage, virtual_stages=v)
     ledger = CommLedger()
     runtime = PipelineRuntime(module, Comm(group, ledger, name="pp"), schedule=kind, num_microbatches=len(steps[0]))
@@ -96,11 +105,12 @@ def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: s
         results.append(runtime.step(micro))
         opt.step()
     runtime.close()
+    runtime_module._free_data = free
     sent = {op: b for op, b in ledger.bytes_by_op().items()}
     return {"losses": [r.loss for r in results], "peaks": [r.peak_in_flight for r in results],
             "records": [(r.stage, str(a.action), a.start, a.end) for r in results[-1:] for a in r.records],
             "state": {k: t.detach().clone() for k, t in module.full_state_dict().items()},
-            "live": runtime.meter.live_keys, "bytes": sent, "schedule": [str(a) for a in runtime.actions]}
+            "live": runtime.meter.live_keys, "bytes": sent, "freed": freed}
 
 
 def _engine_case(name: str) -> dict:
@@ -236,6 +246,10 @@ def test_gpt_pipeline_matches_single_process(runs: list[dict], case: tuple) -> N
     if kind == "gpipe":
         assert measured == [m] * p
     assert all(g["live"] == [] for g in got), "saved activations outlived the step"
+    # Every activation sent to another stage had its data dropped (1-element placeholder), except the loss chunk's.
+    sends = [sum(1 for a in actions if a.op is Op.FORWARD and a.model_chunk(stage=s, num_stages=p) < p * v - 1)
+             for s, actions in enumerate(build_schedule(kind, num_stages=p, num_microbatches=m, virtual_stages=v))]
+    assert [g["freed"] for g in got] == [[1] * n * STEPS for n in sends]
 
 
 @pytest.mark.parametrize("case", [c[:4] for c in DIRECT_P4 if c[1] == "1f1b"] + [(2, "interleaved_1f1b", 2, 4)],

@@ -89,6 +89,10 @@ class ActivationMeter:
     def live_keys(self) -> list[Any]:
         return list(self._live)
 
+    def saved_storages(self, key: Any) -> set[int]:
+        """Storages (data pointers) autograd saved for ``key`` so far."""
+        return set(self._storages.get(key, ()))
+
     @contextlib.contextmanager
     def track(self, key: Any, skip: Iterable[Tensor]) -> Iterator[None]:
         """Attribute to ``key`` what autograd saves in this block, except storages of ``skip`` (parameters,
@@ -159,8 +163,10 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 def _free_data(t: Tensor) -> None:
     """Drop ``t``'s activation data and keep its autograd node (Megatron's output deallocation): the
-    backward root only needs the node and the shape (a 1-element expanded placeholder keeps the shape)."""
-    if t._base is None:   # a view shares its base's storage: nothing to free
+    backward root only needs the node and the shape (a 1-element expanded placeholder keeps the shape).
+    Only results computed by the chunk: a leaf (a parameter, an input passed through) is left alone, and a
+    view shares its base's storage, so there is nothing to free."""
+    if t.grad_fn is not None and t._base is None:
         t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
@@ -311,8 +317,10 @@ class PipelineRuntime:
             return
         self.wire.send(t.send.message, t.send.peer, [o.detach().contiguous() for o in outs],
                        requires_grad=[o.requires_grad for o in outs])
+        saved = self.meter.saved_storages((m, v))
         for o in slot.outputs:
-            _free_data(o)
+            if _storage_ptr(o) not in saved:   # an output its own backward reads (tanh, sigmoid) stays as it is
+                _free_data(o)
 
     def _backward(self, i: int, grads: list[Tensor] | None, grad_sync: GradSync | None) -> None:
         action, t = self.actions[i], self.plan[i]

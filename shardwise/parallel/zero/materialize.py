@@ -109,7 +109,7 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
             raise UserError("materialize_sharded: init walked model.named_modules() twice; it must walk it once, "
                             "initializing each module's own parameters as it goes")
         for k, (name, module) in enumerate(modules):
-            own = [p for p in dict.fromkeys(module._parameters.values()) if p is not None and id(p) not in done]
+            own = list({id(p): p for p in module._parameters.values() if p is not None and id(p) not in done}.values())
             for p in own:
                 if id(p) not in alive:         # a shared parameter is allocated at its first holder only
                     alive.add(id(p))

@@ -10,7 +10,8 @@ every rank ("persistent") and belong to no unit; stage3.py treats them like ZeRO
 Each unit holds one FlatShard per key (optimizer param group, dtype) of its parameters:
 
     shard      [S]        model dtype   this rank's part, S = padded // dp: the only copy kept between uses
-    full       [padded]   model dtype   gathered buffer, padded = round_up(numel, dp); 0 bytes while free
+    full       [padded]   model dtype   gathered buffer, padded = round_up(numel, dp): allocated at the first
+                                        gather, its storage resized to 0 bytes while the unit is free
     param.data full[off : off + numel].view(shape) while gathered; an empty [0] tensor while free
 
 Freeing resizes the buffer's storage to 0 bytes rather than dropping it: autograd may have saved a view of a

@@ -141,7 +141,8 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
                                     dp_size=dp_comm.size, dp_rank=dp_comm.rank, bucket_numel=zero.reduce_bucket_size)
     flats = [f for f in partition.flats if f.group is not None]
     separate = dtype != torch.float32
-    master_groups, masters = make_shard_masters([*flats, *persistent], groups, separate=separate)  # type: ignore[list-item]
+    master_groups, masters = make_shard_masters([*flats, *persistent], groups,  # type: ignore[list-item]
+                                                separate=separate)
     optimizer = make_optimizer(master_groups)
     reducer = ZeroGradReducer(persistent, dp_comm, partition_grads=True) if persistent else None
     runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
