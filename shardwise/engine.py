@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,27 +25,31 @@ from shardwise.errors import UserError
 
 class _ActivationMeter:
     """Bytes of tensors autograd saves for backward during one forward, parameters excluded.
-    Each storage counts once (views of one buffer are saved many times by some ops)."""
+    Each storage counts once (views of one buffer are saved many times by some ops). Storages are told apart
+    by their StorageImpl identity, which survives the resize-to-0-and-back of ZeRO-3's gathered buffers."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        self._param_ptrs = {p.data_ptr() for p in params}
-        self.bytes = 0
-        self._seen: set[int] = set()
+    def __init__(self, params: list[torch.Tensor], extra_keys: Callable[[], set[int]]):
+        self._extra_keys = extra_keys
+        self.reset(params)
 
     def reset(self, params: list[torch.Tensor]) -> None:
-        self._param_ptrs = {p.data_ptr() for p in params}
+        self._param_keys = {p.untyped_storage()._cdata for p in params} | self._extra_keys()
         self.bytes = 0
-        self._seen.clear()
+        self._seen: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
         except (RuntimeError, NotImplementedError):   # e.g. tensors without storage (meta, sparse)
             return t
-        if ptr not in self._param_ptrs and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += storage.nbytes()
+        key = storage._cdata
+        if key in self._seen or key in self._param_keys:
+            return t
+        if isinstance(t, torch.nn.Parameter) or key in self._extra_keys():   # ZeRO-3 buffers gathered meanwhile
+            self._param_keys.add(key)
+            return t
+        self._seen.add(key)
+        self.bytes += storage.nbytes()
         return t
 
     @staticmethod
@@ -79,7 +83,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._step_applied = False
-        self._activations = _ActivationMeter(list(module.parameters()))
+        self._activations = _ActivationMeter(list(module.parameters()), grad_sync.param_storage_keys)
         self._last_activation_bytes = 0
         self._last_report_step = -1
         self._unpack_args = _forward_wants_unpacking(module)

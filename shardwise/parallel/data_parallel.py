@@ -195,6 +195,10 @@ class BucketedAllReduce:
         self._next_launch = 0
         self._ready_count = 0
 
+    def param_storage_keys(self) -> set[int]:
+        """Parameters keep their own storages here; the engine already knows them."""
+        return set()
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

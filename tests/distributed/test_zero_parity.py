@@ -106,3 +106,24 @@ def test_memory_formula_and_two_psi_traffic():
             assert {c["op"] for c in grad_traffic} == {"reduce_scatter", "all_gather"}
             total = sum(c["bytes"] for c in grad_traffic)
             assert 2 * e * psi <= total <= 2 * e * padded            # 2 psi: reduce-scatter + all-gather
+
+
+def _activation_bytes_by_stage() -> dict:
+    import shardwise
+    world, out = dist.get_world_size(), {}
+    for stage in (0, 1, 2, 3):
+        model = tiny_model()
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config("adamw", world, stage))
+        micro = [as_micro(m) for m in shard_global_batch(global_batches()[0], dp_size=world, dp_rank=dist.get_rank(),
+                                                         grad_accum=1)]
+        engine.train_batch(iter(micro))
+        out[stage] = engine.memory_report()["activations"]
+        engine.close()
+    return out
+
+
+def test_saved_activation_bytes_do_not_depend_on_the_stage():
+    """Weights autograd saves (whole, sharded views, or ZeRO-3's gathered buffers) are not activations."""
+    for res in run_distributed(_activation_bytes_by_stage, 2):
+        assert res[0] > 0 and res[1] == res[0] and res[2] == res[0] and res[3] == res[0], res

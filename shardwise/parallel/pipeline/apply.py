@@ -16,7 +16,7 @@ last stage and averaged over the dp replicas, so every rank returns the same num
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -73,9 +73,7 @@ class PipelineTrainer:
     """Every rank holding a part of one model's optimizer state (pp x dp): ZeRO's overflow flag and norm."""
     grads: PipelineGrads
     last: StepResult | None = None
-    history: list[StepResult] = field(default_factory=list)
-    """Step results kept when `keep_history` (traces for timelines)."""
-    keep_history: bool = False
+    """The last step's result: its loss, peak in-flight micro-batches and per-action trace (for timelines)."""
 
     @property
     def needs_data(self) -> bool:
@@ -104,8 +102,6 @@ class PipelineTrainer:
         result = self.runtime.step(micro, loss_scale=engine.optimizer_step.scaler.loss_scale,
                                    grad_sync=engine.grad_sync)
         self.last = result
-        if self.keep_history:
-            self.history.append(result)
         loss = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float32,
                             device=engine.device)
         self.pp_comm.broadcast(loss, src_group_rank=self.stage.num_stages - 1)
@@ -122,9 +118,6 @@ def apply_pipeline(model: torch.nn.Module, *, config: Any, mesh: ParallelMesh, l
     """Cut ``model`` for this rank's stage (`split_model`; the parameters of other stages are released) and
     build its runtime. Collective-free except for the groups the mesh already holds."""
     pipe = config.pipeline
-    if mesh.size(Axis.TP) > 1:
-        raise UserError("pipeline.stages > 1 with tensor_parallel.size > 1 (3D parallelism) is not implemented yet "
-                        "in this version; use one of them")
     stage = split_model(model, num_stages=pipe.stages, stage=mesh.rank(Axis.PP), virtual_stages=pipe.virtual_stages,
                         partition=pipe.partition)
     release_unowned(model, stage)

@@ -88,12 +88,12 @@ def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
             [(str(i), m) for i, m in enumerate(model)]
         if loss_fn is None:
             raise PipelineError(f"a pipelined {type(model).__name__} needs a loss function: pass loss_fn= (or wrap "
-                                f"the layers in shardwise.parallel.pipeline.PipelineModel(layers, loss_fn))")
+                                f"the layers in shardwise.parallel.pipeline.stage.PipelineModel(layers, loss_fn))")
         if not named:
             raise PipelineError("the layer list is empty; give at least one layer per pipeline stage")
         return _Layers(items=named, loss_fn=loss_fn)
     raise PipelineError(f"cannot split a {type(model).__name__} into pipeline stages: give the built-in GPT, a "
-                        f"shardwise.parallel.pipeline.PipelineModel(layers, loss_fn), or an nn.Sequential / list "
+                        f"shardwise.parallel.pipeline.stage.PipelineModel(layers, loss_fn), or an nn.Sequential / list "
                         f"of layers together with loss_fn=")
 
 

@@ -112,6 +112,11 @@ class ZeroParamRuntime:
                   for f in self.partition.flats if f.grad_shard is not None)
         return own + (self.persistent.grad_bytes if self.persistent is not None else 0)
 
+    def param_storage_keys(self) -> set[int]:
+        """Identities of the gathered parameter buffers' storages (stable across free/gather, which resize
+        the same storage), so the activation meter does not count weights autograd saves."""
+        return {f.full.untyped_storage()._cdata for f in self.partition.flats if f.full is not None}
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
