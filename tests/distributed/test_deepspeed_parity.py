@@ -66,7 +66,7 @@ CASES: dict[str, dict] = {
 ZERO_CASES: dict[str, dict] = {
     f"zero{stage}_{name}": {**extra, "zero_allow_untested_optimizer": True,
                             "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
-    for stage in (1, 2)
+    for stage in (1, 2, 3)
     for name, extra in (("adam_is_adamw_accum_clip_warmup", CASES["adam_is_adamw_accum_clip_warmup"]),
                         ("sgd_accum_clip_decay", CASES["sgd_accum_clip_decay"]))
 }
@@ -130,7 +130,16 @@ def _train(engine, model: torch.nn.Module, gas: int) -> dict:
             losses.append(float(loss.detach()))
         lrs.append(engine.get_lr()[0])
         norms.append(getattr(getattr(engine, "optimizer_step", None), "last_grad_norm", None))
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    if hasattr(engine, "grad_sync") and hasattr(engine.grad_sync, "gathered_state_dict"):   # shardwise ZeRO-3
+        full = engine.grad_sync.gathered_state_dict(rank0_only=False)
+    elif getattr(getattr(engine, "zero_optimization_stage", lambda: 0), "__call__")() == 3:  # DeepSpeed ZeRO-3
+        full = engine._zero3_consolidated_16bit_state_dict() if rank == 0 else None
+        box = [full]
+        dist.broadcast_object_list(box, src=0)
+        full = box[0]
+    else:
+        full = model.state_dict()
+    state = {k: v.detach().float().clone() for k, v in full.items()}
     return {"losses": losses, "lrs": lrs, "norms": norms, "state": state}
 
 

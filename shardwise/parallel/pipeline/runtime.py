@@ -59,7 +59,8 @@ class StepResult:
     losses: list[float]
     """Loss of each micro-batch (unscaled, before the division by M); only on the stage with the last chunk."""
     records: list[ActionRecord]
-    """(stage, action, start, end) of every action, in `time.perf_counter` seconds."""
+    """(stage, action, start, end) of every action's compute (waits excluded), in `time.perf_counter` seconds:
+    CLOCK_MONOTONIC on Linux, so the records of all ranks on one host share a time axis."""
     peak_in_flight: int
     """Most (micro-batch, chunk) forwards whose saved activations were alive at once."""
     peak_activation_bytes: int
