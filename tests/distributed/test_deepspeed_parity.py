@@ -133,8 +133,8 @@ def _train(engine, model: torch.nn.Module, gas: int) -> dict:
     if hasattr(engine, "grad_sync") and hasattr(engine.grad_sync, "gathered_state_dict"):   # shardwise ZeRO-3
         full = engine.grad_sync.gathered_state_dict(rank0_only=False)
     elif getattr(getattr(engine, "zero_optimization_stage", lambda: 0), "__call__")() == 3:  # DeepSpeed ZeRO-3
-        full = engine._zero3_consolidated_16bit_state_dict() if rank == 0 else None
-        box = [full]
+        full = engine._zero3_consolidated_16bit_state_dict()   # collective; the result is on rank 0 only
+        box = [full if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         full = box[0]
     else:
