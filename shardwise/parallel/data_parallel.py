@@ -57,7 +57,41 @@ def plan_buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
     return buckets
 
 
-class BucketedAllReduce:
+class OrderedLauncher:
+    """Launch buckets strictly in index order once all their parameters' gradients are ready.
+
+    Shared by the stage-0 all-reduce and the ZeRO-1/2 reduce-scatter: bucket k launches only after buckets < k,
+    so every rank issues its collectives in the same order. Subclasses set `self.buckets` (each with `.ready`,
+    a set of parameter ids, and `.params`) and implement `_launch(bucket)`."""
+
+    buckets: list
+
+    def _reset_launches(self) -> None:
+        self._next_launch = 0
+        self._ready_count = 0
+        # For each bucket launched this step: how many gradients were ready at launch. Fewer than all of them
+        # means the collective started while backward was still running.
+        self.launch_log: list[int] = []
+
+    def _mark_ready(self, bucket, p: torch.nn.Parameter) -> None:
+        bucket.ready.add(id(p))
+        self._ready_count += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            self.launch_log.append(self._ready_count)
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket) -> None:
+        raise NotImplementedError
+
+
+class BucketedAllReduce(OrderedLauncher):
     """Gradient synchronisation for plain data parallelism (ZeRO stage 0)."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
@@ -69,12 +103,8 @@ class BucketedAllReduce:
         self.impl = impl
         self.predivide_factor = predivide_factor
         self.enabled = False       # set per backward: True only on gradient-accumulation boundaries
-        self._next_launch = 0
         self._executor: ThreadPoolExecutor | None = None
-        # For each bucket launched this step: how many parameters had their gradient ready at launch.
-        # Fewer than all of them means the all-reduce started while backward was still running.
-        self.launch_log: list[int] = []
-        self._ready_count = 0
+        self._reset_launches()
         params = [p for p in params if p.requires_grad]
         order = list(reversed(params))
         self.buckets: list[Bucket] = []
@@ -134,20 +164,9 @@ class BucketedAllReduce:
             p.grad = view
         if not self.enabled:
             return
-        bucket.ready.add(id(p))
-        self._ready_count += 1
-        self._launch_ready()
-
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if not force and len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-            self._next_launch += 1
+        self._mark_ready(bucket, p)
 
     def _launch(self, bucket: Bucket) -> None:
-        self.launch_log.append(self._ready_count)
         if self.prescale:
             bucket.buffer.div_(self.comm.size)
         elif self.predivide_factor != 1.0:

@@ -18,20 +18,19 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm.collectives import Comm
+from shardwise.parallel.data_parallel import OrderedLauncher
 from shardwise.parallel.zero.buckets import ZeroBucket
 
 
-class ZeroGradReducer:
+class ZeroGradReducer(OrderedLauncher):
     def __init__(self, buckets: list[ZeroBucket], comm: Comm, *, partition_grads: bool, max_in_flight: int = 2):
         self.buckets = buckets
         self.comm = comm
         self.partition_grads = partition_grads
         self.max_in_flight = max_in_flight
         self.enabled = False
-        self._next_launch = 0
         self._in_flight: list[ZeroBucket] = []
-        self.launch_log: list[int] = []
-        self._ready_count = 0
+        self._reset_launches()
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         if not partition_grads:
             for b in buckets:
@@ -100,25 +99,17 @@ class ZeroGradReducer:
                 p.grad = view
             if not self.enabled:
                 return
-        bucket.ready.add(id(p))
-        self._ready_count += 1
-        self._launch_ready()
+        self._mark_ready(bucket, p)
 
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if not force and len(bucket.ready) < len(bucket.params):
-                return
-            if bucket.grad_buffer is None:          # stage 2: no parameter of it got a gradient
-                bucket.grad_buffer = torch.zeros_like(bucket.param_flat)
-            self._drain(self.max_in_flight - 1 if self.partition_grads else len(self.buckets))
-            self.launch_log.append(self._ready_count)
-            # The output is a separate [S] tensor: it must not alias the input, which holds the shard in stage 1.
-            out = torch.empty_like(bucket.grad_shard)
-            bucket.received = out
-            bucket.handle = self.comm.reduce_scatter_tensor(out, bucket.grad_buffer, async_op=True)
-            self._in_flight.append(bucket)
-            self._next_launch += 1
+    def _launch(self, bucket: ZeroBucket) -> None:
+        if bucket.grad_buffer is None:          # stage 2: no parameter of it got a gradient
+            bucket.grad_buffer = torch.zeros_like(bucket.param_flat)
+        self._drain(self.max_in_flight - 1 if self.partition_grads else len(self.buckets))
+        # The output is a separate [S] tensor: it must not alias the input, which holds the shard in stage 1.
+        out = torch.empty_like(bucket.grad_shard)
+        bucket.received = out
+        bucket.handle = self.comm.reduce_scatter_tensor(out, bucket.grad_buffer, async_op=True)
+        self._in_flight.append(bucket)
 
     def _drain(self, keep: int) -> None:
         """Complete launched buckets, oldest first, until at most `keep` remain in flight."""
