@@ -1,36 +1,32 @@
-"""Data-parallel step time: shardwise stage 0 against torch DDP and DeepSpeed stage 0, side by side.
+"""Data-parallel step time: shardwise against torch DDP, torch FSDP2 and DeepSpeed at one ZeRO stage, side by side.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.dp \\
-        --model tiny --steps 10 --warmup 3 --rounds 5 --micro-batch 4 --json dp.json
+        --model tiny --steps 10 --warmup 3 --rounds 5 --micro-batch 4 [--zero-stage 0-3] [--offload] --json dp.json
 
-Every rank builds the three trainers of one GPT from one seed and one DeepSpeed JSON (AdamW, gradient clipping,
-the same gradient bucket size): shardwise (`shardwise.initialize`), torch DDP (same bucket cap,
-gradient_as_bucket_view, torch.optim.AdamW, clip_grad_norm_) and DeepSpeed (`deepspeed.initialize`, stage 0,
-`torch_adam` so it steps the same torch AdamW). After `--warmup` untimed steps of each, `--rounds` rounds run
-`--steps` timed steps of each trainer in turn; the order rotates every round (ABC, BCA, CAB, ...) so that machine
-noise and whatever a trainer leaves in the caches hit all of them alike. A step's time is the slowest rank's.
-The report gives per trainer the median step time, the spread of the per-round medians, global tokens/s, and the
-step-time ratios shardwise/DDP and shardwise/DeepSpeed (< 1: shardwise is faster), both of the overall medians and
-paired (the median over rounds of the ratio within a round, which cancels load that drifts between rounds).
-DeepSpeed's stage 0 ignores `reduce_bucket_size`: it all-reduces every gradient after backward, in flat buffers of
-up to 5e8 elements, so its communication never overlaps backward; shardwise and DDP launch buckets during it.
+Every rank builds the trainers (`shardwise.benchmarks.trainers`) of one GPT from one seed and one DeepSpeed JSON
+(AdamW, gradient clipping, the same gradient bucket size, `--zero-stage`, and with `--offload` the optimizer on
+the CPU): shardwise (`shardwise.initialize`); at stage 0 torch DDP (same bucket cap, gradient_as_bucket_view,
+torch.optim.AdamW, clip_grad_norm_); at stage 3 torch FSDP2 (`fully_shard` on each block, then the root; the same
+AdamW and clipping); DeepSpeed (`deepspeed.initialize`, `torch_adam` so it steps the same torch AdamW, also when
+offloaded: no CPUAdam JIT build). After `--warmup` untimed steps of each, `--rounds` rounds run `--steps` timed
+steps of each trainer in turn; the order rotates every round (ABC, BCA, CAB, ...) so that machine noise and
+whatever a trainer leaves in the caches hit all of them alike. A step's time is the slowest rank's. The report
+gives per trainer the median step time, the spread of the per-round medians, global tokens/s, and the step-time
+ratio shardwise/this (< 1: shardwise is faster), both of the overall medians and paired (the median over rounds
+of the ratio within a round, which cancels load that drifts between rounds). DeepSpeed's stage 0 ignores
+`reduce_bucket_size`: it all-reduces every gradient after backward, so its communication never overlaps backward.
 
-Memory: the trainers share one process per rank, so peak RSS cannot be split between them. The table gives
-each trainer's model states instead (parameters, gradient buffers, optimizer state), measured from its own
-tensors: `engine.memory_report()` for shardwise; the distinct storages behind `.grad` (DDP's reducer buckets,
-as its gradients are views into them) and the optimizer's state tensors for DDP and DeepSpeed. DeepSpeed's
-stage 0 also builds a transient flat copy of all gradients for each all-reduce; it is not counted. Peak RSS is
-reported once per rank, for the whole process.
+Memory: the trainers share one process per rank, so peak RSS cannot be split between them. The table gives each
+trainer's model states instead (parameters, gradient buffers, optimizer state with any fp32 master copy), measured
+from its own tensors (see `trainers.py`); transient buffers (gathered stage-3 units, DeepSpeed's flat all-reduce
+copies) are not counted. Peak RSS is reported once per rank, for the whole process.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import enum
 import importlib.util
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -43,15 +39,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-MIB = 1 << 20
+from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
+
 MODELS = ("tiny", "small")
-_DATA_BATCHES = 4          # distinct random micro-batches per rank, cycled
-
-
-class Trainer(str, enum.Enum):
-    SHARDWISE = "shardwise"
-    DDP = "ddp"
-    DEEPSPEED = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -66,26 +56,19 @@ class Row:
     shardwise_ratio: float        # shardwise median / this median (< 1: shardwise is faster)
     paired_ratio: float           # median over rounds of (shardwise round median / this round median): robust to
                                   # load that drifts between rounds, as each round's trainers ran back to back
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
+    params_bytes: int | None       # None: not measurable honestly for this trainer (see trainers.py)
+    grads_bytes: int | None
+    optimizer_bytes: int | None
 
     @property
-    def model_states_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
-
-
-@dataclass
-class _Built:
-    """A trainer ready to time: `step()` runs one full optimizer step on the next micro-batch."""
-
-    step: Callable[[], None]
-    memory: Callable[[], dict[str, int]]
+    def model_states_bytes(self) -> int | None:
+        parts = (self.params_bytes, self.grads_bytes, self.optimizer_bytes)
+        return None if None in parts else sum(parts)   # type: ignore[arg-type]
 
 
 # -- pure summary -------------------------------------------------------------------------------------
 
-def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, dict[str, int]], *,
+def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, Memory], *,
               tokens_per_step: int) -> list[Row]:
     """Rows from per-trainer step times `times_s[trainer][round][step]` (seconds) and model-state bytes.
     The ratio column needs a "shardwise" entry."""
@@ -148,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", nargs="+", choices=[t.value for t in Trainer], default=None,
                    help="which trainers to run; shardwise is always included (default: all three, or shardwise and "
                         "ddp when deepspeed is not installed)")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0,
-                   help="ZeRO stage of shardwise and DeepSpeed; DDP runs only at stage 0 (default: %(default)s)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO stage of shardwise and DeepSpeed; DDP runs only at stage 0, FSDP2 only at stage 3 "
+                        "(default: %(default)s)")
+    p.add_argument("--offload", action="store_true", help="optimizer states and step on the CPU "
+                   '(zero_optimization.offload_optimizer.device "cpu"), stages 1-2 only')
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
     return p
 
@@ -161,11 +147,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    if args.offload and args.zero_stage not in (1, 2):
+        parser.error(f"--offload with --zero-stage {args.zero_stage}: optimizer offload is benchmarked at stages "
+                     f"1-2 only (shardwise does not offload at stage 3; stage 0 has no partitioned optimizer); "
+                     f"use --zero-stage 1 or 2")
     if args.trainers is None:
         args.trainers = [t.value for t in Trainer if (t is not Trainer.DEEPSPEED or has_deepspeed)
-                         and (t is not Trainer.DDP or args.zero_stage == 0)]
-    elif Trainer.DDP.value in args.trainers and args.zero_stage > 0:
-        parser.error(f"--trainers ddp with --zero-stage {args.zero_stage}: DDP replicates the optimizer; leave it out")
+                         and args.zero_stage in t.stages]
+    elif misfit := [t for t in args.trainers if args.zero_stage not in Trainer(t).stages]:
+        t = Trainer(misfit[0])
+        parser.error(f"--trainers {t.value} with --zero-stage {args.zero_stage}: {t.value} has a counterpart only at "
+                     f"stage(s) {', '.join(map(str, t.stages))}; leave it out")
     elif Trainer.DEEPSPEED.value in args.trainers and not has_deepspeed:
         parser.error("--trainers deepspeed: DeepSpeed is not installed (pip install deepspeed, or leave it out)")
     limit = gpt_config(args.model).seq_len
@@ -184,125 +176,15 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": args.zero_stage, "reduce_bucket_size": int(args.bucket_mb * MIB) // 4},
+        "zero_optimization": {"stage": args.zero_stage, "reduce_bucket_size": int(args.bucket_mb * MIB) // 4,
+                              **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})},
         "steps_per_print": 1 << 30,
     }
 
 
-# -- trainers -----------------------------------------------------------------------------------------
-
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config(args.model))
-
-
-def _batches(args: argparse.Namespace, seq_len: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches: (input ids [B, L], labels [B, L]) of random tokens."""
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    rows = [torch.randint(0, vocab, (args.micro_batch, seq_len + 1), generator=g) for _ in range(_DATA_BATCHES)]
-    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
-
-
-def _cycle(batches: list) -> Callable[[], Any]:
-    state = {"i": 0}
-
-    def next_batch() -> Any:
-        b = batches[state["i"] % len(batches)]
-        state["i"] += 1
-        return b
-    return next_batch
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
-
-
-def _model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    params = list(model.parameters())
-    return {"params": sum(p.numel() * p.element_size() for p in params),
-            "grads": _storage_bytes([p.grad for p in params]), "optimizer": _optimizer_bytes(opt)}
-
-
-def build_shardwise(args: argparse.Namespace, config: dict, batches: list) -> _Built:
-    import shardwise
-    model = _model(args)
-    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
-    next_batch = _cycle(batches)
-
-    def step() -> None:
-        loss = engine(*next_batch())
-        engine.backward(loss)
-        engine.step()
-
-    def memory() -> dict[str, int]:
-        report = engine.memory_report()
-        return {"params": report["params"], "grads": report["grads"], "optimizer": report["optimizer"]}
-    return _Built(step, memory)
-
-
-def build_ddp(args: argparse.Namespace, config: dict, batches: list) -> _Built:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _model(args)
-    # Same bucket cap as shardwise; gradients as views into the buckets (no copy in or out), as shardwise does.
-    ddp = DDP(model, bucket_cap_mb=config["zero_optimization"]["reduce_bucket_size"] * 4 / MIB,
-              gradient_as_bucket_view=True)
-    params = config["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=params["lr"], weight_decay=params["weight_decay"])
-    clip = config["gradient_clipping"]
-    next_batch = _cycle(batches)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=False)     # keep .grad as bucket views
-        loss = ddp(*next_batch())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-    return _Built(step, lambda: _model_state_bytes(model, opt))
-
-
-def build_deepspeed(args: argparse.Namespace, config: dict, batches: list) -> _Built:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
-    # Its shared-memory kernel serves only inference_all_reduce; skip the C++ JIT build.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    model = _model(args)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
-    next_batch = _cycle(batches)
-    probe: dict[str, int] = {}
-
-    def step(measure_grads: bool = False) -> None:
-        loss = engine(*next_batch())
-        engine.backward(loss)
-        if measure_grads:   # DeepSpeed frees .grad in step(): its gradients exist from backward to step
-            probe["grads"] = _storage_bytes([p.grad for p in engine.module.parameters()])
-        engine.step()
-
-    def memory() -> dict[str, int]:
-        step(measure_grads=True)
-        return dict(_model_state_bytes(engine.module, engine.basic_optimizer), grads=probe["grads"])
-    return _Built(step, memory)
-
-
-BUILDERS: dict[Trainer, Callable[[argparse.Namespace, dict, list], _Built]] = {
-    Trainer.SHARDWISE: build_shardwise, Trainer.DDP: build_ddp, Trainer.DEEPSPEED: build_deepspeed}
-
-
 # -- measurement --------------------------------------------------------------------------------------
 
-def measure(trainers: dict[str, _Built], *, rounds: int, steps: int, warmup: int) -> dict[str, list[list[float]]]:
+def measure(trainers: dict[str, Built], *, rounds: int, steps: int, warmup: int) -> dict[str, list[list[float]]]:
     """Step times [trainer][round][step] in seconds, each the slowest rank's."""
     names = list(trainers)
     for name in names:
@@ -334,8 +216,8 @@ def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def mib(n: int) -> str:
-        return f"{n / MIB:.1f} MiB"
+    def mib(n: int | None) -> str:
+        return "n/a" if n is None else f"{n / MIB:.1f} MiB"
 
     table = Table(title=title)
     for col in ("trainer", "median step ms", "round medians ms", "tokens/s", "shardwise / this", "paired",
@@ -349,8 +231,10 @@ def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=160)   # a log file: do not wrap at 80
     console.print(table)
     console.print("shardwise / this: ratio of median step times (< 1: shardwise faster); paired: median over rounds "
-                  "of the same ratio within each round. Memory: each trainer's "
-                  "model states on one rank (the trainers share a process, so RSS is not per trainer). "
+                  "of the same ratio within each round. Memory: each trainer's model states on one rank, from its "
+                  "own tensors (params: parameters held between steps; grads: gradient buffers; optimizer: moments "
+                  "plus any separate fp32 master copy; n/a: no honest measure); the trainers share a process, so "
+                  "RSS is not per trainer. "
                   f"Peak RSS per rank (whole process): {', '.join(mib(b) for b in rss)}")
 
 
@@ -359,16 +243,16 @@ def run(args: argparse.Namespace) -> list[Row]:
     from shardwise.models import gpt_config, gpt_num_params
     preset, seq_len = gpt_config(args.model), args.seq_len
     config = ds_config(args)
-    batches = _batches(args, seq_len, preset.vocab_size)
+    data = batches(args, seq_len, preset.vocab_size)
     wanted = [Trainer.SHARDWISE] + [t for t in Trainer if t is not Trainer.SHARDWISE and t.value in args.trainers]
-    trainers = {t.value: BUILDERS[t](args, config, batches) for t in wanted}
+    trainers = {t.value: BUILDERS[t](args, config, data) for t in wanted}
     times = measure(trainers, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     memory = {name: built.memory() for name, built in trainers.items()}
     world = dist.get_world_size()
     rows = summarize(times, memory, tokens_per_step=args.micro_batch * seq_len * world)
     rss = _rss_per_rank()
     if dist.get_rank() == 0:
-        title = (f"data parallel, {args.model} GPT ({gpt_num_params(preset):,} params), "
+        title = (f"ZeRO stage {args.zero_stage}{' + CPU optimizer offload' if args.offload else ''}, {args.model} GPT ({gpt_num_params(preset):,} params), "
                  f"{world} ranks x micro-batch {args.micro_batch} x {seq_len} tokens, gloo, "
                  f"{torch.get_num_threads()} thread(s)/rank: median of {args.rounds} rounds x {args.steps} steps")
         print_table(rows, title=title, rss=rss)

@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
+"""`shardwise bench {dp,allreduce,pipeline} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `shardwise.benchmarks.<name>` and is started through torch's elastic launcher; the
 options after the benchmark name are that module's own (see `shardwise bench dp --nproc 2 --help`).
@@ -14,6 +14,7 @@ from shardwise.errors import UserError
 BENCHMARKS = {
     "dp": "shardwise DP vs torch DDP vs DeepSpeed stage 0: median step time, tokens/s, ratios",
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
+    "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
 }
 
 

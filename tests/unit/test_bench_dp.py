@@ -49,10 +49,23 @@ def test_one_config_for_all_trainers() -> None:
     assert args.seq_len == 128                                  # the tiny preset's
 
 
+def test_stage_picks_the_counterparts_and_offload_reaches_the_config() -> None:
+    assert "fsdp2" in bench.parse_args(["--zero-stage", "3"]).trainers
+    assert not {"ddp", "fsdp2"} & set(bench.parse_args(["--zero-stage", "2"]).trainers)
+    assert "fsdp2" not in bench.parse_args([]).trainers
+    args = bench.parse_args(["--zero-stage", "2", "--offload"])
+    assert bench.ds_config(args)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert "offload_optimizer" not in bench.ds_config(bench.parse_args(["--zero-stage", "2"]))["zero_optimization"]
+
+
 @pytest.mark.parametrize("argv,fragment", [(["--steps", "0"], "must be an integer >= 1"),
                                            (["--model", "huge"], "invalid choice"),
                                            (["--seq-len", "129"], "exceeds the tiny preset's seq_len 128"),
-                                           (["--bucket-mb", "0"], "must be > 0")])
+                                           (["--bucket-mb", "0"], "must be > 0"),
+                                           (["--zero-stage", "3", "--trainers", "ddp"],
+                                            "ddp has a counterpart only at stage(s) 0"),
+                                           (["--trainers", "fsdp2"], "fsdp2 has a counterpart only at stage(s) 3"),
+                                           (["--zero-stage", "3", "--offload"], "use --zero-stage 1 or 2")])
 def test_bad_arguments_exit_2_naming_the_problem(argv: list[str], fragment: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -73,10 +86,10 @@ def test_main_outside_the_launcher_says_how_to_run(monkeypatch: pytest.MonkeyPat
     assert "torch.distributed.run" in capsys.readouterr().err
 
 
-def _tiny_run(tmp_path: Path, trainers: list[str]) -> dict:
+def _tiny_run(tmp_path: Path, trainers: list[str], extra: tuple[str, ...] = ()) -> dict:
     out = tmp_path / "dp.json"
     code = bench.launch(2, ["--model", "tiny", "--seq-len", "16", "--micro-batch", "1", "--steps", "2",
-                            "--warmup", "1", "--rounds", "2", "--trainers", *trainers, "--json", str(out)])
+                            "--warmup", "1", "--rounds", "2", "--trainers", *trainers, "--json", str(out), *extra])
     assert code == 0
     return json.loads(out.read_text())
 
@@ -107,3 +120,20 @@ def test_tiny_run_on_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_tiny_run_with_deepspeed(tmp_path: Path) -> None:
     _check_rows(_tiny_run(tmp_path, ["ddp", "deepspeed"]), ["shardwise", "ddp", "deepspeed"])
+
+
+def test_tiny_stage3_run_against_fsdp2(tmp_path: Path) -> None:
+    result = _tiny_run(tmp_path, ["fsdp2"], ("--zero-stage", "3"))
+    rows = {r["trainer"]: r for r in result["rows"]}
+    assert list(rows) == ["shardwise", "fsdp2"]
+    assert all(r["median_ms"] > 0 for r in rows.values())
+    half = TINY_PARAMS // 2      # every tiny tensor splits evenly over 2 ranks
+    # FSDP2 shards every parameter: half the fp32 parameters, gradients and moments on each rank (plus AdamW's
+    # `step` scalar per tensor); no master copy.
+    assert (rows["fsdp2"]["params_bytes"], rows["fsdp2"]["grads_bytes"]) == (4 * half, 4 * half)
+    assert rows["fsdp2"]["optimizer_bytes"] == 8 * half + 4 * TINY_TENSORS
+    # shardwise: half the gradients; its moments of half the parameters (its flat shards, a few `step` scalars);
+    # parameters above half only by the small ones kept whole (stage3_param_persistence_threshold).
+    assert rows["shardwise"]["grads_bytes"] == 4 * half
+    assert 8 * half < rows["shardwise"]["optimizer_bytes"] < 8 * half + 4 * TINY_TENSORS
+    assert 4 * half <= rows["shardwise"]["params_bytes"] < 4 * TINY_PARAMS

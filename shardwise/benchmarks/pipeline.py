@@ -1,0 +1,334 @@
+"""Pipeline step time: shardwise's `PipelineRuntime` against `torch.distributed.pipelining`, on the very same
+stage modules, with the same micro-batching.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.pipeline \\
+        --d-model 128 --layers 8 --seq 64 --microbatches 8 --rounds 10 --json pipeline.json
+
+P = the number of ranks = pipeline stages. For each schedule (GPipe, 1F1B, interleaved 1F1B with V virtual
+stages) every rank builds the same GPT from one seed and cuts it with `split_model` into its stage; shardwise
+runs the stage with `PipelineRuntime`, torch wraps the same `StageChunk` modules in `PipelineStage`s (stage
+index v * P + rank, torch's looped placement, which is shardwise's local chunk order) and runs `ScheduleGPipe`,
+`Schedule1F1B` or `ScheduleInterleaved1F1B`. The two alternate round by round (shardwise first on even rounds),
+each step starting after a barrier with zeroed gradients; a step's time is the slowest rank's. The report gives
+the median step time of each, the ratio shardwise / torch (< 1: shardwise is faster) and the median of the
+per-round ratios ("paired", robust to load drift on a shared machine).
+
+Correctness first: in the warm-up both implementations run one step on the same batch and their losses and
+parameter gradients are compared (no optimizer step is taken, so the weights never change).
+
+Bubble: shardwise's records of every rank (compute intervals, waits excluded) become a `Timeline`, whose
+``bubble_fraction`` = sum idle / (P * makespan) is set against the formula with equal stage costs,
+(P-1)/(M+P-1) for GPipe and 1F1B and (P-1)/(V*M+P-1) for interleaved with M >= P (`formula_bubble_fraction`).
+The measured bubble is larger: the head (vocabulary projection and loss) makes the last stage heavier, and
+p2p latency counts as idle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config.resolved import PipelineSchedule
+
+
+class Impl(str, Enum):
+    SHARDWISE = "shardwise"
+    TORCH = "torch"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule. Times in ms: the median over rounds of the slowest rank's step time."""
+
+    schedule: str
+    virtual_stages: int
+    shardwise_ms: float
+    torch_ms: float | None            # None: torch does not support this schedule at this (P, M)
+    ratio: float | None               # shardwise / torch median step time (< 1: shardwise is faster)
+    paired_ratio: float | None        # median over rounds of shardwise time / torch time in that round
+    bubble_measured: float            # median over rounds of shardwise's Timeline.bubble_fraction
+    bubble_formula: float             # formula_bubble_fraction(schedule, P, M, V)
+    loss_diff: float | None           # |shardwise loss - torch loss| of the warm-up step
+    grad_diff: float | None           # max |shardwise grad - torch grad| over all parameters, warm-up step
+    note: str = ""
+
+
+def torch_supports(kind: PipelineSchedule, num_stages: int, num_microbatches: int) -> str:
+    """Empty when torch's schedule runs at (P, M), else why not. ScheduleInterleaved1F1B splits the M
+    micro-batches into max(1, M // P) rounds and requires them to divide M."""
+    if kind is PipelineSchedule.INTERLEAVED_1F1B:
+        rounds = max(1, num_microbatches // num_stages)
+        if num_microbatches % rounds:
+            return f"torch needs M % max(1, M // P) == 0; M = {num_microbatches}, P = {num_stages}"
+    return ""
+
+
+def make_row(kind: PipelineSchedule, v: int, sw_s: Sequence[float], torch_s: Sequence[float] | None,
+             bubbles: Sequence[float], formula: float, loss_diff: float | None, grad_diff: float | None,
+             note: str = "") -> Row:
+    """Medians and ratios from per-round times in seconds (index i of both lists: the same round)."""
+    sw = statistics.median(sw_s)
+    th = statistics.median(torch_s) if torch_s else None
+    return Row(schedule=kind.value, virtual_stages=v, shardwise_ms=sw * 1e3,
+               torch_ms=None if th is None else th * 1e3, ratio=None if th is None else sw / th,
+               paired_ratio=None if not torch_s else statistics.median(s / t for s, t in zip(sw_s, torch_s)),
+               bubble_measured=statistics.median(bubbles), bubble_formula=formula, loss_diff=loss_diff,
+               grad_diff=grad_diff, note=note)
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torch.distributed.run --nproc-per-node P -m shardwise.benchmarks.pipeline",
+        description="Pipeline step time of shardwise's PipelineRuntime against torch.distributed.pipelining.")
+    p.add_argument("--schedules", nargs="+", choices=[k.value for k in PipelineSchedule],
+                   default=[k.value for k in PipelineSchedule], help="(default: all)")
+    p.add_argument("--virtual-stages", type=_int_at_least(2), default=2, help="V for interleaved 1F1B "
+                   "(default: %(default)s)")
+    p.add_argument("--microbatches", type=_int_at_least(1), default=8, help="M (default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=_int_at_least(1), default=2, help="sequences per micro-batch "
+                   "(default: %(default)s)")
+    p.add_argument("--d-model", type=_int_at_least(8), default=128, help="(default: %(default)s)")
+    p.add_argument("--heads", type=_int_at_least(1), default=4, help="(default: %(default)s)")
+    p.add_argument("--layers", type=_int_at_least(1), default=8, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--seq", type=_int_at_least(1), default=64, help="sequence length (default: %(default)s)")
+    p.add_argument("--rounds", type=_int_at_least(1), default=10, help="timed steps per implementation and "
+                   "schedule (default: %(default)s)")
+    p.add_argument("--warmup", type=_int_at_least(1), default=2, help="untimed steps each first, the first one "
+                   "compared (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the rows to OUT")
+    return p
+
+
+# -- the two implementations on one rank -------------------------------------------------------------
+
+class Bench:
+    """This rank's stage of one schedule, run by both implementations; `step(impl)` times one step."""
+
+    def __init__(self, args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, torch_group: Any) -> None:
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        from shardwise.comm.collectives import Comm
+        from shardwise.comm.ledger import CommLedger
+        from shardwise.models import GPT, gpt_config
+        from shardwise.parallel.pipeline.runtime import PipelineRuntime
+        from shardwise.parallel.pipeline.stage import split_model
+
+        self.rank, self.p = dist.get_rank(), dist.get_world_size()
+        self.kind, self.m = kind, args.microbatches
+        self.v = args.virtual_stages if kind is PipelineSchedule.INTERLEAVED_1F1B else 1
+        torch.manual_seed(1234)             # the same full model on every rank; each keeps its own chunks
+        cfg = gpt_config("tiny", n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
+                         dropout=0.0, tie_embeddings=False)
+        self.stage = split_model(GPT(cfg), num_stages=self.p, stage=self.rank, virtual_stages=self.v)
+        self.params = list(self.stage.parameters())
+        self.runtime = PipelineRuntime(self.stage, Comm(sw_group, CommLedger(), name="pp"), schedule=kind,
+                                       num_microbatches=self.m)
+        g = torch.Generator().manual_seed(7)
+        # rows: [M * micro_batch_size, seq + 1] tokens; inputs are the first seq, labels the last seq
+        rows = torch.randint(0, cfg.vocab_size, (self.m * args.micro_batch_size, args.seq + 1), generator=g)
+        self.inputs, self.labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        self.micro = list(zip(self.inputs.chunk(self.m), self.labels.chunk(self.m)))
+        self.torch_note = torch_supports(kind, self.p, self.m)
+        self.schedule = None
+        if not self.torch_note:
+            stages = [PipelineStage(chunk, stage_index=self.stage.model_chunk(v), num_stages=self.p * self.v,
+                                    device=torch.device("cpu"), group=torch_group)
+                      for v, chunk in enumerate(self.stage.chunks)]
+            loss_fn = self.stage.loss_fn        # GPT.loss: mean cross-entropy of one micro-batch
+            if kind is PipelineSchedule.GPIPE:
+                self.schedule = ScheduleGPipe(stages[0], self.m, loss_fn=loss_fn)
+            elif kind is PipelineSchedule.ONE_F_ONE_B:
+                self.schedule = Schedule1F1B(stages[0], self.m, loss_fn=loss_fn)
+            else:
+                self.schedule = ScheduleInterleaved1F1B(stages, self.m, loss_fn=loss_fn)
+        self.last_losses: list[float] = []
+        self.last_records: list[Any] = []
+
+    @property
+    def holds_last(self) -> bool:
+        return self.rank == self.p - 1       # model chunk P*V - 1 lives on stage P - 1 in both layouts
+
+    def step(self, impl: Impl) -> float:
+        """One step (gradients zeroed before); this rank's seconds."""
+        for p in self.params:
+            p.grad = None
+        dist.barrier()                       # align the start: a step lasts from the first rank's start
+        t0 = time.perf_counter()
+        if impl is Impl.SHARDWISE:
+            result = self.runtime.step(self.micro)
+            self.last_losses, self.last_records = result.losses, result.records
+        else:
+            assert self.schedule is not None
+            losses: list[torch.Tensor] = []
+            args = (self.inputs,) if self.rank == 0 else ()
+            target = self.labels if self.holds_last else None
+            self.schedule.step(*args, target=target, losses=losses if self.holds_last else None,
+                               return_outputs=False)
+            self.last_losses = [float(x.detach()) for x in losses]
+        return time.perf_counter() - t0
+
+    def grads(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def _compare(bench: Bench) -> tuple[float, float]:
+    """One step of each on the same batch: |loss difference| and max |grad difference|, over all ranks."""
+    bench.step(Impl.SHARDWISE)
+    sw_loss, sw_grads = bench.last_losses, bench.grads()
+    bench.step(Impl.TORCH)
+    th_loss, th_grads = bench.last_losses, bench.grads()
+    diffs = torch.zeros(2, dtype=torch.float64)
+    if bench.holds_last:
+        diffs[0] = abs(sum(sw_loss) / len(sw_loss) - sum(th_loss) / len(th_loss))
+    diffs[1] = max(float((a - b).abs().max()) for a, b in zip(sw_grads, th_grads))
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return float(diffs[0]), float(diffs[1])
+
+
+def _bubble(bench: Bench) -> float:
+    """Shardwise's measured bubble fraction of the last step, from every rank's records."""
+    from shardwise.parallel.pipeline.simulate import Timeline
+    mine = [(r.stage, str(r.action), r.start, r.end) for r in bench.last_records]
+    gathered: list[Any] = [None] * bench.p
+    dist.all_gather_object(gathered, mine)
+    return float(Timeline.from_records([r for rs in gathered for r in rs], num_stages=bench.p).bubble_fraction)
+
+
+def measure(args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, torch_group: Any) -> Row:
+    from shardwise.parallel.pipeline.simulate import formula_bubble_fraction
+    bench = Bench(args, kind, sw_group, torch_group)
+    has_torch = bench.schedule is not None
+    loss_diff = grad_diff = None
+    if has_torch:
+        loss_diff, grad_diff = _compare(bench)
+    order = [Impl.SHARDWISE, Impl.TORCH] if has_torch else [Impl.SHARDWISE]
+    for _ in range(args.warmup):
+        for impl in order:
+            bench.step(impl)
+    # times: [rounds, 2] seconds on this rank, column = position in `order`
+    times = torch.zeros(args.rounds, 2, dtype=torch.float64)
+    bubbles = []
+    for i in range(args.rounds):
+        for impl in (order if i % 2 == 0 else order[::-1]):
+            times[i, order.index(impl)] = bench.step(impl)
+            if impl is Impl.SHARDWISE:
+                bubbles.append(_bubble(bench))
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)     # a step lasts as long as its slowest stage
+    bench.close()
+    formula = float(formula_bubble_fraction(kind, num_stages=bench.p, num_microbatches=bench.m,
+                                            virtual_stages=bench.v))
+    return make_row(kind, bench.v, times[:, 0].tolist(), times[:, 1].tolist() if has_torch else None, bubbles,
+                    formula, loss_diff, grad_diff, bench.torch_note)
+
+
+def print_table(rows: Sequence[Row], *, world_size: int, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pipeline step, P = {world_size} stages (gloo, CPU, 1 thread/rank), GPT d={args.d_model} "
+                        f"L={args.layers} seq={args.seq}, M = {args.microbatches} x {args.micro_batch_size} seqs: "
+                        f"median of {args.rounds} alternating rounds")
+    for name in ("schedule", "V", "shardwise ms", "torch ms", "shardwise/torch", "paired",
+                 "bubble measured", "bubble formula", "|loss diff|", "max |grad diff|", "note"):
+        table.add_column(name, justify="left" if name in ("schedule", "note") else "right")
+
+    def opt(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for r in rows:
+        table.add_row(r.schedule, str(r.virtual_stages), f"{r.shardwise_ms:.2f}", opt(r.torch_ms, ".2f"),
+                      opt(r.ratio, ".2f"), opt(r.paired_ratio, ".2f"), f"{r.bubble_measured:.3f}",
+                      f"{r.bubble_formula:.3f}", opt(r.loss_diff, ".1e"), opt(r.grad_diff, ".1e"), r.note)
+    console = Console()
+    if not console.is_terminal:     # piped into a file or a log: do not squeeze the table
+        console = Console(width=180)
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Measure every schedule on the already initialized default group; rank 0 prints and writes JSON."""
+    world = dist.get_world_size()
+    # Separate groups, so neither implementation's p2p tags can meet the other's messages.
+    sw_group, torch_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    rows = [measure(args, PipelineSchedule(k), sw_group, torch_group) for k in args.schedules]
+    if dist.get_rank() == 0:
+        print_table(rows, world_size=world, args=args)
+        if args.json is not None:
+            meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            meta["world_size"] = world
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    return rows
+
+
+def check_args(args: argparse.Namespace, nproc: int) -> None:
+    """Reject shapes split_model cannot cut: every model chunk needs at least one block."""
+    if nproc < 2:
+        raise ValueError(f"pipeline benchmark: --nproc must be >= 2 (one rank is no pipeline); got {nproc}. "
+                         f"Use --nproc 2 or more.")
+    v = args.virtual_stages if PipelineSchedule.INTERLEAVED_1F1B.value in args.schedules else 1
+    if args.layers % (nproc * v):
+        raise ValueError(f"--layers = {args.layers} must be a multiple of P * V = {nproc} * {v} (uniform "
+                         f"partition, one equal chunk per virtual stage); e.g. --layers {nproc * v * 2}")
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model = {args.d_model} must be a multiple of --heads = {args.heads}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of each rank under torch.distributed.run (it sets RANK, WORLD_SIZE, MASTER_ADDR)."""
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ:
+        print("error: run this module under the launcher: python -m torch.distributed.run "
+              "--nproc-per-node 2 -m shardwise.benchmarks.pipeline (or `shardwise bench pipeline --nproc 2`)",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)      # one core per stage, the same for both implementations
+    check_args(args, int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo")
+    try:
+        run(args)
+        dist.barrier()            # no rank tears the group down while a peer still uses it
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def launch(nproc: int, argv: Sequence[str] = ()) -> int:
+    """Run this benchmark on `nproc` local ranks via torch's elastic launcher; returns its exit code.
+    `argv` are this module's own options (e.g. ["--microbatches", "8", "--json", "out.json"])."""
+    check_args(build_parser().parse_args(list(argv)), nproc)   # reject bad options here, not on every rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "shardwise.benchmarks.pipeline", *argv]
+    return subprocess.run(cmd, check=False).returncode
+
+
+if __name__ == "__main__":
+    from shardwise.build import exit_rank
+    exit_rank(main())
