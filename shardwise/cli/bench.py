@@ -12,7 +12,7 @@ import importlib
 from shardwise.errors import UserError
 
 BENCHMARKS = {
-    "dp": "shardwise DP vs torch DDP vs DeepSpeed stage 0: median step time, tokens/s, ratios",
+    "dp": "shardwise vs torch DDP (stage 0), DeepSpeed (stages 0-3, --offload) and FSDP2 (stage 3): step time, ratios, memory",
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
 }
