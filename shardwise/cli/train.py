@@ -64,6 +64,7 @@ class WorkerArgs:
     peak_tflops: float | None     # per rank; None: measure a matmul on each rank
     save_every: int               # 0: never save a checkpoint
     steps_per_print: int
+    pipeline_trace: bool = False  # draw the last step's measured pipeline timeline (needs pipeline.stages > 1)
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
@@ -100,6 +101,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+    p.add_argument("--pipeline-trace", action="store_true",
+                   help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
+                        "measured per-stage timeline of the last step, and print its bubble fraction")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint to RUN_DIR/checkpoints every N steps and at the end (0: never)")
     p.add_argument("--nnodes", type=int, default=1,
@@ -162,6 +166,9 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
     engine_config = _check_config(raw_config, args.config, world_size)
+    if args.pipeline_trace and engine_config.pipeline.stages < 2:
+        raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
+                        f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
     model_cfg = _check_model(args.model, args.seq_len)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
 
@@ -177,7 +184,7 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     worker_args = WorkerArgs(config=raw_config, model=args.model, seq_len=model_cfg.seq_len, data=args.data,
                              steps=args.steps, seed=args.seed, out=str(out.resolve()),
                              peak_tflops=args.peak_tflops, save_every=args.save_every,
-                             steps_per_print=int(steps_per_print))
+                             steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace)
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
     return worker_args, worker_args.write(out / name)
 

@@ -121,6 +121,7 @@ _OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3}}
     ("zero_steps", "--steps 0: must be at least 1"),
     ("node_rank", "--node-rank 2: must be in 0..1"),
     ("no_master_addr", "needs --master-addr"),
+    ("trace_without_pipeline", "--pipeline-trace needs a pipeline"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
                                           expected: str) -> None:
@@ -140,6 +141,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
         "zero_steps": ["--steps", "0"],
         "node_rank": ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
         "no_master_addr": ["--nnodes", "2"],
+        "trace_without_pipeline": ["--pipeline-trace"],
     }[case]
     code = main(["train", "--nproc", "2", "--steps", "5", "--out", str(out), *argv])
     captured = capsys.readouterr()
@@ -183,3 +185,20 @@ def test_launcher_command_single_node_standalone_and_multi_node_static(tmp_path:
     flags = dict(zip(two[3:-3:2], two[4:-3:2]))
     assert flags == {"--nproc-per-node": "1", "--nnodes": "2", "--max-restarts": "0", "--rdzv-backend": "static",
                      "--node-rank": "1", "--master-addr": "10.0.0.1", "--master-port": "1234"}
+
+
+def test_pipeline_run_draws_its_measured_timeline(tmp_path: Path) -> None:
+    config = _config(tmp_path, "pp", {"train_batch_size": 8, "gradient_accumulation_steps": 4, "optimizer": _OPTIMIZER,
+                                      "pipeline": {"stages": 2, "schedule": "1f1b"}})
+    out = tmp_path / "run"
+    proc = subprocess.run(TRAIN + [config, "--nproc", "2", "--model", "tiny", "--steps", "2", "--seq-len", "32",
+                                   "--out", str(out), "--pipeline-trace"],
+                          env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = json.loads((out / "pipeline_trace.json").read_text())
+    actions = sorted((r["stage"], r["action"]) for r in trace["records"])
+    # 1F1B on 2 stages with 4 micro-batches: every stage runs F0..F3 and B0..B3 once
+    assert actions == sorted((s, f"{op}{m}") for s in (0, 1) for op in "FB" for m in range(4))
+    assert 0.0 < trace["bubble_fraction"] < 1.0
+    assert (out / "pipeline_timeline.png").stat().st_size > 0
+    assert "measured bubble fraction" in proc.stdout
