@@ -31,7 +31,7 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                         f'(it is {zero.stage}); raise the stage or set the device to "none"')
         elif block.device != "cpu":
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
-        elif name == "offload_param" or zero.stage == 3:
+        elif name == "offload_param":
             refuse(key, f'{key} = "cpu" with zero_optimization.stage {zero.stage}: not implemented yet in this '
                         f'version; use "none"')
     if zero.zenflow is not None:

@@ -24,7 +24,7 @@ def _config(name: str, world: int, stage: int, **extra) -> dict:
 
 def _train_stages(stages: list[int], names: list[str]) -> dict:
     out = {stage: _train(stage, names) for stage in stages}
-    out.update({(stage, "offload"): _train(stage, names[:2], offload=True) for stage in stages})
+    out.update({(stage, "offload"): _train(stage, names[:2], offload=True) for stage in [*stages, 3]})
     return out
 
 
@@ -45,7 +45,8 @@ def _train(stage: int, names: list[str], offload: bool = False) -> dict:
         for b in global_batches():
             micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
             losses.append(engine.train_batch(iter(micro)))
-        out[name] = {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        full = engine.grad_sync.gathered_state_dict(rank0_only=False) if stage == 3 else model.state_dict()
+        out[name] = {"losses": losses, "state": {k: v.detach().clone() for k, v in full.items()},
                      "memory": engine.memory_report(), "comm": engine.comm_report(),
                      "num_params": sum(p.numel() for p in model.parameters())}
         engine.close()
@@ -57,7 +58,7 @@ def test_zero_matches_single_process(world_size):
     results = run_distributed(_train_stages, world_size, args=([1, 2], ZERO_CASES), timeout=400)
     for name in ZERO_CASES:
         ref_losses, ref_state = run_reference(CASES[name])
-        for key in [1, 2] + ([(1, "offload"), (2, "offload")] if name in ZERO_CASES[:2] else []):
+        for key in [1, 2] + ([(1, "offload"), (2, "offload"), (3, "offload")] if name in ZERO_CASES[:2] else []):
             stage = key if isinstance(key, int) else f"{key[0]}+offload"
             for rank, res in enumerate(results):
                 got = res[key][name]

@@ -96,10 +96,9 @@ def _refuse_unsupported(cfg: Any) -> None:
     if given:
         raise UserError(f"{', '.join(given)}: only supported with zero_optimization.stage 0 for now "
                         f"(ZeRO stage 3 reduce-scatters gradients with the backend); remove it")
-    for name, on in (("offload_optimizer", cfg.zero.offloads_optimizer), ("offload_param", cfg.zero.offloads_params)):
-        if on:
-            raise UserError(f"zero_optimization.{name}: offloading is not implemented for ZeRO stage 3 yet; set "
-                            f'its device to "none" or use stage 1/2 for offload_optimizer')
+    if cfg.zero.offloads_params:
+        raise UserError('zero_optimization.offload_param: parameter offloading is not implemented for ZeRO stage 3 '
+                        'yet; set its device to "none" (offload_optimizer works)')
 
 
 def _partition(model: torch.nn.Module, cfg: Any, key_of: Callable[[torch.nn.Parameter], FlatKey], comm: Comm,
@@ -140,9 +139,11 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
     persistent = build_zero_buckets([[p for p in g["params"] if id(p) in kept] for g in groups],
                                     dp_size=dp_comm.size, dp_rank=dp_comm.rank, bucket_numel=zero.reduce_bucket_size)
     flats = [f for f in partition.flats if f.group is not None]
-    separate = dtype != torch.float32
-    master_groups, masters = make_shard_masters([*flats, *persistent], groups,  # type: ignore[list-item]
-                                                separate=separate)
+    offload = zero.offload_optimizer if zero.offloads_optimizer else None
+    separate = dtype != torch.float32 or offload is not None
+    master_groups, masters = make_shard_masters(
+        [*flats, *persistent], groups, separate=separate,  # type: ignore[list-item]
+        offload_device=torch.device("cpu") if offload else None, pin_memory=bool(offload and offload.pin_memory))
     optimizer = make_optimizer(master_groups)
     reducer = ZeroGradReducer(persistent, dp_comm, partition_grads=True) if persistent else None
     runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
