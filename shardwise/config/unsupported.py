@@ -31,9 +31,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                         f'(it is {zero.stage}); raise the stage or set the device to "none"')
         elif block.device != "cpu":
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
-        elif name == "offload_param":
-            refuse(key, f'{key} = "cpu" with zero_optimization.stage {zero.stage}: not implemented yet in this '
-                        f'version; use "none"')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
     if model.tensor_parallel.size > 1 and zero.stage > 0:

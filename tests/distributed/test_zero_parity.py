@@ -35,9 +35,13 @@ def _train(stage: int, names: list[str], offload: bool = False) -> dict:
     for name in names:
         model = tiny_model()
         extra = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
-                                       "offload_optimizer": {"device": "cpu", "pin_memory": True}}} if offload else {}
+                                       "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}} if offload else {}
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config(name, world, stage, **extra))
+        if offload and stage == 3:   # parameter shards wait on the CPU and are copied to the compute device
+            assert all(f.compute_device is not None and f.shard.device.type == "cpu"
+                       for f in engine.grad_sync.partition.flats)
         if offload:
             assert all(m.device.type == "cpu" and m.data_ptr() != b.param_flat.data_ptr()
                        for m, b in zip(engine.optimizer_step.masters, engine.optimizer_step.buckets))

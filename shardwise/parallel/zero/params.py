@@ -74,6 +74,9 @@ class FlatShard:
     launched: bool = False
     received: torch.Tensor | None = None      # [S] reduce-scatter output
     handle: Handle | None = None
+    # ZeRO-Offload of parameters: the shard lives on the CPU between uses and is copied to this device
+    # (non-blocking from pinned memory) for each all-gather. None: the shard's own device.
+    compute_device: torch.device | None = None
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
@@ -102,14 +105,23 @@ class FlatShard:
             lo, hi, dst = self.pieces[i]
             self.shard[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
 
+    def offload(self, device: torch.device, *, pin_memory: bool) -> None:
+        """Keep the shard on `device` (the CPU) between uses; gathers still happen on the compute device."""
+        self.compute_device = self.shard.device
+        self.shard = self.shard.to(device)
+        if pin_memory and torch.cuda.is_available():
+            self.shard = self.shard.pin_memory()
+
     def launch_gather(self, comm: Comm) -> Handle:
+        device = self.compute_device or self.shard.device
         if self.full is None:
-            self.full = torch.empty(self.layout.padded_numel, dtype=self.key.dtype, device=self.shard.device)
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.key.dtype, device=device)
             self.views = [self.full[o:o + n].view(s)
                           for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
         else:
             _resize(self.full, self.layout.padded_numel)
-        return comm.all_gather_into_tensor(self.full, self.shard, async_op=True)
+        send = self.shard if device == self.shard.device else self.shard.to(device, non_blocking=True)
+        return comm.all_gather_into_tensor(self.full, send, async_op=True)
 
     def attach(self) -> None:
         for p, v in zip(self.params, self.views):

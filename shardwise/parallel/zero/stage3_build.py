@@ -96,9 +96,7 @@ def _refuse_unsupported(cfg: Any) -> None:
     if given:
         raise UserError(f"{', '.join(given)}: only supported with zero_optimization.stage 0 for now "
                         f"(ZeRO stage 3 reduce-scatters gradients with the backend); remove it")
-    if cfg.zero.offloads_params:
-        raise UserError('zero_optimization.offload_param: parameter offloading is not implemented for ZeRO stage 3 '
-                        'yet; set its device to "none" (offload_optimizer works)')
+
 
 
 def _partition(model: torch.nn.Module, cfg: Any, key_of: Callable[[torch.nn.Parameter], FlatKey], comm: Comm,
@@ -134,6 +132,9 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
         return FlatKey(group_of.get(id(p)), p.dtype)
 
     partition = _partition(model, cfg, key_of, dp_comm, device)
+    if zero.offloads_params:      # shards wait on the CPU between uses; masters may then view them there
+        for f in partition.flats:
+            f.offload(torch.device("cpu"), pin_memory=zero.offload_param.pin_memory)
     setattr(model, PARTITION_ATTR, partition)
     kept = {id(p) for p in partition.persistent}
     persistent = build_zero_buckets([[p for p in g["params"] if id(p) in kept] for g in groups],
