@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardwise.benchmarks.args import int_at_least, positive_float
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 MIB = 1 << 20
@@ -88,36 +89,20 @@ def make_row(size_mb: float, nbytes: int, world_size: int, ring_s: Sequence[floa
 
 # -- arguments ----------------------------------------------------------------------------------------
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"sizes must be > 0 MiB, got {text}")
-    return value
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch.distributed.run --nproc-per-node N -m shardwise.benchmarks.allreduce",
         description="Bus bandwidth of shardwise's ring all-reduce against the backend's dist.all_reduce.")
-    p.add_argument("--sizes-mb", type=_positive_float, nargs="+", default=list(DEFAULT_SIZES_MB),
+    p.add_argument("--sizes-mb", type=positive_float("sizes"), nargs="+", default=list(DEFAULT_SIZES_MB),
                    metavar="MB", help="tensor sizes in MiB (default: %(default)s)")
-    p.add_argument("--iters", type=_int_at_least(1), default=20, help="timed iterations per "
+    p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per "
                    "implementation and size (default: %(default)s)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed iterations first "
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed iterations first "
                    "(default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
-    p.add_argument("--segment-kb", type=_int_at_least(1), default=DEFAULT_SEGMENT_BYTES // 1024,
+    p.add_argument("--segment-kb", type=int_at_least(1), default=DEFAULT_SEGMENT_BYTES // 1024,
                    help="ring message size in KiB (default: %(default)s)")
-    p.add_argument("--in-flight", type=_int_at_least(1), default=DEFAULT_IN_FLIGHT,
+    p.add_argument("--in-flight", type=int_at_least(1), default=DEFAULT_IN_FLIGHT,
                    help="ring receives posted ahead of the reduction (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the rows to OUT")
     return p

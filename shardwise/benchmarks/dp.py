@@ -34,11 +34,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardwise.benchmarks.args import int_at_least, positive_float
 from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
 MODELS = ("tiny", "small")
@@ -95,38 +96,22 @@ def rotation(trainers: Sequence[str], round_index: int) -> list[str]:
 
 # -- arguments ----------------------------------------------------------------------------------------
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch.distributed.run --nproc-per-node N -m shardwise.benchmarks.dp",
         description="Step time of shardwise stage 0 against torch DDP and DeepSpeed stage 0 on one GPT.")
     p.add_argument("--model", choices=MODELS, default="tiny", help="GPT preset (default: %(default)s)")
-    p.add_argument("--steps", type=_int_at_least(1), default=10, help="timed steps per trainer per round "
+    p.add_argument("--steps", type=int_at_least(1), default=10, help="timed steps per trainer per round "
                    "(default: %(default)s)")
-    p.add_argument("--warmup", type=_int_at_least(0), default=3, help="untimed steps of each trainer first "
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed steps of each trainer first "
                    "(default: %(default)s)")
-    p.add_argument("--rounds", type=_int_at_least(1), default=5, help="rounds of (steps x each trainer) "
+    p.add_argument("--rounds", type=int_at_least(1), default=5, help="rounds of (steps x each trainer) "
                    "(default: %(default)s)")
-    p.add_argument("--micro-batch", type=_int_at_least(1), default=4, help="sequences per rank per step "
+    p.add_argument("--micro-batch", type=int_at_least(1), default=4, help="sequences per rank per step "
                    "(default: %(default)s)")
-    p.add_argument("--seq-len", type=_int_at_least(1), default=None, help="tokens per sequence (default: the "
+    p.add_argument("--seq-len", type=int_at_least(1), default=None, help="tokens per sequence (default: the "
                    "preset's seq_len; at most that)")
-    p.add_argument("--bucket-mb", type=_positive_float, default=4.0, help="gradient bucket size in MiB of fp32, "
+    p.add_argument("--bucket-mb", type=positive_float(), default=4.0, help="gradient bucket size in MiB of fp32, "
                    "for shardwise (reduce_bucket_size) and DDP (bucket_cap_mb) (default: %(default)s)")
     p.add_argument("--trainers", nargs="+", choices=[t.value for t in Trainer], default=None,
                    help="which trainers to run; shardwise is always included (default: all three, or shardwise and "

@@ -35,11 +35,12 @@ import time
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardwise.benchmarks.args import int_at_least
 from shardwise.config.resolved import PipelineSchedule
 
 
@@ -90,33 +91,24 @@ def make_row(kind: PipelineSchedule, v: int, sw_s: Sequence[float], torch_s: Seq
 
 # -- arguments ----------------------------------------------------------------------------------------
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch.distributed.run --nproc-per-node P -m shardwise.benchmarks.pipeline",
         description="Pipeline step time of shardwise's PipelineRuntime against torch.distributed.pipelining.")
     p.add_argument("--schedules", nargs="+", choices=[k.value for k in PipelineSchedule],
                    default=[k.value for k in PipelineSchedule], help="(default: all)")
-    p.add_argument("--virtual-stages", type=_int_at_least(2), default=2, help="V for interleaved 1F1B "
+    p.add_argument("--virtual-stages", type=int_at_least(2), default=2, help="V for interleaved 1F1B "
                    "(default: %(default)s)")
-    p.add_argument("--microbatches", type=_int_at_least(1), default=8, help="M (default: %(default)s)")
-    p.add_argument("--micro-batch-size", type=_int_at_least(1), default=2, help="sequences per micro-batch "
+    p.add_argument("--microbatches", type=int_at_least(1), default=8, help="M (default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=int_at_least(1), default=2, help="sequences per micro-batch "
                    "(default: %(default)s)")
-    p.add_argument("--d-model", type=_int_at_least(8), default=128, help="(default: %(default)s)")
-    p.add_argument("--heads", type=_int_at_least(1), default=4, help="(default: %(default)s)")
-    p.add_argument("--layers", type=_int_at_least(1), default=8, help="transformer blocks (default: %(default)s)")
-    p.add_argument("--seq", type=_int_at_least(1), default=64, help="sequence length (default: %(default)s)")
-    p.add_argument("--rounds", type=_int_at_least(1), default=10, help="timed steps per implementation and "
+    p.add_argument("--d-model", type=int_at_least(8), default=128, help="(default: %(default)s)")
+    p.add_argument("--heads", type=int_at_least(1), default=4, help="(default: %(default)s)")
+    p.add_argument("--layers", type=int_at_least(1), default=8, help="transformer blocks (default: %(default)s)")
+    p.add_argument("--seq", type=int_at_least(1), default=64, help="sequence length (default: %(default)s)")
+    p.add_argument("--rounds", type=int_at_least(1), default=10, help="timed steps per implementation and "
                    "schedule (default: %(default)s)")
-    p.add_argument("--warmup", type=_int_at_least(1), default=2, help="untimed steps each first, the first one "
+    p.add_argument("--warmup", type=int_at_least(1), default=2, help="untimed steps each first, the first one "
                    "compared (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the rows to OUT")
     return p
