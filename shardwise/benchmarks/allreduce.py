@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.args import int_at_least, positive_float
+from shardwise.benchmarks.common import int_at_least, positive_float, run_under_launcher
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 MIB = 1 << 20
@@ -216,9 +215,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
         raise ValueError(f"allreduce benchmark: --nproc must be >= 2 (an all-reduce over {nproc} rank moves "
                          f"no data); got {nproc}. Use --nproc 2 or more.")
     build_parser().parse_args(list(argv))        # reject bad options here, not on every rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "shardwise.benchmarks.allreduce", *argv]
-    return subprocess.run(cmd, check=False).returncode
+    return run_under_launcher("shardwise.benchmarks.allreduce", nproc, argv)
 
 
 if __name__ == "__main__":

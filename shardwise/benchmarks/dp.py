@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.args import int_at_least, positive_float
+from shardwise.benchmarks.common import int_at_least, positive_float, run_under_launcher
 from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
 MODELS = ("tiny", "small")
@@ -275,9 +274,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
         raise ValueError(f"dp benchmark: --nproc must be >= 2 (data parallelism over {nproc} rank communicates "
                          f"nothing); got {nproc}. Use --nproc 2 or more.")
     parse_args(list(argv))        # reject bad options here, not on every rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "shardwise.benchmarks.dp", *argv]
-    return subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    return run_under_launcher("shardwise.benchmarks.dp", nproc, argv, threads_per_rank=1)
 
 
 if __name__ == "__main__":

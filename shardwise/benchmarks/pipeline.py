@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.args import int_at_least
+from shardwise.benchmarks.common import int_at_least, run_under_launcher
 from shardwise.config.resolved import PipelineSchedule
 
 
@@ -316,9 +315,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
     """Run this benchmark on `nproc` local ranks via torch's elastic launcher; returns its exit code.
     `argv` are this module's own options (e.g. ["--microbatches", "8", "--json", "out.json"])."""
     check_args(build_parser().parse_args(list(argv)), nproc)   # reject bad options here, not on every rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "shardwise.benchmarks.pipeline", *argv]
-    return subprocess.run(cmd, check=False).returncode
+    return run_under_launcher("shardwise.benchmarks.pipeline", nproc, argv)
 
 
 if __name__ == "__main__":
