@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     from shardwise.parallel.tensor_parallel.grads import TensorParallelGrads
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in the optimizer's per-parameter state (Adam's m, v and step counters...)."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t))
+
+
 def param_groups_of(model_parameters: Iterable[Any]) -> list[dict]:
     """Normalise DeepSpeed's `model_parameters` (an iterable of tensors or of param-group dicts) into
     param-group dicts, keeping only parameters that require grad."""
@@ -100,8 +106,7 @@ class ReplicatedOptimizer:
 
     def state_bytes(self) -> int:
         """Optimizer states plus fp32 masters (the ZeRO paper's K*psi, with the masters inside K)."""
-        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                    for t in st.values() if torch.is_tensor(t))
+        total = optimizer_state_bytes(self.optimizer)
         if self.masters is not None:
             total += sum(m.numel() * m.element_size() for m in self.masters)
         return total

@@ -17,6 +17,7 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.precision import LossScaler
+from shardwise.replicated_optimizer import optimizer_state_bytes
 
 
 def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
@@ -122,8 +123,7 @@ class ShardedOptimizer:
         return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets)
 
     def state_bytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                    for t in st.values() if torch.is_tensor(t))
+        total = optimizer_state_bytes(self.optimizer)
         if self.separate_masters:
             total += sum(m.numel() * m.element_size() for m in self.masters)
         return total
