@@ -137,8 +137,10 @@ def _replicated(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler
 
 
 def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, dp_comm: Comm,
-              metrics_comm: Comm, dtype: torch.dtype) -> tuple[ShardedOptimizer, ZeroGradReducer]:
-    """ZeRO stages 1 and 2: optimizer states (and, for 2, gradients) sharded over the dp group."""
+              metrics_comm: Comm, dtype: torch.dtype,
+              tp_metrics: Comm | None = None) -> tuple[ShardedOptimizer, ZeroGradReducer]:
+    """ZeRO stages 1 and 2: optimizer states (and, for 2, gradients) sharded over the dp group (of this
+    rank's tensor-parallel slice, when `tp_metrics`, the TP group, is given)."""
     unsupported = {"communication.all_reduce = ring": str(cfg.communication.all_reduce) == "ring",
                    "communication_data_type": cfg.communication.data_type is not None,
                    "prescale_gradients": cfg.prescale_gradients,
@@ -155,20 +157,24 @@ def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, 
         buckets, groups, separate=separate, offload_device=torch.device("cpu") if offload else None,
         pin_memory=bool(offload and offload.pin_memory))
     opt = _make_optimizer(optimizer, cfg, master_groups)
+    tp_grads = None
+    if tp_metrics is not None:
+        from shardwise.parallel.tensor_parallel.grads import ShardedTensorParallelGrads
+        tp_grads = ShardedTensorParallelGrads(tp_metrics, buckets)
     step = ShardedOptimizer(opt, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
                             flags_comm=metrics_comm, scaler=scaler, clip=cfg.gradient_clipping,
-                            check_overflow=_checks_overflow(cfg.precision))
+                            check_overflow=_checks_overflow(cfg.precision), tp_grads=tp_grads)
     sync = ZeroGradReducer(buckets, dp_comm, partition_grads=cfg.zero.stage >= 2)
     return step, sync
 
 
 def _zero_3(cfg: Any, model: torch.nn.Module, groups: list[dict], optimizer: Any, scaler: LossScaler,
-            dp_comm: Comm, metrics_comm: Comm, dtype: torch.dtype,
-            device: torch.device) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
+            dp_comm: Comm, metrics_comm: Comm, dtype: torch.dtype, device: torch.device,
+            tp_metrics: Comm | None = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
     """ZeRO stage 3: parameters sharded too, gathered per unit around its forward and backward."""
     return build_stage3(cfg, model, groups, make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
                         scaler=scaler, dp_comm=dp_comm, flags_comm=metrics_comm, dtype=dtype, device=device,
-                        check_overflow=_checks_overflow(cfg.precision))
+                        check_overflow=_checks_overflow(cfg.precision), tp_comm=tp_metrics)
 
 
 def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
@@ -225,11 +231,11 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         if pipeline is not None:   # clipping norm and overflow verdict over all stages (same interface as TP's)
             step.tp_grads = pipeline.grads
     elif cfg.zero.stage == 3:
-        step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device)
+        step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device, tp_metrics)
     else:
         # Under a pipeline the overflow flag and squared norm are reduced over pp x dp (every stage's shards).
         step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm,
-                               pipeline.flags_comm if pipeline is not None else metrics_comm, dtype)
+                               pipeline.flags_comm if pipeline is not None else metrics_comm, dtype, tp_metrics)
     opt = step.optimizer
     sched = lr_scheduler
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
@@ -238,7 +244,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         sched = build_scheduler(cfg.scheduler, opt)
     engine = Engine(module=model, config=cfg, optimizer_step=step, grad_sync=sync, lr_scheduler=sched,
                     dp_comm=dp_comm, metrics_comm=metrics_comm, ledger=ledger, device=device,
-                    compute_dtype=dtype, pipeline=pipeline)
+                    compute_dtype=dtype, pipeline=pipeline, tp_comm=tp_metrics)
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader

@@ -1,9 +1,11 @@
 """Checkpoints in DeepSpeed's layout, written atomically.
 
     SAVE_DIR/latest                              text: the newest tag
-    SAVE_DIR/TAG/mp_rank_00_model_states.pt      module, optimizer, scheduler, counters, config, client state
+    SAVE_DIR/TAG/mp_rank_TT_model_states.pt      module, optimizer, scheduler, counters, config, client state
+    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_TT_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
 
-    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_00_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
+TT is the tensor-parallel rank (00 without tensor parallelism): each TP rank's files hold its slices, written
+by the ranks of data-parallel index 0 (model states) and by every rank (ZeRO optimizer shards).
 
 A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and renamed into place, and `latest` is
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
@@ -21,7 +23,11 @@ import torch
 
 from shardwise.errors import UserError
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+def model_states_name(mp_rank: int = 0) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+MODEL_STATES = model_states_name(0)
 LATEST = "latest"
 
 
@@ -38,8 +44,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def optim_states_name(dp_rank: int) -> str:
-    return f"zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+def optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -112,12 +118,16 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
     return path
 
 
-def read_model_states(path: Path) -> dict:
-    return torch.load(path / MODEL_STATES, map_location="cpu", weights_only=False)
+def read_model_states(path: Path, mp_rank: int = 0) -> dict:
+    file = path / model_states_name(mp_rank)
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no model states for tensor-parallel rank {mp_rank} ({file.name}): it was "
+                              f"written with a smaller tensor_parallel.size; load it with the size that wrote it")
+    return torch.load(file, map_location="cpu", weights_only=False)
 
 
-def read_optim_states(path: Path, dp_rank: int) -> dict:
-    file = path / optim_states_name(dp_rank)
+def read_optim_states(path: Path, dp_rank: int, mp_rank: int = 0) -> dict:
+    file = path / optim_states_name(dp_rank, mp_rank)
     if not file.is_file():
         raise CheckpointError(f"{path} has no optimizer shard for data-parallel rank {dp_rank} ({file.name}): it was "
                               f"written with fewer ranks or without ZeRO; load it with the layout that wrote it")

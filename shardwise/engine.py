@@ -11,7 +11,6 @@ ranks) and `optimizer_step` (how the update is applied) are picked by `shardwise
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -62,8 +61,12 @@ class Engine:
 
     def __init__(self, *, module: torch.nn.Module, config: Any, optimizer_step: Any, grad_sync: Any,
                  lr_scheduler: Any, dp_comm: Comm, metrics_comm: Comm, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype, pipeline: Any = None):
+                 device: torch.device, compute_dtype: torch.dtype, pipeline: Any = None,
+                 tp_comm: Comm | None = None):
         self.module = module
+        # Tensor parallelism: this rank's TP group (None without TP). Checkpoints are per TP rank, and their
+        # barrier / failure agreement spans dp then tp, i.e. the whole (dp, tp) mesh.
+        self.tp_comm = tp_comm
         # Pipeline parallelism (`parallel.pipeline.apply.PipelineTrainer`): `module` is this rank's stage and
         # train_batch is the only way to train (the schedule interleaves the micro-batches' forwards/backwards).
         self.pipeline = pipeline
@@ -225,39 +228,64 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        self._refuse_tensor_parallel_checkpoint("save_checkpoint")
         self._refuse_under_pipeline("engine.save_checkpoint")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         per_rank = self.optimizer_step.checkpoint_per_rank
         files: dict[str, Any] = {}
-        if dist.get_rank() == 0:
-            files[ckpt.MODEL_STATES] = {
+        if self.dp_comm.rank == 0:       # one writer per TP rank: its slices (the whole model without TP)
+            files[ckpt.model_states_name(self._tp_rank)] = {
                 "module": self.module.state_dict(),
                 "optimizer": None if per_rank else self.optimizer_step.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "global_steps": self.global_steps, "global_samples": self.global_samples,
                 "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
-                "dp_world_size": self.dp_size, "ds_config": getattr(self.config, "raw", None),
+                "dp_world_size": self.dp_size, "mp_world_size": self._tp_size,
+                "ds_config": getattr(self.config, "raw", None),
                 "client_state": dict(client_state or {}),
             }
         if per_rank:
-            files[ckpt.optim_states_name(self.dp_rank)] = {"optimizer_state_dict": self.optimizer_step.state_dict()}
-        ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=self.metrics_comm.barrier,
-                       any_failed=lambda failed: self.metrics_comm.all_reduce_object_max(float(failed)) > 0)
+            files[ckpt.optim_states_name(self.dp_rank, self._tp_rank)] = {
+                "optimizer_state_dict": self.optimizer_step.state_dict()}
+        ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=self._mesh_barrier,
+                       any_failed=self._mesh_any_failed)
         return True
+
+    @property
+    def _tp_rank(self) -> int:
+        return self.tp_comm.rank if self.tp_comm is not None else 0
+
+    @property
+    def _tp_size(self) -> int:
+        return self.tp_comm.size if self.tp_comm is not None else 1
+
+    def _mesh_barrier(self) -> None:
+        # dp then tp: after both, every rank of the (dp, tp) mesh has arrived
+        self.metrics_comm.barrier()
+        if self.tp_comm is not None:
+            self.tp_comm.barrier()
+
+    def _mesh_any_failed(self, failed: bool) -> bool:
+        flag = self.metrics_comm.all_reduce_object_max(float(failed))
+        if self.tp_comm is not None:
+            flag = self.tp_comm.all_reduce_object_max(flag)
+        return flag > 0
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
-        self._refuse_tensor_parallel_checkpoint("load_checkpoint")
         self._refuse_under_pipeline("engine.load_checkpoint")
         path = ckpt.resolve_tag(load_dir, tag)
         if path is None:
             return None, None
-        state = ckpt.read_model_states(path)
+        state = ckpt.read_model_states(path, self._tp_rank)
+        saved_tp = state.get("mp_world_size", 1)
+        if saved_tp != self._tp_size:
+            raise ckpt.CheckpointError(f"{path} was written with tensor_parallel.size = {saved_tp} and is being loaded "
+                                       f"with {self._tp_size}: resharding across TP sizes is not supported; load it "
+                                       f"with tensor_parallel.size = {saved_tp}")
         self.module.load_state_dict(state["module"], strict=load_module_strict)
         if not load_module_only:
-            opt_state = (ckpt.read_optim_states(path, self.dp_rank)["optimizer_state_dict"]
+            opt_state = (ckpt.read_optim_states(path, self.dp_rank, self._tp_rank)["optimizer_state_dict"]
                          if self.optimizer_step.checkpoint_per_rank else state["optimizer"])
             self.optimizer_step.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
             if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -270,15 +298,6 @@ class Engine:
             self.optimizer_step.sync_masters_from_model()
         self.grad_sync.zero_grad()
         return str(path), state["client_state"]
-
-    def _refuse_tensor_parallel_checkpoint(self, what: str) -> None:
-        # Each TP rank holds different slices: one rank's state dict is not the model. Per-TP-rank files
-        # (mp_rank_XX) written under a world-wide barrier are still to be built.
-        tp = getattr(getattr(self.config, "tensor_parallel", None), "size", 1)
-        if tp > 1:
-            raise UserError(f"engine.{what} with tensor_parallel.size = {tp} is not implemented yet in this version; "
-                            f"gather the full weights with shardwise.parallel.tensor_parallel.gather_full_state_dict "
-                            f"(every rank calls it) and save them yourself, or train with tensor_parallel.size 1")
 
     def _refuse_under_pipeline(self, what: str) -> None:
         if self.pipeline is not None:

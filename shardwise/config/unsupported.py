@@ -33,11 +33,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
-    if model.tensor_parallel.size > 1 and zero.stage > 0:
-        refuse("tensor_parallel.size",
-               f"tensor_parallel.size = {model.tensor_parallel.size} with zero_optimization.stage {zero.stage}: "
-               f"tensor parallelism with ZeRO stages 1-3 is not implemented yet in this version; use "
-               f"zero_optimization.stage 0 or tensor_parallel.size 1")
     pp = model.pipeline.stages
     if pp > 1 and zero.stage == 3:
         refuse("pipeline.stages",

@@ -60,12 +60,16 @@ class TensorParallelGrads:
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, comm: Comm) -> dict[str, Tensor]:
+def gather_full_state_dict(model: nn.Module, comm: Comm, state: dict[str, Tensor] | None = None
+                           ) -> dict[str, Tensor]:
     """The single-process model's state dict, assembled from the TP shards: every sharded parameter is
-    all-gathered along its split dimension; replicated tensors are copied. Collective: every TP rank calls it."""
+    all-gathered along its split dimension; replicated tensors are copied. Collective: every TP rank calls it.
+    `state`: this rank's slice state dict when the module's own tensors are not it (under ZeRO-3 they are
+    placeholders between steps; pass `engine.grad_sync.gathered_state_dict()`)."""
+    own = model.state_dict(keep_vars=True)
     out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        dim = getattr(t, TP_DIM_ATTR, None)
+    for name, t in (own if state is None else state).items():
+        dim = getattr(own.get(name), TP_DIM_ATTR, None)
         out[name] = all_gather(t.detach(), comm, dim) if dim is not None else t.detach().clone()
     return out
 
@@ -83,3 +87,42 @@ def load_full_state_dict(model: nn.Module, full: dict[str, Tensor], comm: Comm, 
             t = t.narrow(dim, comm.rank * n, n)
         local[name] = t
     model.load_state_dict(local, strict=strict)
+
+
+class ShardedTensorParallelGrads:
+    """The same whole-model norm and overflow verdict for ZeRO over a TP x dp mesh, where each stepped tensor
+    is this rank's shard [S] of a flat bucket that mixes TP slices and replicated parameters.
+
+    Per shard the elements of replicated parameters are the ranges `replicated[i]` (from the bucket layout);
+    every other element belongs to a TP slice (or is zero padding). The engine reduces the local
+    [sliced, replicated] squares over the dp group (each dp rank holds a disjoint shard); `global_norm` then
+    sums the sliced part over the TP group, counting replicated elements once."""
+
+    def __init__(self, comm: Comm, buckets: list) -> None:
+        self.comm = comm
+        self.replicated: list[list[tuple[int, int]]] = []
+        for b in buckets:     # ZeroBucket / FlatShard: `params`, `layout`, `rank`
+            self.replicated.append([(dst, dst + hi - lo) for i, lo, hi, dst in b.layout.pieces_in_shard(b.rank)
+                                    if not is_tensor_parallel_shard(b.params[i])])
+
+    def local_squares(self, grads: list[Tensor]) -> Tensor:
+        """float64 [2]: this rank's (sliced, replicated) sums of squares over its shards."""
+        if len(grads) != len(self.replicated):
+            raise ValueError(f"ShardedTensorParallelGrads: {len(grads)} shards, built for {len(self.replicated)}")
+        sq = torch.zeros(2, dtype=torch.float64)
+        for g, ranges in zip(grads, self.replicated):
+            total = g.double().pow(2).sum()
+            rep = sum((g[a:b].double().pow(2).sum() for a, b in ranges), torch.zeros((), dtype=torch.float64,
+                                                                                    device=g.device))
+            sq[0] += (total - rep).cpu()
+            sq[1] += rep.cpu()
+        return sq
+
+    def global_norm(self, dp_summed: Tensor) -> float:
+        """The model's norm from the dp-reduced squares: TP slices summed over the TP group (8 bytes)."""
+        sliced = dp_summed[:1].clone()
+        self.comm.all_reduce(sliced)
+        return math.sqrt(max(float(sliced), 0.0) + float(dp_summed[1]))
+
+    def any_overflow(self, local: bool) -> bool:
+        return self.comm.all_reduce_object_max(float(local)) > 0

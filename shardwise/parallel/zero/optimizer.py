@@ -11,6 +11,7 @@ bf16/fp16 it is a separate fp32 tensor (ZeRO's K*psi/N includes these masters). 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.precision import LossScaler
 from shardwise.replicated_optimizer import optimizer_state_bytes
+
+if TYPE_CHECKING:
+    from shardwise.parallel.tensor_parallel.grads import ShardedTensorParallelGrads
 
 
 def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
@@ -45,8 +49,12 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
                  masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, flags_comm: Comm,
-                 scaler: LossScaler, clip: float, check_overflow: bool, gather_after_step: bool = True):
+                 scaler: LossScaler, clip: float, check_overflow: bool, gather_after_step: bool = True,
+                 tp_grads: "ShardedTensorParallelGrads | None" = None):
         self.optimizer = optimizer
+        # Under tensor parallelism the shards hold TP slices and replicated parameters: the norm and the
+        # overflow verdict are completed over the TP group too (one 8-byte all-reduce each).
+        self.tp_grads = tp_grads
         # ZeRO-3 (False): parameters stay sharded after the step; only separate masters are written back.
         self.gather_after_step = gather_after_step
         self.buckets = buckets
@@ -72,7 +80,10 @@ class ShardedOptimizer:
         grads = [m.grad for m in self.masters]
         if self.check_overflow:
             local = any(not bool(torch.isfinite(g).all()) for g in grads)
-            if self.flags_comm.all_reduce_object_max(float(local)) > 0:
+            overflow = self.flags_comm.all_reduce_object_max(float(local)) > 0
+            if self.tp_grads is not None:
+                overflow = self.tp_grads.any_overflow(overflow)
+            if overflow:
                 self.scaler.update(overflow=True)
                 self.last_grad_norm = float("inf")
                 return False
@@ -80,11 +91,16 @@ class ShardedOptimizer:
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
         if self.clip > 0:
-            sq = torch.zeros(1, dtype=torch.float64)
-            for g in grads:
-                sq += g.double().pow(2).sum()
-            self.flags_comm.all_reduce(sq)
-            norm = math.sqrt(float(sq))
+            if self.tp_grads is None:
+                sq = torch.zeros(1, dtype=torch.float64)
+                for g in grads:
+                    sq += g.double().pow(2).sum()
+                self.flags_comm.all_reduce(sq)
+                norm = math.sqrt(float(sq))
+            else:                                  # [sliced, replicated] over dp, then slices over TP
+                sq = self.tp_grads.local_squares(grads)
+                self.flags_comm.all_reduce(sq)
+                norm = self.tp_grads.global_norm(sq)
             self.last_grad_norm = norm
             coef = self.clip / (norm + 1e-6)       # torch.nn.utils.clip_grad_norm_'s rule
             if coef < 1.0:

@@ -35,10 +35,11 @@ class Stage3Optimizer(ShardedOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, runtime: ZeroParamRuntime, flats: list[FlatShard],
                  persistent: list[ZeroBucket], masters: list[torch.nn.Parameter], separate_masters: bool,
-                 comm: Comm, flags_comm: Comm, scaler: LossScaler, clip: float, check_overflow: bool):
+                 comm: Comm, flags_comm: Comm, scaler: LossScaler, clip: float, check_overflow: bool,
+                 tp_grads: Any = None):
         super().__init__(optimizer, buckets=[*flats, *persistent], masters=masters,  # type: ignore[list-item]
                          separate_masters=separate_masters, comm=comm, flags_comm=flags_comm, scaler=scaler,
-                         clip=clip, check_overflow=check_overflow, gather_after_step=False)
+                         clip=clip, check_overflow=check_overflow, gather_after_step=False, tp_grads=tp_grads)
         self.runtime = runtime
         self.flats = flats
         self.persistent = persistent
@@ -121,9 +122,10 @@ def _partition(model: torch.nn.Module, cfg: Any, key_of: Callable[[torch.nn.Para
 def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], scaler: LossScaler,
                  dp_comm: Comm, flags_comm: Comm, dtype: torch.dtype, device: torch.device,
-                 check_overflow: bool) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
+                 check_overflow: bool, tp_comm: Comm | None = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
     """Shard `model` (a full model, or one built by `materialize_sharded`) and build the engine's
-    `optimizer_step` and `grad_sync` for ZeRO stage 3."""
+    `optimizer_step` and `grad_sync` for ZeRO stage 3. `tp_comm`: the TP group of a tensor-parallel model
+    (already sliced), over which the clipping norm and the overflow verdict are completed."""
     _refuse_unsupported(cfg)
     zero = cfg.zero
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
@@ -150,7 +152,11 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
     runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
                                prefetch_numel=zero.stage3_prefetch_bucket_size,
                                max_live_numel=zero.stage3_max_live_parameters)
+    tp_grads = None
+    if tp_comm is not None:
+        from shardwise.parallel.tensor_parallel.grads import ShardedTensorParallelGrads
+        tp_grads = ShardedTensorParallelGrads(tp_comm, [*flats, *persistent])
     step = Stage3Optimizer(optimizer, runtime=runtime, flats=flats, persistent=persistent, masters=masters,
                            separate_masters=separate, comm=dp_comm, flags_comm=flags_comm, scaler=scaler,
-                           clip=cfg.gradient_clipping, check_overflow=check_overflow)
+                           clip=cfg.gradient_clipping, check_overflow=check_overflow, tp_grads=tp_grads)
     return step, runtime
