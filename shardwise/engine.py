@@ -14,9 +14,8 @@ import inspect
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
-from shardwise import checkpoint as ckpt
+from shardwise import engine_checkpoint
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
@@ -228,83 +227,22 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        self._refuse_under_pipeline("engine.save_checkpoint")
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        per_rank = self.optimizer_step.checkpoint_per_rank
-        files: dict[str, Any] = {}
-        if self.dp_comm.rank == 0:       # one writer per TP rank: its slices (the whole model without TP)
-            files[ckpt.model_states_name(self._tp_rank)] = {
-                "module": self.module.state_dict(),
-                "optimizer": None if per_rank else self.optimizer_step.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "global_steps": self.global_steps, "global_samples": self.global_samples,
-                "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
-                "dp_world_size": self.dp_size, "mp_world_size": self._tp_size,
-                "ds_config": getattr(self.config, "raw", None),
-                "client_state": dict(client_state or {}),
-            }
-        if per_rank:
-            files[ckpt.optim_states_name(self.dp_rank, self._tp_rank)] = {
-                "optimizer_state_dict": self.optimizer_step.state_dict()}
-        ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=self._mesh_barrier,
-                       any_failed=self._mesh_any_failed)
-        return True
-
-    @property
-    def _tp_rank(self) -> int:
-        return self.tp_comm.rank if self.tp_comm is not None else 0
-
-    @property
-    def _tp_size(self) -> int:
-        return self.tp_comm.size if self.tp_comm is not None else 1
-
-    def _mesh_barrier(self) -> None:
-        # dp then tp: after both, every rank of the (dp, tp) mesh has arrived
-        self.metrics_comm.barrier()
-        if self.tp_comm is not None:
-            self.tp_comm.barrier()
-
-    def _mesh_any_failed(self, failed: bool) -> bool:
-        flag = self.metrics_comm.all_reduce_object_max(float(failed))
-        if self.tp_comm is not None:
-            flag = self.tp_comm.all_reduce_object_max(flag)
-        return flag > 0
+        """Collective: every rank calls it. DeepSpeed's layout, per model-parallel rank (`engine_checkpoint`)."""
+        return engine_checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
-        self._refuse_under_pipeline("engine.load_checkpoint")
-        path = ckpt.resolve_tag(load_dir, tag)
-        if path is None:
-            return None, None
-        state = ckpt.read_model_states(path, self._tp_rank)
-        saved_tp = state.get("mp_world_size", 1)
-        if saved_tp != self._tp_size:
-            raise ckpt.CheckpointError(f"{path} was written with tensor_parallel.size = {saved_tp} and is being loaded "
-                                       f"with {self._tp_size}: resharding across TP sizes is not supported; load it "
-                                       f"with tensor_parallel.size = {saved_tp}")
-        self.module.load_state_dict(state["module"], strict=load_module_strict)
-        if not load_module_only:
-            opt_state = (ckpt.read_optim_states(path, self.dp_rank, self._tp_rank)["optimizer_state_dict"]
-                         if self.optimizer_step.checkpoint_per_rank else state["optimizer"])
-            self.optimizer_step.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
-            if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            self.global_steps = state["global_steps"]
-            self.global_samples = state["global_samples"]
-            self.skipped_steps = state["skipped_steps"]
-            self.micro_steps = state["micro_steps"]
-        else:
-            self.optimizer_step.sync_masters_from_model()
-        self.grad_sync.zero_grad()
-        return str(path), state["client_state"]
+        """Returns (checkpoint path, client_state), or (None, None) when `load_dir` holds no checkpoint."""
+        return engine_checkpoint.load(self, load_dir, tag, strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only)
 
     def _refuse_under_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
-            hint = ("train with engine.train_batch(data_iter)" if "checkpoint" not in what else
-                    "per-stage checkpoint files are not implemented yet in this version")
             raise UserError(f"{what} is not available with pipeline.stages = {self.pipeline.stage.num_stages}: "
-                            f"{hint}")
+                            f"train with engine.train_batch(data_iter)")
 
     def close(self) -> None:
         self.grad_sync.close()

@@ -1,0 +1,150 @@
+"""`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs.
+
+Files of one tag (see `checkpoint.py` for the atomic, collective write):
+
+    mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
+    zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
+
+MM is the model-parallel rank, pp_stage * tp + tp_rank, as in DeepSpeed's grid (00 without model
+parallelism). Model states are written by the ranks of data-parallel index 0 (one per (stage, TP rank));
+ZeRO shards by every rank. Under pipeline parallelism a stage's module states are keyed by the full model's
+names ("blocks.3.attn.q_proj.weight"), so the weights of a checkpoint can be loaded with another number of
+stages (`load_module_only=True`: every rank picks its own layers from all the stages' files); optimizer
+states and counters need the same layout that wrote them.
+
+The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
+of the mesh has arrived (or heard of a failure).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shardwise import checkpoint as ckpt
+
+
+def _comms(engine: Any) -> list:
+    """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp."""
+    out = [engine.metrics_comm]
+    if engine.tp_comm is not None:
+        out.append(engine.tp_comm)
+    if engine.pipeline is not None:
+        out.append(engine.pipeline.pp_comm)
+    return out
+
+
+def layout(engine: Any) -> dict[str, int]:
+    """This rank's place: tp rank/size, pp stage/size, and the model-parallel rank naming its files."""
+    tp_rank = engine.tp_comm.rank if engine.tp_comm is not None else 0
+    tp_size = engine.tp_comm.size if engine.tp_comm is not None else 1
+    pp_stage = engine.pipeline.pp_comm.rank if engine.pipeline is not None else 0
+    pp_size = engine.pipeline.pp_comm.size if engine.pipeline is not None else 1
+    return {"tp_rank": tp_rank, "tp_size": tp_size, "pp_stage": pp_stage, "pp_size": pp_size,
+            "mp_rank": pp_stage * tp_size + tp_rank}
+
+
+def _module_state(engine: Any) -> dict:
+    if engine.pipeline is not None:
+        return engine.pipeline.stage.full_state_dict()
+    return engine.module.state_dict()
+
+
+def _load_module(engine: Any, full_or_local: dict, strict: bool) -> None:
+    if engine.pipeline is None:
+        engine.module.load_state_dict(full_or_local, strict=strict)
+        return
+    names = engine.pipeline.stage.full_names()           # local name -> full name
+    local = {k: full_or_local[f] for k, f in names.items() if f in full_or_local}
+    missing = [f for f in names.values() if f not in full_or_local]
+    if missing and strict:
+        raise ckpt.CheckpointError(f"the checkpoint has no weights for {len(missing)} tensors of this pipeline stage "
+                                   f"(e.g. {missing[0]}): it was written for another model")
+    engine.module.load_state_dict(local, strict=strict and not missing)
+
+
+def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None) -> bool:
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    where = layout(engine)
+    per_rank = engine.optimizer_step.checkpoint_per_rank
+    files: dict[str, Any] = {}
+    if engine.dp_comm.rank == 0:       # one writer per (stage, TP rank): its layers' slices
+        files[ckpt.model_states_name(where["mp_rank"])] = {
+            "module": _module_state(engine),
+            "optimizer": None if per_rank else engine.optimizer_step.state_dict(),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
+            "dp_world_size": engine.dp_size, "mp_world_size": where["tp_size"], "pp_world_size": where["pp_size"],
+            "ds_config": getattr(engine.config, "raw", None),
+            "client_state": dict(client_state or {}),
+        }
+    if per_rank:
+        files[ckpt.optim_states_name(engine.dp_rank, where["mp_rank"])] = {
+            "optimizer_state_dict": engine.optimizer_step.state_dict()}
+    comms = _comms(engine)
+
+    def barrier() -> None:
+        for c in comms:
+            c.barrier()
+
+    def any_failed(failed: bool) -> bool:
+        flag = float(failed)
+        for c in comms:
+            flag = c.all_reduce_object_max(flag)
+        return flag > 0
+
+    ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier, any_failed=any_failed)
+    return True
+
+
+def _module_from_all_stages(path: Path, where: dict[str, int], saved_tp: int) -> dict:
+    """The weights of every stage file with this rank's TP rank, merged (full names): lets a pipelined run
+    load weights written with another number of stages."""
+    merged: dict = {}
+    mp = where["tp_rank"]
+    while (path / ckpt.model_states_name(mp)).is_file():
+        merged.update(ckpt.read_model_states(path, mp)["module"])
+        mp += saved_tp
+    return merged
+
+
+def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
+         load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
+    path = ckpt.resolve_tag(load_dir, tag)
+    if path is None:
+        return None, None
+    where = layout(engine)
+    state = ckpt.read_model_states(path, where["tp_rank"])      # stage 0's file of this TP rank: the layout
+    saved_tp, saved_pp = state.get("mp_world_size", 1), state.get("pp_world_size", 1)
+    if saved_tp != where["tp_size"]:
+        raise ckpt.CheckpointError(f"{path} was written with tensor_parallel.size = {saved_tp} and is being loaded "
+                                   f"with {where['tp_size']}: resharding across TP sizes is not supported; load it "
+                                   f"with tensor_parallel.size = {saved_tp}")
+    if saved_pp != where["pp_size"]:
+        if not load_module_only:
+            raise ckpt.CheckpointError(f"{path} was written with pipeline.stages = {saved_pp} and is being loaded with "
+                                       f"{where['pp_size']}: optimizer states need the same stages; load it with "
+                                       f"pipeline.stages = {saved_pp}, or pass load_module_only=True to load only the "
+                                       f"weights")
+        _load_module(engine, _module_from_all_stages(path, where, saved_tp), strict)
+    else:
+        if where["mp_rank"] != where["tp_rank"]:
+            state = ckpt.read_model_states(path, where["mp_rank"])
+        _load_module(engine, state["module"], strict)
+    if not load_module_only:
+        opt_state = (ckpt.read_optim_states(path, engine.dp_rank, where["mp_rank"])["optimizer_state_dict"]
+                     if engine.optimizer_step.checkpoint_per_rank else state["optimizer"])
+        engine.optimizer_step.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        engine.global_steps = state["global_steps"]
+        engine.global_samples = state["global_samples"]
+        engine.skipped_steps = state["skipped_steps"]
+        engine.micro_steps = state["micro_steps"]
+    else:
+        engine.optimizer_step.sync_masters_from_model()
+    engine.grad_sync.zero_grad()
+    return str(path), state["client_state"]
