@@ -1,8 +1,9 @@
 """`init_distributed` and `initialize`: build the engine's strategy objects once.
 
-Order of construction (DESIGN.md principle 4, for stage 0): config -> process groups ((dp, tp) mesh) ->
-device/dtype -> identical start on every rank (the full model broadcast from rank 0) -> tensor-parallel slicing
--> fp32 masters (mixed precision) -> optimizer and scheduler -> gradient sync (over the dp group).
+Order of construction (DESIGN.md principle 4): config -> process groups ((pp, dp, tp) mesh) -> device/dtype ->
+identical start on every rank (the full model broadcast from rank 0) -> tensor-parallel slicing (of the whole
+model) -> pipeline split (this rank's stage) -> fp32 masters (mixed precision) -> optimizer and scheduler ->
+gradient sync (over the dp group).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shardwise.engine import Engine
 from shardwise.errors import UserError
 from shardwise.optim import build_optimizer, build_scheduler
 from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.parallel.tensor_parallel.grads import TensorParallelGrads
 from shardwise.parallel.zero.buckets import build_zero_buckets
 from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.optimizer import ShardedOptimizer, make_shard_masters
@@ -120,7 +122,6 @@ def _replicated(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler
     model_params = [p for g in groups for p in g["params"]]
     tp_grads = None
     if tp_metrics is not None:
-        from shardwise.parallel.tensor_parallel import TensorParallelGrads
         tp_grads = TensorParallelGrads.for_params(tp_metrics, model_params)
     if dtype != torch.float32:
         groups, model_params, masters = make_masters(groups)
@@ -205,17 +206,10 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     # The FULL model from world rank 0 to every rank, before any tensor-parallel slicing: all TP ranks must
     # cut their slices from one model (a DP-group broadcast would leave TP peers on different models).
     broadcast_module(model, Comm(None, ledger, name="dp:init"))
-    pipeline = None
-    if cfg.pipeline.stages > 1:
-        # Pipeline split first (DESIGN principle 4): from here on `model` is this rank's stage, and every strategy
-        # below (optimizer, gradient sync over the stage's dp group) sees only the stage's parameters.
-        from shardwise.parallel.pipeline.apply import apply_pipeline
-        pipeline = apply_pipeline(model, config=cfg, mesh=mesh, ledger=ledger, device=device)
-        model = pipeline.stage
-        if model_parameters is not None:
-            model_parameters = pipeline.owned(model_parameters)
     tp_metrics = None
     if tp > 1:
+        # Tensor-parallel slicing of the whole model first: its plan names the full model's modules, and under
+        # 3D every pipeline stage then holds its layers' slices (the stage split keeps the modules it is given).
         from shardwise.parallel.tensor_parallel import parallelize_model
         info = parallelize_model(model, mesh.comm(Axis.TP, ledger),
                                  sequence_parallel=cfg.tensor_parallel.sequence_parallel)
@@ -223,17 +217,28 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
             model_parameters = info.remap(model_parameters)
         del info                              # releases the full layers' parameters
         tp_metrics = mesh.comm(Axis.TP, ledger, name="tp:metrics")
+    pipeline = None
+    if cfg.pipeline.stages > 1:
+        # Pipeline split (DESIGN principle 4): from here on `model` is this rank's stage, and every strategy
+        # below (optimizer, gradient sync over the stage's dp group) sees only the stage's parameters.
+        from shardwise.parallel.pipeline.apply import apply_pipeline
+        pipeline = apply_pipeline(model, config=cfg, mesh=mesh, ledger=ledger, device=device)
+        model = pipeline.stage
+        if model_parameters is not None:
+            model_parameters = pipeline.owned(model_parameters)
 
     groups = param_groups_of(model_parameters if model_parameters is not None else model.parameters())
     scaler = _make_scaler(cfg.precision)
     if cfg.zero.stage == 0:
         step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype, tp_metrics)
         if pipeline is not None:   # clipping norm and overflow verdict over all stages (same interface as TP's)
-            step.tp_grads = pipeline.grads
+            step.tp_grads = pipeline.grads if step.tp_grads is None else \
+                TensorParallelGrads(step.tp_grads.comm, step.tp_grads.sharded, across=pipeline.grads.comm)
     elif cfg.zero.stage == 3:
         step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device, tp_metrics)
     else:
-        # Under a pipeline the overflow flag and squared norm are reduced over pp x dp (every stage's shards).
+        # Under a pipeline the overflow flag and squared norm are reduced over pp x dp (every stage's shards of
+        # this TP slice), then, with TP, the slices' part over the TP group.
         step, sync = _zero_1_2(cfg, groups, optimizer, scaler, dp_comm,
                                pipeline.flags_comm if pipeline is not None else metrics_comm, dtype, tp_metrics)
     opt = step.optimizer

@@ -99,6 +99,12 @@ class MeshShape:
     def group_of(self, axis: Axis, rank: int) -> list[int]:
         return next(g for g in self.groups(axis) if rank in g)
 
+    def groups_sharing(self, axis: Axis) -> list[list[int]]:
+        """The ranks with equal `axis` coordinate (they differ in every other one), in rank order; e.g. for
+        TP, each group holds one model's worth of optimizer state per TP slice: pp x dp ranks."""
+        axis = Axis(axis)
+        return [[r for r in range(self.world_size) if self.coords(r)[axis] == k] for k in range(self.size(axis))]
+
 
 class SoloComm(Comm):
     """The `Comm` of an axis of size 1: a group of this rank alone. Every `Comm` collective is a no-op (or a
@@ -122,6 +128,7 @@ class ParallelMesh:
         self.shape = shape
         self.global_rank = rank
         self._groups = groups
+        self._same_tp: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, shape: MeshShape) -> "ParallelMesh":
@@ -140,7 +147,20 @@ class ParallelMesh:
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         groups[axis] = group
-        return cls(shape, rank, groups)
+        mesh = cls(shape, rank, groups)
+        if shape.tp > 1 and shape.pp * shape.dp > 1:     # pp x dp of one TP coordinate (3D, and ZeRO under PP)
+            for ranks in shape.groups_sharing(Axis.TP):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mesh._same_tp = group
+        return mesh
+
+    def comm_sharing_tp(self, ledger: CommLedger, name: str) -> Comm:
+        """A `Comm` over the ranks with this rank's TP coordinate (every pp x dp rank): where one TP slice of the
+        whole model's gradients lives, so its norm and overflow flags are reduced there."""
+        if self.shape.pp * self.shape.dp == 1:
+            return SoloComm(None, ledger, name=name)
+        return Comm(self._same_tp if self.shape.tp > 1 else None, ledger, name=name)
 
     def size(self, axis: Axis) -> int:
         return self.shape.size(axis)

@@ -38,10 +38,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
         refuse("pipeline.stages",
                f"pipeline.stages = {pp} with zero_optimization.stage 3: pipeline parallelism with ZeRO stage 3 is "
                f"not implemented yet in this version; use zero_optimization.stage 0, 1 or 2, or pipeline.stages 1")
-    if pp > 1 and model.tensor_parallel.size > 1:
-        refuse("pipeline.stages",
-               f"pipeline.stages = {pp} with tensor_parallel.size = {model.tensor_parallel.size}: pipeline and "
-               f"tensor parallelism together (3D) are not implemented yet in this version; set one of them to 1")
     checkpointing = model.activation_checkpointing
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(checkpointing, name):

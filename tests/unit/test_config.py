@@ -176,8 +176,8 @@ def test_pipeline_and_tensor_parallel_rules() -> None:
                                                 "partition": "parameters"}}, world_size=8)
     assert piped.pipeline.stages == 2 and piped.pipeline.virtual_stages == 2 and piped.batch.dp_size == 4
     assert piped.pipeline.schedule.value == "interleaved_1f1b" and piped.pipeline.partition.value == "parameters"
-    assert "(3D) are not implemented yet" in str(error_of(
-        {**BASE, "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}, dp_size=2))
+    three_d = load_config_for_world({**BASE, "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}, world_size=8)
+    assert three_d.batch.dp_size == 2 and three_d.batch.micro_batch == 16      # dp = 8 / (pp 2 x tp 2)
 
 
 def test_zero_alternative_and_deprecated_spellings() -> None:

@@ -1,9 +1,11 @@
 """Pipeline parallelism inside the engine: split the model for this rank, run `engine.train_batch` through
 the schedule, and agree on the whole model's gradient norm and overflow verdict across stages.
 
-Layout: the mesh's (pp, dp) axes, rank = pp_index * dp + dp_index (`topology.MeshShape`, tp = 1). A pipeline
-is the ranks of one dp index (group "pp"); the replicas of one stage form its dp group, over which the
-stage's gradients are synchronised by the engine's ordinary gradient sync.
+Layout: the mesh's (pp, dp, tp) axes (`topology.MeshShape`). A pipeline is the ranks of one (dp, tp) index
+(group "pp"); the replicas of one stage form its dp group, over which the stage's gradients are synchronised
+by the engine's ordinary gradient sync. With tensor parallelism (3D) the model was sliced before the split:
+each stage's layers hold this rank's TP slices and the TP collectives run inside the stage's forward and
+backward, in the same order on every TP rank of a stage (they all run the same schedule).
 
 Per global batch (`PipelineTrainer.train_batch`): the first and last stages read M =
 gradient_accumulation_steps micro-batches ``(inputs, labels)`` from ``data_iter`` (the middle stages read
@@ -124,7 +126,7 @@ def apply_pipeline(model: torch.nn.Module, *, config: Any, mesh: ParallelMesh, l
     pp_comm = mesh.comm(Axis.PP, ledger, name="pp")
     runtime = PipelineRuntime(stage, pp_comm, schedule=pipe.schedule, num_microbatches=config.batch.grad_accum,
                               device=device)
-    flags = Comm(None, ledger, name="pp*dp:metrics")   # tp = 1: pp x dp is the whole world
+    flags = mesh.comm_sharing_tp(ledger, name="pp*dp:metrics")   # the whole world when tp = 1
     return PipelineTrainer(stage=stage, runtime=runtime, pp_comm=pp_comm,
                            dp_metrics=mesh.comm(Axis.DP, ledger, name="dp:metrics"), flags_comm=flags,
                            grads=PipelineGrads(mesh.comm(Axis.PP, ledger, name="pp:metrics")))

@@ -77,7 +77,7 @@ def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
     from shardwise.models.gpt import GPT
     if isinstance(model, GPT):
         sample = torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device=model.embed.tok.weight.device)
-        return _Layers(items=[(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], loss_fn=loss_fn or GPT.loss,
+        return _Layers(items=[(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], loss_fn=loss_fn or model.loss,
                        prefix=[("embed", model.embed)], suffix=[("head", model.head)], sample_input=sample)
     if isinstance(model, PipelineModel):
         return _Layers(items=[(f"layers.{i}", m) for i, m in enumerate(model.layers)],

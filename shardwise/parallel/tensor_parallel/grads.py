@@ -23,15 +23,18 @@ from shardwise.parallel.tensor_parallel.mappings import all_gather
 
 class TensorParallelGrads:
     """Clipping and overflow agreement over a TP group. `sharded[i]` says whether the i-th stepped parameter
-    is a TP slice (fixed at build time from the model parameters, since fp32 masters are new tensors)."""
+    is a TP slice (fixed at build time from the model parameters, since fp32 masters are new tensors).
+    `across`: under pipeline parallelism (3D), the pipeline group: each stage holds other layers, so both
+    parts of the squared norm are summed over it too."""
 
-    def __init__(self, comm: Comm, sharded: list[bool]):
+    def __init__(self, comm: Comm, sharded: list[bool], across: Comm | None = None):
         self.comm = comm
         self.sharded = sharded
+        self.across = across
 
     @classmethod
-    def for_params(cls, comm: Comm, params: list[Tensor]) -> "TensorParallelGrads":
-        return cls(comm, [is_tensor_parallel_shard(p) for p in params])
+    def for_params(cls, comm: Comm, params: list[Tensor], across: Comm | None = None) -> "TensorParallelGrads":
+        return cls(comm, [is_tensor_parallel_shard(p) for p in params], across)
 
     def global_norm(self, params: list[Tensor]) -> float:
         if len(params) != len(self.sharded):
@@ -41,6 +44,8 @@ class TensorParallelGrads:
         sq = torch.zeros(2, dtype=torch.float64, device=device)      # [sharded slices, replicated]
         for g, shard in with_grad:
             sq[0 if shard else 1] += g.double().pow(2).sum()
+        if self.across is not None:
+            self.across.all_reduce(sq)                                # other stages' layers (16 bytes)
         sharded_sq = sq[:1].clone()
         self.comm.all_reduce(sharded_sq)                              # one 8-byte all-reduce per step
         return math.sqrt(float(sharded_sq) + float(sq[1]))
@@ -55,8 +60,11 @@ class TensorParallelGrads:
         return norm
 
     def any_overflow(self, local: bool) -> bool:
-        """True on every TP rank if any of them saw inf/nan (each checks only its own slices)."""
-        return self.comm.all_reduce_object_max(float(local)) > 0
+        """True on every TP rank (and stage) if any of them saw inf/nan (each checks only its own slices)."""
+        flag = self.comm.all_reduce_object_max(float(local))
+        if self.across is not None:
+            flag = self.across.all_reduce_object_max(flag)
+        return flag > 0
 
 
 @torch.no_grad()
