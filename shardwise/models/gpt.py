@@ -69,6 +69,20 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(hd), causal) v with dropout on the probabilities: [b, h, s, hd] -> [b, h, s, hd].
+    No parameters; a module of its own so tensor parallelism can draw its dropout masks from the TP rank's
+    own random stream (each rank holds other heads)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention with separate q/k/v/o projections."""
 
@@ -81,7 +95,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(d, d, bias=cfg.bias)
         self.head_dim = cfg.head_dim
         self.rotary_theta = cfg.rope_theta if cfg.positions == "rotary" else None
-        self.attn_dropout = cfg.dropout
+        self.core = CoreAttention(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -98,9 +112,7 @@ class Attention(nn.Module):
         if groups > 1:   # grouped-query: each kv head serves `groups` consecutive query heads
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.attn_dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(b, s, -1)                             # [b, s, h * hd]
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)            # [b, s, h * hd]
         return self.resid_drop(self.o_proj(y))
 
 

@@ -234,10 +234,3 @@ def test_tied_parameters_split_differently_are_refused():
     model["head"].weight = model["emb"].weight
     with pytest.raises(TensorParallelError, match="tied parameters .* are split differently"):
         apply_tensor_parallel(model, solo(), {"head": "colwise"})
-
-
-def test_zero_with_tensor_parallel_is_refused_in_the_config():
-    from shardwise.config import ConfigError, load_config_for_world
-    with pytest.raises(ConfigError, match="tensor parallelism with ZeRO stages 1-3 is not implemented yet"):
-        load_config_for_world({"train_batch_size": 8, "tensor_parallel": {"size": 2},
-                               "zero_optimization": {"stage": 1}}, world_size=4)

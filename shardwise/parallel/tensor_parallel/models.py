@@ -35,7 +35,11 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
     With sequence parallelism the residual stream between blocks is [b, s/t, h]: the norms run on
     sequence shards, each all-reduce becomes an all-gather entering a region and a reduce-scatter
     leaving it. Learned positions are added to the replicated token embeddings, which are then split
-    (`sequence_scatter`); without them the embedding reduce-scatters directly (`vocab_sp`)."""
+    (`sequence_scatter`); without them the embedding reduce-scatters directly (`vocab_sp`).
+
+    Dropout: the attention probabilities of this rank's heads, and with sequence parallelism every dropout
+    on sequence shards, draw from the TP rank's own random stream (`local_rng`); dropout on replicated
+    activations draws from the default stream, identical on every TP rank (`random.py`)."""
     blocks = "blocks.*"
     if not sequence_parallel:
         return {
@@ -45,12 +49,13 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
             f"{blocks}.attn.k_proj": Style.COLWISE,
             f"{blocks}.attn.v_proj": Style.COLWISE,
             f"{blocks}.attn.o_proj": Style.ROWWISE,
+            f"{blocks}.attn.core": Style.LOCAL_RNG,
             f"{blocks}.mlp.fc_in": Style.COLWISE,
             f"{blocks}.mlp.fc_out": Style.ROWWISE,
             "head.lm_head": Style.COLWISE,
         }
     embedding = ({"embed.tok": Style.VOCAB, "embed": Style.SEQUENCE_SCATTER} if learned_positions
-                 else {"embed.tok": Style.VOCAB_SP})
+                 else {"embed.tok": Style.VOCAB_SP, "embed.drop": Style.LOCAL_RNG})
     return {
         **embedding,
         f"{blocks}.ln_1": Style.SEQUENCE_PARALLEL,
@@ -59,9 +64,12 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
         f"{blocks}.attn.k_proj": Style.COLWISE,
         f"{blocks}.attn.v_proj": Style.COLWISE,
         f"{blocks}.attn.o_proj": Style.ROWWISE_SP,
+        f"{blocks}.attn.core": Style.LOCAL_RNG,
+        f"{blocks}.attn.resid_drop": Style.LOCAL_RNG,
         f"{blocks}.ln_2": Style.SEQUENCE_PARALLEL,
         f"{blocks}.mlp.fc_in": Style.COLWISE_SP,
         f"{blocks}.mlp.fc_out": Style.ROWWISE_SP,
+        f"{blocks}.mlp.drop": Style.LOCAL_RNG,
         "head.norm": Style.SEQUENCE_PARALLEL,
         "head.lm_head": Style.COLWISE_SP,
     }

@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from shardwise.comm.collectives import Comm
@@ -51,6 +52,7 @@ from shardwise.parallel.tensor_parallel.layers import (
 from shardwise.parallel.tensor_parallel.mappings import (
     copy_to_region, gather_from_sequence, scatter_to_sequence, sum_grad_over_region,
 )
+from shardwise.parallel.tensor_parallel.random import TensorParallelRNG, run_forked
 
 
 class Style(enum.StrEnum):
@@ -67,6 +69,7 @@ class Style(enum.StrEnum):
     SEQUENCE_PARALLEL = "sequence_parallel"
     GRAD_ALLREDUCE = "grad_allreduce"
     SEQUENCE_SCATTER = "sequence_scatter"
+    LOCAL_RNG = "local_rng"          # the module's random draws (dropout) from this TP rank's own stream
 
 
 COLWISE_STYLES = frozenset({Style.COLWISE, Style.COLWISE_SP, Style.COLWISE_REP})
@@ -267,6 +270,9 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: Plan, *, strict: b
                                   + "\n  - ".join(problems))
     ties = _tied_groups(model)
     regions = {n for n, s in styles.items() if s in REGION_STYLES}
+    # Same default random stream on every TP rank from here on (replicated dropout masks must agree).
+    first = next(iter(model.parameters()), None)
+    rng = TensorParallelRNG(comm, first.device if first is not None else torch.device("cpu"))
     info = TensorParallelInfo(tp_size=tp, styles=dict(styles))
     replaced_modules: set[str] = set()
     for name, style in styles.items():
@@ -286,5 +292,7 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: Plan, *, strict: b
                 sum_grad_over_region(p, comm)
         elif style is Style.SEQUENCE_SCATTER:
             module.register_forward_hook(_SequenceScatter(comm))
+        elif style is Style.LOCAL_RNG:
+            run_forked(module, rng)
     _retie(model, ties, replaced_modules, info.replaced)
     return info

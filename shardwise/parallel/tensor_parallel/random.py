@@ -1,0 +1,94 @@
+"""Random numbers under tensor parallelism (Megatron's model-parallel RNG, written for this code base).
+
+Two kinds of dropout run in a tensor-parallel model:
+
+- on replicated activations ([b, s, h] after a row-parallel all-reduce, the embeddings): every TP rank holds
+  the same tensor, so every rank must draw the same mask, or the replicas drift apart (and the replicated
+  parameters' gradients with them). The default generator is therefore made identical on the TP group
+  once, at parallelization (rank 0's state broadcast): from then on all TP ranks draw the same numbers in
+  the same order, whatever seed each process was given;
+- on split activations (attention probabilities of this rank's heads [b, h/t, s, s]; with sequence
+  parallelism the [b, s/t, h] shards after a reduce-scatter): each rank's part is a different slice of the
+  full tensor, so the masks must be independent. Such modules run inside `TensorParallelRNG.fork()`, which
+  swaps a per-rank generator state in (seed = rank 0's initial seed + 2718 + tp rank, as Megatron's offset)
+  and swaps it out after, so the default stream advances identically on every TP rank.
+
+The fork touches the generator of the device the module runs on (CPU, or the current CUDA device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from shardwise.comm.collectives import Comm
+
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TensorParallelRNG:
+    """The TP group's shared default stream and this rank's own stream for split activations."""
+
+    def __init__(self, comm: Comm, device: torch.device) -> None:
+        self.device = device
+        # Broadcast where the backend can send it: NCCL needs device tensors, gloo host ones.
+        home = device if device.type == "cuda" else torch.device("cpu")
+        state = _get_state(device).to(home)
+        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=home)
+        if comm.size > 1:
+            comm.broadcast(state, src_group_rank=0)      # the generator's state bytes (a few KiB, once)
+            comm.broadcast(seed, src_group_rank=0)
+        _set_state(device, state.cpu())
+        self.seed = int(seed) + MODEL_PARALLEL_SEED_OFFSET + comm.rank
+        # A separate generator makes the per-rank state without reseeding any default generator.
+        local = torch.Generator(device=device)
+        local.manual_seed(self.seed)
+        self._local = local.get_state()
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Run the body on this rank's own stream; the default stream is left where it was."""
+        shared = _get_state(self.device)
+        _set_state(self.device, self._local)
+        try:
+            yield
+        finally:
+            self._local = _get_state(self.device)
+            _set_state(self.device, shared)
+
+
+class _ForkHooks:
+    """Forward pre/post hooks that bracket a module's forward with `TensorParallelRNG.fork()`."""
+
+    def __init__(self, rng: TensorParallelRNG) -> None:
+        self.rng = rng
+        self._open: list[contextlib.AbstractContextManager] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        ctx = self.rng.fork()
+        ctx.__enter__()
+        self._open.append(ctx)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._open.pop().__exit__(None, None, None)
+
+
+def run_forked(module: nn.Module, rng: TensorParallelRNG) -> None:
+    """Make `module`'s forward draw from this rank's own stream (its dropout masks differ across TP ranks)."""
+    hooks = _ForkHooks(rng)
+    module.register_forward_pre_hook(hooks.enter)
+    module.register_forward_hook(hooks.leave, always_call=True)   # also when the forward raises
