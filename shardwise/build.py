@@ -171,11 +171,12 @@ def _zero_1_2(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, 
 
 def _zero_3(cfg: Any, model: torch.nn.Module, groups: list[dict], optimizer: Any, scaler: LossScaler,
             dp_comm: Comm, metrics_comm: Comm, dtype: torch.dtype, device: torch.device,
-            tp_metrics: Comm | None = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
+            tp_metrics: Comm | None = None, pipeline: Any = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
     """ZeRO stage 3: parameters sharded too, gathered per unit around its forward and backward."""
     return build_stage3(cfg, model, groups, make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
                         scaler=scaler, dp_comm=dp_comm, flags_comm=metrics_comm, dtype=dtype, device=device,
-                        check_overflow=_checks_overflow(cfg.precision), tp_comm=tp_metrics)
+                        check_overflow=_checks_overflow(cfg.precision), tp_comm=tp_metrics,
+                        pipeline_stage=pipeline.stage if pipeline is not None else None)
 
 
 def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
@@ -235,7 +236,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
             step.tp_grads = pipeline.grads if step.tp_grads is None else \
                 TensorParallelGrads(step.tp_grads.comm, step.tp_grads.sharded, across=pipeline.grads.comm)
     elif cfg.zero.stage == 3:
-        step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm, metrics_comm, dtype, device, tp_metrics)
+        step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm,
+                             pipeline.flags_comm if pipeline is not None else metrics_comm, dtype, device, tp_metrics,
+                             pipeline)
     else:
         # Under a pipeline the overflow flag and squared norm are reduced over pp x dp (every stage's shards of
         # this TP slice), then, with TP, the slices' part over the TP group.

@@ -33,11 +33,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
-    pp = model.pipeline.stages
-    if pp > 1 and zero.stage == 3:
-        refuse("pipeline.stages",
-               f"pipeline.stages = {pp} with zero_optimization.stage 3: pipeline parallelism with ZeRO stage 3 is "
-               f"not implemented yet in this version; use zero_optimization.stage 0, 1 or 2, or pipeline.stages 1")
     checkpointing = model.activation_checkpointing
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
         if getattr(checkpointing, name):

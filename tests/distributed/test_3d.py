@@ -1,6 +1,6 @@
 """3D parallelism: pipeline x tensor (x data) parallel training of the GPT equals single-process training.
 
-8 gloo ranks as pp = 2 x dp = 2 x tp = 2 with ZeRO-1, and 4 as pp = 2 x tp = 2 (each stage's layers sliced over its TP pair; p2p between the stages of one TP
+8 gloo ranks as pp = 2 x dp = 2 x tp = 2 with ZeRO-1 and ZeRO-3, and 4 as pp = 2 x tp = 2 (each stage's layers sliced over its TP pair; p2p between the stages of one TP
 coordinate), with 1F1B, GPipe and interleaved 1F1B, sequence parallelism, ZeRO-1/2, gradient accumulation
 (= micro-batches) and clipping that engages (the norm: TP slices summed over tp and every stage's layers
 over pp). Losses and gathered parameters after 4 steps, rtol 1e-5.
@@ -25,6 +25,7 @@ CASES = {
 }
 CASES_8 = {   # pp 2 x dp 2 x tp 2: ZeRO shards over dp, its norm over pp x dp of one TP coordinate, then tp
     "dp2_1f1b_sp_zero1": dict(schedule="1f1b", v=1, sp=True, zero=1, gas=2, optimizer=SGD),
+    "dp2_gpipe_zero3": dict(schedule="gpipe", v=1, sp=False, zero=3, gas=2, optimizer=SGD),
 }
 CLIP = 0.3
 
@@ -70,7 +71,8 @@ def _run(case: dict) -> dict:
         losses.append(engine.train_batch(iter(micro)))
     stage = engine.pipeline.stage
     names = stage.full_names()
-    full = {names[k]: v for k, v in gather_full_state_dict(stage, engine.tp_comm).items()}
+    local = engine.grad_sync.gathered_state_dict(rank0_only=False) if case["zero"] == 3 else None
+    full = {names[k]: v for k, v in gather_full_state_dict(stage, engine.tp_comm, local).items()}
     parts: list = [None] * world
     dist.all_gather_object(parts, full)
     out = {"losses": losses, "state": {k: v for p in parts for k, v in p.items()},

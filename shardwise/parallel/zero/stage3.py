@@ -53,7 +53,8 @@ class ZeroParamRuntime:
 
     def __init__(self, module: nn.Module, partition: Partition, comm: Comm, *,
                  persistent: ZeroGradReducer | None, prefetch_numel: int, max_live_numel: int,
-                 reshard_root_after_forward: bool = False, max_reduce_in_flight: int = 2):
+                 reshard_root_after_forward: bool = False, max_reduce_in_flight: int = 2,
+                 roots: list[nn.Module] | None = None):
         self.module = module
         self.partition = partition
         self.units = partition.units
@@ -70,17 +71,22 @@ class ZeroParamRuntime:
         # Debugging aid (tests): fill a unit's buffer with NaN before freeing it, so that a computation reading
         # parameters after their unit was freed (memory the allocator has not reused yet) shows up as NaN.
         self.poison_freed = False
-        self._order: list[Unit] = []            # non-root units in the order the last forward ran them
-        self._position: dict[int, int] = {}
+        # `roots`: the modules whose forward is one whole forward (default: `module`). A pipeline stage runs its
+        # model chunks one at a time, so each chunk is a root with its own unit order.
+        self._roots = list(roots) if roots is not None else [module]
+        self._orders: dict[int, list[Unit]] = {}   # root id -> its units in the order its last forward ran them
+        self._position: dict[int, tuple[int, int]] = {}   # unit id -> (root id, index in that order)
+        self._current = id(module)
         self._running: list[Unit] = []
         self._in_flight: list[FlatShard] = []
         self._expect_backward = False
         self._callback_queued = False
         self._where = partition.where()
         self._named = dict(module.named_parameters(remove_duplicate=False))
-        hooks = [module.register_forward_pre_hook(self._pre_forward_root),
-                 module.register_forward_hook(self._post_forward_root),
-                 module.register_load_state_dict_pre_hook(self._on_load_state_dict)]
+        hooks = [module.register_load_state_dict_pre_hook(self._on_load_state_dict)]
+        for r in self._roots:
+            hooks += [r.register_forward_pre_hook(self._pre_forward_root),
+                      r.register_forward_hook(self._post_forward_root)]
         for u in self.units:
             if not u.is_root:
                 hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u)))
@@ -162,7 +168,8 @@ class ZeroParamRuntime:
         self._running = []
         if self.root is not None:
             self._gather_now(self.root)
-        self._prefetch(self._order)
+        self._current = id(module)
+        self._prefetch(self._orders.get(id(module), []))
 
     def _pre_forward(self, u: Unit, module: nn.Module, args: Any) -> None:
         if _in_backward():
@@ -170,9 +177,9 @@ class ZeroParamRuntime:
             return
         self._running.append(u)
         self._gather_now(u)
-        pos = self._position.get(id(u))
+        root, pos = self._position.get(id(u), (None, None))
         if pos is not None:
-            self._prefetch(self._order[pos + 1:])
+            self._prefetch(self._orders[root][pos + 1:])
 
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
@@ -185,8 +192,8 @@ class ZeroParamRuntime:
         self._free(u)
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._order = self._running
-        self._position = {id(u): i for i, u in enumerate(self._order)}
+        self._orders[id(module)] = self._running
+        self._position.update({id(u): (id(module), i) for i, u in enumerate(self._running)})
         for u in self.units:                    # prefetched but not run (the forward took another path)
             if not u.is_root:
                 self._free(u)
@@ -194,19 +201,25 @@ class ZeroParamRuntime:
         if tensors:
             self._expect_backward = True
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, self.root), mode="any")
+                tensors, functools.partial(self._pre_backward, self.root, id(module)), mode="any")
         if self.root is not None and not (tensors and module.training and not self.reshard_root_after_forward):
             self._free(self.root)
 
     # -- backward hooks -----------------------------------------------------------------------------
-    def _pre_backward(self, u: Unit | None, grad: torch.Tensor) -> None:
+    def _pre_backward(self, u: Unit | None, *rest: Any) -> None:
+        """Fires when the gradient of u's forward outputs (or of a root's, `rest` = (root id, grad)) is ready."""
+        self._expect_backward = True            # a backward runs: it must be finished (pipelines run several)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if u is not None:
             self._gather_now(u)
-        pos = self._position.get(id(u), len(self._order)) if u is not None else len(self._order)
-        self._prefetch(self._order[:pos][::-1])
+        if u is not None and id(u) in self._position:
+            root, pos = self._position[id(u)]
+        else:                                   # the root: every unit of its forward comes before it
+            root = rest[0] if len(rest) == 2 else self._current
+            pos = len(self._orders.get(root, []))
+        self._prefetch(self._orders.get(root, [])[:pos][::-1])
 
     def _on_grad(self, p: nn.Parameter) -> None:
         flat, i = self._where[id(p)]

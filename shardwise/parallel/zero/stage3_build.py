@@ -101,13 +101,13 @@ def _refuse_unsupported(cfg: Any) -> None:
 
 
 def _partition(model: torch.nn.Module, cfg: Any, key_of: Callable[[torch.nn.Parameter], FlatKey], comm: Comm,
-               device: torch.device) -> Partition:
+               device: torch.device, unit_modules: list[tuple[str, torch.nn.Module]] | None = None) -> Partition:
     zero = cfg.zero
     given: Partition | None = getattr(model, PARTITION_ATTR, None)
     if given is None:
         return shard_model(model, key_of=key_of, dp_size=comm.size, dp_rank=comm.rank,
                            persistence_threshold=zero.stage3_param_persistence_threshold,
-                           model_persistence_threshold=zero.stage3_model_persistence_threshold)
+                           model_persistence_threshold=zero.stage3_model_persistence_threshold, modules=unit_modules)
     if (given.dp_size, given.dp_rank) != (comm.size, comm.rank):
         raise UserError(f"the model was materialized for data-parallel rank {given.dp_rank} of {given.dp_size}, "
                         f"but this run is rank {comm.rank} of {comm.size}: materialize it with the same group")
@@ -122,10 +122,13 @@ def _partition(model: torch.nn.Module, cfg: Any, key_of: Callable[[torch.nn.Para
 def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
                  make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], scaler: LossScaler,
                  dp_comm: Comm, flags_comm: Comm, dtype: torch.dtype, device: torch.device,
-                 check_overflow: bool, tp_comm: Comm | None = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
+                 check_overflow: bool, tp_comm: Comm | None = None,
+                 pipeline_stage: torch.nn.Module | None = None) -> tuple[Stage3Optimizer, ZeroParamRuntime]:
     """Shard `model` (a full model, or one built by `materialize_sharded`) and build the engine's
     `optimizer_step` and `grad_sync` for ZeRO stage 3. `tp_comm`: the TP group of a tensor-parallel model
-    (already sliced), over which the clipping norm and the overflow verdict are completed."""
+    (already sliced), over which the clipping norm and the overflow verdict are completed.
+    `pipeline_stage`: `model` is this rank's pipeline stage (`PipelineStage`), whose model chunks run one at a
+    time: each chunk is a root (a whole forward) and each of its layers a unit."""
     _refuse_unsupported(cfg)
     zero = cfg.zero
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
@@ -133,7 +136,12 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
     def key_of(p: torch.nn.Parameter) -> FlatKey:
         return FlatKey(group_of.get(id(p)), p.dtype)
 
-    partition = _partition(model, cfg, key_of, dp_comm, device)
+    unit_modules = roots = None
+    if pipeline_stage is not None:
+        roots = list(pipeline_stage.chunks)
+        unit_modules = [(f"chunks.{v}.layers.{j}", layer) for v, chunk in enumerate(roots)
+                        for j, layer in enumerate(chunk.layers)]
+    partition = _partition(model, cfg, key_of, dp_comm, device, unit_modules)
     if zero.offloads_params:      # shards wait on the CPU between uses; masters may then view them there
         for f in partition.flats:
             f.offload(torch.device("cpu"), pin_memory=zero.offload_param.pin_memory)
@@ -151,7 +159,7 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
     reducer = ZeroGradReducer(persistent, dp_comm, partition_grads=True) if persistent else None
     runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
                                prefetch_numel=zero.stage3_prefetch_bucket_size,
-                               max_live_numel=zero.stage3_max_live_parameters)
+                               max_live_numel=zero.stage3_max_live_parameters, roots=roots)
     tp_grads = None
     if tp_comm is not None:
         from shardwise.parallel.tensor_parallel.grads import ShardedTensorParallelGrads
