@@ -55,6 +55,18 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save into a temporary file of the same directory, then renamed over `path`: never half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    os.close(fd)
+    try:
+        _save(obj, Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
               any_failed: Callable[[bool], bool] = lambda failed: failed) -> Path:

@@ -239,6 +239,13 @@ class Engine:
                                       load_lr_scheduler_states=load_lr_scheduler_states,
                                       load_module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's weights (ZeRO-3 shards, TP slices and pipeline stages assembled) in the training
+        dtype, as one `torch.save`d state dict under the single-process names, written by rank 0. Collective.
+        Unlike DeepSpeed, ZeRO-3 does not need stage3_gather_16bit_weights_on_model_save for it."""
+        return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def _refuse_under_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
             raise UserError(f"{what} is not available with pipeline.stages = {self.pipeline.stage.num_stages}: "

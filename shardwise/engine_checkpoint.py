@@ -148,3 +148,59 @@ def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_opti
         engine.optimizer_step.sync_masters_from_model()
     engine.grad_sync.zero_grad()
     return str(path), state["client_state"]
+
+
+def consolidated_state_dict(engine: Any, *, exclude_frozen: bool = False) -> dict | None:
+    """The whole model's state dict under the single-process names, on world rank 0 (None elsewhere).
+    Collective: every rank calls it. ZeRO-3 shards are gathered over dp, TP slices over tp, and the stages'
+    layers collected over pp; one stage at a time never holds more than its own part plus the result."""
+    stage3 = hasattr(engine.grad_sync, "gathered_state_dict")
+    # Only the ranks of dp index 0 assemble (then of tp index 0): every collective below runs within them.
+    local = engine.grad_sync.gathered_state_dict(rank0_only=True) if stage3 else None
+    if engine.dp_comm.rank != 0:
+        return None
+    if engine.tp_comm is not None:
+        from shardwise.parallel.tensor_parallel.grads import gather_full_state_dict
+        local = gather_full_state_dict(engine.module, engine.tp_comm, local)
+        if engine.tp_comm.rank != 0:
+            return None
+    elif local is None:
+        local = {k: v.detach() for k, v in engine.module.state_dict().items()}
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        local = {k: v for k, v in local.items() if k not in frozen}
+    if engine.pipeline is not None:
+        names = engine.pipeline.stage.full_names()
+        local = {names[k]: v for k, v in local.items()}
+        pp = engine.pipeline.pp_comm
+        gathered: list | None = [None] * pp.size if pp.rank == 0 else None
+        dist.gather_object(local, gathered, dst=pp.global_rank(0), group=pp.group)
+        local = {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
+    return local if dist.get_rank() == 0 else None
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
+    """DeepSpeed's `save_16bit_model`: the consolidated weights in the training dtype, one file written by world
+    rank 0 (atomically: a temporary file renamed into place). Collective."""
+    state = consolidated_state_dict(engine, exclude_frozen=exclude_frozen)
+    failed = False
+    if state is not None:
+        try:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            ckpt.atomic_save({k: v.detach().cpu().clone() for k, v in state.items()}, Path(save_dir) / save_filename)
+        except BaseException:       # noqa: BLE001 - reported to every rank below, then re-raised here
+            failed = True
+            raise
+        finally:
+            _agree(engine, failed)
+    else:
+        _agree(engine, False)
+    return True
+
+
+def _agree(engine: Any, failed: bool) -> None:
+    flag = float(failed)
+    for c in _comms(engine):
+        flag = c.all_reduce_object_max(flag)
+    if flag > 0 and not failed:
+        raise ckpt.CheckpointError("save_16bit_model failed on rank 0; nothing was written")

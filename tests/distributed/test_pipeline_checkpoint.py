@@ -65,6 +65,9 @@ def _ranks(root: str) -> dict:
     out["first"] = [engine.train_batch(iter(b)) for b in _batches(engine, 2, 0)]
     engine.save_checkpoint(root)
     out["saved_state"] = _full_state(engine)
+    engine.save_16bit_model(f"{root}/consolidated")       # one file of the whole model, from rank 0
+    if dist.get_rank() == 0:
+        out["consolidated"] = torch.load(f"{root}/consolidated/pytorch_model.bin", weights_only=True)
     out["files"] = sorted(p.name for p in Path(root, "global_step2").iterdir())
     out["more"] = [engine.train_batch(iter(b)) for b in _batches(engine, 2, 2)]
     engine.close()
@@ -95,6 +98,9 @@ def test_pipeline_checkpoints_resume_exactly_and_reshard_weights(tmp_path: Path)
                                   + [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
                                      for d in range(2) for m in range(2)])
     assert len(ref["saved_state"]) == len(tiny_gpt().state_dict())
+    assert ref["consolidated"].keys() == ref["saved_state"].keys()
+    for k, v in ref["saved_state"].items():
+        torch.testing.assert_close(ref["consolidated"][k], v, rtol=0, atol=0, msg=f"save_16bit_model {k}")
     for rank, res in enumerate(results):
         assert res["steps_after_load"] == 2
         assert_close_lists(res["resumed"], ref["more"], rtol=1e-6, what=f"rank {rank} resumed losses")

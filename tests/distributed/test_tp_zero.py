@@ -91,6 +91,9 @@ def _train(case: dict, ckpt_dir: str) -> dict:
            "state": gather_full_state_dict(engine.module, tp_comm, local), "slice_numel": slice_numel,
            "groups": sorted({c["group"] for c in engine.comm_report()}),
            "files": sorted(f.name for f in Path(ckpt_dir, "global_step3").iterdir())}
+    engine.save_16bit_model(f"{ckpt_dir}/consolidated")     # ZeRO shards and TP slices assembled on rank 0
+    if dist.get_rank() == 0:
+        out["consolidated"] = torch.load(f"{ckpt_dir}/consolidated/pytorch_model.bin", weights_only=True)
     engine.close()
     resumed = _engine(case)                                    # a fresh model: everything comes from the files
     resumed.load_checkpoint(ckpt_dir)
@@ -125,6 +128,10 @@ def test_tensor_parallel_with_zero_equals_single_process(tmp_path: Path):
                                           + [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
                                              for d in range(2) for t in range(TP)]), got["files"]
             assert_close_lists(got["resumed_losses"], got["losses"][3:], rtol=1e-6, what=f"{name} resumed")
+        consolidated = results[0][name]["consolidated"]
+        assert consolidated.keys() == results[0][name]["state"].keys()
+        for k, v in results[0][name]["state"].items():
+            torch.testing.assert_close(consolidated[k], v, rtol=0, atol=0, msg=f"{name} save_16bit_model {k}")
             # Adam's two fp32 states (plus the fp32 masters when offloaded) of this rank's shard of its TP
             # slice: K * ceil(slice / dp) plus padding per bucket and a 4-byte step counter per shard.
             k = 12 if case["offload"] else 8
