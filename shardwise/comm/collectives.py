@@ -84,9 +84,22 @@ class Comm:
         return handle
 
     # -- collectives ------------------------------------------------------------------------------
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A device copy of a host tensor when the group's backend cannot take host tensors (NCCL): the
+        engine's few-byte metrics (norms, overflow flags, losses) are host tensors. None: use `tensor`."""
+        if tensor.device.type != "cpu" or dist.get_backend(self.group) != "nccl":
+            return None
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle:
         if self.size == 1:
+            return _Done()
+        staged = self._staged(tensor)
+        if staged is not None:          # synchronous: the result is copied back into the host tensor
+            self._run("all_reduce", staged, lambda: dist.all_reduce(staged, op=op, group=self.group, async_op=True),
+                      False)
+            tensor.copy_(staged)
             return _Done()
         return self._run("all_reduce", tensor,
                          lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op)
@@ -112,6 +125,12 @@ class Comm:
         if self.size == 1:
             return _Done()
         src = self.global_rank(src_group_rank)
+        staged = self._staged(tensor)
+        if staged is not None:
+            self._run("broadcast", staged, lambda: dist.broadcast(staged, src=src, group=self.group, async_op=True),
+                      False)
+            tensor.copy_(staged)
+            return _Done()
         return self._run("broadcast", tensor,
                          lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), async_op)
 

@@ -117,13 +117,14 @@ class ShardedTensorParallelGrads:
         """float64 [2]: this rank's (sliced, replicated) sums of squares over its shards."""
         if len(grads) != len(self.replicated):
             raise ValueError(f"ShardedTensorParallelGrads: {len(grads)} shards, built for {len(self.replicated)}")
-        sq = torch.zeros(2, dtype=torch.float64)
-        for g, ranges in zip(grads, self.replicated):
+        sq = torch.zeros(2, dtype=torch.float64, device=grads[0].device if grads else None)
+        for g, ranges in zip(grads, self.replicated):      # all on the shards' device: no sync per shard
             total = g.double().pow(2).sum()
-            rep = sum((g[a:b].double().pow(2).sum() for a, b in ranges), torch.zeros((), dtype=torch.float64,
-                                                                                    device=g.device))
-            sq[0] += (total - rep).cpu()
-            sq[1] += rep.cpu()
+            rep = torch.zeros((), dtype=torch.float64, device=g.device)
+            for a, b in ranges:
+                rep += g[a:b].double().pow(2).sum()
+            sq[0] += total - rep
+            sq[1] += rep
         return sq
 
     def global_norm(self, dp_summed: Tensor) -> float:

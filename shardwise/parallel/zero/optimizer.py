@@ -92,7 +92,7 @@ class ShardedOptimizer:
             torch._foreach_mul_(grads, 1.0 / scale)
         if self.clip > 0:
             if self.tp_grads is None:
-                sq = torch.zeros(1, dtype=torch.float64)
+                sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
                 for g in grads:
                     sq += g.double().pow(2).sum()
                 self.flags_comm.all_reduce(sq)
