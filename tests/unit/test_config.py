@@ -11,27 +11,11 @@ from pathlib import Path
 import pytest
 
 from shardwise.config import (
-    AllReduceImpl, ConfigError, DType, EngineConfig, OffloadDevice, load_config, load_config_for_world, parse_config,
+    AllReduceImpl, ConfigError, DType, OffloadDevice, load_config, load_config_for_world, parse_config,
 )
 from shardwise.errors import UserError
 
-BASE = {"train_batch_size": 32}
-
-
-def deepspeed(module: str):
-    """A DeepSpeed module as the oracle (on the CPU accelerator), or skip when DeepSpeed is absent."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return pytest.importorskip(module)
-
-
-def load(extra: dict, dp_size: int = 4) -> EngineConfig:
-    return load_config({**BASE, **extra}, dp_size=dp_size)
-
-
-def error_of(config: dict, dp_size: int = 4) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        load_config(config, dp_size=dp_size)
-    return info.value
+from config_cases import BASE, deepspeed, error_of, load  # tests/unit is on sys.path (pytest's rootdir-relative import)
 
 
 # ----- unknown keys, "auto", types -----

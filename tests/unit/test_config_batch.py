@@ -1,33 +1,14 @@
 """The batch rule (train_batch_size = micro_batch x gradient_accumulation_steps x dp), branch by branch against
 DeepSpeed's own (shardwise/config/batch.py)."""
 
-
 from __future__ import annotations
-
-import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shardwise.config import BatchSizes, ConfigError, EngineConfig, load_config, resolve_batch
+from shardwise.config import BatchSizes, ConfigError, load_config, resolve_batch
 
-BASE = {"train_batch_size": 32}
-
-
-def deepspeed(module: str):
-    """A DeepSpeed module as the oracle (on the CPU accelerator), or skip when DeepSpeed is absent."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return pytest.importorskip(module)
-
-
-def load(extra: dict, dp_size: int = 4) -> EngineConfig:
-    return load_config({**BASE, **extra}, dp_size=dp_size)
-
-
-def error_of(config: dict, dp_size: int = 4) -> ConfigError:
-    with pytest.raises(ConfigError) as info:
-        load_config(config, dp_size=dp_size)
-    return info.value
+from config_cases import deepspeed  # tests/unit is on sys.path (pytest's rootdir-relative import)
 
 
 # ----- batch rule: every branch of DeepSpeed's _set_batch_related_parameters / _batch_assertion -----
