@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce,pipeline} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
+"""`shardwise bench {dp,allreduce,pipeline,tp} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `shardwise.benchmarks.<name>` and is started through torch's elastic launcher; the
 options after the benchmark name are that module's own (see `shardwise bench dp --nproc 2 --help`).
@@ -15,6 +15,7 @@ BENCHMARKS = {
     "dp": "shardwise vs torch DDP (stage 0), DeepSpeed (stages 0-3, --offload) and FSDP2 (stage 3): step time, ratios, memory",
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
+    "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
 }
 
 
