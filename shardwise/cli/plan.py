@@ -56,10 +56,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--cluster", default="a100-80gb", metavar="NAME|FILE.json",
                    help=f"preset ({', '.join(CLUSTER_PRESETS)}; default %(default)s) or a cluster JSON file")
     g.add_argument("--calibrate", metavar="OUT.json",
-                   help="measure this machine (numpy matmul, memory and TCP loopback bandwidth), save it to "
-                        "OUT.json and plan on it; CPU processes play the GPUs")
+                   help="measure this machine (torch matmul, attention, pointwise and optimizer kernels, gloo "
+                        "collectives; --gpus CPU processes at once play the GPUs), save it to OUT.json and plan "
+                        "on it; `python -m shardwise.benchmarks.planner_check` compares its step times with the "
+                        "engine's")
     g.add_argument("--calibrate-threads", type=_positive(int), default=1, metavar="N",
-                   help="BLAS threads per rank while calibrating (default %(default)s)")
+                   help="torch threads per rank while calibrating (default %(default)s)")
+    g.add_argument("--calibrate-rounds", type=_positive(int), default=3, metavar="N",
+                   help="rounds of every probe; each figure is the median (default %(default)s)")
     g.add_argument("--gpus", type=_positive(int), metavar="N", help="GPUs in total (default: the preset's 8)")
     g.add_argument("--gpus-per-node", type=_positive(int), metavar="N")
     g.add_argument("--gpu-memory-gb", type=_positive(float), metavar="GB")
@@ -143,7 +147,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     from shardwise.planner.presets import cluster_preset
 
     if args.calibrate:
-        cluster = calibrate(ranks=args.gpus, threads=args.calibrate_threads)
+        cluster = calibrate(ranks=args.gpus, threads=args.calibrate_threads, rounds=args.calibrate_rounds)
         save_cluster(cluster, args.calibrate)
     elif args.cluster.endswith(".json") or os.path.sep in args.cluster:
         cluster = load_cluster(args.cluster)

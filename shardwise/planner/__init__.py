@@ -61,7 +61,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # calibrate.py doubles as the measuring child process (`python -m`), so it is not imported eagerly.
+    # calibrate.py is needed only to measure or load a cluster, so it is not imported eagerly.
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'shardwise.planner' has no attribute {name!r}")

@@ -1,19 +1,25 @@
 """Measure this machine as a `ClusterSpec`: CPU processes in the role of GPUs (`shardwise plan --calibrate`).
 
-Method (no torch: numpy and sockets; run in a fresh child process so the thread count is set before
-numpy loads its BLAS):
+The measuring runs in a child process (`python -m shardwise.benchmarks.planner_probes`, torch), so this module
+and the planner stay torch-free. The child starts `ranks` gloo ranks with `threads` torch threads each and
+times, on all ranks at once, every kind of work the step-time model (time.py) charges: linear layers forward +
+backward (the matmul rate, compute_efficiency 1), causal attention, the GELU and LayerNorm per element, the
+fixed cost of a transformer block and of the rest of a micro-batch, torch's AdamW per parameter and per tensor,
+a memory copy, and gloo's all-reduce, reduce-scatter and all-gather at two sizes: per sample the slowest rank,
+then medians over samples and over rounds. Here that is turned into figures:
 
-- matmul FLOP/s: a float32 square matmul (numpy -> OpenBLAS/MKL sgemm) with `threads` threads, the
-  thread count one rank gets. Warm-up calls, then timed calls for about `seconds`; the BEST sample
-  counts, because on a shared machine noise only ever adds time. 2 n^3 FLOPs per call. numpy has no
-  bf16 matmul, so the same figure stands for every precision.
-- memory bandwidth: `np.copyto` of a 128 MiB buffer into another (far beyond any cache), read + write
-  bytes over the best time. It bounds the optimizer step (which streams its states) and stands in for
-  PCIe (host = device here).
-- loopback bandwidth and latency: what gloo uses between local ranks is TCP over loopback. Two
-  processes connect over 127.0.0.1 and each sends 64 MiB while receiving 64 MiB (full duplex, as in a
-  ring step); bandwidth per direction = bytes / time, best of 3. Latency: half the median round trip
-  of 1-byte ping-pongs with TCP_NODELAY.
+- matmul peak (fp32; bf16 from a small bf16 linear): FLOPs / seconds of the linear probe; attention likewise.
+- memory_bw: the bytes time.py charges an Adam step (28 per parameter) over its measured time per parameter of
+  a large tensor, so the optimizer term reproduces torch's for-loop AdamW (several passes over each state) on
+  this machine; cache_bw the same for tensors that stay in the last-level cache, cache_bytes its share per rank.
+- comm_overlap: the share of cores left to gloo's threads, (cores - ranks * threads) / ranks, within [0, 1]:
+  gloo reduces and copies on the CPU, so with every core computing nothing hides.
+- links: alpha-beta fits of each collective from its two sizes (ring model, comm.py): all-reduce's become
+  the intra- and inter-node figures (one host), reduce-scatter's and all-gather's their own fields. With one
+  rank there is nothing to time with gloo: a TCP loopback probe (below) stands in.
+- TCP loopback (one rank): two processes connect over 127.0.0.1 and each sends 64 MiB while receiving 64 MiB
+  (full duplex, as in a ring step); bandwidth per direction = bytes / time, best of 3. Latency: half the
+  median round trip of 1-byte ping-pongs with TCP_NODELAY.
 """
 
 from __future__ import annotations
@@ -27,36 +33,11 @@ import threading
 import time
 from typing import Any
 
-from shardwise.planner.specs import ClusterSpec, PlannerError
+from shardwise.planner.comm import Op, ring_send_bytes
+from shardwise.planner.specs import ClusterSpec, JobSpec, Optimizer, PlannerError, Precision
+from shardwise.planner.time import optimizer_step_bytes
 
 _CHUNK = 1 << 20
-
-
-def _best_seconds(fn: Any, seconds: float, min_samples: int = 3) -> float:
-    fn()   # warm-up: thread-pool start, page faults
-    best, samples, deadline = float("inf"), 0, time.perf_counter() + seconds
-    while samples < min_samples or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        samples += 1
-    return best
-
-
-def measure_matmul_flops(size: int = 1024, seconds: float = 0.5) -> float:
-    import numpy as np
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((size, size), dtype=np.float32)   # [size, size]
-    b = rng.standard_normal((size, size), dtype=np.float32)   # [size, size]
-    out = np.empty((size, size), dtype=np.float32)
-    return 2.0 * size ** 3 / _best_seconds(lambda: np.matmul(a, b, out=out), seconds)
-
-
-def measure_memory_bandwidth(nbytes: int = 128 << 20, seconds: float = 0.5) -> float:
-    import numpy as np
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    return 2.0 * nbytes / _best_seconds(lambda: np.copyto(dst, src), seconds)
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int, buf: bytearray) -> None:
@@ -123,37 +104,64 @@ def _physical_memory() -> float:
     return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def measure(threads: int = 1, seconds: float = 0.5) -> dict[str, float]:
-    """Run the measurements in this process (numpy's BLAS must already be limited to `threads`)."""
-    flops = measure_matmul_flops(seconds=seconds)
-    mem_bw = measure_memory_bandwidth(seconds=seconds)
-    link_bw, latency = measure_loopback()
-    return {"matmul_flops": flops, "memory_bw": mem_bw, "loopback_bw": link_bw, "loopback_latency_s": latency,
-            "threads": threads}
+def fit_collective(op: Op, probes: dict[str, float], ranks: int) -> tuple[float, float]:
+    """(bandwidth, latency per ring step) of `op` from its small and large timings: the ring model
+    t = hops * alpha + sent / B through both points (comm.py's `ring_seconds`)."""
+    name, sizes = op.value, (probes["small_bytes"], probes["large_bytes"])
+    t_small, t_large = probes[f"{name}_small_s"], probes[f"{name}_large_s"]
+    sent_small, sent_large = (ring_send_bytes(op, n, ranks) for n in sizes)
+    hops = 2 * (ranks - 1) if op is Op.ALL_REDUCE else ranks - 1
+    bw = (sent_large - sent_small) / (t_large - t_small) if t_large > t_small else sent_large / t_large
+    return bw, max(0.0, t_small - sent_small / bw) / hops
 
 
-def calibrate(*, ranks: int | None = None, threads: int = 1, seconds: float = 0.5) -> ClusterSpec:
-    """Measure in a child process with `threads` BLAS threads; `ranks` processes (default: one per
-    core / threads) play the GPUs, sharing this machine's memory equally."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-m", "shardwise.planner.calibrate", str(threads), str(seconds)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise PlannerError(f"calibration failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
-    m = json.loads(proc.stdout.strip().splitlines()[-1])
+def cluster_from_probes(probes: dict[str, float], *, link: tuple[float, float] | None = None) -> ClusterSpec:
+    """The `ClusterSpec` of the measured figures (`planner_probes.summarize`). `link`: (bytes/s, latency) for a
+    one-rank measurement, which has no collectives to fit."""
+    ranks, threads = int(probes["ranks"]), int(probes["threads"])
+    per_rank: dict[str, Any] = {}
+    if ranks > 1:
+        link = fit_collective(Op.ALL_REDUCE, probes, ranks)
+        for op in (Op.REDUCE_SCATTER, Op.ALL_GATHER):
+            bw, alpha = fit_collective(op, probes, ranks)
+            per_rank.update({f"{op.value}_bw": bw, f"{op.value}_latency_s": alpha})
+        # gloo reduces and copies on the CPU: with every core computing, a collective takes its time from them
+        cores = os.cpu_count() or 1
+        per_rank["comm_overlap"] = min(1.0, max(0.0, (cores - ranks * threads) / ranks))
+    if link is None:
+        raise PlannerError("cluster_from_probes: one rank measured no collectives; pass link=(bytes/s, latency)")
+    adam_bytes = optimizer_step_bytes(JobSpec(global_batch=1, precision=Precision.FP32, optimizer=Optimizer.ADAM))
+    optimizer_bw = adam_bytes / probes["adam_s_per_param"]
+    ram, host = _physical_memory(), socket.gethostname()
+    return ClusterSpec(
+        name=f"calibrated:{host}", num_gpus=ranks, gpus_per_node=ranks, memory_bytes=ram / ranks,
+        peak_flops_bf16=1.0 / probes["linear_bf16_s_per_flop"], peak_flops_fp32=1.0 / probes["linear_s_per_flop"],
+        intra_node_bw=link[0], inter_node_bw=link[0], intra_node_latency_s=link[1], inter_node_latency_s=link[1],
+        memory_bw=optimizer_bw, cache_bytes=probes["cache_bytes"] / ranks,     # the ranks share it
+        cache_bw=adam_bytes / probes["adam_cached_s_per_param"], pcie_bw=1.0 / probes["copy_s_per_byte"],
+        host_memory_bytes=ram, host_memory_bw=optimizer_bw * ranks,   # each rank steps its shard at that rate
+        compute_efficiency=1.0, reserved_memory_bytes=0.0,
+        attention_flops=1.0 / probes["attention_s_per_flop"], activation_s=probes["activation_s"],
+        norm_s=probes["norm_s"], layer_overhead_s=probes["layer_overhead_s"],
+        microbatch_overhead_s=probes["microbatch_overhead_s"], optimizer_tensor_s=probes["adam_tensor_s"],
+        **per_rank,
+        source=f"measured on {host}: {ranks} rank(s) at once, {threads} torch thread(s) each, torch CPU kernels "
+               f"and gloo collectives (shardwise.planner.calibrate)")
+
+
+def calibrate(*, ranks: int | None = None, threads: int = 1, rounds: int = 3, samples: int = 3) -> ClusterSpec:
+    """Measure this machine with `ranks` processes (default: one per core / threads) playing the GPUs, each
+    with `threads` threads, in a child process; `rounds` rounds of `samples` timings per probe (module notes)."""
     cores = os.cpu_count() or 1
     ranks = ranks or max(1, cores // threads)
-    ram = _physical_memory()
-    return ClusterSpec(
-        name=f"calibrated:{socket.gethostname()}", num_gpus=ranks, gpus_per_node=max(ranks, cores // threads),
-        memory_bytes=ram / ranks, peak_flops_bf16=m["matmul_flops"], peak_flops_fp32=m["matmul_flops"],
-        intra_node_bw=m["loopback_bw"], inter_node_bw=m["loopback_bw"],
-        intra_node_latency_s=m["loopback_latency_s"], inter_node_latency_s=m["loopback_latency_s"],
-        memory_bw=m["memory_bw"], pcie_bw=m["memory_bw"], host_memory_bytes=ram, host_memory_bw=m["memory_bw"],
-        compute_efficiency=1.0, reserved_memory_bytes=0.0,
-        source=f"measured on {socket.gethostname()} with {threads} BLAS thread(s) per rank: numpy float32 "
-               f"matmul, np.copyto bandwidth, TCP loopback full duplex (shardwise.planner.calibrate)")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "shardwise.benchmarks.planner_probes", "--ranks", str(ranks), "--threads",
+           str(threads), "--rounds", str(rounds), "--samples", str(samples)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise PlannerError(f"calibration failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+    probes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return cluster_from_probes(probes, link=measure_loopback() if ranks == 1 else None)
 
 
 def save_cluster(cluster: ClusterSpec, path: str | os.PathLike) -> None:
@@ -177,7 +185,3 @@ def load_cluster(path: str | os.PathLike) -> ClusterSpec:
     if not isinstance(data, dict):
         raise PlannerError(f"{origin}: must hold a JSON object")
     return ClusterSpec.from_dict(data, origin=origin)
-
-
-if __name__ == "__main__":   # the child process of `calibrate`: argv = threads seconds
-    print(json.dumps(measure(threads=int(sys.argv[1]), seconds=float(sys.argv[2]))))

@@ -11,8 +11,9 @@ Two byte counts, kept apart on purpose:
 
 Time is the alpha-beta ring model (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
 reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B, with B and alpha those
-of the slowest link the group crosses (NVLink inside a node, the network between nodes). The reduction
-arithmetic itself is not timed.
+of the slowest link the group crosses (NVLink inside a node, the network between nodes), or those a
+calibration measured for reduce-scatter and all-gather themselves (gloo's differ from its all-reduce's).
+The reduction arithmetic itself is not timed.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Collective:
     calls: int               # per step
     link: Link
     seconds: float           # per call
+    messages: int = 1        # separate collectives per call that share the payload (buckets, layers)
 
     @property
     def total_payload_bytes(self) -> float:
@@ -117,8 +119,12 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
     link = link_of(axis, cluster, plan)
     bw, alpha = ((cluster.intra_node_bw, cluster.intra_node_latency_s) if link is Link.INTRA_NODE
                  else (cluster.inter_node_bw, cluster.inter_node_latency_s))
+    measured = {Op.REDUCE_SCATTER: (cluster.reduce_scatter_bw, cluster.reduce_scatter_latency_s),
+                Op.ALL_GATHER: (cluster.all_gather_bw, cluster.all_gather_latency_s)}.get(op, (0.0, 0.0))
+    if measured[0] > 0:   # a calibration timed this collective itself (one host: one kind of link)
+        bw, alpha = measured
     seconds = ring_seconds(op, payload, size, bandwidth=bw, latency_s=alpha, messages=messages)
-    return Collective(axis, op, purpose, size, payload, calls, link, seconds)
+    return Collective(axis, op, purpose, size, payload, calls, link, seconds, messages)
 
 
 def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:

@@ -213,6 +213,35 @@ class ClusterSpec:
     communication included, so the kernels alone run above that."""
     reserved_memory_bytes: float = 1e9
     """Taken from every GPU before anything is placed: CUDA context, allocator fragmentation."""
+    # Measured by `shardwise plan --calibrate` (CPU ranks, where dense matmuls are not all a step costs). 0 on
+    # the datasheet presets: there compute_efficiency stands for everything besides the dense matmuls.
+    attention_flops: float = 0.0
+    """Sustained FLOP/s of the attention core, forward + backward, counted as flops.py does (4 b s^2 h per
+    layer forward, the causal mask ignored); 0: the matmul rate."""
+    activation_s: float = 0.0
+    """Seconds per element of the MLP nonlinearity (d_ff per token per layer), forward + backward."""
+    norm_s: float = 0.0
+    """Seconds per element of a normalisation, forward + backward: two per layer and the final one over
+    d_model, and the loss's softmax over the vocabulary."""
+    layer_overhead_s: float = 0.0
+    """Fixed cost of one transformer block's forward + backward whatever its size: its operators' dispatch,
+    autograd bookkeeping and kernel launches."""
+    microbatch_overhead_s: float = 0.0
+    """The same for the rest of a micro-batch (embedding, head, loss)."""
+    optimizer_tensor_s: float = 0.0
+    """Fixed cost per tensor the optimizer steps (a for-loop Adam runs about ten small operators on each)."""
+    cache_bytes: float = 0.0
+    """A tensor the optimizer steps whose parameter, gradient and states fit in this much cache streams at
+    cache_bw, not memory_bw (a for-loop optimizer passes over each tensor several times); 0: none."""
+    cache_bw: float = 0.0
+    reduce_scatter_bw: float = 0.0
+    """Measured per-collective alpha-beta figures (0: the link's, as all-reduce and sends use)."""
+    reduce_scatter_latency_s: float = 0.0
+    all_gather_bw: float = 0.0
+    all_gather_latency_s: float = 0.0
+    comm_overlap: float = 1.0
+    """Share of a collective that can hide behind concurrent compute: 1 where links have their own engines
+    (GPUs); about 0 where the collectives need the cores the compute runs on (gloo on busy CPU ranks)."""
     source: str = ""
     """Where the figures come from (a datasheet, or how they were measured)."""
 
@@ -223,10 +252,16 @@ class ClusterSpec:
         for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32", "intra_node_bw", "inter_node_bw",
                      "memory_bw", "pcie_bw", "host_memory_bytes", "host_memory_bw", "compute_efficiency"):
             _positive_number(owner, name, getattr(self, name))
-        for name in ("intra_node_latency_s", "inter_node_latency_s", "reserved_memory_bytes"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "reserved_memory_bytes", "attention_flops",
+                     "activation_s", "norm_s", "layer_overhead_s", "microbatch_overhead_s", "optimizer_tensor_s",
+                     "cache_bytes", "cache_bw", "reduce_scatter_bw", "reduce_scatter_latency_s", "all_gather_bw",
+                     "all_gather_latency_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise PlannerError(f"{owner}.{name} = {value!r}: must be a number >= 0")
+        overlap = self.comm_overlap
+        if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
+            raise PlannerError(f"{owner}.comm_overlap = {self.comm_overlap!r}: a share, must be in [0, 1]")
         if self.compute_efficiency > 1:
             raise PlannerError(f"{owner}.compute_efficiency = {self.compute_efficiency}: a fraction of the peak, "
                                f"must be in (0, 1]")

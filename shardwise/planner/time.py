@@ -2,16 +2,33 @@
 
 One step, as seen by the busiest rank:
 
-    t_mb     = hardware FLOPs of one micro-batch / (tp * pp) / (peak * efficiency)     compute
-             + its TP collectives + its pipeline sends                                  (synchronous)
+    t_mb     = one micro-batch's compute on this rank (below) + its TP collectives + its pipeline sends
     pipeline = (m + (p - 1) / v) * t_mb                                                  (bubble.py)
     step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
 
-Data-parallel communication hides behind backward when `JobSpec.overlap_dp_comm`: the gradient reduction
-of stages 0-2 behind the backward of the micro-batch that produces it, ZeRO-3's gathers behind each
-micro-batch's compute (prefetch); ZeRO-1/2's all-gather of updated parameters follows the optimizer step
-and is never hidden. The optimizer step streams its states once (memory-bandwidth bound): Adam reads
-gradient, master, m, v and writes master, m, v and the 16-bit weight, 28 bytes per parameter.
+Compute of one micro-batch on one rank:
+
+    matmuls     hardware FLOPs of the linear layers and the logits / (peak * efficiency)
+    attention   FLOPs of QK^T and AV / attention_flops (measured in fp32, scaled with the matmul peak to
+                other precisions; the matmul rate when not measured)
+    pointwise   elements * seconds per element: the MLP nonlinearity (d_ff per token per layer) and the
+                normalisations (2 d_model per token per layer, the final d_model, the loss over V)
+    operators   layers * layer_overhead_s + microbatch_overhead_s: the fixed cost of running the operators
+                (dispatch, autograd, launch), what small models and micro-batches spend besides FLOPs
+
+The last three are measured by `shardwise plan --calibrate` and are 0 on the datasheet presets, whose
+compute_efficiency stands for everything besides the dense matmuls. Recomputation repeats the forward share
+of each term (flops.py's factors for the matmuls and attention; half of forward + backward for the rest).
+
+Data-parallel communication hides behind backward when `JobSpec.overlap_dp_comm`: gradients are reduced in
+k buckets, each launched when the backward has produced it, one after the other, so of c seconds of reduction
+max(c / k, c - (k - 1) / k * backward) stay exposed (one bucket: all of it); ZeRO-3's gathers hide behind
+each micro-batch's compute (prefetch). Of what could hide, the cluster's `comm_overlap` share does (CPU ranks
+whose collectives need the cores the compute runs on hide almost nothing). ZeRO-1/2's all-gather of updated
+parameters follows the optimizer step and is never hidden. The optimizer step streams its states once
+(memory-bandwidth bound: Adam reads gradient, master, m, v and writes master, m, v and the 16-bit weight, 28
+bytes per parameter) and pays `optimizer_tensor_s` for every tensor it steps (each parameter at stage 0, each
+flat shard under ZeRO).
 """
 
 from __future__ import annotations
@@ -21,9 +38,13 @@ from dataclasses import dataclass
 
 from shardwise.planner.bubble import pipeline_seconds
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
-from shardwise.planner.flops import forward_flops, params_per_rank, training_flops
-from shardwise.planner.memory import FP32_BYTES, state_bytes_per_param
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, PlannerError
+from shardwise.planner.flops import (
+    ForwardFlops, forward_flops, layer_params, params_per_rank, stage_layers, training_flops,
+)
+from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_bytes_per_param
+from shardwise.planner.specs import (
+    FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Plan, PlannerError, PositionKind, Recompute,
+)
 
 
 @dataclass(frozen=True)
@@ -53,23 +74,111 @@ class StepTime:
         return self.compute_s / self.total_s if self.total_s > 0 else 0.0
 
 
-def _exposed(seconds: float, window: float) -> float:
-    return max(0.0, seconds - window)
-
-
 def _dp_exposed(dp: list[Collective], plan: Plan, m: int, compute_mb: float, backward_mb: float,
-                overlap: bool) -> float:
+                overlap: bool, share: float) -> float:
+    """Data-parallel communication left on the critical path; `share` of what could hide does."""
     if not overlap:
         return sum(c.total_seconds for c in dp)
     if plan.zero_stage == 3:   # every micro-batch: gather twice, reduce-scatter once, behind its compute
-        return m * _exposed(sum(c.total_seconds for c in dp) / m, compute_mb)
+        per_mb = sum(c.total_seconds for c in dp) / m
+        return m * (per_mb - share * min(per_mb, compute_mb))
     exposed = 0.0
     for c in dp:
         if c.op is Op.ALL_GATHER:   # ZeRO-1/2: gather the updated shards after the step
             exposed += c.total_seconds
-        else:                       # gradient reduction behind the backward that produced it
-            exposed += c.calls * _exposed(c.seconds, backward_mb)
+        else:
+            # k buckets, the i-th ready at i/k of the backward, reduced one at a time: the last finishes at
+            # max(backward + c/k, backward/k + c), so at most (k - 1)/k of min(c, backward) hides
+            k = c.messages
+            exposed += c.calls * (c.seconds - share * min(c.seconds, backward_mb) * (k - 1) / k)
     return exposed
+
+
+@dataclass(frozen=True)
+class MicrobatchCompute:
+    """Seconds of one micro-batch's forward + backward (+ recomputation) on one rank, by part."""
+
+    matmul_s: float
+    attention_s: float
+    pointwise_s: float
+    operators_s: float
+    backward_s: float      # the part of the total that is backward (the overlap window of gradient reduction)
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.pointwise_s + self.operators_s
+
+
+def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
+    """Compute of one micro-batch on the busiest rank (module notes): its share 1 / (tp * pp) of the
+    matmuls and attention, the pointwise work of its layers (TP splits d_ff; sequence parallelism the norms)."""
+    s, b, split = job.sequence_length(model), plan.micro_batch, plan.tp * plan.pp
+    layers, tokens = stage_layers(model.n_layer, plan.pp)[0], b * s
+    f = forward_flops(model, batch=b, seq_len=s, causal=job.causal_flops)
+    rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
+    matmul_s = training_flops(ForwardFlops(f.dense, 0.0, f.logits), plan.recompute) / split / rate
+    if cluster.attention_flops > 0:        # measured with a causal kernel, counted without the mask, in fp32:
+        full = forward_flops(model, batch=b, seq_len=s, causal=False).attention / split
+        same_share = cluster.peak_flops(job.precision) / cluster.peak_flops_fp32     # of the matmul peak
+        attention_s = training_flops(ForwardFlops(0.0, full, 0.0), plan.recompute) / (
+            cluster.attention_flops * same_share)
+    else:
+        attention_s = training_flops(ForwardFlops(0.0, f.attention / split, 0.0), plan.recompute) / rate
+    assert model.d_ff is not None
+    norm_split = plan.tp if plan.sequence_parallel else 1
+    head = model.d_model + model.vocab_size / plan.tp      # final norm and the loss's softmax (last stage)
+    pointwise = tokens * (layers * (model.d_ff / plan.tp * cluster.activation_s
+                                    + 2 * model.d_model / norm_split * cluster.norm_s) + head * cluster.norm_s)
+    operators = layers * cluster.layer_overhead_s + cluster.microbatch_overhead_s
+    if plan.recompute is Recompute.FULL:    # the forward (about half of these) runs once more in backward
+        pointwise, operators = 1.5 * pointwise, 1.5 * operators
+    total = matmul_s + attention_s + pointwise + operators
+    # backward is 2/3 of forward + backward; a recomputed forward runs inside the backward too
+    backward_share = 2 / 3 if plan.recompute is Recompute.NONE else 3 / 4
+    return MicrobatchCompute(matmul_s, attention_s, pointwise, operators, backward_s=backward_share * total)
+
+
+def param_tensor_sizes(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> list[int]:
+    """Elements of each parameter tensor of the busiest rank (what a for-loop optimizer steps one by one at
+    stage 0), laid out as `flops.params_per_stage`: its stage's blocks, TP slices of the split weights, the
+    first stage's tables, the last stage's final norm and head (a copy of a tied table when pp > 1)."""
+    d, kv, f, b = model.d_model, model.kv_dim, model.d_ff, model.bias
+    assert f is not None
+    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    column = [d, kv, kv] + [f] * mlp_in                        # q, k, v, MLP input: split over TP
+    norm = [d, d] if model.norm is Norm.LAYERNORM and b else [d]
+    block = [math.ceil(n * d / tp) for n in column] + [math.ceil(d * d / tp), math.ceil(f * d / tp)] + 2 * norm
+    if b:
+        block += [math.ceil(n / tp) for n in column] + [d, d]   # column biases split; o, MLP-output replicated
+    table = math.ceil(model.vocab_size / tp) * d
+    stages = [block * n for n in stage_layers(model.n_layer, pp)]
+    stages[0] += [table] + ([model.seq_len * d] if model.positions is PositionKind.LEARNED else [])
+    stages[-1] += norm + ([table] if not model.tie_embeddings or pp > 1 else [])
+    return max(stages, key=sum)
+
+
+def optimizer_tensor_sizes(model: ModelSpec, plan: Plan) -> list[int]:
+    """Elements of each tensor the optimizer steps on the busiest rank: its parameters at stage 0; the shard
+    of each reduce bucket at stages 1-2; the shard of each ZeRO-3 unit (every block, and the rest) at stage 3."""
+    if plan.zero_stage == 0:
+        return param_tensor_sizes(model, tp=plan.tp, pp=plan.pp)
+    psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
+    if plan.zero_stage in (1, 2):
+        buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
+        return [math.ceil(psi / buckets / plan.dp)] * buckets
+    layers = stage_layers(model.n_layer, plan.pp)[0]
+    block = layer_params(model).per_tp_rank(plan.tp)
+    return [math.ceil(block / plan.dp)] * layers + [math.ceil(max(0, psi - layers * block) / plan.dp)]
+
+
+def optimizer_seconds(sizes: list[int], job: JobSpec, cluster: ClusterSpec, bandwidth: float) -> float:
+    """Each tensor: a fixed cost, then its states streamed at `bandwidth`, or at the cache's when its weight,
+    gradient and states fit there (module notes)."""
+    resident = sum(state_bytes_per_param(job.precision, job.optimizer))     # weight, gradient, K
+    in_cache = sum(n for n in sizes if n * resident <= cluster.cache_bytes) if cluster.cache_bw > 0 else 0
+    per_param = optimizer_step_bytes(job)
+    return (len(sizes) * cluster.optimizer_tensor_s + (sum(sizes) - in_cache) * per_param / bandwidth
+            + (in_cache * per_param / cluster.cache_bw if in_cache else 0.0))
 
 
 def optimizer_step_bytes(job: JobSpec) -> int:
@@ -82,15 +191,12 @@ def optimizer_step_bytes(job: JobSpec) -> int:
 
 def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
     """Estimated seconds of one optimizer step of `plan` (module notes); memory is not checked here."""
-    s, m = job.sequence_length(model), plan.grad_accum(job)
+    m = plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"step_time: global batch {job.global_batch} is not a multiple of dp * micro_batch = "
                            f"{plan.dp} * {plan.micro_batch}; every step must split into whole micro-batches")
-    achieved = cluster.peak_flops(job.precision) * cluster.compute_efficiency
-    fwd = forward_flops(model, batch=plan.micro_batch, seq_len=s, causal=job.causal_flops)
-    per_gpu = achieved * plan.tp * plan.pp
-    compute_mb = training_flops(fwd, plan.recompute) / per_gpu
-    backward_mb = compute_mb - fwd.total / per_gpu
+    mb = microbatch_compute(model, cluster, job, plan)
+    compute_mb = mb.total_s
 
     collectives = step_collectives(model, cluster, job, plan)
     tp = sum(c.total_seconds for c in collectives if c.axis is Axis.TP)
@@ -102,21 +208,24 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     shard = math.ceil(psi / plan.dp) if plan.zero_stage >= 1 else psi
-    step_bytes = shard * optimizer_step_bytes(job)
-    optimizer_s, offload_s = step_bytes / cluster.memory_bw, 0.0
+    sizes = optimizer_tensor_sizes(model, plan)
+    optimizer_s, offload_s = optimizer_seconds(sizes, job, cluster, cluster.memory_bw), 0.0
     if plan.offload is not Offload.NONE:
         w = job.precision.nbytes
         pcie = shard * (FP32_BYTES + w)          # fp32 gradient shard down, updated 16-bit shard up
         if plan.offload is Offload.OPTIMIZER_AND_PARAMS:
             pcie += 2 * m * shard * w            # the shard is fetched for every forward and backward
-        cpu_step = step_bytes * cluster.gpus_per_node / cluster.host_memory_bw   # the node's GPUs share it
+        # the node's GPUs share the host's bandwidth
+        cpu_step = optimizer_seconds(sizes, job, cluster, cluster.host_memory_bw / cluster.gpus_per_node)
         optimizer_s, offload_s = 0.0, pcie / cluster.pcie_bw + cpu_step
 
+    fwd = forward_flops(model, batch=plan.micro_batch, seq_len=job.sequence_length(model), causal=job.causal_flops)
     return StepTime(
         microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp,
         bubble_s=pipeline - m * t_mb,
         dp_comm_s=sum(c.total_seconds for c in dp),
-        dp_exposed_s=_dp_exposed(dp, plan, m, compute_mb, backward_mb, job.overlap_dp_comm),
+        dp_exposed_s=_dp_exposed(dp, plan, m, compute_mb, mb.backward_s, job.overlap_dp_comm,
+                                  cluster.comm_overlap),
         optimizer_s=optimizer_s, offload_s=offload_s,
         model_flops=training_flops(fwd) * job.global_batch / plan.micro_batch,   # all terms are linear in b
     )
