@@ -1,7 +1,8 @@
 """Data-parallel step time: shardwise against torch DDP, torch FSDP2 and DeepSpeed at one ZeRO stage, side by side.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.dp \\
-        --model tiny --steps 10 --warmup 3 --rounds 5 --micro-batch 4 [--zero-stage 0-3] [--offload] --json dp.json
+        --model tiny --steps 10 --warmup 3 --rounds 5 --micro-batch 4 [--zero-stage 0-3] [--offload] \\
+        [--persistence-threshold N] --json dp.json
 
 Every rank builds the trainers (`shardwise.benchmarks.trainers`) of one GPT from one seed and one DeepSpeed JSON
 (AdamW, gradient clipping, the same gradient bucket size, `--zero-stage`, and with `--offload` the optimizer on
@@ -13,7 +14,9 @@ steps of each trainer in turn; the order rotates every round (ABC, BCA, CAB, ...
 whatever a trainer leaves in the caches hit all of them alike. A step's time is the slowest rank's. The report
 gives per trainer the median step time, the spread of the per-round medians, global tokens/s, and the step-time
 ratio shardwise/this (< 1: shardwise is faster), both of the overall medians and paired (the median over rounds
-of the ratio within a round, which cancels load that drifts between rounds). DeepSpeed's stage 0 ignores
+of the ratio within a round, which cancels load that drifts between rounds), and the median of each phase of a
+step: forward, backward (with the gradient communication the trainer does during or right after it) and update
+(clipping, optimizer step, parameter all-gather, zeroing). DeepSpeed's stage 0 ignores
 `reduce_bucket_size`: it all-reduces every gradient after backward, so its communication never overlaps backward.
 
 Memory: the trainers share one process per rank, so peak RSS cannot be split between them. The table gives each
@@ -119,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO stage of shardwise and DeepSpeed; DDP runs only at stage 0, FSDP2 only at stage 3 "
                         "(default: %(default)s)")
     p.add_argument("--offload", action="store_true", help="optimizer states and step on the CPU "
-                   '(zero_optimization.offload_optimizer.device "cpu"), stages 1-2 only')
+                   '(zero_optimization.offload_optimizer.device "cpu"), stages 1-3')
+    p.add_argument("--persistence-threshold", type=int_at_least(0), default=None, metavar="N",
+                   help="stage 3: zero_optimization.stage3_param_persistence_threshold for shardwise and DeepSpeed "
+                        "(parameters of at most N elements stay whole on every rank; FSDP2 has no such rule, i.e. "
+                        "0) (default: DeepSpeed's, 100000)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
     return p
 
@@ -131,10 +138,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
-    if args.offload and args.zero_stage not in (1, 2):
-        parser.error(f"--offload with --zero-stage {args.zero_stage}: optimizer offload is benchmarked at stages "
-                     f"1-2 only (shardwise does not offload at stage 3; stage 0 has no partitioned optimizer); "
-                     f"use --zero-stage 1 or 2")
+    if args.offload and args.zero_stage == 0:
+        parser.error("--offload with --zero-stage 0: stage 0 has no partitioned optimizer to offload; "
+                     "use --zero-stage 1, 2 or 3")
+    if args.persistence_threshold is not None and args.zero_stage != 3:
+        parser.error(f"--persistence-threshold with --zero-stage {args.zero_stage}: only stage 3 keeps small "
+                     f"parameters whole; use --zero-stage 3 or leave it out")
     if args.trainers is None:
         args.trainers = [t.value for t in Trainer if (t is not Trainer.DEEPSPEED or has_deepspeed)
                          and args.zero_stage in t.stages]
@@ -161,31 +170,45 @@ def ds_config(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": args.zero_stage, "reduce_bucket_size": int(args.bucket_mb * MIB) // 4,
-                              **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})},
+                              **({"offload_optimizer": {"device": "cpu"}} if args.offload else {}),
+                              **({"stage3_param_persistence_threshold": args.persistence_threshold}
+                                 if args.persistence_threshold is not None else {})},
         "steps_per_print": 1 << 30,
     }
 
 
 # -- measurement --------------------------------------------------------------------------------------
 
-def measure(trainers: dict[str, Built], *, rounds: int, steps: int, warmup: int) -> dict[str, list[list[float]]]:
-    """Step times [trainer][round][step] in seconds, each the slowest rank's."""
+PHASES = ("forward", "backward", "update")
+
+
+def measure(trainers: dict[str, Built], *, rounds: int, steps: int, warmup: int
+            ) -> tuple[dict[str, list[list[float]]], dict[str, dict[str, float]]]:
+    """Step times [trainer][round][step] in seconds, each the slowest rank's; and per trainer the median seconds
+    of each phase (`PHASES`; per step the slowest rank's, so the three need not add up to the step)."""
     names = list(trainers)
     for name in names:
         for _ in range(warmup):
             trainers[name].step()
-    # times: [rounds, trainers, steps] on this rank; column = position in `names`
-    times = torch.zeros(rounds, len(names), steps, dtype=torch.float64)
+    # times: [rounds, trainers, steps, 1 + phases] on this rank: the step, then its phases
+    times = torch.zeros(rounds, len(names), steps, 1 + len(PHASES), dtype=torch.float64)
     for r in range(rounds):
         for name in rotation(names, r):
             dist.barrier()          # start each block together, so no rank's wait counts as the next step's
-            j = names.index(name)
+            j, built = names.index(name), trainers[name]
             for s in range(steps):
                 t0 = time.perf_counter()
-                trainers[name].step()
-                times[r, j, s] = time.perf_counter() - t0
+                loss = built.forward()
+                t1 = time.perf_counter()
+                built.backward(loss)
+                t2 = time.perf_counter()
+                built.update()
+                t3 = time.perf_counter()
+                times[r, j, s] = torch.tensor([t3 - t0, t1 - t0, t2 - t1, t3 - t2], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: times[:, j, :].tolist() for j, name in enumerate(names)}
+    phases = {name: {ph: float(times[:, j, :, 1 + k].median()) for k, ph in enumerate(PHASES)}
+              for j, name in enumerate(names)}
+    return {name: times[:, j, :, 0].tolist() for j, name in enumerate(names)}, phases
 
 
 def _rss_per_rank() -> list[int]:
@@ -196,7 +219,7 @@ def _rss_per_rank() -> list[int]:
     return [int(t) for t in gathered]
 
 
-def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int]) -> None:
+def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int], phases: dict[str, dict[str, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -205,17 +228,19 @@ def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int]) -> None:
 
     table = Table(title=title)
     for col in ("trainer", "median step ms", "round medians ms", "tokens/s", "shardwise / this", "paired",
-                "params", "grads", "optimizer", "model states"):
+                *(f"{ph} ms" for ph in PHASES), "params", "grads", "optimizer", "model states"):
         table.add_column(col, justify="left" if col == "trainer" else "right")
     for r in rows:
         table.add_row(r.trainer, f"{r.median_ms:.2f}", f"{r.round_min_ms:.2f} - {r.round_max_ms:.2f}",
                       f"{r.tokens_per_s:,.0f}", f"{r.shardwise_ratio:.3f}",
-                      f"{r.paired_ratio:.3f}", mib(r.params_bytes),
-                      mib(r.grads_bytes), mib(r.optimizer_bytes), mib(r.model_states_bytes))
-    console = Console() if sys.stdout.isatty() else Console(width=160)   # a log file: do not wrap at 80
+                      f"{r.paired_ratio:.3f}", *(f"{phases[r.trainer][ph] * 1e3:.1f}" for ph in PHASES),
+                      mib(r.params_bytes), mib(r.grads_bytes), mib(r.optimizer_bytes), mib(r.model_states_bytes))
+    console = Console() if sys.stdout.isatty() else Console(width=200)   # a log file: do not wrap at 80
     console.print(table)
     console.print("shardwise / this: ratio of median step times (< 1: shardwise faster); paired: median over rounds "
-                  "of the same ratio within each round. Memory: each trainer's model states on one rank, from its "
+                  "of the same ratio within each round. forward / backward / update: median of each phase of a step "
+                  "(backward includes the gradient communication a trainer does there; update: clipping, optimizer "
+                  "step, parameter all-gather). Memory: each trainer's model states on one rank, from its "
                   "own tensors (params: parameters held between steps; grads: gradient buffers; optimizer: moments "
                   "plus any separate fp32 master copy; n/a: no honest measure); the trainers share a process, so "
                   "RSS is not per trainer. "
@@ -230,22 +255,24 @@ def run(args: argparse.Namespace) -> list[Row]:
     data = batches(args, seq_len, preset.vocab_size)
     wanted = [Trainer.SHARDWISE] + [t for t in Trainer if t is not Trainer.SHARDWISE and t.value in args.trainers]
     trainers = {t.value: BUILDERS[t](args, config, data) for t in wanted}
-    times = measure(trainers, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    times, phases = measure(trainers, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     memory = {name: built.memory() for name, built in trainers.items()}
     world = dist.get_world_size()
     rows = summarize(times, memory, tokens_per_step=args.micro_batch * seq_len * world)
     rss = _rss_per_rank()
     if dist.get_rank() == 0:
-        title = (f"ZeRO stage {args.zero_stage}{' + CPU optimizer offload' if args.offload else ''}, {args.model} GPT ({gpt_num_params(preset):,} params), "
+        keep = "" if args.persistence_threshold is None else f" (persistence threshold {args.persistence_threshold})"
+        title = (f"ZeRO stage {args.zero_stage}{keep}{' + CPU optimizer offload' if args.offload else ''}, "
+                 f"{args.model} GPT ({gpt_num_params(preset):,} params), "
                  f"{world} ranks x micro-batch {args.micro_batch} x {seq_len} tokens, gloo, "
                  f"{torch.get_num_threads()} thread(s)/rank: median of {args.rounds} rounds x {args.steps} steps")
-        print_table(rows, title=title, rss=rss)
+        print_table(rows, title=title, rss=rss, phases=phases)
         if args.json is not None:
             meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
             meta.update(world_size=world, seq_len=seq_len, threads_per_rank=torch.get_num_threads(),
                         ds_config=config)
             out = {"config": meta, "rows": [dict(asdict(r), model_states_bytes=r.model_states_bytes) for r in rows],
-                   "peak_rss_bytes_per_rank": rss, "step_times_s": times}
+                   "peak_rss_bytes_per_rank": rss, "step_times_s": times, "phase_median_s": phases}
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(out, indent=2))
     return rows

@@ -1,7 +1,9 @@
 """The trainers the data-parallel benchmark (`shardwise.benchmarks.dp`) times side by side.
 
 Each builder takes the parsed options, the one DeepSpeed JSON every trainer follows and this rank's micro-batches,
-and returns a `Built`: `step()` runs one optimizer step, `memory()` reports this rank's model states in bytes,
+and returns a `Built`: `step()` runs one optimizer step as three phases the benchmark can time apart
+(`forward()` -> loss, `backward(loss)` with whatever gradient communication the trainer does there, `update()`:
+clipping, optimizer step, parameter all-gather, zeroing); `memory()` reports this rank's model states in bytes,
 each measured from the trainer's own tensors (parameters, gradient buffers, optimizer states with any separate
 fp32 master copy). A figure that cannot be measured honestly is None, shown as "n/a".
 """
@@ -41,8 +43,14 @@ class Trainer(str, enum.Enum):
 class Built:
     """A trainer ready to time: `step()` runs one full optimizer step on the next micro-batch."""
 
-    step: Callable[[], None]
+    forward: Callable[[], torch.Tensor]         # the next micro-batch's loss
+    backward: Callable[[torch.Tensor], None]
+    update: Callable[[], None]
     memory: Callable[[], Memory]
+
+    def step(self) -> None:
+        self.backward(self.forward())
+        self.update()
 
 
 def model(args: argparse.Namespace) -> torch.nn.Module:
@@ -100,15 +108,10 @@ def build_shardwise(args: argparse.Namespace, config: dict, data: list) -> Built
     engine, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(), config=copy.deepcopy(config))
     next_batch = _cycle(data)
 
-    def step() -> None:
-        loss = engine(*next_batch())
-        engine.backward(loss)
-        engine.step()
-
     def memory() -> Memory:
         report = engine.memory_report()
         return {"params": report["params"], "grads": report["grads"], "optimizer": report["optimizer"]}
-    return Built(step, memory)
+    return Built(lambda: engine(*next_batch()), engine.backward, engine.step, memory)
 
 
 def _torch_adamw(params: Any, config: dict) -> torch.optim.AdamW:
@@ -126,13 +129,12 @@ def build_ddp(args: argparse.Namespace, config: dict, data: list) -> Built:
     clip = config["gradient_clipping"]
     next_batch = _cycle(data)
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=False)     # keep .grad as bucket views
-        loss = ddp(*next_batch())
-        loss.backward()
+    def update() -> None:
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
-    return Built(step, lambda: _model_state_bytes(net, opt))
+        opt.zero_grad(set_to_none=False)     # keep .grad as bucket views
+    return Built(lambda: ddp(*next_batch()), lambda loss: loss.backward(), update,
+                 lambda: _model_state_bytes(net, opt))
 
 
 def build_fsdp2(args: argparse.Namespace, config: dict, data: list) -> Built:
@@ -148,22 +150,20 @@ def build_fsdp2(args: argparse.Namespace, config: dict, data: list) -> Built:
     opt = _torch_adamw(net.parameters(), config)
     clip = config["gradient_clipping"]
     next_batch = _cycle(data)
-    probe: Memory = {}
 
-    def step(measure_grads: bool = False) -> None:
-        loss = net(*next_batch())
-        loss.backward()
-        if measure_grads:     # sharded gradients live from backward until zero_grad frees them
-            probe["grads"] = storage_bytes([p.grad for p in net.parameters()])
+    def update() -> None:
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     def memory() -> Memory:
-        step(measure_grads=True)
+        net(*next_batch()).backward()
+        # sharded gradients live from backward until zero_grad frees them
+        grads = storage_bytes([p.grad for p in net.parameters()])
+        update()
         # Parameters between steps are the sharded DTensors (the gathered blocks are freed after use).
-        return dict(_model_state_bytes(net, opt), grads=probe["grads"])
-    return Built(step, memory)
+        return dict(_model_state_bytes(net, opt), grads=grads)
+    return Built(lambda: net(*next_batch()), lambda loss: loss.backward(), update, memory)
 
 
 def build_deepspeed(args: argparse.Namespace, config: dict, data: list) -> Built:
@@ -177,19 +177,14 @@ def build_deepspeed(args: argparse.Namespace, config: dict, data: list) -> Built
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=copy.deepcopy(config))
     stage = config["zero_optimization"]["stage"]
     next_batch = _cycle(data)
-    probe: Memory = {}
-
-    def step(measure_grads: bool = False) -> None:
-        loss = engine(*next_batch())
-        engine.backward(loss)
-        if measure_grads and stage == 0:   # stage 0 frees .grad in step(): they live from backward to step
-            probe["grads"] = storage_bytes([p.grad for p in engine.module.parameters()])
-        engine.step()
 
     def memory() -> Memory:
-        step(measure_grads=True)
+        engine.backward(engine(*next_batch()))
+        # stage 0 frees .grad in step(): they live from backward to step
+        probe: Memory = {"grads": storage_bytes([p.grad for p in engine.module.parameters()]) if stage == 0 else None}
+        engine.step()
         return _deepspeed_memory(engine, stage, probe)
-    return Built(step, memory)
+    return Built(lambda: engine(*next_batch()), engine.backward, engine.step, memory)
 
 
 def _deepspeed_memory(engine: Any, stage: int, probe: Memory) -> Memory:

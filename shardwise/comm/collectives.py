@@ -155,6 +155,20 @@ class Comm:
                          lambda: dist.reduce_scatter_tensor(output, full, op=op, group=self.group,
                                                             async_op=True), async_op)
 
+    def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, *, tag: int,
+                           async_op: bool = False) -> Handle:
+        """`reduce_scatter_tensor` with SUM, by the cheaper means the backend has: on gloo with CPU tensors a
+        pairwise exchange of point-to-point messages (`shardwise.comm.exchange`: gloo's own reduce-scatter is a
+        full all-reduce), otherwise the backend's. Recorded as the same one "reduce_scatter" of `full`'s bytes.
+        `tag` (the same on every rank) tells apart exchanges in flight on this group at once."""
+        if self.size == 1 or full.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+            return self.reduce_scatter_tensor(output, full, async_op=async_op)
+        from shardwise.comm.exchange import PairwiseReduceScatter
+        return self._run("reduce_scatter", full,
+                         lambda: PairwiseReduceScatter(output, full, group=self.group, rank=self.rank,
+                                                       size=self.size, tag=tag, to_global=self.global_rank),
+                         async_op)
+
     def all_reduce_object_max(self, value: float) -> float:
         """Max of one float over the group (e.g. an overflow flag): a 1-element all-reduce."""
         t = torch.tensor([float(value)], dtype=torch.float32)

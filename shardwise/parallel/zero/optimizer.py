@@ -17,6 +17,7 @@ import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.buckets import ZeroBucket
+from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.precision import LossScaler
 from shardwise.replicated_optimizer import optimizer_state_bytes
 
@@ -67,9 +68,14 @@ class ShardedOptimizer:
         self.check_overflow = check_overflow
         self.last_grad_norm: float | None = None
         self.model_params = [p for b in buckets for p in b.params]
+        prefer_fused_adam(optimizer)      # one flat fp32 shard per bucket: the fused kernel's best case
 
     def step(self) -> bool:
         for b, m in zip(self.buckets, self.masters):
+            g = b.grad_shard
+            if g.dtype == m.dtype and g.device == m.device:
+                m.grad = g                # fp32 on the master's device: the shard itself, no copy (zeroed after step)
+                continue
             if m.grad is None:
                 m.grad = torch.empty_like(m)
             # Offloaded masters: device -> pinned host copies queue up without blocking; one sync below.

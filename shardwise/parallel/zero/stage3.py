@@ -37,6 +37,9 @@ from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.params import FlatShard, Partition, Unit, UnitState, load_full_tensors
 
 
+_FLAT_TAG_BASE = 1 << 20
+
+
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -82,6 +85,8 @@ class ZeroParamRuntime:
         self._expect_backward = False
         self._callback_queued = False
         self._where = partition.where()
+        # exchange tags of the flats' reduce-scatters, apart from the persistent buckets' (their bucket indices)
+        self._tags = {id(f): _FLAT_TAG_BASE + i for i, f in enumerate(partition.flats)}
         self._named = dict(module.named_parameters(remove_duplicate=False))
         hooks = [module.register_load_state_dict_pre_hook(self._on_load_state_dict)]
         for r in self._roots:
@@ -244,7 +249,8 @@ class ZeroParamRuntime:
             flat.grad_full = torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.shard.device)
         # A separate [S] output: the input must not alias it.
         flat.received = torch.empty_like(flat.grad_shard)
-        flat.handle = self.comm.reduce_scatter_tensor(flat.received, flat.grad_full, async_op=True)
+        flat.handle = self.comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)],
+                                                   async_op=True)
         flat.launched = True
         self._in_flight.append(flat)
 
