@@ -8,7 +8,7 @@ Asynchronous operations return a `Handle` whose `wait()` records the duration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,18 @@ def nbytes(t: torch.Tensor) -> int:
 class Handle:
     """Completion of one asynchronous operation; `wait()` is idempotent."""
 
-    def __init__(self, wait_fn: Callable[[], None], on_done: Callable[[], None]):
+    def __init__(self, wait_fn: Callable[[], None], on_done: Callable[[], None],
+                 test_fn: Callable[[], bool] | None = None):
         self._wait_fn = wait_fn
         self._on_done = on_done
+        self._test_fn = test_fn
         self._done = False
+
+    def is_completed(self) -> bool:
+        """Non-blocking: has the operation finished? (recorded, as by `wait`, once it has)."""
+        if not self._done and self._test_fn is not None and self._test_fn():
+            self.wait()
+        return self._done
 
     def wait(self) -> None:
         if not self._done:
@@ -190,3 +198,35 @@ class Comm:
     def irecv(self, tensor: torch.Tensor, src_group_rank: int, tag: int = 0) -> Handle:
         src = self.global_rank(src_group_rank)
         return self._run("recv", tensor, lambda: dist.irecv(tensor, src=src, group=self.group, tag=tag), True)
+
+    def batch_isend_irecv(self, sends: Sequence[tuple[torch.Tensor, int]],
+                          recvs: Sequence[tuple[torch.Tensor, int]]) -> list[Handle]:
+        """Post sends and receives, each (tensor, peer group rank), as one `dist.batch_isend_irecv`: with NCCL
+        one group launch whose operations progress together (a send and a receive between the same two ranks
+        cannot wait on each other); gloo posts them one by one. Returns a handle per operation, sends first;
+        each is recorded when it completes."""
+        items = [("send", t, p) for t, p in sends] + [("recv", t, p) for t, p in recvs]
+        if not items:
+            return []
+        ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.global_rank(p), group=self.group)
+               for op, t, p in items]
+        tokens = [self.ledger.start(op, self.name) for op, _, _ in items]
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        size = self.size
+        handles = []
+        for i, (op, t, _) in enumerate(items):
+            # NCCL coalesces the batch into one work for all operations; gloo returns one per operation.
+            mine = [works[i]] if len(works) == len(items) else works
+
+            def on_done(token: int = tokens[i], op: str = op, amount: int = nbytes(t),
+                        dtype: str = str(t.dtype).removeprefix("torch.")) -> None:
+                self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
+
+            handles.append(Handle(lambda ws=mine: _wait_all(ws), on_done,
+                                  lambda ws=mine: all(w.is_completed() for w in ws)))
+        return handles
+
+
+def _wait_all(works: list) -> None:
+    for w in works:
+        w.wait()

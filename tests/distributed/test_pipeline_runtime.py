@@ -3,7 +3,9 @@
 One spawn of 4 gloo ranks (module fixture `runs`) executes every distributed case in phases:
 - direct harness (stage split + runtime + a plain torch optimizer per stage): the GPT at P = 4 (world) and
   P = 2 (two pipelines at once on ranks {0,1} and {2,3}) with GPipe, 1F1B and interleaved 1F1B (V = 2);
-- a no-deadlock sweep over P in {2, 3, 4}, M in {1, 2, 3, 5} and every schedule, on a layer-list model;
+- a no-deadlock sweep over P in {2, 3, 4}, M in {1, 2, 3, 5} and every schedule, on a layer-list model, with
+  receives posted early (gloo's way) and with receives posted only in the grid batches (NCCL's way: every
+  message has tag 0, so the sweep checks the order NCCL would match by);
 - the engine: `shardwise.initialize` with a "pipeline" block, pp = 2 x dp = 2 (ZeRO 0, 1, 2, clipping) and
   pp = 4 x dp = 1, through `engine.train_batch`.
 Losses and parameters are compared with the single-process reference (fp32, rtol = atol = 1e-5); measured
@@ -29,7 +31,8 @@ SEQ, D, MICRO, STEPS = 16, 32, 2, 2
 DIRECT_P4 = [(4, "gpipe", 1, 4, 4), (4, "1f1b", 1, 6, 4), (4, "interleaved_1f1b", 2, 4, 8)]
 DIRECT_P2 = [[(2, "gpipe", 1, 4, 4), (2, "1f1b", 1, 3, 4)],                         # ranks {0, 1}
              [(2, "interleaved_1f1b", 2, 4, 4), (2, "1f1b", 1, 5, 4)]]              # ranks {2, 3}
-SWEEP = [(p, kind, m) for p in (2, 3, 4) for kind in ("gpipe", "1f1b", "interleaved_1f1b") for m in (1, 2, 3, 5)]
+SWEEP = [(p, kind, m, eager) for p in (2, 3, 4) for kind in ("gpipe", "1f1b", "interleaved_1f1b") for m in (1, 2, 3, 5)
+         for eager in (True, False)]
 ENGINE = {
     "pp2dp2_adamw_1f1b": dict(pp=2, schedule="1f1b", v=1, gas=4, zero=0, clip=0.0,
                               optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}),
@@ -70,7 +73,8 @@ def gpt_steps(global_batch: int, micro_count: int, *, dp_size: int = 1, dp_rank:
 
 def layer_steps(m: int) -> list[list[tuple]]:
     g = torch.Generator().manual_seed(m)
-    return [[(torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)) for _ in range(m)]]
+    return [[(torch.randn(3, 12, generator=g), torch.randn(3, 12, generator=g)) for _ in range(m)]
+            for _ in range(STEPS)]
 
 
 def sgd(params) -> torch.optim.Optimizer:
@@ -79,7 +83,8 @@ def sgd(params) -> torch.optim.Optimizer:
 
 # ----- what runs on the ranks -----
 
-def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: str, v: int) -> dict:
+def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: str, v: int,
+            eager: bool | None = None) -> dict:
     """The direct harness: split, runtime, plain SGD on the stage's parameters."""
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ledger import CommLedger
@@ -96,7 +101,9 @@ def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: s
     runtime_module._free_data = counting_free
     module = split_model(model, num_stages=p, stage=stage, virtual_stages=v)
     ledger = CommLedger()
-    runtime = PipelineRuntime(module, Comm(group, ledger, name="pp"), schedule=kind, num_microbatches=len(steps[0]))
+    # Metered on the first step only: the second checks the unmetered path (which outputs' data may go).
+    runtime = PipelineRuntime(module, Comm(group, ledger, name="pp"), schedule=kind, num_microbatches=len(steps[0]),
+                              measure_every=STEPS, eager_receives=eager)
     opt = sgd(module.parameters())
     results = []
     for k, micro in enumerate(steps):
@@ -106,8 +113,9 @@ def _direct(model: nn.Module, steps: list, *, p: int, stage: int, group, kind: s
         opt.step()
     runtime.close()
     runtime_module._free_data = free
-    sent = {op: b for op, b in ledger.bytes_by_op().items()}
+    sent = [ledger.bytes_by_op(k) for k in range(len(steps))]
     return {"losses": [r.loss for r in results], "peaks": [r.peak_in_flight for r in results],
+            "measured": [r.measured for r in results],
             "records": [(r.stage, str(a.action), a.start, a.end) for r in results[-1:] for a in r.records],
             "state": {k: t.detach().clone() for k, t in module.full_state_dict().items()},
             "live": runtime.meter.live_keys, "bytes": sent, "freed": freed}
@@ -151,13 +159,13 @@ def _all_phases() -> dict:
         out["direct"][(p, kind, v, m)] = _direct(tiny_gpt(layers), gpt_steps(MICRO * m, m), p=p, stage=rank % 2,
                                                  group=pair[rank // 2], kind=kind, v=v)
     dist.barrier()
-    for p, kind, m in SWEEP:
+    for p, kind, m, eager in SWEEP:
         ranks = {2: [0, 1], 3: [0, 1, 2], 4: [0, 1, 2, 3]}[p]
         if rank in ranks:
             group = {2: pair[0], 3: trio, 4: None}[p]
             v = 2 if kind == "interleaved_1f1b" else 1
-            out["sweep"][(p, kind, m)] = _direct(layer_model(), layer_steps(m), p=p, stage=rank, group=group,
-                                                 kind=kind, v=v)
+            out["sweep"][(p, kind, m, eager)] = _direct(layer_model(), layer_steps(m), p=p, stage=rank, group=group,
+                                                        kind=kind, v=v, eager=eager)
         dist.barrier()
     for name in ENGINE:
         out["engine"][name] = _engine_case(name)
@@ -239,6 +247,7 @@ def test_gpt_pipeline_matches_single_process(runs: list[dict], case: tuple) -> N
     assert all(g["losses"] == [None] * STEPS for g in got[:-1]), "only the last stage computes the loss"
     assert_state_close(gathered([g["state"] for g in got], str(case)), ref_state, str(case))
     # Measured in-flight activations: 1F1B holds min(P - s, M) on stage s, GPipe M, interleaved its warm-up + 1.
+    assert all(g["measured"] == [True] + [False] * (STEPS - 1) for g in got)
     measured = [g["peaks"][-1] for g in got]
     assert measured == expected_peaks(kind, p, m, v), f"{case}: measured peaks {measured}"
     if kind == "1f1b":
@@ -272,18 +281,20 @@ def test_trace_becomes_a_timeline_and_a_picture(runs: list[dict], case: tuple, t
 
 
 def test_every_transfer_goes_through_the_comm_ledger(runs: list[dict]) -> None:
-    # P = 2 1F1B, M = 3 on ranks {0, 1}: per step stage 0 sends M activations [micro, SEQ, D] fp32 plus one
-    # shape header (64 int64), and receives M gradients of the same shapes.
+    # P = 2 1F1B, M = 3 on ranks {0, 1}: per step stage 0 sends M activations [micro, SEQ, D] fp32 and receives
+    # M gradients of the same shapes; shapes are agreed once, by one header (64 int64) in the first step only.
     activation = MICRO * SEQ * D * 4
     first = runs[0]["direct"][(2, "1f1b", 1, 3)]["bytes"]
-    assert first == {"send": 3 * activation + 64 * 8, "recv": 3 * activation}
+    assert first == [{"send": 3 * activation + 64 * 8, "recv": 3 * activation}] + \
+        [{"send": 3 * activation, "recv": 3 * activation}] * (STEPS - 1)
     last = runs[1]["direct"][(2, "1f1b", 1, 3)]["bytes"]
-    assert last == {"send": 3 * activation, "recv": 3 * activation + 64 * 8}
+    assert last == [{"send": 3 * activation, "recv": 3 * activation + 64 * 8}] + \
+        [{"send": 3 * activation, "recv": 3 * activation}] * (STEPS - 1)
 
 
-@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"P{c[0]}-{c[1]}-M{c[2]}")
+@pytest.mark.parametrize("case", SWEEP, ids=lambda c: f"P{c[0]}-{c[1]}-M{c[2]}-{'early' if c[3] else 'grid'}")
 def test_no_deadlock_and_layer_list_parity(runs: list[dict], case: tuple) -> None:
-    p, kind, m = case
+    p, kind, m, _ = case
     got = [runs[r]["sweep"][case] for r in range(p)]
     ref_losses, ref_state = layer_reference(m)
     assert_close_lists(got[-1]["losses"], ref_losses, rtol=1e-5, atol=1e-6, what=f"{case} losses")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from shardwise.parallel.pipeline.schedules import Action, Op, PipelineError, build_schedule, transfers
 from shardwise.parallel.pipeline.simulate import (
-    ActionRecord, Costs, DeadlockError, SendMode, Timeline, formula_bubble_fraction, formula_bubble_ratio, simulate)
+    ActionRecord, Costs, DeadlockError, SendMode, Timeline, formula_bubble_fraction, formula_bubble_ratio,
+    measured_costs, replayed_costs, simulate)
 
 COSTS = [(1, 1), (1, 2), (2, 3)]
 
@@ -166,3 +167,44 @@ def test_timeline_picture_has_labelled_boxes_and_a_title(tmp_path) -> None:
     assert {"F0", "B3", "F3.1", "B0.1"} <= labels
     assert "P=2, M=4, V=2" in ax.get_title(loc="left") and "bubble" in ax.get_title(loc="left")
     assert [tick.get_text() for tick in ax.get_yticklabels()] == ["stage 0", "stage 1"]
+
+
+def test_per_chunk_costs_and_measured_costs_round_trip() -> None:
+    # A trace simulated with unequal per-chunk costs: the means read back from it are those costs, and
+    # simulating under them gives the very same timeline (the yardstick the benchmark compares with).
+    costs = Costs(forward=[[1, 3], [2, 2]], backward=[[2, 6], [4, 5]])
+    schedule = build_schedule("interleaved_1f1b", num_stages=2, num_microbatches=4, virtual_stages=2)
+    trace = simulate(schedule, costs=costs)
+    assert {(r.stage, str(r.action)): r.end - r.start for r in trace.records}[(0, "B2.1")] == 6
+    back = measured_costs(Timeline.from_records(trace.records, num_stages=2))
+    assert back.forward == [[1, 3], [2, 2]] and back.backward == [[2, 6], [4, 5]]
+    again = simulate(schedule, costs=back)
+    assert again.records == trace.records and again.bubble_fraction == trace.bubble_fraction
+    equal = simulate(schedule, costs=Costs(forward=[[1, 1], [1, 1]], backward=[[2, 2], [2, 2]]))
+    assert equal.bubble_fraction == formula_bubble_fraction("interleaved_1f1b", num_stages=2, num_microbatches=4,
+                                                            virtual_stages=2)
+
+
+def test_per_chunk_costs_are_checked() -> None:
+    with pytest.raises(PipelineError, match="1 values for 2 chunk"):
+        run("interleaved_1f1b", 2, 2, 2, costs=Costs(forward=[[1], [1]]))
+    with pytest.raises(PipelineError, match="chunk 1 = -1"):
+        run("interleaved_1f1b", 2, 2, 2, costs=Costs(forward=[[1, -1], [1, 1]]))
+
+
+def test_a_replayed_trace_without_waits_is_its_own_simulation() -> None:
+    # Irregular per-action times (as on a shared machine): the mean costs do not reproduce the trace, the replay
+    # of each action's own time does; a trace with an extra wait has a larger bubble than its replay.
+    schedule = build_schedule("1f1b", num_stages=2, num_microbatches=4)
+    odd = {(0, Action(Op.FORWARD, 1)): 3, (1, Action(Op.BACKWARD, 2)): 5}
+    trace = simulate(schedule, costs=Costs(1, 2, actions=odd))
+    assert {(r.stage, r.action): r.end - r.start for r in trace.records}[(0, Action(Op.FORWARD, 1))] == 3
+    replay = simulate(schedule, costs=replayed_costs(Timeline.from_records(trace.records, num_stages=2)))
+    assert replay.records == trace.records
+    means = simulate(schedule, costs=measured_costs(Timeline.from_records(trace.records, num_stages=2)))
+    assert means.bubble_fraction != trace.bubble_fraction
+    last = Action(Op.BACKWARD, 3)   # stage 0's last action starts 1 later: a wait the replay does not have
+    waited = [ActionRecord(r.stage, r.action, r.start + 1, r.end + 1) if (r.stage, r.action) == (0, last) else r
+              for r in trace.records]
+    measured = Timeline.from_records(waited, num_stages=2)
+    assert measured.bubble_fraction > simulate(schedule, costs=replayed_costs(measured)).bubble_fraction

@@ -1,39 +1,41 @@
-"""Point-to-point transport of one pipeline stage: tags, shape headers, receive buffers, send completion.
+"""Point-to-point transport of one pipeline stage: shape headers, receive buffers, send completion.
 
 Everything goes through the stage's `Comm` (group ranks = stage indices), so the ledger records every
-activation and gradient that crosses stages.
+activation and gradient that crosses stages. `Wire.exchange` posts one `comm_plan.Batch` (the sends and
+receives of one tick of the stage's program) as one ``batch_isend_irecv``; `comm_plan` explains why that
+order cannot deadlock or mismatch under NCCL, which matches messages by order and ignores tags. Every
+message therefore uses tag 0, with gloo too, so the CPU tests run the very matching NCCL does.
 
-Rules that keep a pipeline deadlock-free and its memory bounded:
+- Sends are never waited on by the compute thread before the end of the step (a blocked send is what
+  deadlocks 1F1B, see `simulate.SendMode`). Each batch first drops the sends that completed since the last
+  one, with the last reference to their buffers: an activation's memory is returned by the first batch
+  after its send completed.
+- Receives are posted at the tick their data is sent (under NCCL; with gloo a few actions earlier still,
+  see `post_ahead`) and waited on only right before the action that needs them (`take`).
 
-- Sends are asynchronous and never waited on by the compute thread (a blocked send is what deadlocks
-  1F1B, see `simulate.SendMode`). A `SendReaper` thread waits on each send and then drops the last
-  reference to its buffer, so an activation's memory is returned as soon as its send has completed.
-- Receives are posted early (the runtime posts the next action's receive before running the current
-  one) and waited on only right before the action that needs them.
-- Tags are unique per `Message` and tensor (`message_tag`), so early receives never match the wrong
-  message whatever order the peer sends in.
-
-Shapes. The first activation crossing each model-chunk boundary in a step is preceded by a shape header
-(`HEADER_LEN` int64: micro-batch, count, then dtype, requires_grad, ndim, dims per tensor); every later
-micro-batch of the step must have the same shapes (checked on the sending side). Gradients need no
-header: they have the shapes of the activations the receiving stage produced itself.
+Shapes are agreed once. The first activation crossing each model-chunk boundary is preceded by a shape header
+(`HEADER_LEN` int64: micro-batch, count, then dtype, requires_grad, ndim, dims per tensor), posted in a batch
+of its own at the same tick on both sides (so `comm_plan`'s argument still holds) and waited on at once.
+Later activations, in this step and the next ones, must have the same shapes (checked on the sending side).
+Gradients need no header: they have the shapes of the activations the receiving stage produced itself.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.pipeline.comm_plan import Batch, Step
 from shardwise.parallel.pipeline.schedules import Message, Op, PipelineError
 
 HEADER_LEN = 64
-MAX_TENSORS = 16
-"""Most tensors one activation may hold (a tuple passed between layers)."""
+"""int64 values in a shape header; it bounds how many tensors (and dimensions) an activation may hold."""
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]
@@ -53,14 +55,6 @@ class TensorMeta:
 
     def __str__(self) -> str:
         return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
-
-
-def message_tag(message: Message, index: int, num_model_chunks: int) -> int:
-    """A tag unique to (message, tensor index); tags below ``num_model_chunks`` are the shape headers."""
-    if not 0 <= index < MAX_TENSORS:
-        raise PipelineError(f"an activation holds {index + 1} tensors; at most {MAX_TENSORS} can cross stages")
-    slot = (message.microbatch * num_model_chunks + message.source) * 2 + (message.op is Op.BACKWARD)
-    return num_model_chunks + slot * MAX_TENSORS + index
 
 
 def encode_header(microbatch: int, metas: Sequence[TensorMeta]) -> Tensor:
@@ -86,121 +80,156 @@ def decode_header(header: Tensor) -> tuple[int, list[TensorMeta]]:
     return microbatch, metas
 
 
-class SendReaper:
-    """Waits on sends off the compute thread and frees their buffers once sent (see the module docstring)."""
-
-    def __init__(self, workers: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardwise-pipe-send")
-        self._pending: list[Future] = []
-
-    def track(self, handle: Handle, buffers: list[Tensor]) -> None:
-        def wait(held: list[Tensor] = buffers) -> None:
-            handle.wait()
-            held.clear()  # the last reference to the sent storage (the runtime dropped its own)
-
-        self._pending.append(self._pool.submit(wait))
-
-    def drain(self) -> None:
-        """Wait for every send of the step; re-raises a failed send."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
 @dataclass
 class _Posted:
     handles: list[Handle]
     buffers: list[Tensor]
 
 
+@dataclass
+class Outgoing:
+    """An output waiting in the outbox for its batch: contiguous, detached tensors, and for activations which
+    of them the receiver must treat as needing a gradient."""
+
+    tensors: list[Tensor]
+    requires_grad: list[bool]
+
+
 class Wire:
-    """Sends and receives of one stage. `begin_step` forgets the previous step's shapes."""
+    """Sends and receives of one stage; shapes announced and received are kept for the runtime's lifetime."""
 
-    def __init__(self, comm: Comm, *, num_model_chunks: int, device: torch.device) -> None:
+    def __init__(self, comm: Comm, *, device: torch.device, eager_receives: bool | None = None) -> None:
         self.comm = comm
-        self.num_model_chunks = num_model_chunks
         self.device = device
-        self.reaper = SendReaper()
-        self._sent_shapes: dict[int, list[TensorMeta]] = {}    # source chunk -> shapes announced this step
+        self.eager_receives = _host_async(comm) if eager_receives is None else eager_receives
+        self._sent_shapes: dict[int, list[TensorMeta]] = {}    # source chunk -> shapes announced to the peer
         self._recv_shapes: dict[int, list[TensorMeta]] = {}    # source chunk -> shapes announced to us
-        self._header_recv: dict[int, tuple[Handle, Tensor]] = {}
         self._posted: dict[Message, _Posted] = {}
+        self._sending: list[Handle] = []                       # sends in flight (each holds its buffer)
+        self._incoming: dict[int, deque[Message]] = {}         # peer -> receives of the step not posted yet
+        # NCCL creates a group's communicator on its first operation, which every rank must then join; a
+        # batch only involves neighbours (torch's batch_isend_irecv documents the rule), so a barrier goes first.
+        self._join_first = dist.is_initialized() and "nccl" in str(dist.get_backend(comm.group))
 
-    def begin_step(self) -> None:
-        self._sent_shapes.clear()
-        self._recv_shapes.clear()
-        self._header_recv.clear()
+    def begin_step(self, program: Sequence[Step]) -> None:
         if self._posted:
             raise PipelineError(f"receives left over from the previous step: {', '.join(map(str, self._posted))}")
+        if self._join_first:
+            self.comm.barrier()
+            self._join_first = False
+        self._incoming = {}
+        for step in program:
+            if isinstance(step, Batch):
+                for r in step.recvs:
+                    self._incoming.setdefault(r.peer, deque()).append(r.message)
 
     def end_step(self) -> None:
-        """Every send of the step completed (their buffers freed)."""
-        self.reaper.drain()
+        """Wait for every send of the step (their buffers are freed)."""
+        sending, self._sending = self._sending, []
+        for h in sending:
+            h.wait()
 
-    # -- sending ------------------------------------------------------------------------------------
-    def send(self, message: Message, peer: int, tensors: list[Tensor], requires_grad: Sequence[bool] = ()) -> None:
-        """Post the sends of ``tensors`` (contiguous, detached); they are freed once sent. ``requires_grad``
-        (activations): which of them the receiver must treat as needing a gradient."""
-        flags = list(requires_grad) or [False] * len(tensors)
-        metas = [TensorMeta(tuple(t.shape), t.dtype, g) for t, g in zip(tensors, flags)]
-        if message.op is Op.FORWARD:
-            announced = self._sent_shapes.get(message.source)
-            if announced is None:
-                self._sent_shapes[message.source] = metas
-                header = encode_header(message.microbatch, metas).to(self.device)
-                self.reaper.track(self.comm.isend(header, peer, tag=message.source), [header])
-            elif [(m.shape, m.dtype) for m in announced] != [(m.shape, m.dtype) for m in metas]:
-                raise PipelineError(f"the {message} has shapes {', '.join(map(str, metas))} but this step's first "
-                                    f"micro-batch had {', '.join(map(str, announced))}: every micro-batch of a "
-                                    f"step must have the same shapes (use equal micro-batch and sequence sizes)")
-        for i, t in enumerate(tensors):
-            handle = self.comm.isend(t, peer, tag=message_tag(message, i, self.num_model_chunks))
-            self.reaper.track(handle, [t])
+    def exchange(self, batch: Batch, outbox: dict[Message, Outgoing],
+                 grad_metas: Callable[[Message], list[TensorMeta] | None]) -> None:
+        """Post ``batch``: the sends of its messages (taken out of ``outbox``) and the receives of the messages
+        peers send at its tick (unless `post_ahead` posted them already). ``grad_metas(message)``: the shapes of
+        a gradient to receive."""
+        self._sending = [h for h in self._sending if not h.is_completed()]
+        sends = [(t, outbox.pop(t.message)) for t in batch.sends]
+        self._agree_shapes(batch, sends)
+        send_ops = [(x, t.peer) for t, out in sends for x in out.tensors]
+        recv_ops, posted = [], []
+        for r in batch.recvs:
+            if r.message in self._posted:
+                continue
+            if self._incoming[r.peer][0] != r.message:
+                raise AssertionError(f"receive of the {r.message} out of the grid order")   # comm_plan guarantees it
+            self._incoming[r.peer].popleft()
+            metas = self._metas(r.message, grad_metas)
+            assert metas is not None, f"shapes of the {r.message} unknown at its batch"
+            buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+            recv_ops += [(b, r.peer) for b in buffers]
+            posted.append((r.message, buffers))
+        handles = self.comm.batch_isend_irecv(send_ops, recv_ops)
+        self._sending += handles[:len(send_ops)]
+        at = len(send_ops)
+        for message, buffers in posted:
+            self._posted[message] = _Posted(handles[at:at + len(buffers)], buffers)
+            at += len(buffers)
 
-    # -- receiving ----------------------------------------------------------------------------------
-    def post(self, message: Message, peer: int, metas: list[TensorMeta] | None = None) -> bool:
-        """Post the receive of ``message`` if its shapes are known (``metas`` for gradients; the header for
-        activations, whose receive is posted on its first use). Returns whether it is posted."""
-        if message in self._posted:
-            return True
-        if metas is None:
-            self._post_header(message.source, peer)
-            metas = self._recv_shapes.get(message.source)
+    def post_ahead(self, message: Message, peer: int,
+                   grad_metas: Callable[[Message], list[TensorMeta] | None]) -> None:
+        """With host-asynchronous p2p (gloo) only: post now the receives from ``peer`` up to ``message``, in the
+        grid order (the order the peer sends in), before their batches. gloo moves the data only once the receive
+        is posted (a late one costs a round trip, ~0.4 ms here), and its posts never block, so this is safe; under
+        NCCL an early receive would stall the stream in front of later batches, so it keeps to the grid. Stops at
+        a receive whose shapes are not known yet (a gradient of a forward not run yet, an activation whose shape
+        header has not come): those wait for their batch."""
+        queue = self._incoming.get(peer)
+        if not self.eager_receives or not queue:
+            return
+        while queue and message not in self._posted:
+            metas = self._metas(queue[0], grad_metas)
             if metas is None:
-                return False
-        buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
-        handles = [self.comm.irecv(b, peer, tag=message_tag(message, i, self.num_model_chunks))
-                   for i, b in enumerate(buffers)]
-        self._posted[message] = _Posted(handles, buffers)
-        return True
+                return
+            buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+            handles = self.comm.batch_isend_irecv([], [(b, peer) for b in buffers])
+            self._posted[queue.popleft()] = _Posted(handles, buffers)
 
-    def take(self, message: Message, peer: int, metas: list[TensorMeta] | None = None) -> list[Tensor]:
-        """Wait for ``message`` and return its tensors (``requires_grad`` set as announced, for activations)."""
-        if message not in self._posted and metas is None and message.source not in self._recv_shapes:
-            self._post_header(message.source, peer)
-            handle, header = self._header_recv[message.source]
+    def _metas(self, message: Message, grad_metas: Callable[[Message], list[TensorMeta] | None]
+               ) -> list[TensorMeta] | None:
+        if message.op is Op.FORWARD:
+            return self._recv_shapes.get(message.source)
+        return grad_metas(message)
+
+    def _agree_shapes(self, batch: Batch, sends: list[tuple[Any, Outgoing]]) -> None:
+        """Headers of the activations that are the first across their boundary; the others are checked."""
+        header_sends, header_recvs = [], []
+        for t, out in sends:
+            if t.message.op is not Op.FORWARD:
+                continue
+            metas = [TensorMeta(tuple(x.shape), x.dtype, g) for x, g in zip(out.tensors, out.requires_grad)]
+            announced = self._sent_shapes.get(t.message.source)
+            if announced is None:
+                self._sent_shapes[t.message.source] = metas
+                header_sends.append((encode_header(t.message.microbatch, metas).to(self.device), t.peer))
+            elif announced != metas:
+                raise PipelineError(f"the {t.message} has shapes {', '.join(map(str, metas))} but the first one "
+                                    f"across this boundary had {', '.join(map(str, announced))}: shapes are agreed "
+                                    f"once, so every micro-batch of every step must have the same shapes (use equal "
+                                    f"micro-batch and sequence sizes)")
+        for r in batch.recvs:
+            if r.message.op is Op.FORWARD and r.message.source not in self._recv_shapes:
+                header_recvs.append((r.message, torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device),
+                                     r.peer))
+        if not (header_sends or header_recvs):
+            return
+        handles = self.comm.batch_isend_irecv(header_sends, [(h, peer) for _, h, peer in header_recvs])
+        self._sending += handles[:len(header_sends)]
+        for (message, header, _), handle in zip(header_recvs, handles[len(header_sends):]):
             handle.wait()
             microbatch, self._recv_shapes[message.source] = decode_header(header)
             if microbatch != message.microbatch:
                 raise PipelineError(f"stage {self.comm.rank}: the shape header of model chunk {message.source} "
                                     f"came with micro-batch {microbatch}, but micro-batch {message.microbatch} is "
                                     f"received first: the stages' schedules disagree on the forward order")
-        self.post(message, peer, metas)
+
+    def take(self, message: Message) -> list[Tensor]:
+        """Wait for ``message`` (posted by an earlier `exchange`) and return its tensors (``requires_grad`` set
+        as announced, for activations)."""
         posted = self._posted.pop(message)
         for h in posted.handles:
             h.wait()
-        if metas is None:
+        if message.op is Op.FORWARD:
             for b, m in zip(posted.buffers, self._recv_shapes[message.source]):
                 b.requires_grad_(m.requires_grad)
         return posted.buffers
 
-    def _post_header(self, source: int, peer: int) -> None:
-        if source not in self._header_recv and source not in self._recv_shapes:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._header_recv[source] = (self.comm.irecv(header, peer, tag=source), header)
-
     def close(self) -> None:
-        self.reaper.close()
+        self.end_step()
+
+
+def _host_async(comm: Comm) -> bool:
+    """Whether the group's p2p operations are posted and progressed off any stream (gloo), so receives may be
+    posted early (`Wire.post_ahead`)."""
+    return dist.is_initialized() and dist.get_backend(comm.group) == "gloo"

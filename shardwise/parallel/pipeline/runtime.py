@@ -4,22 +4,25 @@
     result = runtime.step(micro_batches)     # [(inputs, labels)] * M on the first/last stage, else None
     result.loss, result.records, result.peak_in_flight
 
-Each action of the stage's list (`build_schedule`) runs as: take its input (the data batch, or a
-received activation / gradient, see `transfers`), post the receive of the *next* action's input, compute,
-then post the send of the output. Sends are never waited on by this thread (`p2p.Wire`).
+The stage runs its `comm_plan` program: its actions (`build_schedule`) in order, and between them the batches
+of sends and receives of the lockstep grid that keeps NCCL from hanging or mismatching messages (see
+`comm_plan`). A receive is waited on right before the action that needs it (with gloo, the receives of the
+next `LOOKAHEAD` actions are posted before each action); a send is never waited on before the end of the
+step (`p2p.Wire`).
 
 F(m, v): the chunk's forward on micro-batch m. Received activations become leaves that require grad; the
-output is sent and its data freed as soon as the send completes (only its autograd node is kept: the
-backward root needs no data). The last model chunk also computes ``loss_fn(output, labels) / M`` (times the
-loss scale), the root of its backward.
+output goes to the outbox of the next batch and its data is freed at once (only its autograd node is kept: the
+backward root needs no data; the send buffer holds the storage until the send completes), unless something
+else holds it (`_sole_owner`: e.g. autograd saved it, as tanh does). The last model chunk also computes
+``loss_fn(output, labels) / M`` (times the loss scale), the root of its backward.
 B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
 the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
 over the micro-batches; `GradSync.begin_backward(boundary)` / `end_backward(boundary)` bracket every
 backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it.
 
-Measured, not assumed: `ActivationMeter` follows every tensor autograd saves during each forward (weakref
-finalizers, parameters and data excluded) until it is freed, giving the peak number of micro-batch chunks
-whose activations are alive at once and their bytes; per-action (stage, action, start, end) times feed
+Measured, not assumed: on one step in `measure_every` (the first included) `meter.ActivationMeter` follows
+every tensor autograd saves during each forward until it is freed, giving the peak number of micro-batch
+chunks whose activations are alive at once and their bytes; per-action (stage, action, start, end) times feed
 `Timeline.from_records`.
 """
 
@@ -27,16 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import PipelineSchedule
-from shardwise.parallel.pipeline.p2p import TensorMeta, Wire
+from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
+from shardwise.parallel.pipeline.meter import ActivationMeter
+from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire
 from shardwise.parallel.pipeline.schedules import (
     Action, Message, Op, PipelineError, build_schedule, format_actions, parse_schedule_kind, transfers)
 from shardwise.parallel.pipeline.simulate import ActionRecord
@@ -65,66 +69,13 @@ class StepResult:
     """Most (micro-batch, chunk) forwards whose saved activations were alive at once."""
     peak_activation_bytes: int
     """Most bytes of saved activations alive at once (storages counted once)."""
+    measured: bool = True
+    """Whether this step ran the activation meter; if not, the two peaks are those of the last step that did."""
 
     @property
     def loss(self) -> float | None:
         """Mean loss over the micro-batches (the step's loss), on the last stage; else None."""
         return sum(self.losses) / len(self.losses) if self.losses else None
-
-
-class ActivationMeter:
-    """Tensors autograd saves for backward, per key, followed until they are freed."""
-
-    def __init__(self) -> None:
-        self._live: dict[Any, int] = {}            # key -> saved tensors still alive
-        self._storages: dict[Any, set[int]] = {}   # key -> storages counted
-        self._bytes: dict[Any, int] = {}
-        self._total = 0
-        self.peak_count = 0
-        self.peak_bytes = 0
-
-    def reset_peaks(self) -> None:
-        self.peak_count, self.peak_bytes = len(self._live), self._total
-
-    @property
-    def live_keys(self) -> list[Any]:
-        return list(self._live)
-
-    def saved_storages(self, key: Any) -> set[int]:
-        """Storages (data pointers) autograd saved for ``key`` so far."""
-        return set(self._storages.get(key, ()))
-
-    @contextlib.contextmanager
-    def track(self, key: Any, skip: Iterable[Tensor]) -> Iterator[None]:
-        """Attribute to ``key`` what autograd saves in this block, except storages of ``skip`` (parameters,
-        data batches: they outlive the micro-batch by design)."""
-        skipped = {_storage_ptr(t) for t in skip}
-
-        def pack(t: Tensor) -> Tensor:
-            ptr = _storage_ptr(t)
-            if ptr is None or ptr in skipped:
-                return t
-            self._live[key] = self._live.get(key, 0) + 1
-            seen = self._storages.setdefault(key, set())
-            if ptr not in seen:
-                seen.add(ptr)
-                size = t.untyped_storage().nbytes()
-                self._bytes[key] = self._bytes.get(key, 0) + size
-                self._total += size
-            weakref.finalize(t, self._release, key)
-            self.peak_count = max(self.peak_count, len(self._live))
-            self.peak_bytes = max(self.peak_bytes, self._total)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-
-    def _release(self, key: Any) -> None:
-        self._live[key] -= 1
-        if self._live[key] == 0:
-            del self._live[key]
-            del self._storages[key]
-            self._total -= self._bytes.pop(key)
 
 
 def _storage_ptr(t: Tensor) -> int | None:
@@ -171,11 +122,18 @@ def _free_data(t: Tensor) -> None:
         t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
+LOOKAHEAD = 2
+"""With gloo, the receives of the inputs of the next LOOKAHEAD actions are posted before an action runs."""
+MEASURE_EVERY = 50
+"""The activation meter runs on the first step and then on one step in MEASURE_EVERY."""
+
+
 class PipelineRuntime:
     """Runs ``stage``'s actions of one schedule; ``comm`` is the pipeline group (group rank = stage)."""
 
     def __init__(self, stage: PipelineStage, comm: Comm, *, schedule: str | PipelineSchedule, num_microbatches: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, eager_receives: bool | None = None,
+                 lookahead: int = LOOKAHEAD, measure_every: int = MEASURE_EVERY) -> None:
         if comm.size != stage.num_stages or comm.rank != stage.stage:
             raise PipelineError(f"the pipeline group has {comm.size} rank(s) and this is rank {comm.rank}, but the "
                                 f"stage module is stage {stage.stage} of {stage.num_stages}: they must match")
@@ -184,16 +142,27 @@ class PipelineRuntime:
         self.kind = parse_schedule_kind(schedule)
         self.num_microbatches = num_microbatches
         self.device = device if device is not None else _module_device(stage)
-        self.actions: list[Action] = build_schedule(
-            self.kind, num_stages=stage.num_stages, num_microbatches=num_microbatches,
-            virtual_stages=stage.virtual_stages)[stage.stage]
+        schedule_lists = build_schedule(self.kind, num_stages=stage.num_stages, num_microbatches=num_microbatches,
+                                        virtual_stages=stage.virtual_stages)
+        self.actions: list[Action] = schedule_lists[stage.stage]
+        self.program: list[Step] = build_programs(schedule_lists)[stage.stage]
         self.plan = [transfers(a, stage=stage.stage, num_stages=stage.num_stages, virtual_stages=stage.virtual_stages)
                      for a in self.actions]
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
-        self.wire = Wire(comm, num_model_chunks=stage.num_model_chunks, device=self.device)
+        self.wire = Wire(comm, device=self.device, eager_receives=eager_receives)
+        # ahead[i]: remote inputs of actions i+1 .. i+lookahead, posted before action i runs (gloo, `post_ahead`)
+        remote = [(t.recv.message, t.recv.peer) if t.recv is not None and not t.recv_local else None
+                  for t in self.plan]
+        self._ahead = [[r for r in remote[i + 1:i + 1 + lookahead] if r is not None] for i in range(len(remote))]
+        if measure_every < 1:
+            raise PipelineError(f"measure_every = {measure_every}: the activation meter needs a period >= 1 step")
         self.meter = ActivationMeter()
+        self.measure_every = measure_every
+        self._steps_run = 0
         self._slots: dict[tuple[int, int], _Slot] = {}
-        self._local: dict[Message, list[Tensor]] = {}   # hand-offs between chunks of this stage (P = 1)
+        self._local: dict[Message, list[Tensor]] = {}     # hand-offs between chunks of this stage (P = 1)
+        self._outbox: dict[Message, Outgoing] = {}         # outputs waiting for the next batch
+        self._saved_output: dict[tuple[int, int], bool] = {}   # (chunk, output j) -> autograd saves it (metered)
 
     def describe(self) -> str:
         return f"{self.stage.describe()}\n  {self.kind.value}: {format_actions(self.actions)}"
@@ -206,15 +175,24 @@ class PipelineRuntime:
         elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
         needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
         batches = self._check_batches(micro_batches) if needs_data else []
-        self.wire.begin_step()
-        self.meter.reset_peaks()
-        skip = list(self.stage.parameters()) + list(self.stage.buffers())
-        losses: dict[int, float] = {}
+        self.wire.begin_step(self.program)
+        measure = self._steps_run % self.measure_every == 0
+        self._steps_run += 1
+        if measure:
+            self.meter.reset_peaks()
+        # Storages autograd may save that are not activations: parameters and buffers (their views too).
+        params = [*self.stage.parameters(), *self.stage.buffers()]
+        skip = {p for p in map(_storage_ptr, params) if p is not None} if measure else None
+        losses: dict[int, Tensor] = {}
         records = []
-        for i, action in enumerate(self.actions):
+        for item in self.program:
+            if isinstance(item, Batch):
+                self.wire.exchange(item, self._outbox, self._grad_metas)
+                continue
+            i, action = item.index, item.action
+            for message, peer in self._ahead[i]:   # before waiting for this action's input
+                self.wire.post_ahead(message, peer, self._grad_metas)
             inputs = self._take_input(i)
-            if i + 1 < len(self.actions):
-                self._post_input(i + 1)
             start = time.perf_counter()
             if action.op is Op.FORWARD:
                 self._forward(i, inputs, batches, skip, losses, loss_scale)
@@ -223,11 +201,12 @@ class PipelineRuntime:
             records.append(ActionRecord(self.stage.stage, action, start, time.perf_counter()))
             del inputs
         self.wire.end_step()
-        if self._slots or self._local:
+        if self._slots or self._local or self._outbox:
             raise PipelineError(f"stage {self.stage.stage}: micro-batches left without backward after the step: "
                                 f"{sorted(self._slots)}")
-        return StepResult(stage=self.stage.stage, losses=[losses[m] for m in sorted(losses)], records=records,
-                          peak_in_flight=self.meter.peak_count, peak_activation_bytes=self.meter.peak_bytes)
+        return StepResult(stage=self.stage.stage, losses=[float(losses[m]) for m in sorted(losses)], records=records,
+                          peak_in_flight=self.meter.peak_count, peak_activation_bytes=self.meter.peak_bytes,
+                          measured=measure)
 
     def close(self) -> None:
         self.wire.close()
@@ -248,21 +227,10 @@ class PipelineRuntime:
 
     # -- inputs -------------------------------------------------------------------------------------
     def _grad_metas(self, message: Message) -> list[TensorMeta] | None:
-        """Shapes of a gradient to receive: those of this stage's own output (None until its forward ran)."""
+        """Shapes of a gradient to receive: those of this stage's own output (None until its forward ran; at
+        the gradient's batch it has: the peer's backward comes after the peer's forward, which needed it)."""
         slot = self._slots.get((message.microbatch, (message.source - 1) // self.stage.num_stages))
         return None if slot is None else slot.out_metas
-
-    def _post_input(self, i: int) -> None:
-        t = self.plan[i]
-        if t.recv is None or t.recv_local:
-            return
-        message = t.recv.message
-        if message.op is Op.FORWARD:
-            self.wire.post(message, t.recv.peer)
-        else:
-            metas = self._grad_metas(message)
-            if metas is not None:
-                self.wire.post(message, t.recv.peer, metas)
 
     def _take_input(self, i: int) -> list[Tensor] | None:
         t = self.plan[i]
@@ -274,15 +242,12 @@ class PipelineRuntime:
             if message.op is Op.FORWARD:
                 return [x.detach().requires_grad_(x.requires_grad) for x in tensors]
             return tensors
-        if message.op is Op.FORWARD:
-            return self.wire.take(message, t.recv.peer)
-        metas = self._grad_metas(message)
-        assert metas is not None, f"{self.actions[i]} runs before its forward"   # validate_schedule forbids it
-        return self.wire.take(message, t.recv.peer, metas)
+        return self.wire.take(message)
 
     # -- compute ------------------------------------------------------------------------------------
-    def _forward(self, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]], skip: list[Tensor],
-                 losses: dict[int, float], loss_scale: float) -> None:
+    def _forward(self, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]],
+                 skip: set[int] | None, losses: dict[int, Tensor], loss_scale: float) -> None:
+        """``skip``: storages the meter ignores; None on a step that is not metered."""
         action, t = self.actions[i], self.plan[i]
         m, v = action.microbatch, action.chunk
         chunk = self.stage.chunks[v]
@@ -295,8 +260,10 @@ class PipelineRuntime:
             assert received is not None
             x = received[0] if len(received) == 1 else tuple(received)
         if self.stage.is_last(v):
-            data += [y for y in _flatten(batches[m][1], f"micro-batch {m}'s labels")]
-        with self.meter.track((m, v), skip + data):
+            data += _flatten(batches[m][1], f"micro-batch {m}'s labels")
+        if skip is not None and data:
+            skip = skip | {p for p in map(_storage_ptr, data) if p is not None}
+        with self.meter.track((m, v), skip) if skip is not None else contextlib.nullcontext():
             out = chunk(x)
             loss = self.stage.loss_fn(out, batches[m][1]) if self.stage.is_last(v) else None
         slot = _Slot(inputs=[r for r in (received or []) if r.requires_grad], outputs=[], out_metas=[])
@@ -306,8 +273,10 @@ class PipelineRuntime:
                 raise PipelineError(f"the loss function returned {type(loss).__name__} "
                                     f"{list(loss.shape) if torch.is_tensor(loss) else ''}: it must return a scalar "
                                     f"tensor (the mean loss of the micro-batch)")
-            losses[m] = float(loss.detach())
+            losses[m] = loss.detach()   # read after the step: no device sync per micro-batch
             slot.loss = loss.float() / self.num_microbatches * loss_scale
+            if skip is not None:
+                self.meter.sample()
             return
         outs = _flatten(out, where)
         slot.outputs = [o for o in outs if o.requires_grad]
@@ -315,13 +284,22 @@ class PipelineRuntime:
         assert t.send is not None
         if t.send_local:
             self._local[t.send.message] = outs
+            if skip is not None:
+                self.meter.sample()
             return
-        self.wire.send(t.send.message, t.send.peer, [o.detach().contiguous() for o in outs],
-                       requires_grad=[o.requires_grad for o in outs])
-        saved = self.meter.saved_storages((m, v))
-        for o in slot.outputs:
-            if _storage_ptr(o) not in saved:   # an output its own backward reads (tanh, sigmoid) stays as it is
+        # Which outputs' data can go once sent: asked before the send buffers share their storages.
+        if skip is not None:   # metered: the meter saw exactly what autograd saved (its hooks hide it otherwise)
+            saved = self.meter.saved_storages((m, v))
+            for j, o in enumerate(slot.outputs):
+                self._saved_output[(v, j)] = _storage_ptr(o) in saved
+        free = [not self._saved_output.get((v, j), False) and _sole_owner(o) for j, o in enumerate(slot.outputs)]
+        self._outbox[t.send.message] = Outgoing([o.detach().contiguous() for o in outs],
+                                                [o.requires_grad for o in outs])
+        for o, f in zip(slot.outputs, free):
+            if f:
                 _free_data(o)
+        if skip is not None:
+            self.meter.sample()
 
     def _backward(self, i: int, grads: list[Tensor] | None, grad_sync: GradSync | None) -> None:
         action, t = self.actions[i], self.plan[i]
@@ -342,7 +320,20 @@ class PipelineRuntime:
         if t.send_local:
             self._local[t.send.message] = back
         else:
-            self.wire.send(t.send.message, t.send.peer, back)
+            self._outbox[t.send.message] = Outgoing(back, [False] * len(back))
+
+
+def _sole_owner(t: Tensor) -> bool:
+    """Whether nothing but ``t`` holds its tensor and its storage: then its data may be freed once sent. An output
+    autograd saved for backward (tanh, sigmoid read their result; a later op of the chunk may read it as input),
+    one the model keeps, or one sharing its storage with another tensor is left alone. Saved-tensor hooks that
+    keep the Python tensor itself (the meter's) hide the first case: the meter's own record covers it."""
+    try:
+        # 1 reference to the TensorImpl: this Python object; 2 to the storage: t's TensorImpl and the
+        # temporary Python storage object of the query itself.
+        return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+    except (AttributeError, RuntimeError, NotImplementedError):   # no such introspection: keep the data
+        return False
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

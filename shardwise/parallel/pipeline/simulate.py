@@ -28,11 +28,12 @@ The two carry the same information: fraction = ratio / (1 + ratio). `formula_bub
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.errors import UserError
@@ -52,25 +53,38 @@ class SendMode(enum.StrEnum):
 class Costs:
     """Time of one micro-batch through a *whole* stage (all its V chunks); a chunk action takes 1/V of it.
 
-    ``forward``/``backward`` are one number for every stage or one per stage. ``latency`` is added to
-    every point-to-point transfer between stages (not to hand-offs inside a stage).
+    ``forward``/``backward`` are one number for every stage or one per stage; a stage's entry may also be a
+    sequence of V numbers, the time of one micro-batch through each of its chunks (measured costs, where the
+    chunk holding the head is heavier). ``actions`` gives the exact time of some actions, (stage, action) ->
+    time, overriding the rest (a measured step replayed). ``latency`` is added to every point-to-point
+    transfer between stages (not to hand-offs inside a stage).
     """
 
-    forward: Number | Sequence[Number] = 1
-    backward: Number | Sequence[Number] = 2
+    forward: Number | Sequence[Number | Sequence[Number]] = 1
+    backward: Number | Sequence[Number | Sequence[Number]] = 2
     latency: Number = 0
+    actions: Mapping[tuple[int, Action], Number] | None = None
 
-    def duration(self, op: Op, stage: int, num_stages: int, virtual_stages: int) -> Number:
+    def duration(self, op: Op, stage: int, num_stages: int, virtual_stages: int, chunk: int = 0) -> Number:
         value = self.forward if op is Op.FORWARD else self.backward
+        name = op.name.lower()
         if isinstance(value, (int, float, Fraction)):
             per_stage = value
         else:
             if len(value) != num_stages:
-                raise PipelineError(f"{op.name.lower()} costs: {len(value)} values for {num_stages} stages; "
+                raise PipelineError(f"{name} costs: {len(value)} values for {num_stages} stages; "
                                     f"give one number or one per stage")
             per_stage = value[stage]
+        if not isinstance(per_stage, (int, float, Fraction)):   # one value per chunk of the stage
+            if len(per_stage) != virtual_stages:
+                raise PipelineError(f"{name} costs of stage {stage}: {len(per_stage)} values for {virtual_stages} "
+                                    f"chunk(s); give one number for the stage or one per chunk")
+            per_chunk = per_stage[chunk]
+            if per_chunk < 0:
+                raise PipelineError(f"{name} cost of stage {stage} chunk {chunk} = {per_chunk}: costs must be >= 0")
+            return Fraction(per_chunk) if isinstance(per_chunk, int) else per_chunk   # ints stay exact
         if per_stage < 0:
-            raise PipelineError(f"{op.name.lower()} cost of stage {stage} = {per_stage}: costs must be >= 0")
+            raise PipelineError(f"{name} cost of stage {stage} = {per_stage}: costs must be >= 0")
         # ints stay exact: 3 / 2 -> Fraction(3, 2), not 1.5
         return Fraction(per_stage, virtual_stages) if isinstance(per_stage, int) else per_stage / virtual_stages
 
@@ -202,6 +216,32 @@ def formula_bubble_ratio(kind: str | PipelineSchedule, *, num_stages: int, num_m
     return Fraction(idle, busy)
 
 
+def replayed_costs(timeline: Timeline) -> Costs:
+    """Every action of a measured timeline at its own measured duration: simulating under these costs gives the
+    bubble of the very same computes with free, instant communication and no runtime work between actions."""
+    return dataclasses.replace(measured_costs(timeline),
+                               actions={(r.stage, r.action): r.end - r.start for r in timeline.records})
+
+
+def measured_costs(timeline: Timeline) -> Costs:
+    """The mean duration of a forward and of a backward on each (stage, chunk) of a measured timeline, as
+    per-chunk `Costs`: simulating the schedule under them gives the bubble the formula would give with the
+    stages' real (unequal) costs and free communication, the fair yardstick for a measured bubble."""
+    sums: dict[tuple[Op, int, int], list[Number]] = {}
+    for r in timeline.records:
+        sums.setdefault((r.action.op, r.stage, r.action.chunk), []).append(r.end - r.start)
+
+    def mean(op: Op, stage: int, chunk: int) -> Number:
+        values = sums.get((op, stage, chunk))
+        if not values:
+            raise PipelineError(f"the trace has no {op.name.lower()} of stage {stage} chunk {chunk}")
+        return sum(values) / len(values)
+
+    chunks = range(timeline.virtual_stages)
+    return Costs(forward=[[mean(Op.FORWARD, s, v) for v in chunks] for s in range(timeline.num_stages)],
+                 backward=[[mean(Op.BACKWARD, s, v) for v in chunks] for s in range(timeline.num_stages)])
+
+
 # ----- the simulation -----
 
 @dataclass(frozen=True)
@@ -249,7 +289,8 @@ def _programs(schedule: Sequence[Sequence[Action]], costs: Costs, mode: SendMode
               sizes: tuple[int, int, int]) -> list[list[_Compute | _Exchange]]:
     """Each stage's steps: [recv] compute [send] per action; BATCHED merges a send with the next recv."""
     num_stages, _, virtual = sizes
-    durations = [{op: costs.duration(op, stage, num_stages, virtual) for op in Op} for stage in range(num_stages)]
+    durations = [{(op, v): costs.duration(op, stage, num_stages, virtual, v) for op in Op for v in range(virtual)}
+                 for stage in range(num_stages)]
     programs = []
     for stage, actions in enumerate(schedule):
         steps: list[_Compute | _Exchange] = []
@@ -261,7 +302,9 @@ def _programs(schedule: Sequence[Sequence[Action]], costs: Costs, mode: SendMode
                     steps[-1] = _Exchange(last.sends, (t.recv,), last.after, action)
                 else:
                     steps.append(_Exchange((), (t.recv,), None, action))
-            steps.append(_Compute(action, durations[stage][action.op], t.recv.message if t.recv_local else None,
+            exact = costs.actions.get((stage, action)) if costs.actions else None
+            steps.append(_Compute(action, durations[stage][(action.op, action.chunk)] if exact is None else exact,
+                                  t.recv.message if t.recv_local else None,
                                   t.send.message if t.send_local else None))
             if t.send is not None and not t.send_local:
                 steps.append(_Exchange((t.send,), (), action, None))
