@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, run_under_launcher
+from shardwise.benchmarks.common import int_at_least, positive_float, run_in_gloo_group, run_under_launcher
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 MIB = 1 << 20
@@ -198,14 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--nproc-per-node 2 -m shardwise.benchmarks.allreduce (or `shardwise bench allreduce "
               "--nproc 2`)", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)      # both implementations reduce on one core, as gloo does
-    dist.init_process_group("gloo")
-    try:
-        run(args)
-        dist.barrier()            # no rank tears the group down while a peer still uses it
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_in_gloo_group(run, args)     # one thread per rank, barrier before teardown
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:

@@ -7,7 +7,7 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -36,3 +36,18 @@ def run_under_launcher(module: str, nproc: int, argv: Sequence[str], *, threads_
            "-m", module, *argv]
     env = None if threads_per_rank is None else {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
     return subprocess.run(cmd, check=False, env=env).returncode
+
+
+def run_in_gloo_group(run: Callable[[Any], None], args: Any) -> int:
+    """Inside a launched rank: one torch thread (the ranks share the machine's cores), a gloo group, `run(args)`,
+    then a barrier so no rank tears the group down while a peer still uses it. Returns the exit code 0."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        run(args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0

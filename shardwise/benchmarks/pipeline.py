@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, run_under_launcher
+from shardwise.benchmarks.common import int_at_least, run_in_gloo_group, run_under_launcher
 from shardwise.config.resolved import PipelinePartition, PipelineSchedule
 
 
@@ -378,15 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "--nproc-per-node 2 -m shardwise.benchmarks.pipeline (or `shardwise bench pipeline --nproc 2`)",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(1)      # one core per stage, the same for both implementations
     check_args(args, int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("gloo")
-    try:
-        run(args)
-        dist.barrier()            # no rank tears the group down while a peer still uses it
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_in_gloo_group(run, args)     # one thread per rank, barrier before teardown
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, run_under_launcher
+from shardwise.benchmarks.common import int_at_least, positive_float, run_in_gloo_group, run_under_launcher
 from shardwise.benchmarks.trainers import MIB
 
 
@@ -297,14 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "-m shardwise.benchmarks.tp (or `shardwise bench tp --nproc 2`)", file=sys.stderr)
         return 2
     check_args(args, int(os.environ["WORLD_SIZE"]))
-    torch.set_num_threads(1)      # one core per rank: the ranks share the machine's cores
-    dist.init_process_group("gloo")
-    try:
-        run(args)
-        dist.barrier()            # no rank tears the group down while a peer still uses it
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_in_gloo_group(run, args)     # one thread per rank, barrier before teardown
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:
