@@ -35,7 +35,7 @@ def _train(sp: bool, positions: str) -> dict:
         loss = engine((rows[:, :-1], rows[:, 1:]))
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     replicated = {n: p.detach().clone() for n, p in engine.module.named_parameters() if not is_tensor_parallel_shard(p)}
     engine.close()
     return {"losses": losses, "replicated": replicated}
