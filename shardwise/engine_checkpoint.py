@@ -84,20 +84,22 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None)
     if per_rank:
         files[ckpt.optim_states_name(engine.dp_rank, where["mp_rank"])] = {
             "optimizer_state_dict": engine.optimizer_step.state_dict()}
-    comms = _comms(engine)
 
     def barrier() -> None:
-        for c in comms:
+        for c in _comms(engine):
             c.barrier()
 
-    def any_failed(failed: bool) -> bool:
-        flag = float(failed)
-        for c in comms:
-            flag = c.all_reduce_object_max(flag)
-        return flag > 0
-
-    ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier, any_failed=any_failed)
+    ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
+                   any_failed=lambda failed: _any_failed(engine, failed))
     return True
+
+
+def _any_failed(engine: Any, failed: bool) -> bool:
+    """Whether any rank of the mesh failed (the flag's max over dp, tp, pp in turn): every rank learns it."""
+    flag = float(failed)
+    for c in _comms(engine):
+        flag = c.all_reduce_object_max(flag)
+    return flag > 0
 
 
 def _module_from_all_stages(path: Path, where: dict[str, int], saved_tp: int) -> dict:
@@ -117,7 +119,10 @@ def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_opti
     if path is None:
         return None, None
     where = layout(engine)
-    state = ckpt.read_model_states(path, where["tp_rank"])      # stage 0's file of this TP rank: the layout
+    # This rank's own file (any file holds the layout); stage 0's of this TP rank when this one does not exist
+    # (written with fewer stages or another TP size).
+    own = path / ckpt.model_states_name(where["mp_rank"])
+    state = ckpt.read_model_states(path, where["mp_rank"] if own.is_file() else where["tp_rank"])
     saved_tp, saved_pp = state.get("mp_world_size", 1), state.get("pp_world_size", 1)
     if saved_tp != where["tp_size"]:
         raise ckpt.CheckpointError(f"{path} was written with tensor_parallel.size = {saved_tp} and is being loaded "
@@ -131,8 +136,6 @@ def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_opti
                                        f"weights")
         _load_module(engine, _module_from_all_stages(path, where, saved_tp), strict)
     else:
-        if where["mp_rank"] != where["tp_rank"]:
-            state = ckpt.read_model_states(path, where["mp_rank"])
         _load_module(engine, state["module"], strict)
     if not load_module_only:
         opt_state = (ckpt.read_optim_states(path, engine.dp_rank, where["mp_rank"])["optimizer_state_dict"]
@@ -199,8 +202,5 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_fro
 
 
 def _agree(engine: Any, failed: bool) -> None:
-    flag = float(failed)
-    for c in _comms(engine):
-        flag = c.all_reduce_object_max(flag)
-    if flag > 0 and not failed:
+    if _any_failed(engine, failed) and not failed:
         raise ckpt.CheckpointError("save_16bit_model failed on rank 0; nothing was written")
