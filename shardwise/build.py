@@ -114,15 +114,19 @@ def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.op
 
 
 def _replicated(cfg: Any, groups: list[dict], optimizer: Any, scaler: LossScaler, dp_comm: Comm,
-                dtype: torch.dtype, tp_metrics: Comm | None = None) -> tuple[ReplicatedOptimizer, BucketedAllReduce]:
-    """ZeRO stage 0: every rank holds everything (of its tensor-parallel slice); gradients all-reduced in
-    buckets over the dp group. `tp_metrics`: the TP group, over which the clipping norm and the overflow
-    verdict are agreed."""
+                dtype: torch.dtype, tp_metrics: Comm | None = None,
+                pipeline: Any = None) -> tuple[ReplicatedOptimizer, BucketedAllReduce]:
+    """ZeRO stage 0: every rank holds everything (of its tensor-parallel slice of its stage); gradients
+    all-reduced in buckets over the dp group. The clipping norm and the overflow verdict are agreed over the
+    TP group (`tp_metrics`) and the pipeline's stages (`pipeline`): same interface for both."""
     masters = None
     model_params = [p for g in groups for p in g["params"]]
     tp_grads = None
     if tp_metrics is not None:
-        tp_grads = TensorParallelGrads.for_params(tp_metrics, model_params)
+        across = pipeline.grads.comm if pipeline is not None else None
+        tp_grads = TensorParallelGrads.for_params(tp_metrics, model_params, across=across)
+    elif pipeline is not None:
+        tp_grads = pipeline.grads
     if dtype != torch.float32:
         groups, model_params, masters = make_masters(groups)
     opt = _make_optimizer(optimizer, cfg, groups)
@@ -231,10 +235,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     groups = param_groups_of(model_parameters if model_parameters is not None else model.parameters())
     scaler = _make_scaler(cfg.precision)
     if cfg.zero.stage == 0:
-        step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype, tp_metrics)
-        if pipeline is not None:   # clipping norm and overflow verdict over all stages (same interface as TP's)
-            step.tp_grads = pipeline.grads if step.tp_grads is None else \
-                TensorParallelGrads(step.tp_grads.comm, step.tp_grads.sharded, across=pipeline.grads.comm)
+        step, sync = _replicated(cfg, groups, optimizer, scaler, dp_comm, dtype, tp_metrics, pipeline)
     elif cfg.zero.stage == 3:
         step, sync = _zero_3(cfg, model, groups, optimizer, scaler, dp_comm,
                              pipeline.flags_comm if pipeline is not None else metrics_comm, dtype, device, tp_metrics,
