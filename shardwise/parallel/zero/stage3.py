@@ -206,25 +206,36 @@ class ZeroParamRuntime:
         if tensors:
             self._expect_backward = True
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, self.root, id(module)), mode="any")
+                tensors, functools.partial(self._pre_backward_root, id(module)), mode="any")
         if self.root is not None and not (tensors and module.training and not self.reshard_root_after_forward):
             self._free(self.root)
 
     # -- backward hooks -----------------------------------------------------------------------------
-    def _pre_backward(self, u: Unit | None, *rest: Any) -> None:
-        """Fires when the gradient of u's forward outputs (or of a root's, `rest` = (root id, grad)) is ready."""
+    def _pre_backward(self, u: Unit, grad: torch.Tensor) -> None:
+        """Fires when the gradient of unit u's forward outputs is ready: gather u, prefetch the units its
+        root's forward ran before it (in reverse)."""
+        self._backward_starts()
+        self._gather_now(u)
+        if id(u) in self._position:
+            root, pos = self._position[id(u)]
+        else:                                   # not run under a root's forward: all of the current root's
+            root = self._current
+            pos = len(self._orders.get(root, []))
+        self._prefetch(self._orders.get(root, [])[:pos][::-1])
+
+    def _pre_backward_root(self, root: int, grad: torch.Tensor) -> None:
+        """Fires when the gradient of a root's outputs is ready (root: the id of the root module): gather the
+        root unit, prefetch every unit of that root's forward, last first."""
+        self._backward_starts()
+        if self.root is not None:
+            self._gather_now(self.root)
+        self._prefetch(self._orders.get(root, [])[::-1])
+
+    def _backward_starts(self) -> None:
         self._expect_backward = True            # a backward runs: it must be finished (pipelines run several)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if u is not None:
-            self._gather_now(u)
-        if u is not None and id(u) in self._position:
-            root, pos = self._position[id(u)]
-        else:                                   # the root: every unit of its forward comes before it
-            root = rest[0] if len(rest) == 2 else self._current
-            pos = len(self._orders.get(root, []))
-        self._prefetch(self._orders.get(root, [])[:pos][::-1])
 
     def _on_grad(self, p: nn.Parameter) -> None:
         flat, i = self._where[id(p)]
