@@ -7,6 +7,7 @@ Asynchronous operations return a `Handle` whose `wait()` records the duration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -68,6 +69,11 @@ class Comm:
     def rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
+    @functools.cached_property
+    def backend(self) -> str:
+        """The group's backend ("gloo", "nccl"), looked up once: the collectives below ask on every call."""
+        return str(dist.get_backend(self.group))
+
     def global_rank(self, group_rank: int) -> int:
         """The world rank of this group's member `group_rank` (p2p ops take world ranks)."""
         if self.group is None:
@@ -95,7 +101,7 @@ class Comm:
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A device copy of a host tensor when the group's backend cannot take host tensors (NCCL): the
         engine's few-byte metrics (norms, overflow flags, losses) are host tensors. None: use `tensor`."""
-        if tensor.device.type != "cpu" or dist.get_backend(self.group) != "nccl":
+        if tensor.device.type != "cpu" or self.backend != "nccl":
             return None
         return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
@@ -169,7 +175,7 @@ class Comm:
         pairwise exchange of point-to-point messages (`shardwise.comm.exchange`: gloo's own reduce-scatter is a
         full all-reduce), otherwise the backend's. Recorded as the same one "reduce_scatter" of `full`'s bytes.
         `tag` (the same on every rank) tells apart exchanges in flight on this group at once."""
-        if self.size == 1 or full.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+        if self.size == 1 or full.device.type != "cpu" or self.backend != "gloo":
             return self.reduce_scatter_tensor(output, full, async_op=async_op)
         from shardwise.comm.exchange import PairwiseReduceScatter
         return self._run("reduce_scatter", full,

@@ -109,7 +109,7 @@ class Wire:
         self._incoming: dict[int, deque[Message]] = {}         # peer -> receives of the step not posted yet
         # NCCL creates a group's communicator on its first operation, which every rank must then join; a
         # batch only involves neighbours (torch's batch_isend_irecv documents the rule), so a barrier goes first.
-        self._join_first = dist.is_initialized() and "nccl" in str(dist.get_backend(comm.group))
+        self._join_first = dist.is_initialized() and "nccl" in comm.backend
 
     def begin_step(self, program: Sequence[Step]) -> None:
         if self._posted:
@@ -232,4 +232,4 @@ class Wire:
 def _host_async(comm: Comm) -> bool:
     """Whether the group's p2p operations are posted and progressed off any stream (gloo), so receives may be
     posted early (`Wire.post_ahead`)."""
-    return dist.is_initialized() and dist.get_backend(comm.group) == "gloo"
+    return dist.is_initialized() and comm.backend == "gloo"
