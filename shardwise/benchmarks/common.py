@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 
@@ -51,3 +53,45 @@ def run_in_gloo_group(run: Callable[[Any], None], args: Any) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One trainer's step times against the reference trainer's (seconds)."""
+
+    median_s: float               # median over every timed step
+    round_min_s: float            # smallest and largest per-round median: the run-to-run spread
+    round_max_s: float
+    ratio: float                  # reference median / this median (< 1: the reference is faster)
+    paired_ratio: float           # median over rounds of reference round median / this round median: robust to
+                                  # load drifting between rounds, as each round's trainers ran back to back
+
+
+def compare_times(times_s: dict[str, list[list[float]]], reference: str) -> dict[str, Timing]:
+    """`times_s[trainer][round][step]` in seconds -> each trainer's `Timing` against `reference`'s."""
+    medians = {name: statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times_s.items()}
+    ours_per_round = [statistics.median(rnd) for rnd in times_s[reference]]
+    out = {}
+    for name, rounds in times_s.items():
+        per_round = [statistics.median(rnd) for rnd in rounds]
+        out[name] = Timing(medians[name], min(per_round), max(per_round), medians[reference] / medians[name],
+                           statistics.median(a / b for a, b in zip(ours_per_round, per_round)))
+    return out
+
+
+def rotation(trainers: Sequence[Any], round_index: int) -> list[Any]:
+    """Round r runs the trainers rotated left by r: ABC, BCA, CAB, ABC, ..."""
+    k = round_index % len(trainers)
+    return list(trainers[k:]) + list(trainers[:k])
+
+
+def rss_per_rank() -> list[int]:
+    """Every rank's peak resident set size in bytes (collective: an all-gather over the default group)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
+    gathered = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, rss)
+    return [int(t) for t in gathered]

@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,7 +40,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, run_under_launcher
+from shardwise.benchmarks.common import (
+    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher,
+)
 from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
 MODELS = ("tiny", "small")
@@ -75,25 +76,14 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, Memory], 
               tokens_per_step: int) -> list[Row]:
     """Rows from per-trainer step times `times_s[trainer][round][step]` (seconds) and model-state bytes.
     The ratio column needs a "shardwise" entry."""
-    medians = {name: statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times_s.items()}
-    ours = medians[Trainer.SHARDWISE.value]
-    ours_per_round = [statistics.median(rnd) for rnd in times_s[Trainer.SHARDWISE.value]]
     rows = []
-    for name, rounds in times_s.items():
-        per_round = [statistics.median(rnd) for rnd in rounds]
-        paired = statistics.median(a / b for a, b in zip(ours_per_round, per_round))
+    for name, t in compare_times(times_s, Trainer.SHARDWISE.value).items():
         mem = memory[name]
-        rows.append(Row(trainer=name, median_ms=medians[name] * 1e3, round_min_ms=min(per_round) * 1e3,
-                        round_max_ms=max(per_round) * 1e3, tokens_per_s=tokens_per_step / medians[name],
-                        shardwise_ratio=ours / medians[name], paired_ratio=paired, params_bytes=mem["params"],
+        rows.append(Row(trainer=name, median_ms=t.median_s * 1e3, round_min_ms=t.round_min_s * 1e3,
+                        round_max_ms=t.round_max_s * 1e3, tokens_per_s=tokens_per_step / t.median_s,
+                        shardwise_ratio=t.ratio, paired_ratio=t.paired_ratio, params_bytes=mem["params"],
                         grads_bytes=mem["grads"], optimizer_bytes=mem["optimizer"]))
     return rows
-
-
-def rotation(trainers: Sequence[str], round_index: int) -> list[str]:
-    """Round r runs the trainers rotated left by r: ABC, BCA, CAB, ABC, ..."""
-    k = round_index % len(trainers)
-    return list(trainers[k:]) + list(trainers[:k])
 
 
 # -- arguments ----------------------------------------------------------------------------------------
@@ -211,14 +201,6 @@ def measure(trainers: dict[str, Built], *, rounds: int, steps: int, warmup: int
     return {name: times[:, j, :, 0].tolist() for j, name in enumerate(names)}, phases
 
 
-def _rss_per_rank() -> list[int]:
-    import resource
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
-    gathered = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, rss)
-    return [int(t) for t in gathered]
-
-
 def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int], phases: dict[str, dict[str, float]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -259,7 +241,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     memory = {name: built.memory() for name, built in trainers.items()}
     world = dist.get_world_size()
     rows = summarize(times, memory, tokens_per_step=args.micro_batch * seq_len * world)
-    rss = _rss_per_rank()
+    rss = rss_per_rank()
     if dist.get_rank() == 0:
         keep = "" if args.persistence_threshold is None else f" (persistence threshold {args.persistence_threshold})"
         title = (f"ZeRO stage {args.zero_stage}{keep}{' + CPU optimizer offload' if args.offload else ''}, "

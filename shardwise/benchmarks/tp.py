@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +39,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, run_in_gloo_group, run_under_launcher
+from shardwise.benchmarks.common import (
+    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group, run_under_launcher,
+)
 from shardwise.benchmarks.trainers import MIB
 
 
@@ -76,17 +77,12 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, dict[str,
               tokens_per_step: int) -> list[Row]:
     """Rows from step times `times_s[trainer][round][step]` (seconds) and `memory[trainer]` (bytes: params,
     grads, optimizer, activations). Needs a "shardwise" entry, the numerator of every ratio."""
-    medians = {name: statistics.median(t for rnd in rounds for t in rnd) for name, rounds in times_s.items()}
-    ours = medians[Impl.SHARDWISE.value]
-    ours_per_round = [statistics.median(rnd) for rnd in times_s[Impl.SHARDWISE.value]]
     rows = []
-    for name, rounds in times_s.items():
-        per_round = [statistics.median(rnd) for rnd in rounds]
+    for name, t in compare_times(times_s, Impl.SHARDWISE.value).items():
         mem = memory[name]
-        rows.append(Row(trainer=name, median_ms=medians[name] * 1e3, round_min_ms=min(per_round) * 1e3,
-                        round_max_ms=max(per_round) * 1e3, tokens_per_s=tokens_per_step / medians[name],
-                        shardwise_ratio=ours / medians[name],
-                        paired_ratio=statistics.median(a / b for a, b in zip(ours_per_round, per_round)),
+        rows.append(Row(trainer=name, median_ms=t.median_s * 1e3, round_min_ms=t.round_min_s * 1e3,
+                        round_max_ms=t.round_max_s * 1e3, tokens_per_s=tokens_per_step / t.median_s,
+                        shardwise_ratio=t.ratio, paired_ratio=t.paired_ratio,
                         params_bytes=mem["params"], grads_bytes=mem["grads"], optimizer_bytes=mem["optimizer"],
                         activation_bytes=mem["activations"]))
     return rows
@@ -94,8 +90,7 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, dict[str,
 
 def round_order(round_index: int) -> list[Impl]:
     """Shardwise first in even rounds, torch first in odd ones."""
-    order = [Impl.SHARDWISE, Impl.TORCH]
-    return order if round_index % 2 == 0 else order[::-1]
+    return rotation([Impl.SHARDWISE, Impl.TORCH], round_index)
 
 
 def warmup_mismatch(losses: Sequence[tuple[float, float]],
@@ -215,14 +210,6 @@ def _time(trainers: dict[Impl, Any], rounds: int, steps: int) -> dict[str, list[
     return {impl.value: times[:, j, :].tolist() for j, impl in enumerate(names)}
 
 
-def _rss_per_rank() -> list[int]:
-    import resource
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.int64)
-    gathered = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, rss)
-    return [int(t) for t in gathered]
-
-
 def print_table(rows: Sequence[Row], *, title: str, rss: Sequence[int], loss_check: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -268,7 +255,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     memory = {impl.value: dict(t.memory(), activations=tt.saved_activation_bytes(t, data[0]))
               for impl, t in trainers.items()}
     rows = summarize(times, memory, tokens_per_step=args.micro_batch * args.seq)
-    rss = _rss_per_rank()
+    rss = rss_per_rank()
     world = dist.get_world_size()
     if dist.get_rank() == 0:
         cfg = tt.gpt_cfg(args)

@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardwise.benchmarks.trainers import Memory, storage_bytes
+from shardwise.benchmarks.trainers import Memory, cycling, storage_bytes, token_batches
 
-_DATA_BATCHES = 4          # distinct random micro-batches, cycled; the same on every rank of the TP group
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 
@@ -64,19 +63,7 @@ def gpt_cfg(args: argparse.Namespace) -> Any:
 
 def batches(args: argparse.Namespace) -> list[tuple[Tensor, Tensor]]:
     """(input ids [B, L], labels [B, L]) of random tokens, the same on every rank (one seed)."""
-    g = torch.Generator().manual_seed(100)
-    rows = [torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=g) for _ in range(_DATA_BATCHES)]
-    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
-
-
-def _cycle(items: list) -> Callable[[], Any]:
-    state = {"i": 0}
-
-    def next_item() -> Any:
-        item = items[state["i"] % len(items)]
-        state["i"] += 1
-        return item
-    return next_item
+    return token_batches(args.micro_batch, args.seq, args.vocab, seed=100)
 
 
 def engine_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
@@ -98,7 +85,7 @@ def build_shardwise(net: nn.Module, args: argparse.Namespace, data: list) -> TPT
     logging.getLogger("shardwise").setLevel(logging.WARNING)
     engine, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(),
                                       config=engine_config(args, dist.get_world_size()))
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def step(grads_out: dict[str, Tensor] | None = None) -> Tensor:
         loss = engine(*next_batch())
@@ -153,7 +140,7 @@ def build_torch(net: nn.Module, args: argparse.Namespace, data: list) -> TPTrain
     parallelize_module(net, mesh, torch_plan(args.sequence_parallel))
     params = list(net.parameters())
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def forward(ids: Tensor, labels: Tensor) -> Tensor:
         return net(ids, labels)       # GPT.loss: cross-entropy of the vocabulary-sharded DTensor logits

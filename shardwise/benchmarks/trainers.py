@@ -59,14 +59,20 @@ def model(args: argparse.Namespace) -> torch.nn.Module:
     return GPT(gpt_config(args.model))
 
 
-def batches(args: argparse.Namespace, seq_len: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches: (input ids [B, L], labels [B, L]) of random tokens."""
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    rows = [torch.randint(0, vocab, (args.micro_batch, seq_len + 1), generator=g) for _ in range(_DATA_BATCHES)]
+def token_batches(micro_batch: int, seq_len: int, vocab: int, *, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """_DATA_BATCHES micro-batches (input ids [B, L], labels [B, L]) of random tokens from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g) for _ in range(_DATA_BATCHES)]
     return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
 
 
-def _cycle(items: list) -> Callable[[], Any]:
+def batches(args: argparse.Namespace, seq_len: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches (each data-parallel rank its own)."""
+    return token_batches(args.micro_batch, seq_len, vocab, seed=100 + dist.get_rank())
+
+
+def cycling(items: list) -> Callable[[], Any]:
+    """A callable returning items[0], items[1], ... and around again."""
     state = {"i": 0}
 
     def next_item() -> Any:
@@ -106,7 +112,7 @@ def build_shardwise(args: argparse.Namespace, config: dict, data: list) -> Built
     import shardwise
     net = model(args)
     engine, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(), config=copy.deepcopy(config))
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def memory() -> Memory:
         report = engine.memory_report()
@@ -127,7 +133,7 @@ def build_ddp(args: argparse.Namespace, config: dict, data: list) -> Built:
               gradient_as_bucket_view=True)
     opt = _torch_adamw(net.parameters(), config)
     clip = config["gradient_clipping"]
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def update() -> None:
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -149,7 +155,7 @@ def build_fsdp2(args: argparse.Namespace, config: dict, data: list) -> Built:
     fully_shard(net, mesh=mesh)
     opt = _torch_adamw(net.parameters(), config)
     clip = config["gradient_clipping"]
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def update() -> None:
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
@@ -176,7 +182,7 @@ def build_deepspeed(args: argparse.Namespace, config: dict, data: list) -> Built
     net = model(args)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=copy.deepcopy(config))
     stage = config["zero_optimization"]["stage"]
-    next_batch = _cycle(data)
+    next_batch = cycling(data)
 
     def memory() -> Memory:
         engine.backward(engine(*next_batch()))
