@@ -200,6 +200,34 @@ class Engine:
         self.metrics_comm.all_reduce(total)
         return float(total) / self.dp_size
 
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> float:
+        """The mean loss of `num_micro_batches` (default gradient_accumulation_steps) micro-batches from
+        `data_iter`, in eval mode and without gradients, averaged over data-parallel ranks; the same number on
+        every rank (DeepSpeed's PipelineEngine.eval_batch, also without a pipeline). Gradients, optimizer and
+        step counters are untouched; the module's train/eval mode is restored. Collective."""
+        count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
+        if count < 1:
+            raise UserError(f"engine.eval_batch: num_micro_batches = {count}; it must be >= 1")
+        if self.pipeline is not None:
+            return self.pipeline.eval_batch(self, data_iter, count)
+        if data_iter is None:
+            raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            total = torch.zeros((), dtype=torch.float32)
+            for _ in range(count):
+                loss = self(next(data_iter))
+                if not torch.is_tensor(loss) or loss.dim() != 0:
+                    raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
+                total += loss.float().cpu()
+        finally:
+            self.module.train(was_training)
+        total /= count
+        self.metrics_comm.all_reduce(total)
+        return float(total) / self.dp_size
+
     # -- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this rank: model parameters, gradient buffers, optimizer states (fp32 masters

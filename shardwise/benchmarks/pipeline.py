@@ -31,10 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,33 +42,16 @@ import torch
 import torch.distributed as dist
 
 from shardwise.benchmarks.common import int_at_least, run_in_gloo_group, run_under_launcher
+from shardwise.benchmarks.pipeline_models import MODELS, build_model
+from shardwise.benchmarks.pipeline_report import Bubble, Row, analyse, make_row, print_table
 from shardwise.config.resolved import PipelinePartition, PipelineSchedule
+
+__all__ = ["Bubble", "Bench", "Impl", "Row", "analyse", "launch", "main", "make_row", "measure", "run",
+           "torch_supports"]
 
 
 class Impl(str, Enum):
     SHARDWISE, TORCH = "shardwise", "torch"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One schedule. Times in ms: the median over rounds of the slowest rank's step time. Bubbles: medians over
-    the rounds of the fraction of P * makespan that is not compute."""
-
-    schedule: str
-    virtual_stages: int
-    shardwise_ms: float
-    torch_ms: float | None            # None: torch does not support this schedule at this (P, M)
-    ratio: float | None               # shardwise / torch median step time (< 1: shardwise is faster)
-    paired_ratio: float | None        # median over rounds of shardwise time / torch time in that round
-    bubble_measured: float            # shardwise's Timeline.bubble_fraction
-    bubble_simulated: float           # the schedule simulated with shardwise's measured per-(stage, chunk) costs
-    bubble_replayed: float            # the schedule simulated with each action's own measured time
-    bubble_formula: float             # formula_bubble_fraction(schedule, P, M, V): equal stages
-    torch_bubble_measured: float | None
-    stage_ms: list[float]             # shardwise: mean forward + backward of one micro-batch on each stage
-    loss_diff: float | None           # |shardwise loss - torch loss| of the warm-up step
-    grad_diff: float | None           # max |shardwise grad - torch grad| over all parameters, warm-up step
-    note: str = ""
 
 
 def torch_supports(kind: PipelineSchedule, num_stages: int, num_microbatches: int) -> str:
@@ -80,49 +62,6 @@ def torch_supports(kind: PipelineSchedule, num_stages: int, num_microbatches: in
         if num_microbatches % rounds:
             return f"torch needs M % max(1, M // P) == 0; M = {num_microbatches}, P = {num_stages}"
     return ""
-
-
-def make_row(kind: PipelineSchedule, v: int, sw_s: Sequence[float], torch_s: Sequence[float] | None,
-             bubbles: Sequence[Bubble], formula: float, torch_bubbles: Sequence[float] | None,
-             loss_diff: float | None, grad_diff: float | None, note: str = "") -> Row:
-    """Medians and ratios from per-round times in seconds (index i of both lists: the same round)."""
-    sw = statistics.median(sw_s)
-    th = statistics.median(torch_s) if torch_s else None
-    stages = len(bubbles[0].stage_s)
-    return Row(schedule=kind.value, virtual_stages=v, shardwise_ms=sw * 1e3,
-               torch_ms=None if th is None else th * 1e3, ratio=None if th is None else sw / th,
-               paired_ratio=None if not torch_s else statistics.median(s / t for s, t in zip(sw_s, torch_s)),
-               bubble_measured=statistics.median(b.measured for b in bubbles),
-               bubble_simulated=statistics.median(b.simulated for b in bubbles),
-               bubble_replayed=statistics.median(b.replayed for b in bubbles), bubble_formula=formula,
-               torch_bubble_measured=statistics.median(torch_bubbles) if torch_bubbles else None,
-               stage_ms=[statistics.median(b.stage_s[s] for b in bubbles) * 1e3 for s in range(stages)],
-               loss_diff=loss_diff, grad_diff=grad_diff, note=note)
-
-
-@dataclass(frozen=True)
-class Bubble:
-    """One step's measured bubble, its simulation under the step's own measured costs, and the costs."""
-
-    measured: float
-    simulated: float                  # under the mean measured cost of each (stage, chunk, forward/backward)
-    replayed: float                   # under each action's own measured time
-    stage_s: list[float]              # mean forward + backward seconds of one micro-batch on each stage
-
-
-def analyse(records: Sequence[Any], kind: PipelineSchedule, num_stages: int, num_microbatches: int,
-            virtual_stages: int) -> Bubble:
-    """``records``: (stage, action, start, end) of every rank's computes in one step."""
-    from shardwise.parallel.pipeline.schedules import build_schedule
-    from shardwise.parallel.pipeline.simulate import Timeline, measured_costs, replayed_costs, simulate
-    timeline = Timeline.from_records(records, num_stages=num_stages)
-    schedule = build_schedule(kind, num_stages=num_stages, num_microbatches=num_microbatches,
-                              virtual_stages=virtual_stages)
-    costs = measured_costs(timeline)
-    simulated = simulate(schedule, costs=costs).bubble_fraction
-    replayed = simulate(schedule, costs=replayed_costs(timeline)).bubble_fraction
-    stage_s = [float(sum(f) + sum(b)) for f, b in zip(costs.forward, costs.backward)]   # type: ignore[arg-type]
-    return Bubble(float(timeline.bubble_fraction), float(simulated), float(replayed), stage_s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--microbatches", type=int_at_least(1), default=16, help="M (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int_at_least(1), default=1, help="sequences per micro-batch "
+                   "(default: %(default)s)")
+    p.add_argument("--model", choices=MODELS, default="gpt", help="gpt: the built-in GPT; mlp: --layers identical "
+                   "residual MLP blocks and an MSE loss, stages equal by construction as the bubble formula assumes "
                    "(default: %(default)s)")
     p.add_argument("--d-model", type=int_at_least(8), default=256, help="(default: %(default)s)")
     p.add_argument("--heads", type=int_at_least(1), default=4, help="(default: %(default)s)")
@@ -161,25 +103,18 @@ class Bench:
 
         from shardwise.comm.collectives import Comm
         from shardwise.comm.ledger import CommLedger
-        from shardwise.models import GPT, gpt_config
         from shardwise.parallel.pipeline.runtime import PipelineRuntime
         from shardwise.parallel.pipeline.stage import split_model
 
         self.rank, self.p = dist.get_rank(), dist.get_world_size()
         self.kind, self.m = kind, args.microbatches
         self.v = args.virtual_stages if kind is PipelineSchedule.INTERLEAVED_1F1B else 1
-        torch.manual_seed(1234)             # the same full model on every rank; each keeps its own chunks
-        cfg = gpt_config("tiny", n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
-                         dropout=0.0, tie_embeddings=False)
-        self.stage = split_model(GPT(cfg), num_stages=self.p, stage=self.rank, virtual_stages=self.v,
+        model, self.inputs, self.labels = build_model(args, self.m)   # the same full model on every rank
+        self.stage = split_model(model, num_stages=self.p, stage=self.rank, virtual_stages=self.v,
                                  partition=args.partition)
         self.params = list(self.stage.parameters())
         self.runtime = PipelineRuntime(self.stage, Comm(sw_group, CommLedger(), name="pp"), schedule=kind,
                                        num_microbatches=self.m)
-        g = torch.Generator().manual_seed(7)
-        # rows: [M * micro_batch_size, seq + 1] tokens; inputs are the first seq, labels the last seq
-        rows = torch.randint(0, cfg.vocab_size, (self.m * args.micro_batch_size, args.seq + 1), generator=g)
-        self.inputs, self.labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         self.micro = list(zip(self.inputs.chunk(self.m), self.labels.chunk(self.m)))
         self.torch_note = torch_supports(kind, self.p, self.m)
         self.schedule = None
@@ -189,7 +124,7 @@ class Bench:
             stages = [PipelineStage(chunk, stage_index=self.stage.model_chunk(v), num_stages=self.p * self.v,
                                     device=torch.device("cpu"), group=torch_group)
                       for v, chunk in enumerate(self.stage.chunks)]
-            loss_fn = self.stage.loss_fn        # GPT.loss: mean cross-entropy of one micro-batch
+            loss_fn = self.stage.loss_fn        # mean loss of one micro-batch (cross-entropy or MSE)
             if kind is PipelineSchedule.GPIPE:
                 self.schedule = ScheduleGPipe(stages[0], self.m, loss_fn=loss_fn)
             elif kind is PipelineSchedule.ONE_F_ONE_B:
@@ -304,40 +239,6 @@ def measure(args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, tor
                     formula, torch_bubbles or None, loss_diff, grad_diff, bench.torch_note)
 
 
-def print_table(rows: Sequence[Row], *, world_size: int, args: argparse.Namespace) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def opt(x: float | None, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    where = (f"P = {world_size} stages (gloo, CPU, 1 thread/rank), GPT d={args.d_model} L={args.layers} "
-             f"seq={args.seq} ({args.partition}), M = {args.microbatches} x {args.micro_batch_size} seqs: median of "
-             f"{args.rounds} alternating rounds")
-    steps = Table(title=f"pipeline step, {where}")
-    for name in ("schedule", "V", "shardwise ms", "torch ms", "shardwise/torch", "paired", "|loss diff|",
-                 "max |grad diff|", "note"):
-        steps.add_column(name, justify="left" if name in ("schedule", "note") else "right")
-    bubble = Table(title=f"bubble (idle share of P x makespan), {where}")
-    for name in ("schedule", "V", "stage ms (F+B per micro-batch)", "formula", "simulated, mean costs",
-                 "replayed", "shardwise measured", "measured / simulated", "torch measured"):
-        bubble.add_column(name, justify="left" if name == "schedule" else "right")
-    for r in rows:
-        steps.add_row(r.schedule, str(r.virtual_stages), f"{r.shardwise_ms:.1f}", opt(r.torch_ms, ".1f"),
-                      opt(r.ratio, ".3f"), opt(r.paired_ratio, ".3f"), opt(r.loss_diff, ".1e"),
-                      opt(r.grad_diff, ".1e"), r.note)
-        bubble.add_row(r.schedule, str(r.virtual_stages), " ".join(f"{x:.1f}" for x in r.stage_ms),
-                       f"{r.bubble_formula:.3f}", f"{r.bubble_simulated:.3f}", f"{r.bubble_replayed:.3f}",
-                       f"{r.bubble_measured:.3f}",
-                       f"{r.bubble_measured / r.bubble_simulated:.2f}" if r.bubble_simulated else "-",
-                       opt(r.torch_bubble_measured, ".3f"))
-    console = Console()
-    if not console.is_terminal:     # piped into a file or a log: do not squeeze the tables
-        console = Console(width=180)
-    console.print(steps)
-    console.print(bubble)
-
-
 def run(args: argparse.Namespace) -> list[Row]:
     """Measure every schedule on the already initialized default group; rank 0 prints and writes JSON."""
     world = dist.get_world_size()
@@ -366,7 +267,7 @@ def check_args(args: argparse.Namespace, nproc: int) -> None:
     if args.partition == PipelinePartition.UNIFORM.value and args.layers % (nproc * v):
         raise ValueError(f"--layers = {args.layers} must be a multiple of P * V = {nproc} * {v} (uniform "
                          f"partition, one equal chunk per virtual stage); e.g. --layers {nproc * v * 2}")
-    if args.d_model % args.heads:
+    if args.model == "gpt" and args.d_model % args.heads:
         raise ValueError(f"--d-model = {args.d_model} must be a multiple of --heads = {args.heads}")
 
 

@@ -12,7 +12,8 @@ gradient_accumulation_steps micro-batches ``(inputs, labels)`` from ``data_iter`
 nothing, as in DeepSpeed); the runtime runs the schedule (the last stage's loss / M starts each backward,
 times the fp16 loss scale); gradients are synchronised over dp during the stage's last backward; the
 optimizer steps this stage's parameters. The step's loss (mean over micro-batches) is broadcast from the
-last stage and averaged over the dp replicas, so every rank returns the same number.
+last stage and averaged over the dp replicas, so every rank returns the same number. `eval_batch` is the
+same pass forward only (any M, any shapes), with no gradient, no synchronisation and no step.
 """
 
 from __future__ import annotations
@@ -112,6 +113,28 @@ class PipelineTrainer:
         engine.micro_steps += num_micro - 1
         engine.step()
         engine._last_activation_bytes = result.peak_activation_bytes
+        return float(loss) / self.dp_metrics.size
+
+
+    def eval_batch(self, engine: Any, data_iter: Iterator[Any] | None, num_micro: int) -> float:
+        """``num_micro`` micro-batches forward only (`PipelineRuntime.evaluate`), the module in eval mode; the
+        mean loss on every rank, gathered like `train_batch`'s."""
+        micro = None
+        if self.needs_data:
+            if data_iter is None:
+                raise UserError(f"engine.eval_batch(data_iter): pipeline stage {self.stage.stage} holds the first or "
+                                f"last layers and reads {num_micro} micro-batches (inputs, labels) from data_iter; "
+                                f"pass an iterator")
+            micro = [next(data_iter) for _ in range(num_micro)]
+        was_training = engine.module.training
+        engine.module.eval()
+        try:
+            losses = self.runtime.evaluate(micro, num_microbatches=num_micro)
+        finally:
+            engine.module.train(was_training)
+        loss = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float32, device=engine.device)
+        self.pp_comm.broadcast(loss, src_group_rank=self.stage.num_stages - 1)
+        self.dp_metrics.all_reduce(loss)
         return float(loss) / self.dp_metrics.size
 
 

@@ -13,12 +13,16 @@ step (`p2p.Wire`).
 F(m, v): the chunk's forward on micro-batch m. Received activations become leaves that require grad; the
 output goes to the outbox of the next batch and its data is freed at once (only its autograd node is kept: the
 backward root needs no data; the send buffer holds the storage until the send completes), unless something
-else holds it (`_sole_owner`: e.g. autograd saved it, as tanh does). The last model chunk also computes
+else holds it (`sole_owner`: e.g. autograd saved it, as tanh does). The last model chunk also computes
 ``loss_fn(output, labels) / M`` (times the loss scale), the root of its backward.
 B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
 the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
 over the micro-batches; `GradSync.begin_backward(boundary)` / `end_backward(boundary)` bracket every
 backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it.
+
+`evaluate` (engine.eval_batch) runs the schedule's forwards alone (`forward_only`), under no_grad: the last
+chunk returns each micro-batch's loss, nothing is kept for a backward, and shapes are agreed afresh on a wire
+of its own, so evaluation may use another micro-batch count and other shapes than training.
 
 Measured, not assumed: on one step in `measure_every` (the first included) `meter.ActivationMeter` follows
 every tensor autograd saves during each forward until it is freed, giving the peak number of micro-batch
@@ -29,6 +33,7 @@ chunks whose activations are alive at once and their bytes; per-action (stage, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -42,8 +47,11 @@ from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire
 from shardwise.parallel.pipeline.schedules import (
-    Action, Message, Op, PipelineError, build_schedule, format_actions, parse_schedule_kind, transfers)
+    Action, Message, Op, PipelineError, Schedule, Transfers, build_schedule, format_actions, forward_only,
+    parse_schedule_kind, transfers)
 from shardwise.parallel.pipeline.simulate import ActionRecord
+from shardwise.parallel.pipeline.tensors import (
+    checked_loss, flatten, free_data, module_device, sole_owner, storage_ptr, to_device)
 from shardwise.parallel.pipeline.stage import PipelineStage
 
 
@@ -78,13 +86,6 @@ class StepResult:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
 
-def _storage_ptr(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):   # tensors without storage (meta, sparse)
-        return None
-
-
 @dataclass
 class _Slot:
     """What F(m, v) keeps for B(m, v)."""
@@ -96,30 +97,24 @@ class _Slot:
     local_out: list[Tensor] = field(default_factory=list)
 
 
-def _flatten(value: Any, where: str) -> list[Tensor]:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, (tuple, list)) and value and all(torch.is_tensor(v) for v in value):
-        return list(value)
-    raise PipelineError(f"{where} gave a {type(value).__name__}: values passed between pipeline stages must be a "
-                        f"tensor or a tuple of tensors")
+@dataclass(frozen=True)
+class _Plan:
+    """One schedule as this stage runs it: its actions, its program (computes and p2p batches, `comm_plan`),
+    each action's transfers, and the remote inputs of actions i+1 .. i+lookahead (posted early with gloo)."""
 
+    actions: list[Action]
+    program: list[Step]
+    transfers: list[Transfers]
+    ahead: list[list[tuple[Message, int]]]
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _free_data(t: Tensor) -> None:
-    """Drop ``t``'s activation data and keep its autograd node (Megatron's output deallocation): the
-    backward root only needs the node and the shape (a 1-element expanded placeholder keeps the shape).
-    Only results computed by the chunk: a leaf (a parameter, an input passed through) is left alone, and a
-    view shares its base's storage, so there is nothing to free."""
-    if t.grad_fn is not None and t._base is None:
-        t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+    @classmethod
+    def of(cls, schedule: Schedule, stage: PipelineStage, lookahead: int) -> "_Plan":
+        actions = schedule[stage.stage]
+        plan = [transfers(a, stage=stage.stage, num_stages=stage.num_stages, virtual_stages=stage.virtual_stages)
+                for a in actions]
+        remote = [(t.recv.message, t.recv.peer) if t.recv is not None and not t.recv_local else None for t in plan]
+        ahead = [[r for r in remote[i + 1:i + 1 + lookahead] if r is not None] for i in range(len(remote))]
+        return cls(actions, build_programs(schedule)[stage.stage], plan, ahead)
 
 
 LOOKAHEAD = 2
@@ -141,19 +136,13 @@ class PipelineRuntime:
         self.comm = comm
         self.kind = parse_schedule_kind(schedule)
         self.num_microbatches = num_microbatches
-        self.device = device if device is not None else _module_device(stage)
-        schedule_lists = build_schedule(self.kind, num_stages=stage.num_stages, num_microbatches=num_microbatches,
-                                        virtual_stages=stage.virtual_stages)
-        self.actions: list[Action] = schedule_lists[stage.stage]
-        self.program: list[Step] = build_programs(schedule_lists)[stage.stage]
-        self.plan = [transfers(a, stage=stage.stage, num_stages=stage.num_stages, virtual_stages=stage.virtual_stages)
-                     for a in self.actions]
+        self.device = device if device is not None else module_device(stage)
+        self.lookahead = lookahead
+        self.train_plan = _Plan.of(self._schedule(num_microbatches), stage, lookahead)
+        self.actions: list[Action] = self.train_plan.actions
         self._last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
         self.wire = Wire(comm, device=self.device, eager_receives=eager_receives)
-        # ahead[i]: remote inputs of actions i+1 .. i+lookahead, posted before action i runs (gloo, `post_ahead`)
-        remote = [(t.recv.message, t.recv.peer) if t.recv is not None and not t.recv_local else None
-                  for t in self.plan]
-        self._ahead = [[r for r in remote[i + 1:i + 1 + lookahead] if r is not None] for i in range(len(remote))]
+        self._eval_plans: dict[int, _Plan] = {}            # M -> the forward-only plan (`evaluate`)
         if measure_every < 1:
             raise PipelineError(f"measure_every = {measure_every}: the activation meter needs a period >= 1 step")
         self.meter = ActivationMeter()
@@ -163,6 +152,10 @@ class PipelineRuntime:
         self._local: dict[Message, list[Tensor]] = {}     # hand-offs between chunks of this stage (P = 1)
         self._outbox: dict[Message, Outgoing] = {}         # outputs waiting for the next batch
         self._saved_output: dict[tuple[int, int], bool] = {}   # (chunk, output j) -> autograd saves it (metered)
+
+    def _schedule(self, num_microbatches: int) -> Schedule:
+        return build_schedule(self.kind, num_stages=self.stage.num_stages, num_microbatches=num_microbatches,
+                              virtual_stages=self.stage.virtual_stages)
 
     def describe(self) -> str:
         return f"{self.stage.describe()}\n  {self.kind.value}: {format_actions(self.actions)}"
@@ -174,33 +167,23 @@ class PipelineRuntime:
         holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
         elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
         needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
-        batches = self._check_batches(micro_batches) if needs_data else []
-        self.wire.begin_step(self.program)
+        batches = self._check_batches(micro_batches, self.num_microbatches) if needs_data else []
         measure = self._steps_run % self.measure_every == 0
         self._steps_run += 1
         if measure:
             self.meter.reset_peaks()
         # Storages autograd may save that are not activations: parameters and buffers (their views too).
         params = [*self.stage.parameters(), *self.stage.buffers()]
-        skip = {p for p in map(_storage_ptr, params) if p is not None} if measure else None
+        skip = {p for p in map(storage_ptr, params) if p is not None} if measure else None
         losses: dict[int, Tensor] = {}
-        records = []
-        for item in self.program:
-            if isinstance(item, Batch):
-                self.wire.exchange(item, self._outbox, self._grad_metas)
-                continue
-            i, action = item.index, item.action
-            for message, peer in self._ahead[i]:   # before waiting for this action's input
-                self.wire.post_ahead(message, peer, self._grad_metas)
-            inputs = self._take_input(i)
-            start = time.perf_counter()
-            if action.op is Op.FORWARD:
+
+        def compute(i: int, inputs: list[Tensor] | None) -> None:
+            if self.actions[i].op is Op.FORWARD:
                 self._forward(i, inputs, batches, skip, losses, loss_scale)
             else:
                 self._backward(i, inputs, grad_sync)
-            records.append(ActionRecord(self.stage.stage, action, start, time.perf_counter()))
-            del inputs
-        self.wire.end_step()
+
+        records = self._run(self.train_plan, self.wire, compute, self._grad_metas)
         if self._slots or self._local or self._outbox:
             raise PipelineError(f"stage {self.stage.stage}: micro-batches left without backward after the step: "
                                 f"{sorted(self._slots)}")
@@ -208,21 +191,83 @@ class PipelineRuntime:
                           peak_in_flight=self.meter.peak_count, peak_activation_bytes=self.meter.peak_bytes,
                           measured=measure)
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Sequence[Any] | None, *, num_microbatches: int | None = None) -> list[float]:
+        """Forward only, for evaluation: every micro-batch through the pipeline in the schedule's forward order
+        (`forward_only`), nothing kept for a backward, no gradient touched. ``micro_batches`` as in `step`; M =
+        ``num_microbatches`` (the training M by default) may differ from training's, and so may the shapes: this
+        pass agrees them afresh on a wire of its own (traffic recorded under ``<comm name>:eval``). Returns each
+        micro-batch's loss on the stage holding the last chunk, [] elsewhere. Every stage must call it."""
+        m = self.num_microbatches if num_microbatches is None else num_microbatches
+        if m < 1:
+            raise PipelineError(f"evaluate: num_microbatches = {m}; it must be >= 1")
+        needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
+        batches = self._check_batches(micro_batches, m) if needs_data else []
+        if m not in self._eval_plans:
+            self._eval_plans[m] = _Plan.of(forward_only(self._schedule(m)), self.stage, self.lookahead)
+        plan = self._eval_plans[m]
+        wire = Wire(dataclasses.replace(self.comm, name=f"{self.comm.name}:eval"), device=self.device,
+                    eager_receives=self.wire.eager_receives)
+        losses: dict[int, Tensor] = {}
+        self._run(plan, wire, lambda i, inputs: self._eval_forward(plan, i, inputs, batches, losses),
+                  lambda message: None)
+        wire.close()
+        if self._local or self._outbox:
+            raise PipelineError(f"stage {self.stage.stage}: outputs left unsent after the evaluation pass")
+        return [float(losses[k]) for k in sorted(losses)]
+
+    def _run(self, plan: _Plan, wire: Wire, compute: Any, grad_metas: Any) -> list[ActionRecord]:
+        """Walk ``plan``'s program on ``wire``: post each batch, and before each action post the receives ahead
+        and wait for its input; ``compute(i, inputs)`` runs action i. Returns the computes' records."""
+        wire.begin_step(plan.program)
+        records = []
+        for item in plan.program:
+            if isinstance(item, Batch):
+                wire.exchange(item, self._outbox, grad_metas)
+                continue
+            i, action = item.index, item.action
+            for message, peer in plan.ahead[i]:   # before waiting for this action's input
+                wire.post_ahead(message, peer, grad_metas)
+            inputs = self._take_input(plan, wire, i)
+            start = time.perf_counter()
+            compute(i, inputs)
+            records.append(ActionRecord(self.stage.stage, action, start, time.perf_counter()))
+            del inputs
+        wire.end_step()
+        return records
+
+    def _eval_forward(self, plan: _Plan, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]],
+                      losses: dict[int, Tensor]) -> None:
+        action, t = plan.actions[i], plan.transfers[i]
+        m, v = action.microbatch, action.chunk
+        chunk = self.stage.chunks[v]
+        x = batches[m][0] if self.stage.is_first(v) else (received[0] if len(received) == 1 else tuple(received))
+        out = chunk(x)
+        if self.stage.is_last(v):
+            losses[m] = checked_loss(self.stage.loss_fn(out, batches[m][1]))
+            return
+        outs = flatten(out, f"model chunk {chunk.model_chunk}")
+        assert t.send is not None
+        if t.send_local:
+            self._local[t.send.message] = outs
+        else:
+            self._outbox[t.send.message] = Outgoing([o.contiguous() for o in outs], [False] * len(outs))
+
     def close(self) -> None:
         self.wire.close()
 
-    def _check_batches(self, micro_batches: Sequence[Any] | None) -> list[tuple[Any, Any]]:
-        if micro_batches is None or len(micro_batches) != self.num_microbatches:
+    def _check_batches(self, micro_batches: Sequence[Any] | None, expected: int) -> list[tuple[Any, Any]]:
+        if micro_batches is None or len(micro_batches) != expected:
             got = "None" if micro_batches is None else f"{len(micro_batches)}"
             raise PipelineError(f"stage {self.stage.stage} holds the first or last layers and needs "
-                                f"{self.num_microbatches} micro-batches (gradient_accumulation_steps) per step, "
+                                f"{expected} micro-batches per step (gradient_accumulation_steps in training), "
                                 f"got {got}")
         out = []
         for m, mb in enumerate(micro_batches):
             if not (isinstance(mb, (tuple, list)) and len(mb) == 2):
                 raise PipelineError(f"micro-batch {m} is a {type(mb).__name__}: a pipeline micro-batch must be a pair "
                                     f"(inputs, labels); the first stage reads the inputs, the last the labels")
-            out.append((_to_device(mb[0], self.device), _to_device(mb[1], self.device)))
+            out.append((to_device(mb[0], self.device), to_device(mb[1], self.device)))
         return out
 
     # -- inputs -------------------------------------------------------------------------------------
@@ -232,8 +277,8 @@ class PipelineRuntime:
         slot = self._slots.get((message.microbatch, (message.source - 1) // self.stage.num_stages))
         return None if slot is None else slot.out_metas
 
-    def _take_input(self, i: int) -> list[Tensor] | None:
-        t = self.plan[i]
+    def _take_input(self, plan: _Plan, wire: Wire, i: int) -> list[Tensor] | None:
+        t = plan.transfers[i]
         if t.recv is None:
             return None
         message = t.recv.message
@@ -242,43 +287,39 @@ class PipelineRuntime:
             if message.op is Op.FORWARD:
                 return [x.detach().requires_grad_(x.requires_grad) for x in tensors]
             return tensors
-        return self.wire.take(message)
+        return wire.take(message)
 
     # -- compute ------------------------------------------------------------------------------------
     def _forward(self, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]],
                  skip: set[int] | None, losses: dict[int, Tensor], loss_scale: float) -> None:
         """``skip``: storages the meter ignores; None on a step that is not metered."""
-        action, t = self.actions[i], self.plan[i]
+        action, t = self.actions[i], self.train_plan.transfers[i]
         m, v = action.microbatch, action.chunk
         chunk = self.stage.chunks[v]
         where = f"model chunk {chunk.model_chunk} ({chunk.names[0]}..{chunk.names[-1]})"
         data: list[Tensor] = []
         if self.stage.is_first(v):
             x = batches[m][0]
-            data += _flatten(x, f"micro-batch {m}'s inputs")
+            data += flatten(x, f"micro-batch {m}'s inputs")
         else:
             assert received is not None
             x = received[0] if len(received) == 1 else tuple(received)
         if self.stage.is_last(v):
-            data += _flatten(batches[m][1], f"micro-batch {m}'s labels")
+            data += flatten(batches[m][1], f"micro-batch {m}'s labels")
         if skip is not None and data:
-            skip = skip | {p for p in map(_storage_ptr, data) if p is not None}
+            skip = skip | {p for p in map(storage_ptr, data) if p is not None}
         with self.meter.track((m, v), skip) if skip is not None else contextlib.nullcontext():
             out = chunk(x)
             loss = self.stage.loss_fn(out, batches[m][1]) if self.stage.is_last(v) else None
         slot = _Slot(inputs=[r for r in (received or []) if r.requires_grad], outputs=[], out_metas=[])
         self._slots[(m, v)] = slot
         if loss is not None:
-            if not (torch.is_tensor(loss) and loss.dim() == 0):
-                raise PipelineError(f"the loss function returned {type(loss).__name__} "
-                                    f"{list(loss.shape) if torch.is_tensor(loss) else ''}: it must return a scalar "
-                                    f"tensor (the mean loss of the micro-batch)")
-            losses[m] = loss.detach()   # read after the step: no device sync per micro-batch
+            losses[m] = checked_loss(loss)   # read after the step: no device sync per micro-batch
             slot.loss = loss.float() / self.num_microbatches * loss_scale
             if skip is not None:
                 self.meter.sample()
             return
-        outs = _flatten(out, where)
+        outs = flatten(out, where)
         slot.outputs = [o for o in outs if o.requires_grad]
         slot.out_metas = [TensorMeta.of(o) for o in slot.outputs]
         assert t.send is not None
@@ -291,18 +332,18 @@ class PipelineRuntime:
         if skip is not None:   # metered: the meter saw exactly what autograd saved (its hooks hide it otherwise)
             saved = self.meter.saved_storages((m, v))
             for j, o in enumerate(slot.outputs):
-                self._saved_output[(v, j)] = _storage_ptr(o) in saved
-        free = [not self._saved_output.get((v, j), False) and _sole_owner(o) for j, o in enumerate(slot.outputs)]
+                self._saved_output[(v, j)] = storage_ptr(o) in saved
+        free = [not self._saved_output.get((v, j), False) and sole_owner(o) for j, o in enumerate(slot.outputs)]
         self._outbox[t.send.message] = Outgoing([o.detach().contiguous() for o in outs],
                                                 [o.requires_grad for o in outs])
         for o, f in zip(slot.outputs, free):
             if f:
-                _free_data(o)
+                free_data(o)
         if skip is not None:
             self.meter.sample()
 
     def _backward(self, i: int, grads: list[Tensor] | None, grad_sync: GradSync | None) -> None:
-        action, t = self.actions[i], self.plan[i]
+        action, t = self.actions[i], self.train_plan.transfers[i]
         slot = self._slots.pop((action.microbatch, action.chunk))
         boundary = i == self._last_backward
         if grad_sync is not None:
@@ -321,22 +362,3 @@ class PipelineRuntime:
             self._local[t.send.message] = back
         else:
             self._outbox[t.send.message] = Outgoing(back, [False] * len(back))
-
-
-def _sole_owner(t: Tensor) -> bool:
-    """Whether nothing but ``t`` holds its tensor and its storage: then its data may be freed once sent. An output
-    autograd saved for backward (tanh, sigmoid read their result; a later op of the chunk may read it as input),
-    one the model keeps, or one sharing its storage with another tensor is left alone. Saved-tensor hooks that
-    keep the Python tensor itself (the meter's) hide the first case: the meter's own record covers it."""
-    try:
-        # 1 reference to the TensorImpl: this Python object; 2 to the storage: t's TensorImpl and the
-        # temporary Python storage object of the query itself.
-        return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
-    except (AttributeError, RuntimeError, NotImplementedError):   # no such introspection: keep the data
-        return False
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    return torch.device("cpu")

@@ -285,11 +285,20 @@ def infer_sizes(schedule: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
     return len(schedule), max(a.microbatch for a in actions) + 1, max(a.chunk for a in actions) + 1
 
 
+def forward_only(schedule: Sequence[Sequence[Action]]) -> Schedule:
+    """The schedule without its backwards: an evaluation pass (`PipelineRuntime.evaluate`). Each stage keeps
+    its training forward order, which the other stages' forwards can always follow (a forward never waits for
+    a backward), and no activation is kept for a backward."""
+    return [[a for a in actions if a.op is Op.FORWARD] for actions in schedule]
+
+
 def validate_schedule(schedule: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
     """Check each stage runs every (microbatch, chunk) exactly once forward and once backward, forward
-    first; returns (P, M, V). Cross-stage order is checked by `simulate.check_schedule`."""
+    first, or, in a schedule with no backward at all (`forward_only`), exactly once forward; returns
+    (P, M, V). Cross-stage order is checked by `simulate.check_schedule`."""
     num_stages, num_microbatches, virtual_stages = infer_sizes(schedule)
     expected = {(m, v) for m in range(num_microbatches) for v in range(virtual_stages)}
+    ops = list(Op) if any(a.op is Op.BACKWARD for stage in schedule for a in stage) else [Op.FORWARD]
     for stage, actions in enumerate(schedule):
         seen: dict[Op, set[tuple[int, int]]] = {Op.FORWARD: set(), Op.BACKWARD: set()}
         for a in actions:
@@ -302,7 +311,7 @@ def validate_schedule(schedule: Sequence[Sequence[Action]]) -> tuple[int, int, i
                 raise PipelineError(f"stage {stage}: {a} comes before its forward "
                                     f"{Action(Op.FORWARD, a.microbatch, a.chunk)}")
             seen[a.op].add(key)
-        for op in Op:
+        for op in ops:
             missing = sorted(expected - seen[op])
             if missing:
                 names = ", ".join(str(Action(op, m, v)) for m, v in missing[:5])

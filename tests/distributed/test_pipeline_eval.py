@@ -1,0 +1,171 @@
+"""`engine.eval_batch`: a forward-only pass equal to the single-process model's eval loss, that leaves training
+exactly where it was.
+
+One spawn of 4 gloo ranks runs each case: evaluate the fresh model, whose dropout (0.1) only eval mode turns
+off; then, dropout set to 0 so that training is deterministic, train one step, evaluate twice (M =
+gradient_accumulation_steps on the training shapes, then M = 3 micro-batches of another batch size and sequence
+length, which the pipeline agrees afresh), train one more step, and gather the whole model. The reference is
+plain torch on one process doing the same: eval losses of every micro-batch in eval mode without gradients
+(mean over micro-batches and data-parallel ranks), training steps on the concatenated dp shares. Eval and
+training losses and the final parameters must match (fp32, rtol = atol = 1e-5): an evaluation that touched a
+gradient, a step counter or the wire's agreed shapes would show in the second step.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.testing import assert_close_lists, assert_state_close, reference_train, run_distributed
+from shardwise.testing import shard_global_batch
+
+SEQ, D, MICRO, LAYERS = 16, 32, 2, 4
+EVAL_SEQ, EVAL_MICRO, EVAL_M = 8, 3, 3
+CASES = {
+    "pp2dp2_1f1b": dict(pp=2, schedule="1f1b", v=1, gas=2, zero=0),
+    "pp2dp2_interleaved_zero1": dict(pp=2, schedule="interleaved_1f1b", v=2, gas=4, zero=1),
+    "pp4_gpipe": dict(pp=4, schedule="gpipe", v=1, gas=3, zero=0),
+    "dp4_zero3": dict(pp=1, schedule="1f1b", v=1, gas=2, zero=3),
+}
+
+
+def tiny_gpt() -> nn.Module:
+    from shardwise.models import GPT, gpt_config
+    torch.manual_seed(1234)
+    return GPT(gpt_config("tiny", n_layer=LAYERS, d_model=D, n_head=4, seq_len=SEQ, dropout=0.1))
+
+
+def batches(seed: int, *, seq: int, micro: int, count: int, dp: int, dp_rank: int) -> list[tuple]:
+    """``count`` micro-batches (inputs, labels) of ``micro`` sequences: this dp rank's share of a global batch."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 256, (micro * count * dp, seq + 1), generator=g)
+    return [(mb[:, :-1], mb[:, 1:]) for mb in shard_global_batch(rows, dp_size=dp, dp_rank=dp_rank, grad_accum=count)]
+
+
+def plan(case: dict, dp: int, dp_rank: int) -> dict:
+    """Everything one dp rank feeds in, in order: train, eval (training shapes), eval (other shapes), train."""
+    m = case["gas"]
+    return {"eval_fresh": batches(5, seq=SEQ, micro=MICRO, count=m, dp=dp, dp_rank=dp_rank),
+            "train1": batches(1, seq=SEQ, micro=MICRO, count=m, dp=dp, dp_rank=dp_rank),
+            "eval_same": batches(2, seq=SEQ, micro=MICRO, count=m, dp=dp, dp_rank=dp_rank),
+            "eval_other": batches(3, seq=EVAL_SEQ, micro=EVAL_MICRO, count=EVAL_M, dp=dp, dp_rank=dp_rank),
+            "train2": batches(4, seq=SEQ, micro=MICRO, count=m, dp=dp, dp_rank=dp_rank)}
+
+
+def no_dropout(model: nn.Module) -> None:
+    from shardwise.models.gpt import CoreAttention
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+        elif isinstance(mod, CoreAttention):
+            mod.dropout = 0.0
+
+
+def _case(name: str) -> dict:
+    import shardwise
+    from shardwise.engine_checkpoint import consolidated_state_dict
+    case = CASES[name]
+    world = dist.get_world_size()
+    model = tiny_gpt()
+    config = {"train_batch_size": MICRO * case["gas"] * world // case["pp"], "gradient_accumulation_steps": case["gas"],
+              "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+              "zero_optimization": {"stage": case["zero"], "reduce_bucket_size": 3000}}
+    if case["pp"] > 1:
+        config["pipeline"] = {"stages": case["pp"], "schedule": case["schedule"], "virtual_stages": case["v"]}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    data = plan(case, world // case["pp"], engine.dp_rank)
+    fresh = engine.eval_batch(iter(data["eval_fresh"]))
+    no_dropout(engine.module)
+    if case["pp"] > 1:
+        train = [engine.train_batch(iter(data["train1"]))]
+    else:   # the DeepSpeed loop without a pipeline: the model returns the loss
+        train = [_loop_step(engine, data["train1"])]
+    evals = [fresh, engine.eval_batch(iter(data["eval_same"])),
+             engine.eval_batch(iter(data["eval_other"]), num_micro_batches=EVAL_M)]
+    training_mode = engine.module.training
+    train.append(engine.train_batch(iter(data["train2"])) if case["pp"] > 1 else _loop_step(engine, data["train2"]))
+    state = consolidated_state_dict(engine)
+    engine.close()
+    return {"train": train, "eval": evals, "training_mode": training_mode, "state": state}
+
+
+def _loop_step(engine, micro: list[tuple]) -> float:
+    total = 0.0
+    for mb in micro:
+        loss = engine(mb)
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach())
+    t = torch.tensor([total / len(micro)])
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _all_cases() -> dict:
+    torch.set_num_threads(1)
+    return {name: _case(name) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_distributed(_all_cases, 4, timeout=300)
+
+
+@lru_cache(maxsize=None)
+def reference(name: str) -> tuple[list[float], list[float], dict]:
+    case = CASES[name]
+    dp = 4 // case["pp"]
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plans = [plan(case, dp, r) for r in range(dp)]
+
+    def global_step(key: str) -> list:
+        # micro-step k of the global batch: every dp rank's micro-batch k, concatenated (the dp mean)
+        return [[(torch.cat([p[key][k][0] for p in plans]), torch.cat([p[key][k][1] for p in plans]))
+                 for k in range(len(plans[0][key]))]]
+
+    def run_train(key: str) -> float:
+        model.train()
+        return reference_train(model, opt, global_step(key), loss_fn=lambda mod, mb: mod(*mb))[0]
+
+    @torch.no_grad()
+    def run_eval(key: str) -> float:
+        model.eval()
+        losses = [float(model(*mb)) for p in plans for mb in p[key]]
+        return sum(losses) / len(losses)
+
+    fresh = run_eval("eval_fresh")
+    no_dropout(model)
+    train = [run_train("train1")]
+    evals = [fresh, run_eval("eval_same"), run_eval("eval_other")]
+    train.append(run_train("train2"))
+    return train, evals, {k: t.detach().clone() for k, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eval_batch_matches_single_process(runs, name):
+    ref_train, ref_eval, ref_state = reference(name)
+    for rank, res in enumerate(runs):
+        out = res[name]
+        assert_close_lists(out["eval"], ref_eval, rtol=1e-5, atol=1e-6, what=f"{name} rank {rank} eval losses")
+        assert_close_lists(out["train"], ref_train, rtol=1e-5, atol=1e-6, what=f"{name} rank {rank} train losses")
+        assert out["training_mode"], f"{name}: eval_batch left the module in eval mode"
+    state = runs[0][name]["state"]
+    assert_state_close({k: state[k] for k in ref_state}, ref_state, what=f"{name} parameters after eval and train")
+
+
+def test_eval_loss_differs_from_train_mode_loss():
+    """The reference itself: dropout is on in the fresh GPT, so the first eval loss depends on eval mode (else
+    the first comparison above could not catch an eval_batch that forgot it)."""
+    model = tiny_gpt()
+    x, y = batches(2, seq=SEQ, micro=MICRO, count=1, dp=1, dp_rank=0)[0]
+    with torch.no_grad():
+        model.train()
+        train_mode = float(model(x, y))
+        model.eval()
+        eval_mode = float(model(x, y))
+    assert abs(train_mode - eval_mode) > 1e-4
