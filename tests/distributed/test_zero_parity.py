@@ -25,10 +25,11 @@ def _config(name: str, world: int, stage: int, **extra) -> dict:
 def _train_stages(stages: list[int], names: list[str]) -> dict:
     out = {stage: _train(stage, names) for stage in stages}
     out.update({(stage, "offload"): _train(stage, names[:2], offload=True) for stage in [*stages, 3]})
+    out[(3, "param_offload")] = _train(3, names[:1], param_offload_only=True)
     return out
 
 
-def _train(stage: int, names: list[str], offload: bool = False) -> dict:
+def _train(stage: int, names: list[str], offload: bool = False, param_offload_only: bool = False) -> dict:
     import shardwise
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
@@ -37,8 +38,14 @@ def _train(stage: int, names: list[str], offload: bool = False) -> dict:
         extra = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
                                        "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                        **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}} if offload else {}
+        if param_offload_only:     # the optimizer stays on the compute device: masters apart from the CPU shards
+            extra = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 3000, "offload_param": {"device": "cpu"}}}
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config(name, world, stage, **extra))
+        if param_offload_only:
+            flats = engine.grad_sync.partition.flats
+            assert all(m.device == f.compute_device and m.data_ptr() != f.shard.data_ptr()
+                       for m, f in zip(engine.optimizer_step.masters, [f for f in flats if f.group is not None]))
         if offload and stage == 3:   # parameter shards wait on the CPU and are copied to the compute device
             assert all(f.compute_device is not None and f.shard.device.type == "cpu"
                        for f in engine.grad_sync.partition.flats)
@@ -62,8 +69,9 @@ def test_zero_matches_single_process(world_size):
     results = run_distributed(_train_stages, world_size, args=([1, 2], ZERO_CASES), timeout=400)
     for name in ZERO_CASES:
         ref_losses, ref_state = run_reference(CASES[name])
-        for key in [1, 2] + ([(1, "offload"), (2, "offload"), (3, "offload")] if name in ZERO_CASES[:2] else []):
-            stage = key if isinstance(key, int) else f"{key[0]}+offload"
+        keys = [1, 2] + ([(1, "offload"), (2, "offload"), (3, "offload")] if name in ZERO_CASES[:2] else [])
+        for key in keys + ([(3, "param_offload")] if name == ZERO_CASES[0] else []):
+            stage = key if isinstance(key, int) else f"{key[0]}+{key[1]}"
             for rank, res in enumerate(results):
                 got = res[key][name]
                 assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"stage {stage} {name} rank {rank}")

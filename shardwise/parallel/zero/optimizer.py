@@ -38,8 +38,9 @@ def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separat
             host = torch.empty(shard.shape, dtype=torch.float32, device=offload_device,
                                pin_memory=pin_memory and torch.cuda.is_available())
             masters.append(torch.nn.Parameter(host.copy_(shard)))
-        else:
-            masters.append(torch.nn.Parameter(shard.float().clone() if separate else shard))
+        else:                     # on the compute device, also for a stage-3 shard offloaded to the CPU
+            device = getattr(b, "compute_device", None) or shard.device
+            masters.append(torch.nn.Parameter(shard.to(device, torch.float32, copy=True) if separate else shard))
     out = [dict({k: v for k, v in g.items() if k != "params"},
                 params=[m for b, m in zip(buckets, masters) if b.group == gi]) for gi, g in enumerate(groups)]
     return [g for g in out if g["params"]], masters
@@ -68,24 +69,36 @@ class ShardedOptimizer:
         self.check_overflow = check_overflow
         self.last_grad_norm: float | None = None
         self.model_params = [p for b in buckets for p in b.params]
+        # Offloaded masters get their gradients in host buffers kept across steps, page-locked like the masters
+        # (a fresh empty_like each step would be pageable: its non_blocking copy would run synchronously).
+        self._host_grads: list[torch.Tensor | None] = [None] * len(masters)
+        # Before the host reads those gradients or writes the masters and offloaded shards, the device must be
+        # done with every copy queued from or to them: one stream sync per step when any master is off-device.
+        self._sync_host = any(m.device != b.grad_shard.device and b.grad_shard.is_cuda
+                              for b, m in zip(buckets, masters))
         prefer_fused_adam(optimizer)      # one flat fp32 shard per bucket: the fused kernel's best case
 
     def step(self) -> bool:
-        for b, m in zip(self.buckets, self.masters):
+        for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
             g = b.grad_shard
             if g.dtype == m.dtype and g.device == m.device:
                 m.grad = g                # fp32 on the master's device: the shard itself, no copy (zeroed after step)
                 continue
-            if m.grad is None:
-                m.grad = torch.empty_like(m)
+            if g.device == m.device:      # a cast on the device: a transient [S] fp32, freed after the step
+                m.grad = g.to(m.dtype)
+                continue
+            buf = self._host_grads[i]
+            if buf is None:
+                buf = self._host_grads[i] = torch.empty(m.shape, dtype=m.dtype, device=m.device,
+                                                        pin_memory=m.is_pinned())
             # Offloaded masters: device -> pinned host copies queue up without blocking; one sync below.
-            m.grad.copy_(b.grad_shard, non_blocking=True)
-        if self.masters and self.masters[0].device != self.buckets[0].grad_shard.device \
-                and self.buckets[0].grad_shard.is_cuda:
+            m.grad = buf.copy_(g, non_blocking=True)
+        if self._sync_host:
             torch.cuda.current_stream().synchronize()
         grads = [m.grad for m in self.masters]
         if self.check_overflow:
-            local = any(not bool(torch.isfinite(g).all()) for g in grads)
+            # One verdict for all buckets: a single device -> host read instead of one per bucket.
+            local = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
             overflow = self.flags_comm.all_reduce_object_max(float(local)) > 0
             if self.tp_grads is not None:
                 overflow = self.tp_grads.any_overflow(overflow)
@@ -99,8 +112,8 @@ class ShardedOptimizer:
         if self.clip > 0:
             if self.tp_grads is None:
                 sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
-                for g in grads:
-                    sq += g.double().pow(2).sum()
+                for g in grads:           # float64 accumulation without a float64 copy of the bucket
+                    sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
                 self.flags_comm.all_reduce(sq)
                 norm = math.sqrt(float(sq))
             else:                                  # [sliced, replicated] over dp, then slices over TP

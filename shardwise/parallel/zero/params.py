@@ -108,9 +108,10 @@ class FlatShard:
     def offload(self, device: torch.device, *, pin_memory: bool) -> None:
         """Keep the shard on `device` (the CPU) between uses; gathers still happen on the compute device."""
         self.compute_device = self.shard.device
-        self.shard = self.shard.to(device)
-        if pin_memory and torch.cuda.is_available():
-            self.shard = self.shard.pin_memory()
+        # One host copy, page-locked when asked (and CUDA exists), so the gathers' H2D copies can be asynchronous.
+        host = torch.empty(self.shard.shape, dtype=self.shard.dtype, device=device,
+                           pin_memory=pin_memory and torch.cuda.is_available())
+        self.shard = host.copy_(self.shard)
 
     def launch_gather(self, comm: Comm) -> Handle:
         device = self.compute_device or self.shard.device

@@ -243,7 +243,7 @@ class ZeroParamRuntime:
             p.grad = None
             return
         if flat.grad_full is None:
-            flat.grad_full = torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.shard.device)
+            flat.grad_full = _zeros_full(flat)
         off, n = flat.layout.offsets[i], flat.layout.sizes[i]
         flat.grad_full[off:off + n].copy_(p.grad.reshape(-1))
         p.grad = None                           # the full gradient is not kept: stage 2/3's saving
@@ -257,7 +257,7 @@ class ZeroParamRuntime:
     def _launch_reduce(self, flat: FlatShard) -> None:
         self._drain(self.max_reduce_in_flight - 1)
         if flat.grad_full is None:              # no parameter of it got a gradient in this backward
-            flat.grad_full = torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.shard.device)
+            flat.grad_full = _zeros_full(flat)
         # A separate [S] output: the input must not alias it.
         flat.received = torch.empty_like(flat.grad_shard)
         flat.handle = self.comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)],
@@ -323,3 +323,9 @@ class ZeroParamRuntime:
             self._free(u)
         named = {prefix + n: p for n, p in self._named.items()}
         self.loaded_placeholders = bool(load_full_tensors(self.partition, named, state_dict))
+
+
+def _zeros_full(flat: FlatShard) -> torch.Tensor:
+    """The [padded] full gradient of a flat, where its gradients are computed and reduce-scattered: the compute
+    device, also when offload_param keeps the parameter shard on the CPU (NCCL takes device tensors only)."""
+    return torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.compute_device or flat.shard.device)

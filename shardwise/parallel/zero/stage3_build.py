@@ -151,7 +151,9 @@ def build_stage3(cfg: Any, model: torch.nn.Module, groups: list[dict], *,
                                     dp_size=dp_comm.size, dp_rank=dp_comm.rank, bucket_numel=zero.reduce_bucket_size)
     flats = [f for f in partition.flats if f.group is not None]
     offload = zero.offload_optimizer if zero.offloads_optimizer else None
-    separate = dtype != torch.float32 or offload is not None
+    # offload_param alone keeps the optimizer on the compute device (as DeepSpeed does): the masters then cannot
+    # be the parameter shards, which wait on the CPU.
+    separate = dtype != torch.float32 or offload is not None or zero.offloads_params
     master_groups, masters = make_shard_masters(
         [*flats, *persistent], groups, separate=separate,  # type: ignore[list-item]
         offload_device=torch.device("cpu") if offload else None, pin_memory=bool(offload and offload.pin_memory))
