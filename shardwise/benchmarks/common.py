@@ -31,6 +31,16 @@ def positive_float(what: str = "") -> Callable[[str], float]:
     return parse
 
 
+def sequence_length(parser: argparse.ArgumentParser, value: int | None, limit: int, *, flag: str, model: str) -> int:
+    """``value`` (default: ``limit``), refused through ``parser`` (exit 2) past the model's learned position table."""
+    if value is None:
+        return limit
+    if value > limit:
+        parser.error(f"{flag} {value} exceeds the {model} model's seq_len {limit} (its learned position table): use "
+                     f"{flag} {limit} or less")
+    return value
+
+
 def run_under_launcher(module: str, nproc: int, argv: Sequence[str], *, threads_per_rank: int | None = None) -> int:
     """Start `python -m module *argv` on `nproc` local ranks through torch's elastic launcher (standalone
     rendezvous); returns its exit code. `threads_per_rank` sets OMP_NUM_THREADS for the ranks."""

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.benchmarks.common import (
-    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher,
+    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher, sequence_length,
 )
 from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
@@ -143,12 +143,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      f"stage(s) {', '.join(map(str, t.stages))}; leave it out")
     elif Trainer.DEEPSPEED.value in args.trainers and not has_deepspeed:
         parser.error("--trainers deepspeed: DeepSpeed is not installed (pip install deepspeed, or leave it out)")
-    limit = gpt_config(args.model).seq_len
-    if args.seq_len is None:
-        args.seq_len = limit
-    elif args.seq_len > limit:
-        parser.error(f"--seq-len {args.seq_len} exceeds the {args.model} preset's seq_len {limit} (its learned "
-                     f"position table): use --seq-len {limit} or less")
+    args.seq_len = sequence_length(parser, args.seq_len, gpt_config(args.model).seq_len, flag="--seq-len",
+                                   model=args.model)
     return args
 
 

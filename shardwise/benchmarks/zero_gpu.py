@@ -13,7 +13,7 @@ for stages 1 and 2. A row that fails (OOM, error) records its error and the run 
 
 The bandwidth section times, on [N] buffers (N: the fp32 gradient shard, i.e. every parameter at world size 1), a
 plain pinned copy (fp32 device <-> pinned fp32 host) against the copies ZeRO-Offload makes (parallel/zero/optimizer.py):
-the bf16 device grad shard into a fresh `empty_like(master)` fp32 host gradient (`ShardedOptimizer.step`) and the
+the bf16 device grad shard into the fp32 host gradient buffer kept across steps (`ShardedOptimizer.step`) and the
 fp32 master back to the device as bf16 (`_gather_params`). The JSON is rewritten after every row and section.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float
+from shardwise.benchmarks.common import int_at_least, positive_float, sequence_length
 from shardwise.benchmarks.trainers import token_batches
 
 GIB = 1 << 30
@@ -105,12 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a GPU machine "
                      f"with a CUDA build of torch, or use --device cpu")
-    limit = model_config(args.model).seq_len
-    if args.seq is None:
-        args.seq = limit
-    elif args.seq > limit:
-        parser.error(f"--seq {args.seq} exceeds the {args.model} model's seq_len {limit} (its learned position "
-                     f"table): use --seq {limit} or less")
+    args.seq = sequence_length(parser, args.seq, model_config(args.model).seq_len, flag="--seq", model=args.model)
     if args.micro_batch is None:
         args.micro_batch = 8 if args.model == "1b" else 4
     args.rows = [r.name for r in ROWS] if args.rows is None else args.rows
@@ -269,19 +264,15 @@ def bandwidth(numel: int, device: torch.device, reps: int) -> dict[str, Any]:
     dev16 = dev32.to(torch.bfloat16)                               # [N] the bf16 grad shard
     host32 = torch.empty(numel, pin_memory=pin).copy_(dev32)       # [N] pinned fp32: a plain copy's target
     master = torch.nn.Parameter(torch.empty(numel, pin_memory=pin).copy_(dev32))   # make_shard_masters' master
+    # ShardedOptimizer.step's host gradient buffer: allocated once, pinned like the master, kept across steps
+    grad_buf = torch.empty(master.shape, dtype=master.dtype, pin_memory=master.is_pinned())
     out: dict[str, Any] = {"numel": numel, "bytes_fp32": 4 * numel, "reps": reps, "host_pinned": host32.is_pinned(),
-                           "master_pinned": master.is_pinned(),     # and what ShardedOptimizer.step allocates:
-                           "empty_like_master_pinned": torch.empty_like(master).is_pinned()}
-
-    def zero_offload_d2h() -> None:        # ShardedOptimizer.step: fresh m.grad each step, cast copy (then a sync)
-        torch.empty_like(master).copy_(dev16, non_blocking=True)
-
+                           "master_pinned": master.is_pinned(), "grad_buffer_pinned": grad_buf.is_pinned()}
     cases: dict[str, Callable[[], Any]] = {
         "plain_d2h": lambda: host32.copy_(dev32, non_blocking=True),
         "plain_h2d": lambda: dev32.copy_(host32, non_blocking=True),
-        "zero_offload_d2h": zero_offload_d2h,
-        # the same cast copy into a pinned buffer kept across steps: what the D2H could cost
-        "pinned_cast_d2h": lambda: host32.copy_(dev16, non_blocking=True),
+        # ShardedOptimizer.step: the bf16 device grad shard cast into the kept fp32 host buffer (then a sync)
+        "zero_offload_d2h": lambda: grad_buf.copy_(dev16, non_blocking=True),
         # ShardedOptimizer._gather_params: the fp32 master to the device as bf16
         "zero_offload_h2d": lambda: master.detach().to(device=device, dtype=torch.bfloat16, non_blocking=True,
                                                        copy=True),
@@ -325,10 +316,10 @@ def print_report(result: dict[str, Any]) -> None:
     if "error" in bw:
         console.print(f"Bandwidth section: {bw['error']}")
         return
-    line = ", ".join(f"{k} {bw[k]['gb_per_s']:.1f}" for k in ("plain_d2h", "zero_offload_d2h", "pinned_cast_d2h",
-                                                               "plain_h2d", "zero_offload_h2d"))
+    line = ", ".join(f"{k} {bw[k]['gb_per_s']:.1f}" for k in ("plain_d2h", "zero_offload_d2h", "plain_h2d",
+                                                               "zero_offload_h2d"))
     pinned = ", ".join(f"{k.removesuffix('_pinned')} {bw[k]}" for k in ("host_pinned", "master_pinned",
-                                                                     "empty_like_master_pinned"))
+                                                                     "grad_buffer_pinned"))
     console.print(f"Offload copies of {bw['numel']:,} fp32 elements, GB/s (median of {bw['reps']}): {line}; time "
                   f"zero/plain: D2H {bw['d2h_ratio']:.2f}, H2D {bw['h2d_ratio']:.2f}. Pinned: {pinned}")
 

@@ -65,7 +65,7 @@ def test_stage_picks_the_counterparts_and_offload_reaches_the_config() -> None:
 
 @pytest.mark.parametrize("argv,fragment", [(["--steps", "0"], "must be an integer >= 1"),
                                            (["--model", "huge"], "invalid choice"),
-                                           (["--seq-len", "129"], "exceeds the tiny preset's seq_len 128"),
+                                           (["--seq-len", "129"], "exceeds the tiny model's seq_len 128"),
                                            (["--bucket-mb", "0"], "must be > 0"),
                                            (["--zero-stage", "3", "--trainers", "ddp"],
                                             "ddp has a counterpart only at stage(s) 0"),

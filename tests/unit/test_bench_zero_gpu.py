@@ -13,7 +13,7 @@ import torch
 from shardwise.benchmarks import zero_gpu as bench
 
 ROW_NAMES = [r.name for r in bench.ROWS]
-COPIES = ("plain_d2h", "plain_h2d", "zero_offload_d2h", "pinned_cast_d2h", "zero_offload_h2d")
+COPIES = ("plain_d2h", "plain_h2d", "zero_offload_d2h", "zero_offload_h2d")
 
 
 def _row(name: str, stage: int, step_s: list[float], offloads: bool = False) -> dict:

@@ -90,16 +90,21 @@ class PipelineTrainer:
             return [dict(g, params=[p for p in g["params"] if id(p) in mine]) for g in items]
         return [p for p in items if id(p) in mine]
 
+    def _read(self, data_iter: Iterator[Any] | None, num_micro: int, what: str) -> list[Any] | None:
+        """The step's micro-batches on a stage holding the first or last layers (None elsewhere: middle stages
+        read nothing, as in DeepSpeed)."""
+        if not self.needs_data:
+            return None
+        if data_iter is None:
+            raise UserError(f"{what}(data_iter): pipeline stage {self.stage.stage} holds the first or last layers and "
+                            f"reads {num_micro} micro-batches (inputs, labels) per step from data_iter; pass an "
+                            f"iterator")
+        return [next(data_iter) for _ in range(num_micro)]
+
     def train_batch(self, engine: Any, data_iter: Iterator[Any] | None) -> float:
         """One global batch through the pipeline and one optimizer step; the mean loss on every rank."""
         num_micro = self.runtime.num_microbatches
-        micro = None
-        if self.needs_data:
-            if data_iter is None:
-                raise UserError(f"engine.train_batch(data_iter): pipeline stage {self.stage.stage} holds the first or "
-                                f"last layers and reads {num_micro} micro-batches (inputs, labels) per step from "
-                                f"data_iter; pass an iterator")
-            micro = [next(data_iter) for _ in range(num_micro)]
+        micro = self._read(data_iter, num_micro, "engine.train_batch")
         engine.ledger.begin_step(engine.global_steps)
         engine.module.train()
         result = self.runtime.step(micro, loss_scale=engine.optimizer_step.scaler.loss_scale,
@@ -119,13 +124,7 @@ class PipelineTrainer:
     def eval_batch(self, engine: Any, data_iter: Iterator[Any] | None, num_micro: int) -> float:
         """``num_micro`` micro-batches forward only (`PipelineRuntime.evaluate`), the module in eval mode; the
         mean loss on every rank, gathered like `train_batch`'s."""
-        micro = None
-        if self.needs_data:
-            if data_iter is None:
-                raise UserError(f"engine.eval_batch(data_iter): pipeline stage {self.stage.stage} holds the first or "
-                                f"last layers and reads {num_micro} micro-batches (inputs, labels) from data_iter; "
-                                f"pass an iterator")
-            micro = [next(data_iter) for _ in range(num_micro)]
+        micro = self._read(data_iter, num_micro, "engine.eval_batch")
         was_training = engine.module.training
         engine.module.eval()
         try:
