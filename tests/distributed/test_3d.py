@@ -8,7 +8,8 @@
   time); the parameters held between steps are ~1/dp of the stage's;
 - 8 ranks as pp = 2 x dp = 2 x tp = 2 with ZeRO-1 and ZeRO-3.
 Every case accumulates gradients (= micro-batches) and clips with a norm that engages (TP slices summed over
-tp, every stage's layers over pp, shards over dp). Losses and gathered parameters after 4 steps, rtol 1e-5.
+tp, every stage's layers over pp, shards over dp). Losses and gathered parameters after 4 steps, rtol 1e-5; then
+`engine.eval_batch` on 3 micro-batches of another sequence length equals the trained reference's eval loss.
 """
 
 from __future__ import annotations
@@ -50,7 +51,16 @@ def global_batches(rows: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (rows, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference(case: dict, dp: int) -> tuple[list[float], dict]:
+EVAL_SEQ, EVAL_MICRO_BATCHES = 8, 3
+
+
+def eval_batch(dp: int) -> torch.Tensor:
+    """[MICRO * 3 * dp, EVAL_SEQ + 1] tokens: each dp rank's 3 eval micro-batches, shorter than training's."""
+    g = torch.Generator().manual_seed(13)
+    return torch.randint(0, 256, (MICRO * EVAL_MICRO_BATCHES * dp, EVAL_SEQ + 1), generator=g)
+
+
+def reference(case: dict, dp: int) -> tuple[list[float], dict, float]:
     model = tiny_gpt()
     rows = MICRO * case["gas"] * dp
     steps = [[(m[:, :-1], m[:, 1:]) for m in shard_global_batch(b, dp_size=1, dp_rank=0, grad_accum=case["gas"] * dp)]
@@ -58,7 +68,11 @@ def reference(case: dict, dp: int) -> tuple[list[float], dict]:
     cls = torch.optim.AdamW if case["optimizer"] is ADAMW else torch.optim.SGD
     losses = reference_train(model, cls(model.parameters(), **case["optimizer"]["params"]), steps,
                              loss_fn=lambda m, mb: m(*mb), clip=CLIP)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():   # equal micro-batches: their mean loss is the whole batch's
+        rows = eval_batch(dp)
+        eval_loss = float(model(rows[:, :-1], rows[:, 1:]))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss
 
 
 def _run(case: dict) -> dict:
@@ -80,6 +94,9 @@ def _run(case: dict) -> dict:
         micro = [(m[:, :-1], m[:, 1:]) for m in shard_global_batch(b, dp_size=dp, dp_rank=engine.dp_rank,
                                                                     grad_accum=case["gas"])]
         losses.append(engine.train_batch(iter(micro)))
+    micro = [(m[:, :-1], m[:, 1:]) for m in shard_global_batch(eval_batch(dp), dp_size=dp, dp_rank=engine.dp_rank,
+                                                                grad_accum=EVAL_MICRO_BATCHES)]
+    eval_loss = engine.eval_batch(iter(micro), num_micro_batches=EVAL_MICRO_BATCHES)
     stage = engine.pipeline.stage
     local = engine.grad_sync.gathered_state_dict(rank0_only=False) if case["zero"] == 3 else None
     if engine.tp_comm is not None:
@@ -90,7 +107,7 @@ def _run(case: dict) -> dict:
     parts: list = [None] * world
     dist.all_gather_object(parts, {names[k]: v for k, v in local.items()})
     stage_numel = sum(v.numel() for v in local.values())
-    out = {"losses": losses, "state": {k: v for p in parts for k, v in p.items()}, "dp": dp,
+    out = {"losses": losses, "eval": eval_loss, "state": {k: v for p in parts for k, v in p.items()}, "dp": dp,
            "norm": engine.optimizer_step.last_grad_norm, "param_bytes": engine.memory_report()["params"],
            "stage_numel": stage_numel, "groups": sorted({c["group"] for c in engine.comm_report()})}
     engine.close()
@@ -113,12 +130,13 @@ def test_three_d_with_data_parallel_on_8_ranks() -> None:
 def _check(cases: dict, results: list[dict]) -> None:
     torch.set_num_threads(1)
     for name, case in cases.items():
-        ref_losses, ref_state = reference(case, results[0][name]["dp"])
+        ref_losses, ref_state, ref_eval = reference(case, results[0][name]["dp"])
         norms = {r[name]["norm"] for r in results}
         assert len(norms) == 1 and norms.pop() > CLIP, f"{name}: every rank clips by the one global norm"
         for rank, res in enumerate(results):
             got = res[name]
             assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"{name} rank {rank} losses")
+            assert_close_lists([got["eval"]], [ref_eval], rtol=1e-5, what=f"{name} rank {rank} eval loss")
             groups = set(got["groups"])
             assert "pp" in groups and ("tp" in groups) == (case["tp"] > 1) and ("dp" in groups) == (got["dp"] > 1)
             assert_state_close(got["state"], ref_state, what=f"{name} rank {rank}", adam=case["optimizer"] is ADAMW)
