@@ -161,6 +161,8 @@ class ShardedOptimizer:
         total = optimizer_state_bytes(self.optimizer)
         if self.separate_masters:
             total += sum(m.numel() * m.element_size() for m in self.masters)
+        # the offloaded masters' host gradient buffers (kept across steps, as DeepSpeed keeps its CPU fp32 grads)
+        total += sum(b.numel() * b.element_size() for b in self._host_grads if b is not None)
         return total
 
     @property
