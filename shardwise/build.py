@@ -261,6 +261,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank)
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
+        engine.training_dataloader = loader
     return engine, opt, loader, sched
 
 

@@ -89,6 +89,10 @@ class Engine:
         self._last_activation_bytes = 0
         self._last_report_step = -1
         self._unpack_args = _forward_wants_unpacking(module)
+        # The loader `initialize(training_data=...)` built (set there), and the iterator train_batch() reads when
+        # given none: DeepSpeed's PipelineEngine loop `for step in ...: engine.train_batch()`.
+        self.training_dataloader: Any = None
+        self._data_iterator: Iterator[Any] | None = None
         self.ledger.begin_step(0)
 
     # -- identity -----------------------------------------------------------------------------------
@@ -183,13 +187,26 @@ class Engine:
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
 
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator `train_batch()` reads when called without one (DeepSpeed's PipelineEngine call)."""
+        self._data_iterator = iterator
+
+    def _default_iterator(self) -> Iterator[Any] | None:
+        if self._data_iterator is None and self.training_dataloader is not None:
+            self._data_iterator = repeating(self.training_dataloader)
+        return self._data_iterator
+
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> float:
-        """One global batch: gradient_accumulation_steps micro-batches from `data_iter`, one optimizer
+        """One global batch: gradient_accumulation_steps micro-batches from `data_iter` (default: the iterator
+        of `set_dataiterator`, else the `initialize(training_data=...)` loader, restarted at its end), one optimizer
         step. Returns the loss averaged over micro-batches and data-parallel ranks."""
+        if data_iter is None:
+            data_iter = self._default_iterator()
         if self.pipeline is not None:
             return self.pipeline.train_batch(self, data_iter)
         if data_iter is None:
-            raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches")
+            raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
+                            "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(self.gradient_accumulation_steps):
             loss = self(next(data_iter))
@@ -283,6 +300,24 @@ class Engine:
         self.grad_sync.close()
         if self.pipeline is not None:
             self.pipeline.runtime.close()
+
+
+def repeating(loader: Any) -> Iterator[Any]:
+    """DeepSpeed's RepeatingLoader: the batches of ``loader``, started over at its end with the next epoch of its
+    sampler (a DistributedSampler reshuffles per epoch)."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise UserError("the training data gives no batch on this rank: it needs at least micro_batch x "
+                            "data-parallel ranks samples (the loader drops an incomplete last batch)")
+        epoch += 1
 
 
 def _forward_wants_unpacking(module: torch.nn.Module) -> bool:

@@ -67,7 +67,6 @@ def no_dropout(model: nn.Module) -> None:
 
 def _case(name: str) -> dict:
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     case = CASES[name]
     world = dist.get_world_size()
     model = tiny_gpt()
@@ -88,7 +87,7 @@ def _case(name: str) -> dict:
              engine.eval_batch(iter(data["eval_other"]), num_micro_batches=EVAL_M)]
     training_mode = engine.module.training
     train.append(engine.train_batch(iter(data["train2"])) if case["pp"] > 1 else _loop_step(engine, data["train2"]))
-    state = consolidated_state_dict(engine)
+    state = consolidated_state(engine)
     engine.close()
     return {"train": train, "eval": evals, "training_mode": training_mode, "state": state}
 
@@ -105,9 +104,40 @@ def _loop_step(engine, micro: list[tuple]) -> float:
     return float(t) / dist.get_world_size()
 
 
+def dataset() -> list[tuple]:
+    """12 samples (inputs, labels) of SEQ tokens: 3 micro-batches of 2 per dp rank and epoch at dp = 2."""
+    g = torch.Generator().manual_seed(21)
+    rows = torch.randint(0, 256, (12, SEQ + 1), generator=g)
+    return [(r[:-1], r[1:]) for r in rows]
+
+
+def _training_data_case() -> dict:
+    """DeepSpeed's pipeline loop: initialize(training_data=...) then engine.train_batch() with no iterator; 3 steps
+    of 2 micro-batches run past the end of the 3 batches each dp rank has per epoch."""
+    import shardwise
+    model = tiny_gpt()
+    no_dropout(model)
+    config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+              "pipeline": {"stages": 2, "schedule": "1f1b"}}
+    engine, _, loader, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=dataset())
+    losses = [engine.train_batch() for _ in range(3)]
+    state = consolidated_state(engine)
+    engine.close()
+    return {"losses": losses, "state": state, "loader": loader is not None}
+
+
+def consolidated_state(engine) -> dict | None:
+    from shardwise.engine_checkpoint import consolidated_state_dict
+    return consolidated_state_dict(engine)
+
+
 def _all_cases() -> dict:
     torch.set_num_threads(1)
-    return {name: _case(name) for name in CASES}
+    out = {name: _case(name) for name in CASES}
+    out["training_data"] = _training_data_case()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +186,35 @@ def test_eval_batch_matches_single_process(runs, name):
         assert out["training_mode"], f"{name}: eval_batch left the module in eval mode"
     state = runs[0][name]["state"]
     assert_state_close({k: state[k] for k in ref_state}, ref_state, what=f"{name} parameters after eval and train")
+
+
+def test_train_batch_reads_the_training_data_loader(runs):
+    """The reference reads the samples in DistributedSampler's order (dp = 2, reshuffled each epoch) in micro-batches
+    of 2; micro-step k of a step concatenates both dp ranks' k-th micro-batch."""
+    from torch.utils.data.distributed import DistributedSampler
+    data, dp = dataset(), 2
+    per_rank: list[list[tuple]] = [[] for _ in range(dp)]
+    for epoch in range(2):
+        for r in range(dp):
+            sampler = DistributedSampler(data, num_replicas=dp, rank=r)
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            for k in range(0, len(order), MICRO):
+                rows = [data[i] for i in order[k:k + MICRO]]
+                per_rank[r].append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+    micro = [(torch.cat([per_rank[r][k][0] for r in range(dp)]), torch.cat([per_rank[r][k][1] for r in range(dp)]))
+             for k in range(6)]
+    model = tiny_gpt()
+    no_dropout(model)
+    ref = reference_train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                          [micro[0:2], micro[2:4], micro[4:6]], loss_fn=lambda mod, mb: mod(*mb))
+    for rank, res in enumerate(runs):
+        got = res["training_data"]
+        assert got["loader"]
+        assert_close_lists(got["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} train_batch() losses")
+    ref_state = {k: t.detach() for k, t in model.state_dict().items()}
+    state = runs[0]["training_data"]["state"]
+    assert_state_close({k: state[k] for k in ref_state}, ref_state, what="parameters after 3 train_batch() steps")
 
 
 def test_eval_loss_differs_from_train_mode_loss():

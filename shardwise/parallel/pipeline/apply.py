@@ -98,7 +98,7 @@ class PipelineTrainer:
         if data_iter is None:
             raise UserError(f"{what}(data_iter): pipeline stage {self.stage.stage} holds the first or last layers and "
                             f"reads {num_micro} micro-batches (inputs, labels) per step from data_iter; pass an "
-                            f"iterator")
+                            f"iterator (or initialize(training_data=...) for train_batch())")
         return [next(data_iter) for _ in range(num_micro)]
 
     def train_batch(self, engine: Any, data_iter: Iterator[Any] | None) -> float:

@@ -1,0 +1,68 @@
+"""`shardwise.initialize(training_data=...)` then `engine.train_batch()` without an iterator, as DeepSpeed's
+pipeline examples train, here without a pipeline (dp = 2): the engine reads its DistributedSampler loader,
+restarted (and reshuffled) at its end, and equals the single-process reference on the same samples;
+`engine.set_dataiterator` takes over."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.testing import assert_close_lists, reference_train, run_distributed
+
+SEQ, MICRO, DP, GAS = 8, 2, 2, 2
+
+
+def dataset() -> list[tuple]:
+    """10 samples: 5 per dp rank, so 2 micro-batches of 2 per epoch (the loader drops the fifth)."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 256, (10, SEQ + 1), generator=g)
+    return [(r[:-1], r[1:]) for r in rows]
+
+
+def tiny_gpt() -> torch.nn.Module:
+    from shardwise.models import GPT, gpt_config
+    torch.manual_seed(1234)
+    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
+
+
+def _train() -> dict:
+    import shardwise
+    torch.set_num_threads(1)
+    model = tiny_gpt()
+    config = {"train_batch_size": MICRO * GAS * DP, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}
+    engine, _, loader, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                training_data=dataset())
+    losses = [engine.train_batch() for _ in range(3)]     # 3 epochs: each step is one epoch here
+    fixed = next(iter(loader))                           # then an iterator of our own takes over
+    engine.set_dataiterator(iter([fixed] * GAS))
+    losses.append(engine.train_batch())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "state": state, "rank": dist.get_rank(), "fixed": fixed}
+
+
+def test_train_batch_reads_the_training_data_and_set_dataiterator():
+    from torch.utils.data.distributed import DistributedSampler
+    results = run_distributed(_train, DP, timeout=180)
+    data = dataset()
+    steps = []
+    for epoch in range(3):
+        batches = []
+        for r in range(DP):
+            sampler = DistributedSampler(data, num_replicas=DP, rank=r)
+            sampler.set_epoch(epoch)
+            order = list(sampler)[:MICRO * GAS]
+            batches.append([[data[i] for i in order[k:k + MICRO]] for k in range(0, MICRO * GAS, MICRO)])
+        # micro-step k: both ranks' k-th micro-batch (the dp mean of equal batches is the mean of their union)
+        steps.append([(torch.stack([x for r in range(DP) for x, _ in batches[r][k]]),
+                       torch.stack([y for r in range(DP) for _, y in batches[r][k]])) for k in range(GAS)])
+    fixed = [results[r]["fixed"] for r in range(DP)]
+    steps.append([(torch.cat([f[0] for f in fixed]), torch.cat([f[1] for f in fixed]))] * GAS)
+    model = tiny_gpt()
+    ref = reference_train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps,
+                          loss_fn=lambda mod, mb: mod(*mb))
+    for res in results:
+        assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {res['rank']} losses")
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5)
