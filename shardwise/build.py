@@ -193,6 +193,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
         raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict)")
+    if getattr(model, "num_stages", None) is not None and hasattr(model, "pipeline_block"):
+        from shardwise.config.load import read_config
+        config = model.pipeline_block(read_config(config))   # shardwise.pipe.PipelineModule(num_stages=...)
     init_distributed()
     ledger = CommLedger()
     world = dist.get_world_size()

@@ -66,3 +66,65 @@ def test_train_batch_reads_the_training_data_and_set_dataiterator():
         assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {res['rank']} losses")
         for k, v in model.state_dict().items():
             torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5)
+
+
+# ----- a DeepSpeed pipeline script, imports changed: shardwise.pipe.PipelineModule + training_data -----
+
+def ds_style_net() -> torch.nn.Module:
+    """DeepSpeed's pipeline example in small: LayerSpecs (each under its own seed), modules and a lambda, a
+    classification loss, 2 stages cut by parameter counts."""
+    from torch import nn
+
+    from shardwise.pipe import LayerSpec, PipelineModule
+    layers = [LayerSpec(nn.Linear, 12, 16), nn.Tanh(), lambda x: x * 0.5, LayerSpec(nn.Linear, 16, 16), nn.Tanh(),
+              LayerSpec(nn.Linear, 16, 4)]
+    torch.manual_seed(99)    # the plain modules' (none have parameters here) and everything else's seed
+    return PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters",
+                          seed_layers=True)
+
+
+def classes() -> list[tuple]:
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g)
+    return [(x[i], y[i]) for i in range(16)]
+
+
+def _ds_style() -> dict:
+    import shardwise
+    torch.set_num_threads(1)
+    net = ds_style_net()
+    config = {"train_batch_size": MICRO * GAS * DP, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}      # no "pipeline" block: the module's
+    engine, _, _, _ = shardwise.initialize(model=net, model_parameters=[p for p in net.parameters()
+                                                                        if p.requires_grad],
+                                           config=config, training_data=classes())
+    losses = [engine.train_batch() for _ in range(3)]
+    from shardwise.engine_checkpoint import consolidated_state_dict
+    return {"losses": losses, "state": consolidated_state_dict(engine), "stages": engine.pipeline.stage.num_stages,
+            "partition": engine.config.pipeline.partition.value, "schedule": engine.config.pipeline.schedule.value}
+
+
+def test_deepspeed_style_pipeline_module_script():
+    from torch.utils.data.distributed import DistributedSampler
+    results = run_distributed(_ds_style, 4, timeout=180)
+    data = classes()
+    orders = []
+    for epoch in range(2):
+        for r in range(DP):
+            s = DistributedSampler(data, num_replicas=DP, rank=r)
+            s.set_epoch(epoch)
+            orders.append((epoch, r, list(s)))
+    # per dp rank: its micro-batches in order over epochs (4 per epoch: 8 samples / 2)
+    per_rank = {r: [o[k:k + MICRO] for e, rr, o in orders if rr == r for k in range(0, len(o), MICRO)]
+                for r in range(DP)}
+    micro = [(torch.stack([data[i][0] for r in range(DP) for i in per_rank[r][k]]),
+              torch.stack([data[i][1] for r in range(DP) for i in per_rank[r][k]])) for k in range(3 * GAS)]
+    net = ds_style_net()
+    ref = reference_train(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                          [micro[k:k + GAS] for k in range(0, 3 * GAS, GAS)], loss_fn=lambda mod, mb: mod(*mb))
+    for rank, res in enumerate(results):
+        assert (res["stages"], res["partition"], res["schedule"]) == (2, "parameters", "1f1b")
+        assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} losses")
+    state = results[0]["state"]
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
