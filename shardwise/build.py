@@ -261,7 +261,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     if training_data is not None:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
-        sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank)
+        # DeepSpeed's PipelineEngine reads its training data in order (shuffle=False); its plain engine shuffles
+        sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank,
+                                     shuffle=pipeline is None)
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
         engine.training_dataloader = loader

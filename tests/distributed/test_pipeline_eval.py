@@ -189,15 +189,15 @@ def test_eval_batch_matches_single_process(runs, name):
 
 
 def test_train_batch_reads_the_training_data_loader(runs):
-    """The reference reads the samples in DistributedSampler's order (dp = 2, reshuffled each epoch) in micro-batches
-    of 2; micro-step k of a step concatenates both dp ranks' k-th micro-batch."""
+    """The reference reads the samples in DistributedSampler's order (dp = 2, not shuffled under a pipeline, as
+    DeepSpeed's PipelineEngine reads them) in micro-batches of 2; micro-step k of a step concatenates both dp
+    ranks' k-th micro-batch."""
     from torch.utils.data.distributed import DistributedSampler
     data, dp = dataset(), 2
     per_rank: list[list[tuple]] = [[] for _ in range(dp)]
     for epoch in range(2):
         for r in range(dp):
-            sampler = DistributedSampler(data, num_replicas=dp, rank=r)
-            sampler.set_epoch(epoch)
+            sampler = DistributedSampler(data, num_replicas=dp, rank=r, shuffle=False)
             order = list(sampler)
             for k in range(0, len(order), MICRO):
                 rows = [data[i] for i in order[k:k + MICRO]]

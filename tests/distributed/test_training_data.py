@@ -89,31 +89,63 @@ def classes() -> list[tuple]:
     return [(x[i], y[i]) for i in range(16)]
 
 
+DS_CONFIG = {"train_batch_size": MICRO * GAS * DP, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 1000}   # no "pipeline" block
+
+
 def _ds_style() -> dict:
     import shardwise
     torch.set_num_threads(1)
     net = ds_style_net()
-    config = {"train_batch_size": MICRO * GAS * DP, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}      # no "pipeline" block: the module's
     engine, _, _, _ = shardwise.initialize(model=net, model_parameters=[p for p in net.parameters()
                                                                         if p.requires_grad],
-                                           config=config, training_data=classes())
+                                           config=DS_CONFIG, training_data=classes())
     losses = [engine.train_batch() for _ in range(3)]
     from shardwise.engine_checkpoint import consolidated_state_dict
-    return {"losses": losses, "state": consolidated_state_dict(engine), "stages": engine.pipeline.stage.num_stages,
-            "partition": engine.config.pipeline.partition.value, "schedule": engine.config.pipeline.schedule.value}
+    out = {"losses": losses, "state": consolidated_state_dict(engine), "stages": engine.pipeline.stage.num_stages,
+           "partition": engine.config.pipeline.partition.value, "schedule": engine.config.pipeline.schedule.value}
+    engine.close()
+    out["deepspeed"] = _deepspeed_losses()
+    return out
 
 
-def test_deepspeed_style_pipeline_module_script():
+def _deepspeed_losses() -> list[float]:
+    """The same script under DeepSpeed itself (deepspeed.pipe, CPU, gloo). Its seed_layers fails on Python 3.11
+    (random.seed of a non-int) and each stage builds only its own layers, so its weights are copied from the full
+    model built as above."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from torch import nn
+    deepspeed.init_distributed(dist_backend="gloo")     # joins the process group already there
+    layers = [LayerSpec(nn.Linear, 12, 16), nn.Tanh(), lambda x: x * 0.5, LayerSpec(nn.Linear, 16, 16), nn.Tanh(),
+              LayerSpec(nn.Linear, 16, 4)]
+    net = PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2, partition_method="parameters")
+    full = ds_style_net()
+    with torch.no_grad():
+        for name, p in net.named_parameters():          # "<layer index>.<parameter>"
+            index, rest = name.split(".", 1)
+            p.copy_(full.layers[int(index)].get_parameter(rest))
+    # Its own training_data loader starts worker processes, which a test's daemonic rank cannot: the same
+    # unshuffled DistributedSampler order, repeated, goes in as data_iter instead.
+    from deepspeed.utils import RepeatingLoader
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters()
+                                                                        if p.requires_grad], config=DS_CONFIG)
+    sampler = DistributedSampler(classes(), num_replicas=DP, rank=engine.grid.get_data_parallel_rank(),
+                                 shuffle=False)
+    data = iter(RepeatingLoader(DataLoader(classes(), batch_size=MICRO, sampler=sampler, drop_last=True)))
+    return [float(engine.train_batch(data_iter=data)) for _ in range(3)]
+
+
+def test_deepspeed_pipeline_module_script_equals_reference_and_deepspeed():
     from torch.utils.data.distributed import DistributedSampler
     results = run_distributed(_ds_style, 4, timeout=180)
     data = classes()
     orders = []
-    for epoch in range(2):
+    for epoch in range(2):   # in order under a pipeline, as DeepSpeed's PipelineEngine reads
         for r in range(DP):
-            s = DistributedSampler(data, num_replicas=DP, rank=r)
-            s.set_epoch(epoch)
-            orders.append((epoch, r, list(s)))
+            orders.append((epoch, r, list(DistributedSampler(data, num_replicas=DP, rank=r, shuffle=False))))
     # per dp rank: its micro-batches in order over epochs (4 per epoch: 8 samples / 2)
     per_rank = {r: [o[k:k + MICRO] for e, rr, o in orders if rr == r for k in range(0, len(o), MICRO)]
                 for r in range(DP)}
@@ -125,6 +157,7 @@ def test_deepspeed_style_pipeline_module_script():
     for rank, res in enumerate(results):
         assert (res["stages"], res["partition"], res["schedule"]) == (2, "parameters", "1f1b")
         assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} losses")
+        assert_close_lists(res["losses"], res["deepspeed"], rtol=1e-5, atol=1e-6, what=f"rank {rank} vs DeepSpeed")
     state = results[0]["state"]
     for k, v in net.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
