@@ -1,4 +1,5 @@
-"""`shardwise bench {dp,allreduce,pipeline,tp} --nproc N [OPTIONS...]`: run a side-by-side benchmark on N local ranks.
+"""`shardwise bench {dp,allreduce,pipeline,pipeline_engines,tp} --nproc N [OPTIONS...]`: run a side-by-side
+benchmark on N local ranks.
 
 Each benchmark lives in `shardwise.benchmarks.<name>` and is started through torch's elastic launcher; the
 options after the benchmark name are that module's own (see `shardwise bench dp --nproc 2 --help`).
@@ -15,6 +16,7 @@ BENCHMARKS = {
     "dp": "shardwise vs torch DDP (stage 0), DeepSpeed (stages 0-3, --offload) and FSDP2 (stage 3): step time, ratios, memory",
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
+    "pipeline_engines": "shardwise engine.train_batch vs DeepSpeed's PipelineEngine (1F1B): step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
 }
 
