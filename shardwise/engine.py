@@ -196,14 +196,15 @@ class Engine:
             self._data_iterator = repeating(self.training_dataloader)
         return self._data_iterator
 
-    def train_batch(self, data_iter: Iterator[Any] | None = None) -> float:
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One global batch: gradient_accumulation_steps micro-batches from `data_iter` (default: the iterator
         of `set_dataiterator`, else the `initialize(training_data=...)` loader, restarted at its end), one optimizer
-        step. Returns the loss averaged over micro-batches and data-parallel ranks."""
+        step. Returns the loss averaged over micro-batches and data-parallel ranks, the same on every rank: a
+        0-dim tensor, as DeepSpeed returns (`loss.item()`, `float(loss)`)."""
         if data_iter is None:
             data_iter = self._default_iterator()
         if self.pipeline is not None:
-            return self.pipeline.train_batch(self, data_iter)
+            return _loss_value(self.pipeline.train_batch(self, data_iter))
         if data_iter is None:
             raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
                             "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
@@ -215,10 +216,10 @@ class Engine:
             total += loss.detach().float().cpu()
         total /= self.gradient_accumulation_steps
         self.metrics_comm.all_reduce(total)
-        return float(total) / self.dp_size
+        return _loss_value(float(total) / self.dp_size)
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> float:
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
         """The mean loss of `num_micro_batches` (default gradient_accumulation_steps) micro-batches from
         `data_iter`, in eval mode and without gradients, averaged over data-parallel ranks; the same number on
         every rank (DeepSpeed's PipelineEngine.eval_batch, also without a pipeline). Gradients, optimizer and
@@ -227,7 +228,7 @@ class Engine:
         if count < 1:
             raise UserError(f"engine.eval_batch: num_micro_batches = {count}; it must be >= 1")
         if self.pipeline is not None:
-            return self.pipeline.eval_batch(self, data_iter, count)
+            return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
         if data_iter is None:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         was_training = self.module.training
@@ -243,7 +244,7 @@ class Engine:
             self.module.train(was_training)
         total /= count
         self.metrics_comm.all_reduce(total)
-        return float(total) / self.dp_size
+        return _loss_value(float(total) / self.dp_size)
 
     # -- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -300,6 +301,12 @@ class Engine:
         self.grad_sync.close()
         if self.pipeline is not None:
             self.pipeline.runtime.close()
+
+
+def _loss_value(value: float) -> torch.Tensor:
+    """A step's reported loss as DeepSpeed hands it back: a 0-dim tensor (float64 on the CPU: exactly the mean the
+    ranks agreed on; no device sync is left to the caller)."""
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def repeating(loader: Any) -> Iterator[Any]:

@@ -109,7 +109,7 @@ def train(args: WorkerArgs) -> None:
         for step in range(1, args.steps + 1):
             lr = engine.get_lr()[0]                # the rate this step's update uses (read before it)
             t0 = time.perf_counter()
-            loss = engine.train_batch(loader)      # mean over micro-batches and data-parallel ranks
+            loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
             step_time = time.perf_counter() - t0
             if is_main:
                 assert writer is not None

@@ -106,7 +106,7 @@ def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed(stage):
     scales = [r["scale"] for r in rows]
     assert any(b > a for a, b in zip(scales, scales[1:])), f"scale never grew: {scales}"
     assert any(b < a for a, b in zip(scales, scales[1:])), f"scale never shrank: {scales}"
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert all(torch.isfinite(torch.as_tensor(r["loss"])) for r in rows)
 
 
 # -- bf16 -----------------------------------------------------------------------------------------------

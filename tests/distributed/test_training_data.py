@@ -39,7 +39,10 @@ def _train() -> dict:
     engine.set_dataiterator(iter([fixed] * GAS))
     losses.append(engine.train_batch())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state, "rank": dist.get_rank(), "fixed": fixed}
+    # DeepSpeed hands the loss back as a tensor: scripts call .item() on it
+    as_deepspeed = all(torch.is_tensor(x) and x.dim() == 0 and isinstance(x.item(), float) for x in losses)
+    return {"losses": [float(x) for x in losses], "state": state, "rank": dist.get_rank(), "fixed": fixed,
+            "as_deepspeed": as_deepspeed}
 
 
 def test_train_batch_reads_the_training_data_and_set_dataiterator():
@@ -63,6 +66,7 @@ def test_train_batch_reads_the_training_data_and_set_dataiterator():
     ref = reference_train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps,
                           loss_fn=lambda mod, mb: mod(*mb))
     for res in results:
+        assert res["as_deepspeed"], "train_batch must return a 0-dim tensor, as DeepSpeed does"
         assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {res['rank']} losses")
         for k, v in model.state_dict().items():
             torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5)
