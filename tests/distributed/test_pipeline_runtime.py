@@ -34,8 +34,7 @@ DIRECT_P2 = [[(2, "gpipe", 1, 4, 4), (2, "1f1b", 1, 3, 4)],                     
 SWEEP = [(p, kind, m, eager) for p in (2, 3, 4) for kind in ("gpipe", "1f1b", "interleaved_1f1b") for m in (1, 2, 3, 5)
          for eager in (True, False)]
 ENGINE = {
-    # eps 1e-6: a weight whose first gradient is rounding noise (|g| 2e-9 against a median 5e-4 in v_proj) would
-    # otherwise get Adam's first update lr * g / (|g| + eps) ~ lr / 5, with the noise's relative error in it.
+    # eps 1e-6: a v_proj weight's first gradient is rounding noise (2e-9); lr * g / (|g| + 1e-8) would amplify it
     "pp2dp2_adamw_1f1b": dict(pp=2, schedule="1f1b", v=1, gas=4, zero=0, clip=0.0,
                               optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "eps": 1e-6}}),
     "pp2dp2_sgd_interleaved_clip": dict(pp=2, schedule="interleaved_1f1b", v=2, gas=2, zero=0, clip=0.1,
