@@ -214,9 +214,7 @@ class Engine:
             self.backward(loss)
             self.step()
             total += loss.detach().float().cpu()
-        total /= self.gradient_accumulation_steps
-        self.metrics_comm.all_reduce(total)
-        return _loss_value(float(total) / self.dp_size)
+        return self._dp_mean(total, self.gradient_accumulation_steps)
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
@@ -227,13 +225,13 @@ class Engine:
         count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
         if count < 1:
             raise UserError(f"engine.eval_batch: num_micro_batches = {count}; it must be >= 1")
-        if self.pipeline is not None:
-            return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
-        if data_iter is None:
+        if self.pipeline is None and data_iter is None:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         was_training = self.module.training
         self.module.eval()
         try:
+            if self.pipeline is not None:
+                return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
             total = torch.zeros((), dtype=torch.float32)
             for _ in range(count):
                 loss = self(next(data_iter))
@@ -242,6 +240,11 @@ class Engine:
                 total += loss.float().cpu()
         finally:
             self.module.train(was_training)
+        return self._dp_mean(total, count)
+
+    def _dp_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        """``total`` (the sum of this rank's ``count`` micro-batch losses) as the mean over micro-batches and
+        data-parallel ranks: one all-reduce; the same value on every rank."""
         total /= count
         self.metrics_comm.all_reduce(total)
         return _loss_value(float(total) / self.dp_size)

@@ -78,10 +78,6 @@ class PipelineTrainer:
     last: StepResult | None = None
     """The last step's result: its loss, peak in-flight micro-batches and per-action trace (for timelines)."""
 
-    @property
-    def needs_data(self) -> bool:
-        return any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
-
     def owned(self, model_parameters: Iterable[Any]) -> list[Any]:
         """``model_parameters`` (tensors or param-group dicts, from the full model) restricted to this stage's."""
         mine = {id(p) for p in self.stage.parameters()}
@@ -93,7 +89,7 @@ class PipelineTrainer:
     def _read(self, data_iter: Iterator[Any] | None, num_micro: int, what: str) -> list[Any] | None:
         """The step's micro-batches on a stage holding the first or last layers (None elsewhere: middle stages
         read nothing, as in DeepSpeed)."""
-        if not self.needs_data:
+        if not self.stage.reads_data:
             return None
         if data_iter is None:
             raise UserError(f"{what}(data_iter): pipeline stage {self.stage.stage} holds the first or last layers and "
@@ -110,28 +106,23 @@ class PipelineTrainer:
         result = self.runtime.step(micro, loss_scale=engine.optimizer_step.scaler.loss_scale,
                                    grad_sync=engine.grad_sync)
         self.last = result
-        loss = torch.tensor([result.loss if result.loss is not None else 0.0], dtype=torch.float32,
-                            device=engine.device)
-        self.pp_comm.broadcast(loss, src_group_rank=self.stage.num_stages - 1)
-        self.dp_metrics.all_reduce(loss)
+        loss = self._agreed_mean(result.losses, engine.device)
         # The M micro-steps happened inside the runtime; engine.step() of the last one is the boundary.
         engine.micro_steps += num_micro - 1
         engine.step()
         engine._last_activation_bytes = result.peak_activation_bytes
-        return float(loss) / self.dp_metrics.size
-
+        return loss
 
     def eval_batch(self, engine: Any, data_iter: Iterator[Any] | None, num_micro: int) -> float:
-        """``num_micro`` micro-batches forward only (`PipelineRuntime.evaluate`), the module in eval mode; the
-        mean loss on every rank, gathered like `train_batch`'s."""
+        """``num_micro`` micro-batches forward only (`PipelineRuntime.evaluate`; the engine has put the module in
+        eval mode); the mean loss on every rank, agreed like `train_batch`'s."""
         micro = self._read(data_iter, num_micro, "engine.eval_batch")
-        was_training = engine.module.training
-        engine.module.eval()
-        try:
-            losses = self.runtime.evaluate(micro, num_microbatches=num_micro)
-        finally:
-            engine.module.train(was_training)
-        loss = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float32, device=engine.device)
+        return self._agreed_mean(self.runtime.evaluate(micro, num_microbatches=num_micro), engine.device)
+
+    def _agreed_mean(self, losses: list[float], device: torch.device) -> float:
+        """The mean of the last stage's micro-batch losses (``losses`` is empty elsewhere), broadcast along the
+        pipeline and averaged over the dp replicas: the same number on every rank."""
+        loss = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float32, device=device)
         self.pp_comm.broadcast(loss, src_group_rank=self.stage.num_stages - 1)
         self.dp_metrics.all_reduce(loss)
         return float(loss) / self.dp_metrics.size

@@ -98,7 +98,8 @@ class Outgoing:
 class Wire:
     """Sends and receives of one stage; shapes announced and received are kept for the runtime's lifetime."""
 
-    def __init__(self, comm: Comm, *, device: torch.device, eager_receives: bool | None = None) -> None:
+    def __init__(self, comm: Comm, *, device: torch.device, eager_receives: bool | None = None,
+                 join_first: bool | None = None) -> None:
         self.comm = comm
         self.device = device
         self.eager_receives = _host_async(comm) if eager_receives is None else eager_receives
@@ -109,14 +110,15 @@ class Wire:
         self._incoming: dict[int, deque[Message]] = {}         # peer -> receives of the step not posted yet
         # NCCL creates a group's communicator on its first operation, which every rank must then join; a
         # batch only involves neighbours (torch's batch_isend_irecv documents the rule), so a barrier goes first.
-        self._join_first = dist.is_initialized() and "nccl" in comm.backend
+        # ``join_first``: given by a second wire on a group whose first wire may have joined it already.
+        self.join_first = dist.is_initialized() and "nccl" in comm.backend if join_first is None else join_first
 
     def begin_step(self, program: Sequence[Step]) -> None:
         if self._posted:
             raise PipelineError(f"receives left over from the previous step: {', '.join(map(str, self._posted))}")
-        if self._join_first:
+        if self.join_first:
             self.comm.barrier()
-            self._join_first = False
+            self.join_first = False
         self._incoming = {}
         for step in program:
             if isinstance(step, Batch):
@@ -147,7 +149,7 @@ class Wire:
             self._incoming[r.peer].popleft()
             metas = self._metas(r.message, grad_metas)
             assert metas is not None, f"shapes of the {r.message} unknown at its batch"
-            buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+            buffers = self._buffers(metas)
             recv_ops += [(b, r.peer) for b in buffers]
             posted.append((r.message, buffers))
         handles = self.comm.batch_isend_irecv(send_ops, recv_ops)
@@ -172,9 +174,13 @@ class Wire:
             metas = self._metas(queue[0], grad_metas)
             if metas is None:
                 return
-            buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
+            buffers = self._buffers(metas)
             handles = self.comm.batch_isend_irecv([], [(b, peer) for b in buffers])
             self._posted[queue.popleft()] = _Posted(handles, buffers)
+
+    def _buffers(self, metas: list[TensorMeta]) -> list[Tensor]:
+        """Receive buffers for one message."""
+        return [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas]
 
     def _metas(self, message: Message, grad_metas: Callable[[Message], list[TensorMeta] | None]
                ) -> list[TensorMeta] | None:

@@ -166,8 +166,7 @@ class PipelineRuntime:
         """Run every action of one global batch. ``micro_batches``: M pairs (inputs, labels) on a stage that
         holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
         elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
-        needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
-        batches = self._check_batches(micro_batches, self.num_microbatches) if needs_data else []
+        batches = self._check_batches(micro_batches, self.num_microbatches)
         measure = self._steps_run % self.measure_every == 0
         self._steps_run += 1
         if measure:
@@ -201,17 +200,18 @@ class PipelineRuntime:
         m = self.num_microbatches if num_microbatches is None else num_microbatches
         if m < 1:
             raise PipelineError(f"evaluate: num_microbatches = {m}; it must be >= 1")
-        needs_data = any(self.stage.is_first(v) or self.stage.is_last(v) for v in range(self.stage.virtual_stages))
-        batches = self._check_batches(micro_batches, m) if needs_data else []
+        batches = self._check_batches(micro_batches, m)
         if m not in self._eval_plans:
             self._eval_plans[m] = _Plan.of(forward_only(self._schedule(m)), self.stage, self.lookahead)
         plan = self._eval_plans[m]
+        # Same group as training's wire: it needs joining (NCCL's first operation) only if no wire joined it yet.
         wire = Wire(dataclasses.replace(self.comm, name=f"{self.comm.name}:eval"), device=self.device,
-                    eager_receives=self.wire.eager_receives)
+                    eager_receives=self.wire.eager_receives, join_first=self.wire.join_first)
         losses: dict[int, Tensor] = {}
         self._run(plan, wire, lambda i, inputs: self._eval_forward(plan, i, inputs, batches, losses),
                   lambda message: None)
         wire.close()
+        self.wire.join_first = False          # joined now, by either wire
         if self._local or self._outbox:
             raise PipelineError(f"stage {self.stage.stage}: outputs left unsent after the evaluation pass")
         return [float(losses[k]) for k in sorted(losses)]
@@ -257,6 +257,9 @@ class PipelineRuntime:
         self.wire.close()
 
     def _check_batches(self, micro_batches: Sequence[Any] | None, expected: int) -> list[tuple[Any, Any]]:
+        """The ``expected`` micro-batches on this stage's device, checked; [] on a stage that reads no data."""
+        if not self.stage.reads_data:
+            return []
         if micro_batches is None or len(micro_batches) != expected:
             got = "None" if micro_batches is None else f"{len(micro_batches)}"
             raise PipelineError(f"stage {self.stage.stage} holds the first or last layers and needs "

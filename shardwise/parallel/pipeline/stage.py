@@ -217,6 +217,11 @@ class PipelineStage(nn.Module):
         """Does local ``chunk`` compute the loss?"""
         return self.model_chunk(chunk) == self.num_model_chunks - 1
 
+    @property
+    def reads_data(self) -> bool:
+        """Does this stage read the micro-batches (it holds the first or the last model chunk)?"""
+        return any(self.is_first(v) or self.is_last(v) for v in range(self.virtual_stages))
+
     def full_names(self) -> dict[str, str]:
         """This module's state-dict keys -> the full model's keys."""
         out = {}
