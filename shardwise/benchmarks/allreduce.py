@@ -15,7 +15,6 @@ of the two busbw medians and the median of the per-iteration ratios ("paired", r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, run_in_gloo_group, run_under_launcher
+from shardwise.benchmarks.common import (
+    int_at_least, positive_float, run_in_gloo_group, run_under_launcher, write_json,
+)
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 MIB = 1 << 20
@@ -185,8 +186,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         if args.json is not None:
             meta = {"world_size": world, "backend": backend, "dtype": args.dtype, "iters": args.iters,
                     "warmup": args.warmup, "segment_kb": args.segment_kb, "in_flight": args.in_flight}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+            write_json(args.json, {"config": meta, "rows": [asdict(r) for r in rows]})
     return rows
 
 

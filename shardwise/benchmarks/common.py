@@ -4,11 +4,13 @@ launcher command that starts a module on local ranks."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
@@ -39,6 +41,20 @@ def sequence_length(parser: argparse.ArgumentParser, value: int | None, limit: i
         parser.error(f"{flag} {value} exceeds the {model} model's seq_len {limit} (its learned position table): use "
                      f"{flag} {limit} or less")
     return value
+
+
+def args_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's options as JSON values (paths as strings): the "config" of its report."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write a report atomically (a killed run never leaves a half-written file); values JSON cannot hold are
+    written as strings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
 
 
 def run_under_launcher(module: str, nproc: int, argv: Sequence[str], *, threads_per_rank: int | None = None) -> int:
@@ -75,6 +91,27 @@ class Timing:
     ratio: float                  # reference median / this median (< 1: the reference is faster)
     paired_ratio: float           # median over rounds of reference round median / this round median: robust to
                                   # load drifting between rounds, as each round's trainers ran back to back
+
+
+@dataclass(frozen=True)
+class TimedRow:
+    """The timing columns of a side-by-side table row: one trainer's figures against shardwise's, in ms."""
+
+    trainer: str
+    median_ms: float              # median over every timed step (slowest rank's time)
+    round_min_ms: float           # smallest and largest per-round median: the run-to-run spread
+    round_max_ms: float
+    tokens_per_s: float           # the benchmark's tokens per step (global, or one TP group's) at the median time
+    shardwise_ratio: float        # shardwise median / this median (< 1: shardwise is faster)
+    paired_ratio: float           # median over rounds of (shardwise round median / this round median): robust to
+                                  # load that drifts between rounds, as each round's trainers ran back to back
+
+    @staticmethod
+    def timing_fields(trainer: str, t: Timing, tokens_per_step: int) -> dict[str, Any]:
+        """The columns above from a `compare_times` entry (shardwise the reference)."""
+        return dict(trainer=trainer, median_ms=t.median_s * 1e3, round_min_ms=t.round_min_s * 1e3,
+                    round_max_ms=t.round_max_s * 1e3, tokens_per_s=tokens_per_step / t.median_s,
+                    shardwise_ratio=t.ratio, paired_ratio=t.paired_ratio)
 
 
 def compare_times(times_s: dict[str, list[list[float]]], reference: str) -> dict[str, Timing]:

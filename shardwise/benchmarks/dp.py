@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -41,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.benchmarks.common import (
-    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher, sequence_length,
+    TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher,
+    sequence_length, write_json,
 )
 from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
@@ -49,17 +49,10 @@ MODELS = ("tiny", "small")
 
 
 @dataclass(frozen=True)
-class Row:
-    """One trainer's figures. Times in ms; memory in bytes (this rank's model states)."""
+class Row(TimedRow):
+    """One trainer's figures: the timing columns (tokens_per_s counts global tokens) and, in bytes, this rank's
+    model states."""
 
-    trainer: str
-    median_ms: float              # median over every timed step (slowest rank's time)
-    round_min_ms: float           # smallest and largest per-round median: the run-to-run spread
-    round_max_ms: float
-    tokens_per_s: float           # global tokens per second at the median step time
-    shardwise_ratio: float        # shardwise median / this median (< 1: shardwise is faster)
-    paired_ratio: float           # median over rounds of (shardwise round median / this round median): robust to
-                                  # load that drifts between rounds, as each round's trainers ran back to back
     params_bytes: int | None       # None: not measurable honestly for this trainer (see trainers.py)
     grads_bytes: int | None
     optimizer_bytes: int | None
@@ -79,9 +72,7 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, Memory], 
     rows = []
     for name, t in compare_times(times_s, Trainer.SHARDWISE.value).items():
         mem = memory[name]
-        rows.append(Row(trainer=name, median_ms=t.median_s * 1e3, round_min_ms=t.round_min_s * 1e3,
-                        round_max_ms=t.round_max_s * 1e3, tokens_per_s=tokens_per_step / t.median_s,
-                        shardwise_ratio=t.ratio, paired_ratio=t.paired_ratio, params_bytes=mem["params"],
+        rows.append(Row(**TimedRow.timing_fields(name, t, tokens_per_step), params_bytes=mem["params"],
                         grads_bytes=mem["grads"], optimizer_bytes=mem["optimizer"]))
     return rows
 
@@ -246,13 +237,12 @@ def run(args: argparse.Namespace) -> list[Row]:
                  f"{torch.get_num_threads()} thread(s)/rank: median of {args.rounds} rounds x {args.steps} steps")
         print_table(rows, title=title, rss=rss, phases=phases)
         if args.json is not None:
-            meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            meta = args_meta(args)
             meta.update(world_size=world, seq_len=seq_len, threads_per_rank=torch.get_num_threads(),
                         ds_config=config)
             out = {"config": meta, "rows": [dict(asdict(r), model_states_bytes=r.model_states_bytes) for r in rows],
                    "peak_rss_bytes_per_rank": rss, "step_times_s": times, "phase_median_s": phases}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=2))
+            write_json(args.json, out)
     return rows
 
 

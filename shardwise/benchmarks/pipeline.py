@@ -29,7 +29,6 @@ runtime's work; from the mean-cost simulation to the replay, the spread of compu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, run_in_gloo_group, run_under_launcher
+from shardwise.benchmarks.common import args_meta, int_at_least, run_in_gloo_group, run_under_launcher, write_json
 from shardwise.benchmarks.pipeline_models import MODELS, build_model
 from shardwise.benchmarks.pipeline_report import Bubble, Row, analyse, make_row, print_table
 from shardwise.config.resolved import PipelinePartition, PipelineSchedule
@@ -248,10 +247,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     if dist.get_rank() == 0:
         print_table(rows, world_size=world, args=args)
         if args.json is not None:
-            meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            meta = args_meta(args)
             meta["world_size"] = world
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+            write_json(args.json, {"config": meta, "rows": [asdict(r) for r in rows]})
     return rows
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, run_under_launcher
+from shardwise.benchmarks.common import args_meta, int_at_least, run_under_launcher, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             times[i, list(steps).index(name)] = timed(name)[0]
     dist.all_reduce(times, op=dist.ReduceOp.MAX)                    # a step lasts as long as its slowest rank
     sw_s, ds_s = times[:, 0].tolist(), times[:, 1].tolist()
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result = {"config": args_meta(args)
               | {"stages": dist.get_world_size(), "schedule": "1f1b"},
               "shardwise_ms": statistics.median(sw_s) * 1e3, "deepspeed_ms": statistics.median(ds_s) * 1e3,
               "paired_ratio": statistics.median(a / b for a, b in zip(sw_s, ds_s)),
@@ -123,8 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{result['paired_ratio']:.3f}); first-step loss {result['first_loss']['shardwise']:.6f} vs "
               f"{result['first_loss']['deepspeed']:.6f}")
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2))
+            write_json(args.json, result)
     dist.barrier()
     return 0
 

@@ -84,8 +84,8 @@ def print_table(rows: Sequence[Row], *, world_size: int, args: argparse.Namespac
         return "-" if x is None else format(x, fmt)
 
     where = (f"P = {world_size} stages (gloo, CPU, 1 thread/rank), {args.model.upper()} d={args.d_model} "
-             f"L={args.layers} seq={args.seq} ({args.partition}), M = {args.microbatches} x {args.micro_batch_size} seqs: median of "
-             f"{args.rounds} alternating rounds")
+             f"L={args.layers} seq={args.seq} ({args.partition}), M = {args.microbatches} x {args.micro_batch_size} "
+             f"seqs: median of {args.rounds} alternating rounds")
     steps = Table(title=f"pipeline step, {where}")
     for name in ("schedule", "V", "shardwise ms", "torch ms", "shardwise/torch", "paired", "|loss diff|",
                  "max |grad diff|", "note"):

@@ -27,7 +27,6 @@ meter for both), which together are what a step holds at its peak apart from tra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.benchmarks.common import (
-    compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group, run_under_launcher,
+    TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group,
+    run_under_launcher, write_json,
 )
 from shardwise.benchmarks.trainers import MIB
 
@@ -51,16 +51,10 @@ class Impl(str, Enum):
 
 
 @dataclass(frozen=True)
-class Row:
-    """One trainer's figures. Times in ms; memory in bytes on one rank."""
+class Row(TimedRow):
+    """One trainer's figures: the timing columns (tokens_per_s counts the TP group's micro-batch) and memory in
+    bytes on one rank."""
 
-    trainer: str
-    median_ms: float              # median over every timed step (slowest rank's time)
-    round_min_ms: float           # smallest and largest per-round median: the run-to-run spread
-    round_max_ms: float
-    tokens_per_s: float           # tokens of the TP group's micro-batch per second at the median step time
-    shardwise_ratio: float        # shardwise median / this median (< 1: shardwise is faster)
-    paired_ratio: float           # median over rounds of shardwise round median / this round median
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
@@ -80,10 +74,8 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, dict[str,
     rows = []
     for name, t in compare_times(times_s, Impl.SHARDWISE.value).items():
         mem = memory[name]
-        rows.append(Row(trainer=name, median_ms=t.median_s * 1e3, round_min_ms=t.round_min_s * 1e3,
-                        round_max_ms=t.round_max_s * 1e3, tokens_per_s=tokens_per_step / t.median_s,
-                        shardwise_ratio=t.ratio, paired_ratio=t.paired_ratio,
-                        params_bytes=mem["params"], grads_bytes=mem["grads"], optimizer_bytes=mem["optimizer"],
+        rows.append(Row(**TimedRow.timing_fields(name, t, tokens_per_step), params_bytes=mem["params"],
+                        grads_bytes=mem["grads"], optimizer_bytes=mem["optimizer"],
                         activation_bytes=mem["activations"]))
     return rows
 
@@ -265,14 +257,13 @@ def run(args: argparse.Namespace) -> list[Row]:
                  f"median of {args.rounds} alternating rounds x {args.steps} steps")
         print_table(rows, title=title, rss=rss, loss_check=loss_check)
         if args.json is not None:
-            meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            meta = args_meta(args)
             meta.update(world_size=world, threads_per_rank=torch.get_num_threads(), torch_version=torch.__version__,
                         shardwise_config=tt.engine_config(args, world))
             out = {"config": meta, "loss_check": loss_check,
                    "rows": [dict(asdict(r), model_states_bytes=r.model_states_bytes) for r in rows],
                    "peak_rss_bytes_per_rank": rss, "step_times_s": times}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=2))
+            write_json(args.json, out)
     return rows
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import platform
 import statistics
@@ -36,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import int_at_least, positive_float, sequence_length
+from shardwise.benchmarks.common import args_meta, int_at_least, positive_float, sequence_length, write_json
 from shardwise.benchmarks.trainers import token_batches
 
 GIB = 1 << 30
@@ -324,14 +323,6 @@ def print_report(result: dict[str, Any]) -> None:
                   f"zero/plain: D2H {bw['d2h_ratio']:.2f}, H2D {bw['h2d_ratio']:.2f}. Pinned: {pinned}")
 
 
-def _write(result: dict[str, Any], path: Path | None) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2, default=str))
-        tmp.replace(path)                  # never a half-written file if the run is killed
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shardwise.models import gpt_flops_per_token, gpt_num_params
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -341,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for b in token_batches(args.micro_batch, args.seq, cfg.vocab_size, seed=100)]
     flops_per_token = gpt_flops_per_token(dataclasses.replace(cfg, seq_len=args.seq))
     result: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()} | {
+        "config": args_meta(args) | {
             "params": params, "world_size": 1, "flops_per_token": flops_per_token,
             "ds_config_stage0": ds_config(ROWS[0], args.micro_batch)},
         "environment": environment(device), "rows": [], "bandwidth": None}
@@ -360,7 +351,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["model_tflops"] = flops_per_token * row["tokens_per_s"] / 1e12 if row["tokens_per_s"] else None
             result["rows"].append(row)
             add_ratios(result["rows"])
-        _write(result, args.json)
+        if args.json is not None:          # after every row and section: a killed run keeps what it measured
+            write_json(args.json, result)
     return result
 
 
