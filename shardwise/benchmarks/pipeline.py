@@ -209,7 +209,8 @@ def _gathered_records(bench: Bench) -> list[Any]:
 
 
 def measure(args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, torch_group: Any) -> Row:
-    from shardwise.parallel.pipeline.simulate import Timeline, formula_bubble_fraction
+    from shardwise.parallel.pipeline.formulas import formula_bubble_fraction
+    from shardwise.parallel.pipeline.simulate import Timeline
     bench = Bench(args, kind, sw_group, torch_group)
     has_torch = bench.schedule is not None
     loss_diff = grad_diff = None

@@ -69,8 +69,8 @@ def _show(x: Fraction | float) -> str:
 def run(args: argparse.Namespace) -> int:
     from shardwise.config.resolved import PipelineSchedule
     from shardwise.parallel.pipeline import schedules
-    from shardwise.parallel.pipeline.simulate import (
-        Costs, SendMode, formula_bubble_fraction, formula_bubble_ratio, simulate)
+    from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
+    from shardwise.parallel.pipeline.simulate import Costs, SendMode, simulate
 
     kind = schedules.parse_schedule_kind(args.schedule)
     interleaved = kind is PipelineSchedule.INTERLEAVED_1F1B

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.parallel.pipeline.schedules import Action, Op, PipelineError, build_schedule, transfers
+from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
 from shardwise.parallel.pipeline.simulate import (
-    ActionRecord, Costs, DeadlockError, SendMode, Timeline, formula_bubble_fraction, formula_bubble_ratio,
-    measured_costs, replayed_costs, simulate)
+    ActionRecord, Costs, DeadlockError, SendMode, Timeline, measured_costs, replayed_costs, simulate)
 
 COSTS = [(1, 1), (1, 2), (2, 3)]
 

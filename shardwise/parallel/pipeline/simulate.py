@@ -22,8 +22,8 @@ Bubble conventions (formulas.md A6). With idle(s) = makespan - busy(s):
   latency: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with M >= P.
 - ``bubble_ratio`` = sum idle / sum busy: Narayanan's t_pb / t_id. (P-1)/M for GPipe and 1F1B and
   exactly that divided by V, (P-1)/(V*M), for interleaved 1F1B with M >= P.
-The two carry the same information: fraction = ratio / (1 + ratio). `formula_bubble_fraction` and
-`formula_bubble_ratio` give the closed forms (also for interleaved with M < P).
+The two carry the same information: fraction = ratio / (1 + ratio). `formulas.formula_bubble_fraction` and
+`formulas.formula_bubble_ratio` give the closed forms (also for interleaved with M < P).
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Mapping, Sequence, Union
 
-from shardwise.config.resolved import PipelineSchedule
 from shardwise.errors import UserError
 from shardwise.parallel.pipeline.schedules import (
-    Action, Message, Op, PipelineError, Transfer, parse_schedule_kind, transfers, validate_schedule)
+    Action, Message, Op, PipelineError, Transfer, transfers, validate_schedule)
 
 Number = Union[int, float, Fraction]
 
@@ -184,36 +183,6 @@ class Timeline:
 
     def order(self, stage: int) -> list[Action]:
         return [r.action for r in self.stage_records(stage)]
-
-
-# ----- formulas (A6) -----
-
-def _formula_idle_and_busy(kind: str | PipelineSchedule, num_stages: int, num_microbatches: int,
-                           virtual_stages: int) -> tuple[int, int]:
-    """(idle, busy) per stage in units of (t_f + t_b) / V, with equal stage costs and no latency.
-
-    Busy: V*M. Idle: P - 1 (the fill and drain of one round), plus, for interleaved with M < P,
-    (V - 1) (P - M): a group of M < P micro-batches waits P - M slots at each of the V - 1 returns
-    to the first stage. Not interleaved: V = 1.
-    """
-    v = virtual_stages if parse_schedule_kind(kind) is PipelineSchedule.INTERLEAVED_1F1B else 1
-    idle = num_stages - 1 + (v - 1) * max(0, num_stages - num_microbatches)
-    return idle, v * num_microbatches
-
-
-def formula_bubble_fraction(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
-                            virtual_stages: int = 1) -> Fraction:
-    """Idle share of the time with equal stage costs: (P-1)/(M+P-1); interleaved (M >= P): (P-1)/(V*M+P-1)."""
-    idle, busy = _formula_idle_and_busy(kind, num_stages, num_microbatches, virtual_stages)
-    return Fraction(idle, idle + busy)
-
-
-def formula_bubble_ratio(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
-                         virtual_stages: int = 1) -> Fraction:
-    """Idle over busy with equal stage costs (Narayanan's t_pb/t_id): (P-1)/M; interleaved (M >= P):
-    (P-1)/(V*M), the same divided by V."""
-    idle, busy = _formula_idle_and_busy(kind, num_stages, num_microbatches, virtual_stages)
-    return Fraction(idle, busy)
 
 
 def replayed_costs(timeline: Timeline) -> Costs:
