@@ -22,8 +22,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "initialize": "shardwise.build",
-    "init_distributed": "shardwise.build",
+    "initialize": "shardwise.initialization",
+    "init_distributed": "shardwise.initialization",
     "Engine": "shardwise.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardwise.errors import UserError
+from shardwise.errors import CheckpointError, UserError
 
 def model_states_name(mp_rank: int = 0) -> str:
     return f"mp_rank_{mp_rank:02d}_model_states.pt"
@@ -29,10 +29,6 @@ def model_states_name(mp_rank: int = 0) -> str:
 
 MODEL_STATES = model_states_name(0)
 LATEST = "latest"
-
-
-class CheckpointError(UserError):
-    pass
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -69,9 +65,10 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
-              any_failed: Callable[[bool], bool] = lambda failed: failed) -> Path:
+              any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True) -> Path:
     """Collective save: every rank writes its `files` ({name: object}) into SAVE_DIR/.TAG.staging; then rank 0
-    moves the directory into place as SAVE_DIR/TAG (replacing an older one) and points `latest` at it.
+    moves the directory into place as SAVE_DIR/TAG (replacing an older one) and, with `save_latest`, points
+    `latest` at it (without it `latest` keeps naming the tag it named: DeepSpeed's save_latest=False).
     Every rank must call it with the same tag. `barrier` synchronises the ranks and `any_failed(flag)` tells
     every rank whether any rank failed to write (both trivial for one process): then nothing is published
     and the previous checkpoint and `latest` stay as they were."""
@@ -110,7 +107,8 @@ def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, r
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        atomic_write_text(root / LATEST, tag)
+        if save_latest:
+            atomic_write_text(root / LATEST, tag)
     barrier()
     return final
 

@@ -4,8 +4,10 @@
     engine.backward(loss)     # loss / gradient_accumulation_steps (* fp16 loss scale); syncs grads on the boundary
     engine.step()             # on the boundary: optimizer step (unscale, overflow skip, clip), lr step, zero grads
 
-The engine holds no `if stage == ...` ladders: `grad_sync` (how gradients are combined across data-parallel
-ranks) and `optimizer_step` (how the update is applied) are picked by `shardwise.initialize`.
+The engine holds no `if stage == ...` ladders: it calls three interfaces (`shardwise.interfaces`), whose
+objects `shardwise.initialize` picks once: `dp_runtime` (what happens across data-parallel ranks around forward
+and backward), `updater` (how the update is applied) and `pipeline` (how a global batch runs: the whole model,
+or this rank's stage under a schedule). It holds the `ParallelMesh` the run was built on.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import torch
 from shardwise import engine_checkpoint
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
+from shardwise.config.resolved import EngineConfig
 from shardwise.errors import UserError
+from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
+from shardwise.topology import Axis, ParallelMesh
 
 
 class _ActivationMeter:
@@ -58,25 +63,23 @@ class _ActivationMeter:
 class Engine:
     """Built by `shardwise.initialize`; see the module docstring for the training loop."""
 
-    def __init__(self, *, module: torch.nn.Module, config: Any, optimizer_step: Any, grad_sync: Any,
-                 lr_scheduler: Any, dp_comm: Comm, metrics_comm: Comm, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype, pipeline: Any = None,
-                 tp_comm: Comm | None = None):
+    def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, updater: Updater,
+                 dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
+                 device: torch.device, compute_dtype: torch.dtype):
+        # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
+        # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         self.module = module
-        # Tensor parallelism: this rank's TP group (None without TP). Checkpoints are per TP rank, and their
-        # barrier / failure agreement spans dp then tp, i.e. the whole (dp, tp) mesh.
-        self.tp_comm = tp_comm
-        # Pipeline parallelism (`parallel.pipeline.apply.PipelineTrainer`): `module` is this rank's stage and
-        # train_batch is the only way to train (the schedule interleaves the micro-batches' forwards/backwards).
+        self.mesh = mesh
         self.pipeline = pipeline
         self.config = config
-        self.optimizer_step = optimizer_step
-        self.optimizer = optimizer_step.optimizer
-        self.grad_sync = grad_sync
+        self.updater = updater
+        self.optimizer = updater.optimizer
+        self.dp_runtime = dp_runtime
         self.lr_scheduler = lr_scheduler
-        self.dp_comm = dp_comm
-        self.metrics_comm = metrics_comm
         self.ledger = ledger
+        self.dp_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp")
+        self.metrics_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp:metrics")
+        self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
         self.device = device
         self.compute_dtype = compute_dtype
         self.gradient_accumulation_steps = config.batch.grad_accum
@@ -85,7 +88,7 @@ class Engine:
         self.micro_steps = 0
         self.skipped_steps = 0
         self._step_applied = False
-        self._activations = _ActivationMeter(list(module.parameters()), grad_sync.param_storage_keys)
+        self._activations = _ActivationMeter(list(module.parameters()), dp_runtime.param_storage_keys)
         self._last_activation_bytes = 0
         self._last_report_step = -1
         self._unpack_args = _forward_wants_unpacking(module)
@@ -125,7 +128,7 @@ class Engine:
 
     @property
     def loss_scale(self) -> float:
-        return self.optimizer_step.scaler.loss_scale
+        return self.updater.scaler.loss_scale
 
     # -- forward / backward / step ------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -135,7 +138,7 @@ class Engine:
         """Call the model. A single tuple/list (dict) argument is unpacked into positional (keyword)
         arguments when the model's forward takes more than one parameter, so `engine(batch)` works
         for `model(input_ids, labels)` as well as for `model(batch)`."""
-        self._refuse_under_pipeline("engine(batch)")
+        self.pipeline.refuse_manual_step("engine(batch)")
         if len(inputs) == 1 and not kwargs and self._unpack_args:
             if isinstance(inputs[0], (tuple, list)):
                 inputs = tuple(inputs[0])
@@ -156,36 +159,43 @@ class Engine:
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
-        self._refuse_under_pipeline("engine.backward(loss)")
+        self.pipeline.refuse_manual_step("engine.backward(loss)")
         scaled = loss.float()
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             scaled = scaled / self.gradient_accumulation_steps
-        if self.optimizer_step.scaler.loss_scale != 1.0:
-            scaled = scaled * self.optimizer_step.scaler.loss_scale
+        if self.updater.scaler.loss_scale != 1.0:
+            scaled = scaled * self.updater.scaler.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
-        self.grad_sync.begin_backward(boundary)
+        self.dp_runtime.begin_backward(boundary)
         scaled.backward()
-        self.grad_sync.end_backward(boundary)
+        self.dp_runtime.end_backward(boundary)
         return loss
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            applied = self.optimizer_step.step()
+            applied = self.updater.step()
             self._step_applied = applied
             if applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:
                 self.skipped_steps += 1
-            self.grad_sync.zero_grad()
-            self.optimizer_step.zero_master_grads()
+            self.dp_runtime.zero_grad()
+            self.updater.zero_master_grads()
             self.global_steps += 1
             self.global_samples += self.config.batch.train_batch_size
             self._last_report_step = self.global_steps - 1
         self.micro_steps += 1
 
+    def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
+        """For a `Pipeline` that ran a whole global batch's forwards and backwards itself (a schedule): count its
+        micro-batches, take the step, and keep the activation figure its meter measured."""
+        self.micro_steps += micro_batches - 1
+        self.step()
+        self._last_activation_bytes = activation_bytes
+
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
+        self.dp_runtime.zero_grad()
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator `train_batch()` reads when called without one (DeepSpeed's PipelineEngine call)."""
@@ -203,18 +213,7 @@ class Engine:
         0-dim tensor, as DeepSpeed returns (`loss.item()`, `float(loss)`)."""
         if data_iter is None:
             data_iter = self._default_iterator()
-        if self.pipeline is not None:
-            return _loss_value(self.pipeline.train_batch(self, data_iter))
-        if data_iter is None:
-            raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
-                            "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
-        total = torch.zeros((), dtype=torch.float32)
-        for _ in range(self.gradient_accumulation_steps):
-            loss = self(next(data_iter))
-            self.backward(loss)
-            self.step()
-            total += loss.detach().float().cpu()
-        return self._dp_mean(total, self.gradient_accumulation_steps)
+        return _loss_value(self.pipeline.train_batch(self, data_iter))
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
@@ -225,38 +224,21 @@ class Engine:
         count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
         if count < 1:
             raise UserError(f"engine.eval_batch: num_micro_batches = {count}; it must be >= 1")
-        if self.pipeline is None and data_iter is None:
-            raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         was_training = self.module.training
         self.module.eval()
         try:
-            if self.pipeline is not None:
-                return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
-            total = torch.zeros((), dtype=torch.float32)
-            for _ in range(count):
-                loss = self(next(data_iter))
-                if not torch.is_tensor(loss) or loss.dim() != 0:
-                    raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
-                total += loss.float().cpu()
+            return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
         finally:
             self.module.train(was_training)
-        return self._dp_mean(total, count)
-
-    def _dp_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
-        """``total`` (the sum of this rank's ``count`` micro-batch losses) as the mean over micro-batches and
-        data-parallel ranks: one all-reduce; the same value on every rank."""
-        total /= count
-        self.metrics_comm.all_reduce(total)
-        return _loss_value(float(total) / self.dp_size)
 
     # -- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this rank: model parameters, gradient buffers, optimizer states (fp32 masters
         included), activations saved by the last forward, and the process's peak RSS."""
         report = {
-            "params": self.optimizer_step.param_bytes(),
-            "grads": self.grad_sync.grad_bytes,
-            "optimizer": self.optimizer_step.state_bytes(),
+            "params": self.updater.param_bytes(),
+            "grads": self.dp_runtime.grad_bytes,
+            "optimizer": self.updater.state_bytes(),
             "activations": self._last_activation_bytes,
         }
         report["model_states"] = report["params"] + report["grads"] + report["optimizer"]
@@ -276,8 +258,9 @@ class Engine:
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        """Collective: every rank calls it. DeepSpeed's layout, per model-parallel rank (`engine_checkpoint`)."""
-        return engine_checkpoint.save(self, save_dir, tag, client_state)
+        """Collective: every rank calls it. DeepSpeed's layout, per model-parallel rank (`engine_checkpoint`).
+        With save_latest=False the tag is written but `latest` keeps naming the tag it named."""
+        return engine_checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -295,15 +278,9 @@ class Engine:
         Unlike DeepSpeed, ZeRO-3 does not need stage3_gather_16bit_weights_on_model_save for it."""
         return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
-    def _refuse_under_pipeline(self, what: str) -> None:
-        if self.pipeline is not None:
-            raise UserError(f"{what} is not available with pipeline.stages = {self.pipeline.stage.num_stages}: "
-                            f"train with engine.train_batch(data_iter)")
-
     def close(self) -> None:
-        self.grad_sync.close()
-        if self.pipeline is not None:
-            self.pipeline.runtime.close()
+        self.dp_runtime.close()
+        self.pipeline.close()
 
 
 def _loss_value(value: float) -> torch.Tensor:

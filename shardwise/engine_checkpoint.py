@@ -13,67 +13,53 @@ stages (`load_module_only=True`: every rank picks its own layers from all the st
 states and counters need the same layout that wrote them.
 
 The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
-of the mesh has arrived (or heard of a failure).
+of the mesh has arrived (or heard of a failure). Nothing here asks which strategy runs: the mesh gives the
+layout, the engine's `pipeline` names a stage's tensors, its `updater` and `dp_runtime` give their state.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from shardwise import checkpoint as ckpt
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict
+from shardwise.topology import Axis
+
+if TYPE_CHECKING:
+    from shardwise.engine import Engine
+
+_SPANNING = (Axis.DP, Axis.TP, Axis.PP)
 
 
-def _comms(engine: Any) -> list:
-    """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp."""
-    out = [engine.metrics_comm]
-    if engine.tp_comm is not None:
-        out.append(engine.tp_comm)
-    if engine.pipeline is not None:
-        out.append(engine.pipeline.pp_comm)
-    return out
+def _comms(engine: Engine) -> list[Comm]:
+    """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp. An axis of size 1
+    gives a comm whose collectives are no-ops."""
+    return [engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics") for axis in _SPANNING]
 
 
-def layout(engine: Any) -> dict[str, int]:
+def layout(engine: Engine) -> dict[str, int]:
     """This rank's place: tp rank/size, pp stage/size, and the model-parallel rank naming its files."""
-    tp_rank = engine.tp_comm.rank if engine.tp_comm is not None else 0
-    tp_size = engine.tp_comm.size if engine.tp_comm is not None else 1
-    pp_stage = engine.pipeline.pp_comm.rank if engine.pipeline is not None else 0
-    pp_size = engine.pipeline.pp_comm.size if engine.pipeline is not None else 1
+    mesh = engine.mesh
+    tp_rank, tp_size = mesh.rank(Axis.TP), mesh.size(Axis.TP)
+    pp_stage, pp_size = mesh.rank(Axis.PP), mesh.size(Axis.PP)
     return {"tp_rank": tp_rank, "tp_size": tp_size, "pp_stage": pp_stage, "pp_size": pp_size,
             "mp_rank": pp_stage * tp_size + tp_rank}
 
 
-def _module_state(engine: Any) -> dict:
-    if engine.pipeline is not None:
-        return engine.pipeline.stage.full_state_dict()
-    return engine.module.state_dict()
-
-
-def _load_module(engine: Any, full_or_local: dict, strict: bool) -> None:
-    if engine.pipeline is None:
-        engine.module.load_state_dict(full_or_local, strict=strict)
-        return
-    names = engine.pipeline.stage.full_names()           # local name -> full name
-    local = {k: full_or_local[f] for k, f in names.items() if f in full_or_local}
-    missing = [f for f in names.values() if f not in full_or_local]
-    if missing and strict:
-        raise ckpt.CheckpointError(f"the checkpoint has no weights for {len(missing)} tensors of this pipeline stage "
-                                   f"(e.g. {missing[0]}): it was written for another model")
-    engine.module.load_state_dict(local, strict=strict and not missing)
-
-
-def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None) -> bool:
+def save(engine: Engine, save_dir: str, tag: str | None, client_state: dict | None, *,
+         save_latest: bool = True) -> bool:
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     where = layout(engine)
-    per_rank = engine.optimizer_step.checkpoint_per_rank
+    per_rank = engine.updater.checkpoint_per_rank
     files: dict[str, Any] = {}
     if engine.dp_comm.rank == 0:       # one writer per (stage, TP rank): its layers' slices
         files[ckpt.model_states_name(where["mp_rank"])] = {
-            "module": _module_state(engine),
-            "optimizer": None if per_rank else engine.optimizer_step.state_dict(),
+            "module": engine.pipeline.module_state_dict(engine.module),
+            "optimizer": None if per_rank else engine.updater.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
@@ -83,18 +69,18 @@ def save(engine: Any, save_dir: str, tag: str | None, client_state: dict | None)
         }
     if per_rank:
         files[ckpt.optim_states_name(engine.dp_rank, where["mp_rank"])] = {
-            "optimizer_state_dict": engine.optimizer_step.state_dict()}
+            "optimizer_state_dict": engine.updater.state_dict()}
 
     def barrier() -> None:
         for c in _comms(engine):
             c.barrier()
 
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
-                   any_failed=lambda failed: _any_failed(engine, failed))
+                   any_failed=lambda failed: _any_failed(engine, failed), save_latest=save_latest)
     return True
 
 
-def _any_failed(engine: Any, failed: bool) -> bool:
+def _any_failed(engine: Engine, failed: bool) -> bool:
     """Whether any rank of the mesh failed (the flag's max over dp, tp, pp in turn): every rank learns it."""
     flag = float(failed)
     for c in _comms(engine):
@@ -113,7 +99,7 @@ def _module_from_all_stages(path: Path, where: dict[str, int], saved_tp: int) ->
     return merged
 
 
-def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
+def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
@@ -134,13 +120,14 @@ def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_opti
                                        f"{where['pp_size']}: optimizer states need the same stages; load it with "
                                        f"pipeline.stages = {saved_pp}, or pass load_module_only=True to load only the "
                                        f"weights")
-        _load_module(engine, _module_from_all_stages(path, where, saved_tp), strict)
+        full = _module_from_all_stages(path, where, saved_tp)
     else:
-        _load_module(engine, state["module"], strict)
+        full = state["module"]
+    engine.pipeline.load_module_state(engine.module, full, strict)
     if not load_module_only:
         opt_state = (ckpt.read_optim_states(path, engine.dp_rank, where["mp_rank"])["optimizer_state_dict"]
-                     if engine.optimizer_step.checkpoint_per_rank else state["optimizer"])
-        engine.optimizer_step.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
+                     if engine.updater.checkpoint_per_rank else state["optimizer"])
+        engine.updater.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps = state["global_steps"]
@@ -148,41 +135,30 @@ def load(engine: Any, load_dir: str, tag: str | None, *, strict: bool, load_opti
         engine.skipped_steps = state["skipped_steps"]
         engine.micro_steps = state["micro_steps"]
     else:
-        engine.optimizer_step.sync_masters_from_model()
-    engine.grad_sync.zero_grad()
+        engine.updater.sync_masters_from_model()
+    engine.dp_runtime.zero_grad()
     return str(path), state["client_state"]
 
 
-def consolidated_state_dict(engine: Any, *, exclude_frozen: bool = False) -> dict | None:
+def consolidated_state_dict(engine: Engine, *, exclude_frozen: bool = False) -> dict | None:
     """The whole model's state dict under the single-process names, on world rank 0 (None elsewhere).
     Collective: every rank calls it. ZeRO-3 shards are gathered over dp, TP slices over tp, and the stages'
     layers collected over pp; one stage at a time never holds more than its own part plus the result."""
-    stage3 = hasattr(engine.grad_sync, "gathered_state_dict")
     # Only the ranks of dp index 0 assemble (then of tp index 0): every collective below runs within them.
-    local = engine.grad_sync.gathered_state_dict(rank0_only=True) if stage3 else None
-    if engine.dp_comm.rank != 0:
+    local = engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=True)
+    if local is None:
         return None
-    if engine.tp_comm is not None:
-        from shardwise.parallel.tensor_parallel.grads import gather_full_state_dict
-        local = gather_full_state_dict(engine.module, engine.tp_comm, local)
-        if engine.tp_comm.rank != 0:
-            return None
-    elif local is None:
-        local = {k: v.detach() for k, v in engine.module.state_dict().items()}
+    local = gather_full_state_dict(engine.module, engine.tp_comm, local, copy=False)
+    if engine.tp_comm.rank != 0:
+        return None
     if exclude_frozen:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         local = {k: v for k, v in local.items() if k not in frozen}
-    if engine.pipeline is not None:
-        names = engine.pipeline.stage.full_names()
-        local = {names[k]: v for k, v in local.items()}
-        pp = engine.pipeline.pp_comm
-        gathered: list | None = [None] * pp.size if pp.rank == 0 else None
-        dist.gather_object(local, gathered, dst=pp.global_rank(0), group=pp.group)
-        local = {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
-    return local if dist.get_rank() == 0 else None
+    merged = engine.pipeline.gather_stages(local)
+    return merged if dist.get_rank() == 0 else None
 
 
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
+def save_16bit_model(engine: Engine, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
     """DeepSpeed's `save_16bit_model`: the consolidated weights in the training dtype, one file written by world
     rank 0 (atomically: a temporary file renamed into place). Collective."""
     state = consolidated_state_dict(engine, exclude_frozen=exclude_frozen)
@@ -201,6 +177,6 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str, exclude_fro
     return True
 
 
-def _agree(engine: Any, failed: bool) -> None:
+def _agree(engine: Engine, failed: bool) -> None:
     if _any_failed(engine, failed) and not failed:
         raise ckpt.CheckpointError("save_16bit_model failed on rank 0; nothing was written")

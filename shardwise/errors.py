@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """An error in what the user gave us (config, flags, files). The message names the fix."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read into this run (missing, damaged, or written for another layout)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config.resolved import DType
+from shardwise.config.resolved import DType, PrecisionConfig
 from shardwise.errors import UserError
 
-__all__ = ["DType", "DynamicLossScaler", "LossScaleAtMinimum", "LossScaler", "grads_have_inf_or_nan"]
+__all__ = ["DType", "DynamicLossScaler", "LossScaleAtMinimum", "LossScaler", "grads_have_inf_or_nan",
+           "make_loss_scaler"]
 
 
 class LossScaleAtMinimum(UserError):
@@ -105,3 +106,15 @@ def grads_have_inf_or_nan(grads: list[torch.Tensor]) -> bool:
         return False
     flags = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads])
     return bool(flags.any())
+
+
+def make_loss_scaler(precision: PrecisionConfig) -> LossScaler:
+    """The scaler a config asks for: none for fp32/bf16, a fixed or DeepSpeed's dynamic scale for fp16."""
+    if precision.dtype != DType.FP16:
+        return LossScaler(1.0)
+    if not precision.dynamic_loss_scale:
+        return LossScaler(precision.static_loss_scale)
+    return DynamicLossScaler(init_scale=2.0 ** precision.initial_scale_power,
+                             scale_window=precision.loss_scale_window, min_scale=precision.min_loss_scale,
+                             hysteresis=precision.hysteresis,
+                             consecutive_hysteresis=precision.consecutive_hysteresis)

@@ -161,5 +161,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.build import exit_rank
+    from shardwise.initialization import exit_rank
     exit_rank(main())

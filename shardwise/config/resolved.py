@@ -99,6 +99,11 @@ class PrecisionConfig:
     def initial_loss_scale(self) -> float:
         return 2.0 ** self.initial_scale_power if self.dynamic_loss_scale else self.static_loss_scale
 
+    @property
+    def checks_overflow(self) -> bool:
+        """fp16 always skips a step whose gradients hold inf/nan; bf16 does when bf16_check_grad_overflow."""
+        return self.dtype is DType.FP16 or (self.dtype is DType.BF16 and self.bf16_check_grad_overflow)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
@@ -206,6 +211,18 @@ class CommConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataParallelConfig:
+    """What stage 0's bucketed gradient all-reduce reads: the "communication" block, DeepSpeed's
+    prescale_gradients / gradient_predivide_factor and zero_optimization.reduce_bucket_size."""
+
+    bucket_numel: int
+    all_reduce: AllReduceImpl = AllReduceImpl.BACKEND
+    data_type: DType | None = None
+    prescale: bool = False
+    predivide_factor: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class TensorParallelConfig:
     size: int = 1
     sequence_parallel: bool = False
@@ -254,6 +271,13 @@ class EngineConfig:
     zero_allow_untested_optimizer: bool = False
     raw: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
     """A deep copy of the config as given (plain JSON types), saved in checkpoints."""
+
+    @property
+    def data_parallel(self) -> DataParallelConfig:
+        """Stage 0's section (the other stages refuse its non-default values: `config/unsupported.py`)."""
+        return DataParallelConfig(bucket_numel=self.zero.reduce_bucket_size, all_reduce=self.communication.all_reduce,
+                                  data_type=self.communication.data_type, prescale=self.prescale_gradients,
+                                  predivide_factor=self.gradient_predivide_factor)
 
     def describe(self) -> dict[str, Any]:
         """Everything but `raw`, as plain JSON-ready values, for printing."""

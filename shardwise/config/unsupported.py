@@ -31,6 +31,17 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                         f'(it is {zero.stage}); raise the stage or set the device to "none"')
         elif block.device != "cpu":
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
+    if zero.stage >= 1:
+        # ZeRO reduce-scatters with the backend in the gradients' dtype; stage 0's all-reduce options do not
+        # reach it. Refused rather than ignored: each would silently change what is reduced.
+        stage0_only = {"communication.all_reduce": model.communication.all_reduce == "ring",
+                       "communication_data_type": model.communication_data_type is not None,
+                       "prescale_gradients": model.prescale_gradients,
+                       "gradient_predivide_factor": model.gradient_predivide_factor != 1.0}
+        for key, given in stage0_only.items():
+            if given:
+                refuse(key, f"{key} is only supported with zero_optimization.stage 0 for now (ZeRO stage "
+                            f"{zero.stage} reduce-scatters gradients with the backend); remove it")
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
     checkpointing = model.activation_checkpointing

@@ -62,9 +62,22 @@ class OrderedLauncher:
 
     Shared by the stage-0 all-reduce and the ZeRO-1/2 reduce-scatter: bucket k launches only after buckets < k,
     so every rank issues its collectives in the same order. Subclasses set `self.buckets` (each with `.ready`,
-    a set of parameter ids, and `.params`) and implement `_launch(bucket)`."""
+    a set of parameter ids, and `.params`) and `self.comm` (the dp group), and implement `_launch(bucket)`.
+    Both keep every parameter whole on every rank, which the last two methods rely on."""
 
     buckets: list
+    comm: Comm
+
+    def param_storage_keys(self) -> set[int]:
+        """Parameters keep their own storages here; the engine already knows them."""
+        return set()
+
+    def gathered_state_dict(self, module: torch.nn.Module, *, rank0_only: bool = True
+                            ) -> dict[str, torch.Tensor] | None:
+        """The module's own state: every dp rank holds all of it (no communication)."""
+        if rank0_only and self.comm.rank != 0:
+            return None
+        return {k: v.detach() for k, v in module.state_dict().items()}
 
     def _reset_launches(self) -> None:
         self._next_launch = 0
@@ -92,7 +105,7 @@ class OrderedLauncher:
 
 
 class BucketedAllReduce(OrderedLauncher):
-    """Gradient synchronisation for plain data parallelism (ZeRO stage 0)."""
+    """The data-parallel runtime of plain data parallelism (ZeRO stage 0): gradient all-reduce."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
@@ -213,10 +226,6 @@ class BucketedAllReduce(OrderedLauncher):
             bucket.ready.clear()
         self._next_launch = 0
         self._ready_count = 0
-
-    def param_storage_keys(self) -> set[int]:
-        """Parameters keep their own storages here; the engine already knows them."""
-        return set()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -98,17 +98,14 @@ def _run(case: dict) -> dict:
                                                                 grad_accum=EVAL_MICRO_BATCHES)]
     eval_loss = engine.eval_batch(iter(micro), num_micro_batches=EVAL_MICRO_BATCHES)
     stage = engine.pipeline.stage
-    local = engine.grad_sync.gathered_state_dict(rank0_only=False) if case["zero"] == 3 else None
-    if engine.tp_comm is not None:
-        local = gather_full_state_dict(stage, engine.tp_comm, local)
-    elif local is None:
-        local = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+    local = engine.dp_runtime.gathered_state_dict(stage, rank0_only=False)     # ZeRO-3 shards gathered over dp
+    local = gather_full_state_dict(stage, engine.tp_comm, local)               # TP slices (copies without TP)
     names = stage.full_names()
     parts: list = [None] * world
     dist.all_gather_object(parts, {names[k]: v for k, v in local.items()})
     stage_numel = sum(v.numel() for v in local.values())
     out = {"losses": losses, "eval": eval_loss, "state": {k: v for p in parts for k, v in p.items()}, "dp": dp,
-           "norm": engine.optimizer_step.last_grad_norm, "param_bytes": engine.memory_report()["params"],
+           "norm": engine.updater.last_grad_norm, "param_bytes": engine.memory_report()["params"],
            "stage_numel": stage_numel, "groups": sorted({c["group"] for c in engine.comm_report()})}
     engine.close()
     return out

@@ -129,9 +129,9 @@ def _train(engine, model: torch.nn.Module, gas: int) -> dict:
             engine.step()
             losses.append(float(loss.detach()))
         lrs.append(engine.get_lr()[0])
-        norms.append(getattr(getattr(engine, "optimizer_step", None), "last_grad_norm", None))
-    if hasattr(engine, "grad_sync") and hasattr(engine.grad_sync, "gathered_state_dict"):   # shardwise ZeRO-3
-        full = engine.grad_sync.gathered_state_dict(rank0_only=False)
+        norms.append(getattr(getattr(engine, "updater", None), "last_grad_norm", None))
+    if hasattr(engine, "dp_runtime"):      # shardwise: gathered over dp under ZeRO-3, the module's own otherwise
+        full = engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=False)
     elif getattr(getattr(engine, "zero_optimization_stage", lambda: 0), "__call__")() == 3:  # DeepSpeed ZeRO-3
         full = engine._zero3_consolidated_16bit_state_dict()   # collective; the result is on rank 0 only
         box = [full if rank == 0 else None]
@@ -146,7 +146,7 @@ def _train(engine, model: torch.nn.Module, gas: int) -> dict:
 def _take_deepspeed_init_step(engine) -> None:
     """What DeepSpeed's FP16_UnfusedOptimizer does at construction: one step of the wrapped optimizer on the
     fp32 masters with zero gradients, without copying the masters back into the bf16 model."""
-    masters = engine.optimizer_step.masters
+    masters = engine.updater.masters
     for m in masters:
         m.grad = torch.zeros_like(m)
     engine.optimizer.step()

@@ -86,7 +86,7 @@ def _train_cases(case_names: list[str]) -> dict:
                 if not engine.is_gradient_accumulation_boundary():
                     boundary_only &= not any(s.group == "dp" for s in engine.ledger.summary(engine.global_steps))
                 else:
-                    overlapped.append(engine.grad_sync.launch_log[0] < sum(1 for _ in model.parameters()))
+                    overlapped.append(engine.dp_runtime.launch_log[0] < sum(1 for _ in model.parameters()))
                 engine.step()
                 total += float(loss.detach())
             t = torch.tensor([total / len(micro)])

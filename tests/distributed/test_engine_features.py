@@ -148,6 +148,7 @@ def _run_checkpoint(save_dir: str, stage: int = 0) -> dict:
         _one_step(engine, s)
     engine.save_checkpoint(save_dir, client_state={"epoch": 7})
     continued = [_one_step(engine, s) for s in range(3, 5)]
+    engine.save_checkpoint(save_dir, tag="later", save_latest=False)    # written, but `latest` stays
     final = {k: v.clone() for k, v in model.state_dict().items()}
 
     fresh = _model(seed=99)
@@ -165,7 +166,7 @@ def test_checkpoint_round_trip_resumes_exactly(stage):
     with tempfile.TemporaryDirectory() as d:
         out = run_distributed(_run_checkpoint, 2, args=(d, stage))
         assert open(os.path.join(d, "latest")).read() == "global_step3"
-        assert sorted(os.listdir(d)) == ["global_step3", "latest"]       # no staging directories left
+        assert sorted(os.listdir(d)) == ["global_step3", "later", "latest"]      # no staging directories left
         shards = sorted(f for f in os.listdir(os.path.join(d, "global_step3")) if f.startswith("zero_pp_rank"))
         assert shards == ([] if stage == 0 else [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)])
     for r in out:

@@ -51,7 +51,7 @@ def _train_zero3() -> dict:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = [engine.train_batch(iter([_micro(b)])) for b in global_batches()]
-    state = engine.grad_sync.gathered_state_dict(rank0_only=False)
+    state = engine.dp_runtime.gathered_state_dict(rank0_only=False)
     engine.close()
     return {"losses": losses, "state": state}
 

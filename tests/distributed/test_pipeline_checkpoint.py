@@ -51,7 +51,7 @@ def _batches(engine, n: int, first: int) -> list[list]:
 
 def _full_state(engine) -> dict:
     """The whole model's weights, on every rank (stages' parts all-gathered as objects)."""
-    mine = engine.pipeline.stage.full_state_dict() if engine.pipeline is not None else engine.module.state_dict()
+    mine = engine.pipeline.module_state_dict(engine.module)       # full-model names, this rank's layers
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, {k: v.detach().clone() for k, v in mine.items()})
     return {k: v for part in parts for k, v in part.items()}

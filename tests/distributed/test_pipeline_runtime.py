@@ -137,7 +137,7 @@ def _engine_case(name: str) -> dict:
     steps = gpt_steps(MICRO * case["gas"] * dp, case["gas"], dp_size=dp, dp_rank=engine.dp_rank)
     losses = [engine.train_batch(iter(micro)) for micro in steps]
     out = {"losses": losses, "state": {k: t.detach().clone() for k, t in engine.module.full_state_dict().items()},
-           "norm": engine.optimizer_step.last_grad_norm, "stage": engine.pipeline.stage.stage,
+           "norm": engine.updater.last_grad_norm, "stage": engine.pipeline.stage.stage,
            "comm": engine.comm_report(), "activations": engine.memory_report()["activations"]}
     try:
         engine(steps[0][0])

@@ -210,7 +210,7 @@ def _train(model: nn.Module, config: dict, tp: int, batches, micro_fn, loss_fn, 
         t = torch.tensor([total / gas])
         dist.all_reduce(t)                                     # TP peers hold equal losses: world mean = dp mean
         losses.append(float(t) / world)
-        norms.append(engine.optimizer_step.last_grad_norm)
+        norms.append(engine.updater.last_grad_norm)
     last = engine.global_steps - 1
     out = {"losses": losses, "norms": norms, "report": engine.comm_report(),
            "tp_traffic": Counter((r.op, r.nbytes) for r in engine.ledger.records

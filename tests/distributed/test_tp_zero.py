@@ -72,7 +72,7 @@ def _steps(engine, case: dict, global_batches: list[torch.Tensor]) -> tuple[list
         t = torch.tensor([total / case["gas"]])
         dist.all_reduce(t)                                     # TP peers hold equal losses: world mean = dp mean
         losses.append(float(t) / world)
-        norms.append(engine.optimizer_step.last_grad_norm)
+        norms.append(engine.updater.last_grad_norm)
     return losses, norms
 
 
@@ -86,7 +86,7 @@ def _train(case: dict, ckpt_dir: str) -> dict:
     tp_comm = engine.tp_comm
     local = None
     if case["stage"] == 3:      # the module holds placeholders between steps: gather this slice over dp first
-        local = engine.grad_sync.gathered_state_dict(rank0_only=False)
+        local = engine.dp_runtime.gathered_state_dict(rank0_only=False)
     named = dict(engine.module.named_parameters())
     slice_numel = sum(v.numel() for k, v in (local or engine.module.state_dict()).items() if k in named)
     out = {"losses": losses + more, "norms": norms + more_norms, "memory": engine.memory_report(),

@@ -82,10 +82,10 @@ def _parity_cases() -> dict:
             model.forward = functools.partial(_recomputing_forward, model)
         params = _two_groups(model) if two_groups else model.parameters()
         engine, *_ = shardwise.initialize(model=model, model_parameters=params, config=_config(name, threshold))
-        engine.grad_sync.poison_freed = True        # a use after free turns into NaN
+        engine.dp_runtime.poison_freed = True        # a use after free turns into NaN
         losses = _train(engine, name, global_batches())
-        out[label] = {"losses": losses, "state": engine.grad_sync.gathered_state_dict(rank0_only=False),
-                      "live_after": engine.grad_sync.live_numel, "groups": len(engine.optimizer.param_groups)}
+        out[label] = {"losses": losses, "state": engine.dp_runtime.gathered_state_dict(rank0_only=False),
+                      "live_after": engine.dp_runtime.live_numel, "groups": len(engine.optimizer.param_groups)}
         engine.close()
     return out
 
@@ -97,10 +97,10 @@ def _memory_and_comm(bf16: bool, reshard_root: bool) -> dict:
     extra = {"bf16": {"enabled": True}} if bf16 else {}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                       config={**_config("adamw", 0), **extra})
-    engine.grad_sync.reshard_root_after_forward = reshard_root
+    engine.dp_runtime.reshard_root_after_forward = reshard_root
     losses = _train(engine, "adamw", global_batches()[:2])
-    flats = engine.grad_sync.partition.flats
-    root = engine.grad_sync.root
+    flats = engine.dp_runtime.partition.flats
+    root = engine.dp_runtime.root
     out = {"memory": engine.memory_report(), "comm": engine.comm_report(), "psi": psi, "losses": losses,
            "shard_numel": sum(f.shard.numel() for f in flats), "flats": len(flats),
            "root_padded": root.padded_numel, "padded": sum(f.layout.padded_numel for f in flats)}
@@ -117,9 +117,9 @@ def _prefetch_bounds() -> dict:
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config("adamw", 0, **zero))
         losses = _train(engine, "adamw", global_batches()[:2])
-        units = engine.grad_sync.units
-        out[label] = {"peak": engine.grad_sync.peak_live_numel, "losses": losses,
-                      "root": engine.grad_sync.root.padded_numel,
+        units = engine.dp_runtime.units
+        out[label] = {"peak": engine.dp_runtime.peak_live_numel, "losses": losses,
+                      "root": engine.dp_runtime.root.padded_numel,
                       "blocks": sorted(u.padded_numel for u in units if not u.is_root)}
         engine.close()
     return out
@@ -138,11 +138,11 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     engine.eval()
     with torch.no_grad():
         eval_loss = float(engine(ids, labels))
-    live_no_grad = engine.grad_sync.live_numel
+    live_no_grad = engine.dp_runtime.live_numel
     eval_loss_grad = float(engine(ids, labels).detach())
-    live_grad = engine.grad_sync.live_numel
+    live_grad = engine.dp_runtime.live_numel
     engine.train()
-    full = engine.grad_sync.gathered_state_dict(rank0_only=False)
+    full = engine.dp_runtime.gathered_state_dict(rank0_only=False)
     plain = tiny_model()
     plain.load_state_dict(full)
     plain.eval()
@@ -151,14 +151,14 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     # checkpoint round trip: continue after saving, vs a fresh engine that loads it
     engine.save_checkpoint(ckpt_dir, tag="t")
     after_save = _train(engine, name, batches[2:4])
-    final = engine.grad_sync.gathered_state_dict(rank0_only=False)
+    final = engine.dp_runtime.gathered_state_dict(rank0_only=False)
     engine.close()
     torch.manual_seed(99)                       # a different start: only the checkpoint can make it equal
     model2 = _other_model()
     engine2, *_ = shardwise.initialize(model=model2, model_parameters=model2.parameters(), config=cfg)
     engine2.load_checkpoint(ckpt_dir, tag="t")
     after_load = _train(engine2, name, batches[2:4])
-    final2 = engine2.grad_sync.gathered_state_dict(rank0_only=False)
+    final2 = engine2.dp_runtime.gathered_state_dict(rank0_only=False)
     try:
         engine2.load_checkpoint(ckpt_dir, tag="t", load_module_only=True)
         module_only_error = ""
@@ -166,7 +166,7 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
         module_only_error = str(e)
     # a full state dict loaded into the stage-3 module is split into the shards
     engine2.module.load_state_dict(full)
-    reloaded = engine2.grad_sync.gathered_state_dict(rank0_only=False)
+    reloaded = engine2.dp_runtime.gathered_state_dict(rank0_only=False)
     engine2.close()
     return {"eval": (eval_loss, eval_loss_grad, plain_loss), "live": (live_no_grad, live_grad),
             "after_save": after_save, "after_load": after_load, "final": final, "final2": final2,
@@ -186,7 +186,7 @@ def _meta_init_is_bit_identical() -> dict:
     direct = GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ, tie_embeddings=True))
     model = _meta_model(100, tie_embeddings=True)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_config("adamw", 100))
-    gathered = engine.grad_sync.gathered_state_dict(rank0_only=False)
+    gathered = engine.dp_runtime.gathered_state_dict(rank0_only=False)
     engine.close()
     return {"equal": {k: torch.equal(gathered[k], v) for k, v in direct.state_dict().items()},
             "tied": model.head.lm_head.weight is model.embed.tok.weight}
@@ -247,7 +247,7 @@ def _over_budget_model() -> dict:
         rows = torch.randint(0, 256, (1, SEQ + 1), generator=g)
         losses.append(engine.train_batch(iter([as_micro(rows)])))
     growth = _peak_rss() - before
-    out = {"psi": psi, "growth": growth, "peak_live": engine.grad_sync.peak_live_numel, "losses": losses,
+    out = {"psi": psi, "growth": growth, "peak_live": engine.dp_runtime.peak_live_numel, "losses": losses,
            "block": block, "model_states": engine.memory_report()["model_states"]}
     engine.close()
     return out

@@ -43,20 +43,20 @@ def _train(stage: int, names: list[str], offload: bool = False, param_offload_on
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config(name, world, stage, **extra))
         if param_offload_only:
-            flats = engine.grad_sync.partition.flats
+            flats = engine.dp_runtime.partition.flats
             assert all(m.device == f.compute_device and m.data_ptr() != f.shard.data_ptr()
-                       for m, f in zip(engine.optimizer_step.masters, [f for f in flats if f.group is not None]))
+                       for m, f in zip(engine.updater.masters, [f for f in flats if f.group is not None]))
         if offload and stage == 3:   # parameter shards wait on the CPU and are copied to the compute device
             assert all(f.compute_device is not None and f.shard.device.type == "cpu"
-                       for f in engine.grad_sync.partition.flats)
+                       for f in engine.dp_runtime.partition.flats)
         if offload:
             assert all(m.device.type == "cpu" and m.data_ptr() != b.param_flat.data_ptr()
-                       for m, b in zip(engine.optimizer_step.masters, engine.optimizer_step.buckets))
+                       for m, b in zip(engine.updater.masters, engine.updater.buckets))
         losses = []
         for b in global_batches():
             micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
             losses.append(engine.train_batch(iter(micro)))
-        full = engine.grad_sync.gathered_state_dict(rank0_only=False) if stage == 3 else model.state_dict()
+        full = engine.dp_runtime.gathered_state_dict(rank0_only=False) if stage == 3 else model.state_dict()
         out[name] = {"losses": losses, "state": {k: v.detach().clone() for k, v in full.items()},
                      "memory": engine.memory_report(), "comm": engine.comm_report(),
                      "num_params": sum(p.numel() for p in model.parameters())}
@@ -93,7 +93,7 @@ def _memory_and_comm(stage: int, bf16: bool) -> dict:
     for b in global_batches()[:2]:
         micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=dist.get_rank(), grad_accum=1)]
         engine.train_batch(iter(micro))
-    buckets = engine.optimizer_step.buckets
+    buckets = engine.updater.buckets
     return {"memory": engine.memory_report(), "comm": engine.comm_report(),
             "psi": sum(p.numel() for p in model.parameters()),
             "padding": sum(b.layout.padded_numel - b.layout.numel for b in buckets),

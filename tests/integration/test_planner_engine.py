@@ -70,7 +70,7 @@ def _train_and_report(stage: int, offload: Offload, gas: int, extra: dict) -> di
     out = {"memory": engine.memory_report(), "comm": engine.comm_report(), "step_counters": step_counters,
            "stepped_tensors": len(stepped), "num_params": sum(p.numel() for p in model.parameters())}
     if stage == 3:       # ZeRO-3 pads each unit's flat to whole shards; the root unit stays gathered into backward
-        units = engine.grad_sync.partition.units
+        units = engine.dp_runtime.partition.units
         out["flats_padded"] = [f.layout.padded_numel for u in units for f in u.flats]
         out["root_padded"] = sum(u.padded_numel for u in units if u.is_root)
     return out

@@ -15,6 +15,15 @@ def test_write_and_resolve(tmp_path):
     assert ckpt.resolve_tag(tmp_path / "empty", None) is None
 
 
+def test_save_latest_false_writes_the_tag_and_keeps_latest(tmp_path):
+    ckpt.write_tag(tmp_path, "a", {ckpt.MODEL_STATES: {"x": 1}})
+    ckpt.write_tag(tmp_path, "b", {ckpt.MODEL_STATES: {"x": 2}}, save_latest=False)
+    assert (tmp_path / "latest").read_text() == "a"
+    assert ckpt.read_model_states(ckpt.resolve_tag(tmp_path, "b")) == {"x": 2}
+    ckpt.write_tag(tmp_path / "fresh", "c", {ckpt.MODEL_STATES: {"x": 3}}, save_latest=False)
+    assert ckpt.resolve_tag(tmp_path / "fresh", None) is None      # no `latest` was ever written there
+
+
 def test_overwriting_a_tag_replaces_it(tmp_path):
     ckpt.write_tag(tmp_path, "a", {ckpt.MODEL_STATES: {"x": 1}})
     ckpt.write_tag(tmp_path, "a", {ckpt.MODEL_STATES: {"x": 3}})

@@ -207,6 +207,20 @@ def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
     assert "not implemented" in str(err) or "needs zero_optimization.stage >=" in str(err)
 
 
+@pytest.mark.parametrize("extra,key", [
+    ({"communication": {"all_reduce": "ring"}}, "communication.all_reduce"),
+    ({"communication_data_type": "bf16"}, "communication_data_type"),
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_stage0_reduction_options_are_refused_under_zero(extra: dict, key: str, stage: int) -> None:
+    err = error_of({**BASE, **extra, "zero_optimization": {"stage": stage}}, dp_size=1)
+    assert err.key == key and len(err.problems) == 1
+    assert "only supported with zero_optimization.stage 0" in str(err) and "remove it" in str(err)
+    load({**BASE, **extra}, dp_size=1)       # stage 0 runs them
+
+
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:
     assert "did you mean" in str(error_of({**BASE, "tensor_parallel": {"size": 2, "sequence_paralel": True}}))
     nvme = {"stage": 3, "offload_param": {"device": "nvme"}}

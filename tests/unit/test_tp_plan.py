@@ -14,7 +14,7 @@ from shardwise.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, Style, TensorParallelError, VocabParallelEmbedding, apply_tensor_parallel,
     gpt_tp_plan, hf_tp_plan, parallelize_gpt, resolve_plan, validate_gpt, validate_hf, vocab_parallel_cross_entropy,
 )
-from shardwise.parallel.tensor_parallel.models import _adjust_head_counts, translate_hf_plan
+from shardwise.parallel.tensor_parallel.model_plans import _adjust_head_counts, translate_hf_plan
 from shardwise.parallel.tensor_parallel.plan import check_plan
 from shardwise.topology import SoloComm
 

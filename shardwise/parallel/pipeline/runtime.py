@@ -17,7 +17,8 @@ else holds it (`sole_owner`: e.g. autograd saved it, as tanh does). The last mod
 ``loss_fn(output, labels) / M`` (times the loss scale), the root of its backward.
 B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
 the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
-over the micro-batches; `GradSync.begin_backward(boundary)` / `end_backward(boundary)` bracket every
+over the micro-batches; the engine's data-parallel runtime's `begin_backward(boundary)` / `end_backward(boundary)`
+bracket every
 backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it.
 
 `evaluate` (engine.eval_batch) runs the schedule's forwards alone (`forward_only`), under no_grad: the last
@@ -36,7 +37,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
@@ -54,13 +55,8 @@ from shardwise.parallel.pipeline.tensors import (
     checked_loss, flatten, free_data, module_device, sole_owner, storage_ptr, to_device)
 from shardwise.parallel.pipeline.stage import PipelineStage
 
-
-class GradSync(Protocol):
-    """The engine's gradient synchronisation (`BucketedAllReduce`, `ZeroGradReducer`)."""
-
-    def begin_backward(self, boundary: bool) -> None: ...
-
-    def end_backward(self, boundary: bool) -> None: ...
+if TYPE_CHECKING:
+    from shardwise.interfaces import DataParallelRuntime
 
 
 @dataclass
@@ -162,7 +158,7 @@ class PipelineRuntime:
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[Any] | None, *, loss_scale: float = 1.0,
-             grad_sync: GradSync | None = None) -> StepResult:
+             dp_runtime: DataParallelRuntime | None = None) -> StepResult:
         """Run every action of one global batch. ``micro_batches``: M pairs (inputs, labels) on a stage that
         holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
         elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
@@ -180,7 +176,7 @@ class PipelineRuntime:
             if self.actions[i].op is Op.FORWARD:
                 self._forward(i, inputs, batches, skip, losses, loss_scale)
             else:
-                self._backward(i, inputs, grad_sync)
+                self._backward(i, inputs, dp_runtime)
 
         records = self._run(self.train_plan, self.wire, compute, self._grad_metas)
         if self._slots or self._local or self._outbox:
@@ -345,19 +341,19 @@ class PipelineRuntime:
         if skip is not None:
             self.meter.sample()
 
-    def _backward(self, i: int, grads: list[Tensor] | None, grad_sync: GradSync | None) -> None:
+    def _backward(self, i: int, grads: list[Tensor] | None, dp_runtime: DataParallelRuntime | None) -> None:
         action, t = self.actions[i], self.train_plan.transfers[i]
         slot = self._slots.pop((action.microbatch, action.chunk))
         boundary = i == self._last_backward
-        if grad_sync is not None:
-            grad_sync.begin_backward(boundary)
+        if dp_runtime is not None:
+            dp_runtime.begin_backward(boundary)
         if slot.loss is not None:
             torch.autograd.backward(slot.loss)
         elif slot.outputs:
             assert grads is not None and len(grads) == len(slot.outputs)
             torch.autograd.backward(slot.outputs, grads)
-        if grad_sync is not None:
-            grad_sync.end_backward(boundary)
+        if dp_runtime is not None:
+            dp_runtime.end_backward(boundary)
         if t.send is None:
             return
         back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in slot.inputs]

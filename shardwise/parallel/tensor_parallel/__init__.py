@@ -6,13 +6,12 @@ vocabulary-parallel loss, and plans that apply them to a model.
 
 Files: `mappings.py` (autograd comm operators), `layers.py` (ColumnParallelLinear, RowParallelLinear,
 VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (apply_tensor_parallel and the
-styles), `models.py` (GPT and Hugging Face plans, validation, `parallelize_model`), `grads.py` (global norm,
-overflow agreement, gathering the full state dict).
+styles), `model_plans.py` (GPT and Hugging Face plans, validation, `parallelize_model`), `state_dict.py` (the full
+state dict gathered from or split into the slices), `random.py` (per-rank dropout streams). The gradient norm
+over TP slices is `parallel.grad_norm`'s.
 """
 
-from shardwise.parallel.tensor_parallel.grads import (
-    TensorParallelGrads, gather_full_state_dict, load_full_state_dict,
-)
+from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict, load_full_state_dict
 from shardwise.parallel.tensor_parallel.layers import (
     TP_DIM_ATTR, ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding,
     is_tensor_parallel_shard,
@@ -22,7 +21,7 @@ from shardwise.parallel.tensor_parallel.mappings import (
     copy_to_region, gather_from_last_dim, gather_from_sequence, reduce_from_region, reduce_scatter_to_sequence,
     scatter_to_last_dim, scatter_to_sequence, sum_grad_over_region,
 )
-from shardwise.parallel.tensor_parallel.models import (
+from shardwise.parallel.tensor_parallel.model_plans import (
     gpt_tp_plan, hf_tp_plan, parallelize_gpt, parallelize_hf, parallelize_model, validate_gpt, validate_hf,
 )
 from shardwise.parallel.tensor_parallel.plan import Style, TensorParallelInfo, apply_tensor_parallel, resolve_plan
@@ -34,5 +33,5 @@ __all__ = [
     "scatter_to_sequence", "gather_from_last_dim", "scatter_to_last_dim", "sum_grad_over_region",
     "Style", "TensorParallelInfo", "apply_tensor_parallel", "resolve_plan",
     "gpt_tp_plan", "parallelize_gpt", "validate_gpt", "hf_tp_plan", "parallelize_hf", "validate_hf",
-    "parallelize_model", "TensorParallelGrads", "gather_full_state_dict", "load_full_state_dict",
+    "parallelize_model", "gather_full_state_dict", "load_full_state_dict",
 ]

@@ -74,10 +74,6 @@ class ZeroGradReducer(OrderedLauncher):
         held = [b.grad_shard if self.partition_grads else b.grad_buffer for b in self.buckets]
         return sum(t.numel() * t.element_size() for t in held)
 
-    def param_storage_keys(self) -> set[int]:
-        """Parameters keep their own storages here; the engine already knows them."""
-        return set()
-
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

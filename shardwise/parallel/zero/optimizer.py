@@ -1,28 +1,28 @@
-"""ZeRO-1/2 optimizer step: each rank updates only its shard of every bucket, then all-gathers parameters.
+"""ZeRO's update: each rank steps only its shard of every bucket, then (stages 1-2) all-gathers parameters.
 
 Per bucket b, rank r holds a master of its shard: `masters[b]` [S_b]. In fp32 it is a Parameter that views
 the shard of the bucket's own parameter buffer (no copy: the optimizer updates the model's storage); under
 bf16/fp16 it is a separate fp32 tensor (ZeRO's K*psi/N includes these masters). The step:
 
-    master.grad = grad_shard.float() (/ loss scale)   overflow flag and squared norm all-reduced over dp
+    master.grad = grad_shard.float() (/ loss scale)   overflow flag and squared norm agreed by the holders
     clip by the global norm; optimizer.step() on the shards; shard -> model dtype; all-gather each bucket
+
+Stage 3 (`Stage3Update`) keeps unit shards sharded after the step (only separate masters are written back into
+them) and all-gathers only its persistent buckets.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import torch
 
 from shardwise.comm.collectives import Comm
+from shardwise.errors import CheckpointError
+from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.update import Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.fused import prefer_fused_adam
-from shardwise.precision import LossScaler
-from shardwise.replicated_optimizer import optimizer_state_bytes
-
-if TYPE_CHECKING:
-    from shardwise.parallel.tensor_parallel.grads import ShardedTensorParallelGrads
+from shardwise.parallel.zero.params import FlatShard
+from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 
 def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
@@ -46,28 +46,20 @@ def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separat
     return [g for g in out if g["params"]], masters
 
 
-class ShardedOptimizer:
+class ShardedUpdate(Update):
+    """Stages 1-2 (and, through `Stage3Update`, 3): one master per bucket shard, stepped by this rank only."""
+
     checkpoint_per_rank = True      # each rank saves its own optimizer shard
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
-                 masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, flags_comm: Comm,
-                 scaler: LossScaler, clip: float, check_overflow: bool, gather_after_step: bool = True,
-                 tp_grads: "ShardedTensorParallelGrads | None" = None):
-        self.optimizer = optimizer
-        # Under tensor parallelism the shards hold TP slices and replicated parameters: the norm and the
-        # overflow verdict are completed over the TP group too (one 8-byte all-reduce each).
-        self.tp_grads = tp_grads
+                 masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, recipe: UpdateRecipe,
+                 norms: GradNormReducer, gather_after_step: bool = True):
+        super().__init__(optimizer, stepped=masters, masters=masters, separate_masters=separate_masters,
+                         recipe=recipe, norms=norms)
         # ZeRO-3 (False): parameters stay sharded after the step; only separate masters are written back.
         self.gather_after_step = gather_after_step
         self.buckets = buckets
-        self.masters = masters
-        self.separate_masters = separate_masters
         self.comm = comm              # parameter all-gathers: gradient-step traffic, group "dp"
-        self.flags_comm = flags_comm  # overflow flag and norm: a few bytes, group "dp:metrics"
-        self.scaler = scaler
-        self.clip = clip
-        self.check_overflow = check_overflow
-        self.last_grad_norm: float | None = None
         self.model_params = [p for b in buckets for p in b.params]
         # Offloaded masters get their gradients in host buffers kept across steps, page-locked like the masters
         # (a fresh empty_like each step would be pageable: its non_blocking copy would run synchronously).
@@ -78,7 +70,7 @@ class ShardedOptimizer:
                               for b, m in zip(buckets, masters))
         prefer_fused_adam(optimizer)      # one flat fp32 shard per bucket: the fused kernel's best case
 
-    def step(self) -> bool:
+    def _load_grads(self) -> None:
         for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
             g = b.grad_shard
             if g.dtype == m.dtype and g.device == m.device:
@@ -95,39 +87,6 @@ class ShardedOptimizer:
             m.grad = buf.copy_(g, non_blocking=True)
         if self._sync_host:
             torch.cuda.current_stream().synchronize()
-        grads = [m.grad for m in self.masters]
-        if self.check_overflow:
-            # One verdict for all buckets: a single device -> host read instead of one per bucket.
-            local = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-            overflow = self.flags_comm.all_reduce_object_max(float(local)) > 0
-            if self.tp_grads is not None:
-                overflow = self.tp_grads.any_overflow(overflow)
-            if overflow:
-                self.scaler.update(overflow=True)
-                self.last_grad_norm = float("inf")
-                return False
-        scale = self.scaler.loss_scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        if self.clip > 0:
-            if self.tp_grads is None:
-                sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
-                for g in grads:           # float64 accumulation without a float64 copy of the bucket
-                    sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-                self.flags_comm.all_reduce(sq)
-                norm = math.sqrt(float(sq))
-            else:                                  # [sliced, replicated] over dp, then slices over TP
-                sq = self.tp_grads.local_squares(grads)
-                self.flags_comm.all_reduce(sq)
-                norm = self.tp_grads.global_norm(sq)
-            self.last_grad_norm = norm
-            coef = self.clip / (norm + 1e-6)       # torch.nn.utils.clip_grad_norm_'s rule
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
-        self._publish()
-        self.scaler.update(overflow=False)
-        return True
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -150,24 +109,12 @@ class ShardedOptimizer:
         for h in handles:
             h.wait()
 
-    def zero_master_grads(self) -> None:
-        for m in self.masters:
-            m.grad = None
-
     def param_bytes(self) -> int:
         return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets)
 
     def state_bytes(self) -> int:
-        total = optimizer_state_bytes(self.optimizer)
-        if self.separate_masters:
-            total += sum(m.numel() * m.element_size() for m in self.masters)
         # the offloaded masters' host gradient buffers (kept across steps, as DeepSpeed keeps its CPU fp32 grads)
-        total += sum(b.numel() * b.element_size() for b in self._host_grads if b is not None)
-        return total
-
-    @property
-    def optimizer_device(self) -> str:
-        return str(self.masters[0].device) if self.masters else "none"
+        return super().state_bytes() + sum(b.numel() * b.element_size() for b in self._host_grads if b is not None)
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
@@ -176,20 +123,71 @@ class ShardedOptimizer:
                 m.copy_(b.param_shard)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "masters": [m.detach().clone() for m in self.masters],
-                "dp_rank": self.comm.rank, "dp_size": self.comm.size}
+        return dict(super().state_dict(), dp_rank=self.comm.rank, dp_size=self.comm.size)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         if state["dp_size"] != self.comm.size:
-            from shardwise.checkpoint import CheckpointError
             raise CheckpointError(f"this ZeRO checkpoint was written by {state['dp_size']} data-parallel ranks and "
                                   f"is being loaded by {self.comm.size}: resharding is not supported yet; load it "
                                   f"with {state['dp_size']} ranks")
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scaler.load_state_dict(state["scaler"])
-        for m, saved in zip(self.masters, state["masters"]):
-            m.copy_(saved)
+        self._load_common(state, load_optimizer_states)
         self._publish()
+
+
+class Stage3Update(ShardedUpdate):
+    """`ShardedUpdate` over unit shards (which stay sharded: no all-gather after the step) and persistent
+    buckets (all-gathered after the step, as in ZeRO-2)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, runtime: ZeroParamRuntime, flats: list[FlatShard],
+                 persistent: list[ZeroBucket], masters: list[torch.nn.Parameter], separate_masters: bool,
+                 comm: Comm, recipe: UpdateRecipe, norms: GradNormReducer):
+        super().__init__(optimizer, buckets=[*flats, *persistent], masters=masters,  # type: ignore[list-item]
+                         separate_masters=separate_masters, comm=comm, recipe=recipe, norms=norms,
+                         gather_after_step=False)
+        self.runtime = runtime
+        self.flats = flats
+        self.persistent = persistent
+
+    def step(self) -> bool:
+        applied = super().step()
+        if applied:
+            self._gather_persistent()
+        return applied
+
+    @torch.no_grad()
+    def _gather_persistent(self) -> None:
+        # A separate send buffer: the input of all_gather must not alias its output.
+        handles = [self.comm.all_gather_into_tensor(b.param_flat, b.param_shard.clone(), async_op=True)
+                   for b in self.persistent]
+        for h in handles:
+            h.wait()
+
+    def param_bytes(self) -> int:
+        """Unit shards plus persistent parameters (whole), not the transient gathered buffers."""
+        shards = sum(f.shard.numel() * f.shard.element_size() for f in self.runtime.partition.flats)
+        whole = sum(p.numel() * p.element_size() for p in self.runtime.partition.persistent)
+        return shards + whole
+
+    def _layout(self) -> list[int]:
+        return [b.layout.numel for b in self.buckets]
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), zero_stage=3, flat_numels=self._layout())
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
+        if state.get("zero_stage") != 3 or state.get("flat_numels") != self._layout():
+            raise CheckpointError(
+                f"this optimizer shard (ZeRO stage {state.get('zero_stage', '1 or 2')}) does not match this ZeRO-3 "
+                f"model's layout: load it with the same model, zero_optimization.stage, "
+                f"stage3_param_persistence_threshold and param groups it was saved with")
+        super().load_state_dict(state, load_optimizer_states=load_optimizer_states)
+        self._gather_persistent()
+
+    def sync_masters_from_model(self) -> None:
+        if self.runtime.loaded_placeholders:
+            raise CheckpointError("load_module_only=True with a ZeRO-3 checkpoint: its module states hold empty "
+                                  "placeholders (the weights are in the per-rank optimizer files); load it with "
+                                  "load_module_only=False, or load a full state dict into the model")
+        super().sync_masters_from_model()

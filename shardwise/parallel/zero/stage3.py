@@ -18,7 +18,7 @@
 Prefetch launches all-gathers ahead while the elements gathered ahead stay within
 `stage3_prefetch_bucket_size` and the elements gathered at once within `stage3_max_live_parameters` (a unit
 needed now is gathered whatever the bound). Persistent parameters (whole on every rank) are ZeRO-2 buckets:
-a `ZeroGradReducer(partition_grads=True)` reduces their gradients and `Stage3Optimizer` all-gathers them after
+a `ZeroGradReducer(partition_grads=True)` reduces their gradients and `Stage3Update` all-gathers them after
 each step. Collectives are launched from module and autograd hooks, in the same order on every rank as long as
 every rank's forward runs the same modules (ZeRO-3's and FSDP's requirement).
 """
@@ -51,8 +51,8 @@ def _in_backward() -> bool:
 
 
 class ZeroParamRuntime:
-    """The engine's `grad_sync` for stage 3 (`begin_backward`, `end_backward`, `zero_grad`, `grad_bytes`,
-    `close`) and the hooks that gather and free the parameters of `module`."""
+    """The engine's data-parallel runtime for stage 3 (`interfaces.DataParallelRuntime`): the hooks that gather
+    and free the parameters of `module`, and the reduce-scatter of its gradients."""
 
     def __init__(self, module: nn.Module, partition: Partition, comm: Comm, *,
                  persistent: ZeroGradReducer | None, prefetch_numel: int, max_live_numel: int,
@@ -295,9 +295,13 @@ class ZeroParamRuntime:
 
     # -- state dicts --------------------------------------------------------------------------------
     @torch.no_grad()
-    def gathered_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+    def gathered_state_dict(self, module: nn.Module | None = None, *, rank0_only: bool = True
+                            ) -> dict[str, torch.Tensor] | None:
         """The module's full state dict (collective: every rank must call it). Gathers one unit at a time;
-        with rank0_only, ranks other than 0 keep nothing and get None."""
+        with rank0_only, ranks other than 0 keep nothing and get None. `module` (the engine's, for the common
+        interface) must be the module this runtime shards."""
+        if module is not None and module is not self.module:
+            raise ValueError("ZeroParamRuntime.gathered_state_dict: not the module this runtime shards")
         keep = not rank0_only or self.comm.rank == 0
         values: dict[int, torch.Tensor] = {}
         for u in self.units:

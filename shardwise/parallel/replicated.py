@@ -1,0 +1,81 @@
+"""ZeRO stage 0: every data-parallel rank holds the whole model (of its TP slice and pipeline stage).
+
+Gradients are all-reduced in buckets over the dp group (`data_parallel.BucketedAllReduce`). The update:
+fp32 steps the model's own parameters; bf16 / fp16 step fp32 master copies (`masters[i]` pairs with
+`model_params[i]`, same shape): each step copies the synchronised low-precision gradients into the masters'
+fp32 .grad, and after the step casts the masters back into the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.config.resolved import DataParallelConfig
+from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
+from shardwise.parallel.update import Update, UpdateRecipe
+
+
+class ReplicatedUpdate(Update):
+    """Stage 0's step: every rank applies the same update to its whole copy."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, model_params: list[torch.nn.Parameter],
+                 masters: list[torch.nn.Parameter] | None, recipe: UpdateRecipe, norms: GradNormReducer):
+        super().__init__(optimizer, stepped=masters if masters is not None else model_params,
+                         masters=masters or [], separate_masters=masters is not None, recipe=recipe,
+                         norms=norms)
+        self.model_params = model_params
+
+    def _load_grads(self) -> None:
+        for p, m in zip(self.model_params, self.masters):
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+            m.grad.copy_(p.grad)      # [shape] low precision -> fp32
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        for p, m in zip(self.model_params, self.masters):
+            p.copy_(m)                # fp32 -> low precision
+
+    def param_bytes(self) -> int:
+        """Model parameters held by this rank (all of them: stage 0 replicates)."""
+        return sum(p.numel() * p.element_size() for p in self.model_params)
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """After loading module weights only: restart the fp32 masters from them."""
+        for p, m in zip(self.model_params, self.masters):
+            m.copy_(p)
+
+    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
+        self._load_common(state, load_optimizer_states)
+
+
+def make_masters(groups: list[dict]) -> tuple[list[dict], list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """fp32 master copies of every parameter, in param-group form for the optimizer.
+    Returns (master groups, model params flat, masters flat) with matching order."""
+    model_params, masters, master_groups = [], [], []
+    for g in groups:
+        ms = [torch.nn.Parameter(p.detach().to(torch.float32).clone()) for p in g["params"]]
+        model_params += g["params"]
+        masters += ms
+        master_groups.append(dict(g, params=ms))
+    return master_groups, model_params, masters
+
+
+def build_replicated(groups: list[dict], *, section: DataParallelConfig, recipe: UpdateRecipe, dp_comm: Comm,
+                     norms: GradNormReducer) -> tuple[ReplicatedUpdate, BucketedAllReduce]:
+    """The update and the gradient all-reduce of stage 0 over `groups` (this rank's trainable parameters)."""
+    model_params = [p for g in groups for p in g["params"]]
+    masters = None
+    if recipe.dtype != torch.float32:
+        groups, model_params, masters = make_masters(groups)
+    # Replicas hold equal gradients after the all-reduce: only other stages and TP slices hold other parts.
+    bound = norms.for_tensors(whole_tensor_layout(model_params), dp_sharded=False)
+    update = ReplicatedUpdate(recipe.make_optimizer(groups), model_params=model_params, masters=masters,
+                              recipe=recipe, norms=bound)
+    runtime = BucketedAllReduce(model_params, dp_comm, bucket_numel=section.bucket_numel, impl=section.all_reduce,
+                                predivide_factor=section.predivide_factor, prescale=section.prescale,
+                                comm_dtype=section.data_type.torch_dtype if section.data_type else None)
+    return update, runtime

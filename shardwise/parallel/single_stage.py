@@ -1,0 +1,78 @@
+"""No pipeline (pipeline.stages = 1): the engine's `interfaces.Pipeline` for a model held whole on every rank.
+
+A global batch is DeepSpeed's plain loop, gradient_accumulation_steps times `engine(batch)`,
+`engine.backward(loss)`, `engine.step()`; module states keep their own names; there are no other stages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.errors import UserError
+
+if TYPE_CHECKING:
+    from shardwise.engine import Engine
+    from shardwise.parallel.zero.build import ShardingUnits
+
+
+class SingleStage:
+    reads_in_order: ClassVar[bool] = False    # DeepSpeed's plain engine shuffles its training data
+
+    def __init__(self, metrics_comm: Comm):
+        self.metrics_comm = metrics_comm
+        """The dp group, for the loss average ("dp:metrics")."""
+
+    def owned(self, model_parameters: Iterable[Any]) -> list[Any]:
+        return list(model_parameters)
+
+    def sharding_units(self) -> ShardingUnits | None:
+        return None
+
+    def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> float:
+        if data_iter is None:
+            raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
+                            "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
+        count = engine.gradient_accumulation_steps
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(count):
+            loss = engine(next(data_iter))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float().cpu()
+        return self._dp_mean(total, count)
+
+    def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, count: int) -> float:
+        if data_iter is None:
+            raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(count):
+            loss = engine(next(data_iter))
+            if not torch.is_tensor(loss) or loss.dim() != 0:
+                raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
+            total += loss.float().cpu()
+        return self._dp_mean(total, count)
+
+    def _dp_mean(self, total: torch.Tensor, count: int) -> float:
+        """``total`` (the sum of this rank's ``count`` micro-batch losses) as the mean over micro-batches and
+        data-parallel ranks: one all-reduce; the same value on every rank."""
+        total /= count
+        self.metrics_comm.all_reduce(total)
+        return float(total) / self.metrics_comm.size
+
+    def refuse_manual_step(self, what: str) -> None:
+        """Every call is allowed without a pipeline."""
+
+    def module_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return module.state_dict()
+
+    def load_module_state(self, module: torch.nn.Module, full: dict[str, Any], strict: bool) -> None:
+        module.load_state_dict(full, strict=strict)
+
+    def gather_stages(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        return local
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,123 @@
+"""The optimizer update every data-parallel strategy shares, and what its builders are given.
+
+Whatever holds the gradients (whole replicated tensors, ZeRO shards, offloaded masters), one step is
+
+    load grads into what the optimizer steps -> overflow verdict (all holders agree) -> unscale -> clip by the
+    whole model's norm -> optimizer.step() -> publish the new values to the model -> update the loss scale
+
+`Update.step` is that skeleton; a strategy supplies only `_load_grads` and `_publish` (and its checkpoint
+state). The norm and the overflow verdict come from a `GradNormReducer` bound to the stepped tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.precision import LossScaler, grads_have_inf_or_nan
+
+
+@dataclass(frozen=True)
+class UpdateRecipe:
+    """What every update strategy needs beyond its own config section, decided once by `initialize`."""
+
+    make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]
+    """Builds the user's optimizer (config block or client object) over the param groups of what is stepped."""
+    scaler: LossScaler
+    clip: float
+    """gradient_clipping: the global norm bound, 0 = off."""
+    check_overflow: bool
+    """Skip a step whose gradients hold inf/nan (fp16 always; bf16 unless bf16_check_grad_overflow is off)."""
+    dtype: torch.dtype
+    """The model's dtype: below fp32 the optimizer steps separate fp32 masters."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in the optimizer's per-parameter state (Adam's m, v and step counters...)."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t))
+
+
+def param_groups_of(model_parameters: Iterable[Any]) -> list[dict]:
+    """Normalise DeepSpeed's `model_parameters` (an iterable of tensors or of param-group dicts) into
+    param-group dicts, keeping only parameters that require grad."""
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in items]
+    else:
+        groups = [{"params": [p for p in items if p.requires_grad]}]
+    return [g for g in groups if g["params"]]
+
+
+class Update:
+    """The step skeleton. `stepped`: the tensors the optimizer updates (the model's own parameters, or
+    `masters`: fp32 copies or shards that the strategy keeps apart from the model)."""
+
+    checkpoint_per_rank = False
+    """Whether each rank saves its own optimizer state (ZeRO shards) or rank 0 saves everyone's (replicated)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, stepped: list[torch.nn.Parameter],
+                 masters: list[torch.nn.Parameter], separate_masters: bool, recipe: UpdateRecipe,
+                 norms: GradNormReducer):
+        self.optimizer = optimizer
+        self.stepped = stepped
+        self.masters = masters
+        self.separate_masters = separate_masters
+        self.scaler = recipe.scaler
+        self.clip = recipe.clip
+        self.check_overflow = recipe.check_overflow
+        self.norms = norms
+        self.last_grad_norm: float | None = None
+
+    def step(self) -> bool:
+        """One update; False when it was skipped because some holder's gradients overflowed."""
+        self._load_grads()
+        grads = [p.grad for p in self.stepped if p.grad is not None]
+        if self.check_overflow and self.norms.overflow(grads_have_inf_or_nan(grads)):
+            self.scaler.update(overflow=True)
+            self.last_grad_norm = float("inf")
+            return False
+        scale = self.scaler.loss_scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        if self.clip > 0:
+            self.last_grad_norm = self.norms.clip_(self.stepped, self.clip)
+        self.optimizer.step()
+        self._publish()
+        self.scaler.update(overflow=False)
+        return True
+
+    def _load_grads(self) -> None:
+        """Give every stepped tensor its synchronised gradient (`.grad`), cast to its dtype and device."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """Make the updated stepped tensors the model's parameters (cast back, all-gather...)."""
+        raise NotImplementedError
+
+    def zero_master_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    def state_bytes(self) -> int:
+        """Optimizer states plus separate fp32 masters (the ZeRO paper's K*psi, with the masters inside K)."""
+        total = optimizer_state_bytes(self.optimizer)
+        if self.separate_masters:
+            total += sum(m.numel() * m.element_size() for m in self.masters)
+        return total
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "masters": [m.detach().clone() for m in self.masters] if self.masters else None}
+
+    @torch.no_grad()
+    def _load_common(self, state: dict, load_optimizer_states: bool) -> None:
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+        if state.get("masters") is not None:
+            for m, saved in zip(self.masters, state["masters"]):
+                m.copy_(saved)

@@ -1,0 +1,127 @@
+"""ZeRO stages 1-3 assembled: buckets or unit shards, shard masters, the update and the runtime the engine drives.
+
+Model states per rank (psi parameters, N = dp size, e = model dtype bytes, K = optimizer bytes per parameter,
+padding aside):
+
+    stage   params        grads         optimizer
+    1       e * psi       e * psi       K * psi / N     gradients reduce-scattered on the boundary
+    2       e * psi       e * psi / N   K * psi / N     reduce-scattered on every micro-batch
+    3       e * psi / N   e * psi / N   K * psi / N     parameters gathered per unit around its use
+
+Under bf16/fp16 or offload the masters are separate fp32 shards (inside K). Checkpoints are per rank: the
+optimizer file of each rank holds its masters. Under ZeRO-3 rank 0's module states hold empty placeholders
+for sharded parameters (as DeepSpeed's files do); a full state dict is `runtime.gathered_state_dict(module)`
+(collective), and loading a full state dict into the module splits it into the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.config.resolved import ZeroConfig
+from shardwise.errors import UserError
+from shardwise.parallel.grad_norm import GradNormReducer, shard_layout
+from shardwise.parallel.update import UpdateRecipe
+from shardwise.parallel.zero.buckets import ZeroBucket, build_zero_buckets
+from shardwise.parallel.zero.grads import ZeroGradReducer
+from shardwise.parallel.zero.optimizer import ShardedUpdate, Stage3Update, make_shard_masters
+from shardwise.parallel.zero.params import PARTITION_ATTR, FlatKey, Partition, rekey, shard_model
+from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+
+@dataclass(frozen=True)
+class ShardingUnits:
+    """How ZeRO-3 cuts a module that is not one whole forward: `roots` run one at a time (a pipeline stage's
+    model chunks), `units` (name, module) are gathered and freed one by one. Default (None): the module is
+    the only root and the children of its largest ModuleList are the units."""
+
+    roots: list[torch.nn.Module]
+    units: list[tuple[str, torch.nn.Module]]
+
+
+def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, recipe: UpdateRecipe,
+               dp_comm: Comm, norms: GradNormReducer, device: torch.device, units: ShardingUnits | None = None
+               ) -> tuple[ShardedUpdate, ZeroGradReducer | ZeroParamRuntime]:
+    """The update and the runtime of ZeRO stage `section.stage` (1-3) over `groups`, this rank's trainable
+    parameters of `model`, sharded over `dp_comm`."""
+    if section.stage == 3:
+        return _stage3(model, groups, section=section, recipe=recipe, dp_comm=dp_comm, norms=norms, device=device,
+                       units=units)
+    buckets = build_zero_buckets([g["params"] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
+                                 bucket_numel=section.reduce_bucket_size)
+    separate = recipe.dtype != torch.float32 or section.offloads_optimizer
+    optimizer, masters, bound = _shard_optimizer(buckets, groups, section, recipe, norms, separate=separate)
+    update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
+                           recipe=recipe, norms=bound)
+    return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
+
+
+def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, recipe: UpdateRecipe,
+                     norms: GradNormReducer, *, separate: bool
+                     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], GradNormReducer]:
+    """Shard masters (on the CPU under offload_optimizer), the user's optimizer over them, and the norm
+    reducer bound to their layout: dp ranks hold disjoint shards, so they are holders of one model."""
+    offload = section.offload_optimizer if section.offloads_optimizer else None
+    master_groups, masters = make_shard_masters(
+        buckets, groups, separate=separate, offload_device=torch.device("cpu") if offload else None,
+        pin_memory=bool(offload and offload.pin_memory))
+    bound = norms.for_tensors(shard_layout(buckets), dp_sharded=True)
+    return recipe.make_optimizer(master_groups), masters, bound
+
+
+def _stage3(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, recipe: UpdateRecipe,
+            dp_comm: Comm, norms: GradNormReducer, device: torch.device,
+            units: ShardingUnits | None) -> tuple[Stage3Update, ZeroParamRuntime]:
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+
+    def key_of(p: torch.nn.Parameter) -> FlatKey:
+        return FlatKey(group_of.get(id(p)), p.dtype)
+
+    partition = _partition(model, section, key_of, dp_comm, device, units.units if units is not None else None)
+    if section.offloads_params:      # shards wait on the CPU between uses; masters may then view them there
+        for f in partition.flats:
+            f.offload(torch.device("cpu"), pin_memory=section.offload_param.pin_memory)
+    setattr(model, PARTITION_ATTR, partition)
+    kept = {id(p) for p in partition.persistent}
+    persistent: list[ZeroBucket] = build_zero_buckets(
+        [[p for p in g["params"] if id(p) in kept] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
+        bucket_numel=section.reduce_bucket_size)
+    flats = [f for f in partition.flats if f.group is not None]
+    reducer = ZeroGradReducer(persistent, dp_comm, partition_grads=True) if persistent else None
+    runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
+                               prefetch_numel=section.stage3_prefetch_bucket_size,
+                               max_live_numel=section.stage3_max_live_parameters,
+                               roots=units.roots if units is not None else None)
+    # offload_param alone keeps the optimizer on the compute device (as DeepSpeed does): the masters then cannot
+    # be the parameter shards, which wait on the CPU.
+    separate = recipe.dtype != torch.float32 or section.offloads_optimizer or section.offloads_params
+    optimizer, masters, bound = _shard_optimizer([*flats, *persistent], groups, section, recipe, norms,
+                                                 separate=separate)
+    update = Stage3Update(optimizer, runtime=runtime, flats=flats, persistent=persistent, masters=masters,
+                          separate_masters=separate, comm=dp_comm, recipe=recipe, norms=bound)
+    return update, runtime
+
+
+def _partition(model: torch.nn.Module, section: ZeroConfig, key_of: Callable[[torch.nn.Parameter], FlatKey],
+               comm: Comm, device: torch.device, unit_modules: list[tuple[str, torch.nn.Module]] | None) -> Partition:
+    """The model's unit shards: cut here, or re-keyed from the `Partition` that `materialize_sharded` built
+    (the full model never existed on this rank), after checking it was built for this group and thresholds."""
+    given: Partition | None = getattr(model, PARTITION_ATTR, None)
+    if given is None:
+        return shard_model(model, key_of=key_of, dp_size=comm.size, dp_rank=comm.rank,
+                           persistence_threshold=section.stage3_param_persistence_threshold,
+                           model_persistence_threshold=section.stage3_model_persistence_threshold,
+                           modules=unit_modules)
+    if (given.dp_size, given.dp_rank) != (comm.size, comm.rank):
+        raise UserError(f"the model was materialized for data-parallel rank {given.dp_rank} of {given.dp_size}, "
+                        f"but this run is rank {comm.rank} of {comm.size}: materialize it with the same group")
+    for key, mine in (("stage3_param_persistence_threshold", given.persistence_threshold),
+                      ("stage3_model_persistence_threshold", given.model_persistence_threshold)):
+        if getattr(section, key) != mine:
+            raise UserError(f"zero_optimization.{key} = {getattr(section, key)} but the model was materialized with "
+                            f"{mine}: pass the same value to materialize_sharded and the config")
+    return rekey(given, key_of=key_of, comm=comm, device=device)
