@@ -54,7 +54,7 @@ def _resize(t: torch.Tensor, numel: int) -> None:
 @dataclass(eq=False)
 class FlatShard:
     """One padded flat buffer of a unit (one key), sharded over the dp group. Quacks like a ZeroBucket for
-    `ShardedOptimizer` (`group`, `params`, `param_shard`, `grad_shard`, `layout`)."""
+    `ShardedUpdate` (`group`, `params`, `param_shard`, `grad_shard`, `layout`)."""
 
     unit: int
     key: FlatKey
