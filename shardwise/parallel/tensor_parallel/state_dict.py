@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from shardwise.comm.collectives import Comm
-from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, is_tensor_parallel_shard
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
 from shardwise.parallel.tensor_parallel.mappings import all_gather
 
 
