@@ -1,7 +1,7 @@
 """ZeRO stages 0-3 and CPU offload on ONE device (world size 1): step time, peak memory, offload copy bandwidth.
 
-    python -m shardwise.benchmarks.zero_gpu --device cuda --model 1b --json zero_gpu.json
-    python -m shardwise.benchmarks.zero_gpu --device cpu --model tiny --steps 2 --warmup 1 --seq 32 --micro-batch 2
+    python -m benchmarks.zero_gpu --device cuda --model 1b --json zero_gpu.json
+    python -m benchmarks.zero_gpu --device cpu --model tiny --steps 2 --warmup 1 --seq 32 --micro-batch 2
 
 One process, one short run (GPU machines are lent for minutes): each row builds the GPT afresh from one seed on the
 device, wraps it with `shardwise.initialize` (bf16, AdamW, clipping 1.0, no accumulation), runs warm-up then timed
@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import args_meta, int_at_least, positive_float, sequence_length, write_json
-from shardwise.benchmarks.trainers import token_batches
+from benchmarks.common import args_meta, int_at_least, positive_float, sequence_length, write_json
+from benchmarks.trainers import token_batches
 
 GIB = 1 << 30
 TARGET = 1.05                   # issue 3: step time of stages 1-2 over stage 0 at world size 1
@@ -73,7 +73,7 @@ def model_config(name: str) -> Any:
 # -- arguments ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardwise.benchmarks.zero_gpu",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.zero_gpu",
                                 description="ZeRO stages 0-3 and CPU offload at world size 1 on one device.")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="(default: %(default)s)")
     p.add_argument("--model", choices=("1b", "tiny"), default="1b", help="GPT size (default: %(default)s)")
