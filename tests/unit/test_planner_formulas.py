@@ -9,7 +9,7 @@ import pytest
 
 from shardwise.models.presets import PRESETS, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    ModelSpec, Op, Optimizer, Precision, Recompute, Schedule, bubble_fraction, bubble_ratio, flops_per_token,
+    ModelSpec, Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
     forward_flops, iteration_flops, layer_activation_bytes, max_trainable_params, model_preset, model_state_bytes,
     narayanan_params, narayanan_train_seconds, param_count, peak_in_flight, pipeline_seconds, ring_seconds,
     ring_send_bytes, six_nd, zero_paper_volume,
@@ -197,12 +197,12 @@ def test_ring_volumes_and_alpha_beta_times_by_hand() -> None:
 
 def test_bubble_by_hand() -> None:
     assert bubble_fraction(stages=4, microbatches=8) == pytest.approx(3 / 11)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=Schedule.GPIPE) == pytest.approx(3 / 11)
+    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == pytest.approx(3 / 11)
     assert bubble_ratio(stages=4, microbatches=8) == pytest.approx(3 / 8)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=Schedule.INTERLEAVED,
+    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.INTERLEAVED_1F1B,
                            virtual_stages=2) == pytest.approx(1.5 / 9.5)
     assert bubble_fraction(stages=1, microbatches=8) == 0
     assert pipeline_seconds(microbatch_seconds=2.0, stages=4, microbatches=8) == pytest.approx(22.0)
     assert [peak_in_flight(stage=r, stages=4, microbatches=8) for r in range(4)] == [4, 3, 2, 1]
     assert peak_in_flight(stage=0, stages=4, microbatches=2) == 2
-    assert peak_in_flight(stage=3, stages=4, microbatches=8, schedule=Schedule.GPIPE) == 8
+    assert peak_in_flight(stage=3, stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == 8
