@@ -37,7 +37,7 @@ from shardwise.planner.memory import (
     memory_per_rank, model_state_bytes,
 )
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
-from shardwise.planner.rule import Strategy, seed_rule, strategy_of
+from shardwise.planner.rule import Strategy, rule_of_thumb, strategy_of
 from shardwise.planner.search import Evaluation, Infeasible, Reason, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Optimizer, Plan, PlannerError, PositionKind, Precision,
@@ -57,8 +57,9 @@ __all__ = [
     "flops_per_token", "forward_flops", "iteration_flops", "layer_activation_bytes", "load_cluster",
     "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_preset", "model_state_bytes",
     "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
-    "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "save_cluster", "search",
-    "seed_rule", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives", "training_cost",
+    "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "rule_of_thumb",
+    "save_cluster", "search", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives",
+    "training_cost",
     "write_config", "zero_paper_volume",
 ]
 

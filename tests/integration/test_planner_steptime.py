@@ -1,5 +1,5 @@
-"""The planner's step time against the engine's on this machine (issue 6): within 25% for at least six
-configurations, one or more of them on two ranks, after calibrating in the same run.
+"""The planner's step time against the engine's on this machine: within 25% for at least six configurations,
+one or more of them on two ranks, after calibrating in the same run.
 
 `benchmarks.planner_check` calibrates and measures side by side: each world size (1 and 2 gloo ranks)
 is a group of processes that lives for the whole test, the groups take turns one round at a time, and each

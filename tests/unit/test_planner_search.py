@@ -1,4 +1,4 @@
-"""The search, its explanations of infeasible plans, the seed's rule, step time, and the exported config."""
+"""The search, its explanations of infeasible plans, the rule of thumb, step time, and the exported config."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from shardwise.config import ConfigError, load_config_for_world, parse_config, r
 from shardwise.config.unsupported import refuse_unimplemented
 from shardwise.planner import (
     JobSpec, Offload, PipelineSchedule, Plan, PlannerError, Reason, Recompute, Strategy, analyze, cluster_preset,
-    deepspeed_config, evaluate, iteration_flops, memory_per_rank, model_preset, param_count, recommend, search,
-    seed_rule, step_time, strategy_of,
+    deepspeed_config, evaluate, iteration_flops, memory_per_rank, model_preset, param_count, recommend,
+    rule_of_thumb, search, step_time, strategy_of,
 )
 from shardwise.planner.memory import GB
 
@@ -110,7 +110,7 @@ def test_pipeline_step_time_contains_the_bubble() -> None:
     ("llama-7b", "h100-80gb", 8, 256, Strategy.ZERO),
     ("llama-7b", "a100-80gb", 1, 64, Strategy.ZERO_OFFLOAD),
 ])
-def test_seed_rule_is_the_special_case_the_search_reproduces(name, cluster, gpus, batch, strategy) -> None:
+def test_rule_of_thumb_is_the_special_case_the_search_reproduces(name, cluster, gpus, batch, strategy) -> None:
     a = analyze(model_preset(name), cluster_preset(cluster, num_gpus=gpus), JobSpec(global_batch=batch))
     assert a.rule.strategy is strategy
     assert strategy_of(a.chosen.plan) is strategy
@@ -132,8 +132,8 @@ def test_search_explains_where_it_departs_from_the_rule() -> None:
     assert "longer, mostly from" in a.rule_comparison[1]
     b = analyze(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024), JobSpec(global_batch=1536))
     assert "No ZeRO (sharded data parallelism) plan is feasible" in b.rule_comparison[1]
-    verdict = seed_rule(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024),
-                        JobSpec(global_batch=1536))
+    verdict = rule_of_thumb(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024),
+                            JobSpec(global_batch=1536))
     assert [s.fits for s in verdict.steps] == [False, True]
 
 
