@@ -1,4 +1,6 @@
-"""The DeepSpeed training loop of the seed document, with `import shardwise` in place of `deepspeed`.
+"""A DeepSpeed-style training loop with `import shardwise` in place of `deepspeed`: `initialize` returns
+(engine, optimizer, dataloader, lr_scheduler), and each batch goes through engine(batch), engine.backward(loss)
+and engine.step(), which also handles gradient accumulation and the learning-rate schedule.
 
     python examples/deepspeed_loop.py                                   # one process
     torchrun --nproc-per-node 2 examples/deepspeed_loop.py              # two gloo (or NCCL) ranks

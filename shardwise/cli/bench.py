@@ -1,15 +1,21 @@
 """`shardwise bench {dp,allreduce,pipeline,pipeline_engines,tp} --nproc N [OPTIONS...]`: run a side-by-side
 benchmark on N local ranks.
 
-Each benchmark lives in `shardwise.benchmarks.<name>` and is started through torch's elastic launcher; the
-options after the benchmark name are that module's own (see `shardwise bench dp --nproc 2 --help`).
+Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
+it imports dev-only peers) and is started through torch's elastic launcher; the options after the benchmark name
+are that module's own (see `shardwise bench dp --nproc 2 --help`). Needs a clone of the repository installed with
+`pip install -e '.[dev]'`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
 
+import shardwise
 from shardwise.errors import UserError
 
 BENCHMARKS = {
@@ -50,11 +56,29 @@ def _take_nproc(options: list[str], default: int) -> tuple[int, list[str]]:
     return nproc, rest
 
 
+def _repo_root() -> Path:
+    """Where a source checkout keeps `benchmarks/`: the folder above the `shardwise` package."""
+    return Path(shardwise.__file__).resolve().parents[1]
+
+
+def _benchmark_module(name: str) -> ModuleType:
+    """`benchmarks.<name>` from the checkout this package runs from. Its root goes first on sys.path (unless
+    there already) so a working directory elsewhere, or another `benchmarks` module installed, does not hide it."""
+    root = _repo_root()
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        raise UserError(f"bench {name}: the benchmarks are not part of the installed package (no benchmarks/ in "
+                        f"{root}): run it from a clone of the repository installed with pip install -e '.[dev]' "
+                        f"(the dev extra brings the peers DeepSpeed and transformers)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"benchmarks.{name}")
+
+
 def run(args: argparse.Namespace) -> int:
     args.nproc, args.options = _take_nproc(list(args.options), args.nproc)
     if args.nproc < 1:
         raise UserError(f"--nproc = {args.nproc}: needs at least 1 rank")
-    module = importlib.import_module(f"shardwise.benchmarks.{args.name}")
+    module = _benchmark_module(args.name)
     options = [o for o in args.options if o != "--"]
     if "-h" in options or "--help" in options:
         module.build_parser().print_help()

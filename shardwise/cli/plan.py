@@ -36,7 +36,8 @@ def _positive(kind: type) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS
-    from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute, Schedule
+    from shardwise.config.resolved import PipelineSchedule
+    from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute
 
     p = subparsers.add_parser("plan", help="estimate FLOPs, memory, communication and the best parallel plan",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,8 +59,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--calibrate", metavar="OUT.json",
                    help="measure this machine (torch matmul, attention, pointwise and optimizer kernels, gloo "
                         "collectives; --gpus CPU processes at once play the GPUs), save it to OUT.json and plan "
-                        "on it; `python -m shardwise.benchmarks.planner_check` compares its step times with the "
-                        "engine's")
+                        "on it; `python -m benchmarks.planner_check`, run in a clone of the repository, compares "
+                        "its step times with the engine's")
     g.add_argument("--calibrate-threads", type=_positive(int), default=1, metavar="N",
                    help="torch threads per rank while calibrating (default %(default)s)")
     g.add_argument("--calibrate-rounds", type=_positive(int), default=3, metavar="N",
@@ -94,7 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--offload", choices=[x.value for x in Offload])
     g.add_argument("--micro-batch", type=_positive(int))
     g.add_argument("--recompute", choices=[x.value for x in Recompute])
-    g.add_argument("--schedule", choices=[x.value for x in Schedule])
+    g.add_argument("--schedule", choices=[x.value for x in PipelineSchedule])
     g.add_argument("--virtual-stages", type=_positive(int))
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="split layer-norm/dropout activations over the TP group (default: on when tp > 1)")
@@ -166,7 +167,8 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
-    from shardwise.planner.specs import PlannerError, Plan, Schedule
+    from shardwise.config.resolved import PipelineSchedule
+    from shardwise.planner.specs import PlannerError, Plan
 
     if all(getattr(args, k) is None for k in _PLAN_FLAGS):
         return None
@@ -174,10 +176,10 @@ def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     dp = args.dp or num_gpus // (tp * pp)
     if dp < 1:
         raise PlannerError(f"--tp {tp} x --pp {pp} = {tp * pp} is more than the {num_gpus} GPUs")
-    schedule = args.schedule or (Schedule.INTERLEAVED.value if (args.virtual_stages or 1) > 1 else "1f1b")
+    schedule = args.schedule or (PipelineSchedule.INTERLEAVED_1F1B.value if (args.virtual_stages or 1) > 1 else "1f1b")
     return Plan(dp=dp, tp=tp, pp=pp, zero_stage=args.zero or 0, offload=args.offload or "none",
                 micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", schedule=schedule,
-                virtual_stages=args.virtual_stages or (2 if schedule == Schedule.INTERLEAVED.value else 1),
+                virtual_stages=args.virtual_stages or (2 if schedule == PipelineSchedule.INTERLEAVED_1F1B.value else 1),
                 sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
 
 

@@ -1,5 +1,6 @@
 """The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster,
-and the search for the fastest parallel plan. Pure functions over frozen dataclasses; no torch.
+and the search for the fastest parallel plan. Pure functions over frozen dataclasses; no torch (probes.py,
+which measures this machine for calibrate.py, runs in a child process and is never imported here).
 
     from shardwise import planner
     model = planner.model_preset("llama-7b")
@@ -17,6 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Re-exported so a Plan can be written with this package alone; it is the config's enum, not a copy.
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.analysis import Analysis, analyze
 from shardwise.planner.bubble import bubble_fraction, bubble_ratio, peak_in_flight, pipeline_seconds
 from shardwise.planner.comm import (
@@ -34,11 +37,11 @@ from shardwise.planner.memory import (
     memory_per_rank, model_state_bytes,
 )
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
-from shardwise.planner.rule import Strategy, seed_rule, strategy_of
+from shardwise.planner.rule import Strategy, rule_of_thumb, strategy_of
 from shardwise.planner.search import Evaluation, Infeasible, Reason, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Optimizer, Plan, PlannerError, PositionKind, Precision,
-    Recompute, Schedule,
+    Recompute,
 )
 from shardwise.planner.time import StepTime, mfu, step_time
 
@@ -48,14 +51,15 @@ _LAZY = {"calibrate": "shardwise.planner.calibrate", "load_cluster": "shardwise.
 __all__ = [
     "Analysis", "Axis", "CLUSTER_PRESETS", "ClusterSpec", "Collective", "Evaluation", "FFN", "Infeasible", "JobSpec",
     "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "ModelStates", "Norm", "Offload", "Op", "Optimizer",
-    "ParamCount", "Plan", "PlannerError", "PositionKind", "Precision", "Reason", "Recompute", "Schedule",
+    "ParamCount", "PipelineSchedule", "Plan", "PlannerError", "PositionKind", "Precision", "Reason", "Recompute",
     "SearchResult", "StepTime", "Strategy", "TrainingCost", "activation_bytes", "analyze", "bubble_fraction",
     "bubble_ratio", "calibrate", "cluster_preset", "deepspeed_config", "dp_collectives", "evaluate",
     "flops_per_token", "forward_flops", "iteration_flops", "layer_activation_bytes", "load_cluster",
     "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_preset", "model_state_bytes",
     "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
-    "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "save_cluster", "search",
-    "seed_rule", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives", "training_cost",
+    "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "rule_of_thumb",
+    "save_cluster", "search", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives",
+    "training_cost",
     "write_config", "zero_paper_volume",
 ]
 

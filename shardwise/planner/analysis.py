@@ -1,5 +1,5 @@
 """Everything `shardwise plan` reports, computed once: counts and cost, memory per strategy, the search
-(or one given plan), its communication and pipeline figures, and the seed rule."""
+(or one given plan), its communication and pipeline figures, and the rule of thumb (see `rule`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from shardwise.planner.bubble import bubble_fraction
 from shardwise.planner.comm import Collective, step_collectives
 from shardwise.planner.flops import ParamCount, TrainingCost, days, narayanan_train_seconds, param_count, training_cost
 from shardwise.planner.memory import MemoryBreakdown, layer_activation_bytes, memory_per_rank
-from shardwise.planner.rule import RuleVerdict, compare_with_search, seed_rule
+from shardwise.planner.rule import RuleVerdict, compare_with_search, rule_of_thumb
 from shardwise.planner.search import Evaluation, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
 from shardwise.planner.time import mfu, steps_to_train
@@ -38,7 +38,7 @@ class TrainTime:
     gpu_days: float
     mfu: float
     narayanan_days: float     # eq. 4 at the cluster's achieved FLOP/s (peak * efficiency)
-    gpu_days_at_peak: float   # 6ND / peak: the seed's "GPU-seconds at 312 TFLOPS"
+    gpu_days_at_peak: float   # 6ND / peak: the floor, every GPU at its peak (312 TFLOPS bf16 on an A100)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def analyze(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan | N
             bubble = bubble_fraction(stages=chosen.plan.pp, microbatches=chosen.plan.grad_accum(job),
                                      schedule=chosen.plan.schedule, virtual_stages=chosen.plan.virtual_stages)
         train = _train_time(model, cluster, job, chosen, cost)
-    verdict = seed_rule(model, cluster, job)
+    verdict = rule_of_thumb(model, cluster, job)
     comparison = compare_with_search(verdict, result, chosen) if result is not None else []
     return Analysis(model=model, cluster=cluster, job=job, params=count, cost=cost, strategies=strategies,
                     activations_per_layer=per_layer, result=result, chosen=chosen, collectives=collectives,

@@ -1,6 +1,6 @@
 """Measure this machine as a `ClusterSpec`: CPU processes in the role of GPUs (`shardwise plan --calibrate`).
 
-The measuring runs in a child process (`python -m shardwise.benchmarks.planner_probes`, torch), so this module
+The measuring runs in a child process (`python -m shardwise.planner.probes`, torch), so this module
 and the planner stay torch-free. The child starts `ranks` gloo ranks with `threads` torch threads each and
 times, on all ranks at once, every kind of work the step-time model (time.py) charges: linear layers forward +
 backward (the matmul rate, compute_efficiency 1), causal attention, the GELU and LayerNorm per element, the
@@ -116,7 +116,7 @@ def fit_collective(op: Op, probes: dict[str, float], ranks: int) -> tuple[float,
 
 
 def cluster_from_probes(probes: dict[str, float], *, link: tuple[float, float] | None = None) -> ClusterSpec:
-    """The `ClusterSpec` of the measured figures (`planner_probes.summarize`). `link`: (bytes/s, latency) for a
+    """The `ClusterSpec` of the measured figures (`probes.summarize`). `link`: (bytes/s, latency) for a
     one-rank measurement, which has no collectives to fit."""
     ranks, threads = int(probes["ranks"]), int(probes["threads"])
     per_rank: dict[str, Any] = {}
@@ -155,7 +155,7 @@ def calibrate(*, ranks: int | None = None, threads: int = 1, rounds: int = 3, sa
     cores = os.cpu_count() or 1
     ranks = ranks or max(1, cores // threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "shardwise.benchmarks.planner_probes", "--ranks", str(ranks), "--threads",
+    cmd = [sys.executable, "-m", "shardwise.planner.probes", "--ranks", str(ranks), "--threads",
            str(threads), "--rounds", str(rounds), "--samples", str(samples)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

@@ -22,9 +22,10 @@ import enum
 import math
 from dataclasses import dataclass
 
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.memory import REDUCE_BUCKET_ELEMENTS
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute, Schedule
+from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
 
 
 class Op(str, enum.Enum):
@@ -176,7 +177,7 @@ def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
         return []
     sp = plan.tp if plan.sequence_parallel else 1
     payload = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes / sp
-    v = plan.virtual_stages if plan.schedule is Schedule.INTERLEAVED else 1
+    v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     calls = 2 * v * plan.grad_accum(job)
     return [_timed(Axis.PP, Op.SEND, "stage boundary activations + grads", 2, payload, calls, cluster, plan)]
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.flops import layer_params, params_per_rank, stage_layers
 from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute, Schedule,
+    FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute,
 )
 
 GB = 1e9
@@ -110,17 +111,18 @@ def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     return replicated / sp + split / tp
 
 
-def in_flight_microbatches(*, pp: int, num_microbatches: int, schedule: Schedule = Schedule.ONE_F_ONE_B,
+def in_flight_microbatches(*, pp: int, num_microbatches: int,
+                           schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B,
                            virtual_stages: int = 1) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak: all m for GPipe,
     min(p, m) for 1F1B, times (1 + (p - 1) / (p v)) interleaved (Korthikanti et al. 2022, sec. 4.2.3)."""
     p, m = pp, num_microbatches
     if p == 1:
         return 1.0           # gradient accumulation: each micro-batch's backward frees it before the next
-    if schedule is Schedule.GPIPE:
+    if schedule is PipelineSchedule.GPIPE:
         return float(m)
     held = float(min(p, m))
-    if schedule is Schedule.INTERLEAVED:
+    if schedule is PipelineSchedule.INTERLEAVED_1F1B:
         held *= 1 + (p - 1) / (p * virtual_stages)
     return held
 
@@ -149,7 +151,7 @@ def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
 
 @functools.cache   # the search asks again for every ZeRO stage and offload choice
 def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
-                      recompute: Recompute, schedule: Schedule, virtual_stages: int, m: int) -> Activations:
+                      recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int) -> Activations:
     s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
               flash_attention=job.flash_attention)
@@ -163,7 +165,8 @@ def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence
     first = Activations(per_layer, layers[0], in_flight, working, embedding + (logits if pp == 1 else 0.0))
     if pp == 1:
         return first
-    last = Activations(per_layer, layers[-1], float(m) if schedule is Schedule.GPIPE else 1.0, working, logits)
+    last_in_flight = float(m) if schedule is PipelineSchedule.GPIPE else 1.0
+    last = Activations(per_layer, layers[-1], last_in_flight, working, logits)
     return max(first, last, key=lambda a: a.total)
 
 

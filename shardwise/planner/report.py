@@ -62,8 +62,8 @@ def to_json(a: Analysis) -> dict[str, Any]:
                            "sent_bytes": c.sent_bytes, "seconds": c.total_seconds} for c in a.collectives],
         "zero_paper_volume_elements": {f"stage{s}": zero_paper_volume(a.params.total, s) for s in range(4)},
         "bubble_fraction": a.bubble,
-        "seed_rule": {"strategy": a.rule.strategy.value, "tests": a.rule.lines(),
-                      "comparison": list(a.rule_comparison)},
+        "rule_of_thumb": {"strategy": a.rule.strategy.value, "tests": a.rule.lines(),
+                          "comparison": list(a.rule_comparison)},
     }
     if a.result is not None:
         out["search"] = {
@@ -142,7 +142,8 @@ def render(a: Analysis, console: Any) -> None:
         _render_plan(a, a.chosen, console)
     if a.result is not None:
         _render_search(a, console)
-    console.print("[bold]Seed rule (section 10.3)[/bold]: " + "; ".join(a.rule.lines()))
+    console.print("[bold]Rule of thumb (DP if it fits, else ZeRO-2/3, else ZeRO-3 + offload, else 3D)[/bold]: "
+                  + "; ".join(a.rule.lines()))
     for line in a.rule_comparison:
         console.print(line)
 

@@ -1,7 +1,10 @@
-"""The seed's section 10.3 rule of thumb, and how the search's answer relates to it.
+"""The usual rule of thumb for choosing a parallel strategy, and how the search's answer relates to it.
 
-The rule, for a model of psi parameters on N GPUs of memory M:
-    1. data parallelism if a full replica fits;  2. else ZeRO-2/3;  3. else ZeRO-3 + CPU offload;
+The rule, for a model of psi parameters on N GPUs of memory M each, takes the first strategy that fits:
+    1. data parallelism, if a full replica (weights, gradients, optimizer state, activations) fits in M;
+    2. else ZeRO-2/3, which shard the model states over the N GPUs (Rajbhandari et al. 2020, "ZeRO: Memory
+       Optimizations Toward Training Trillion Parameter Models");
+    3. else ZeRO-3 with the optimizer state and parameters offloaded to CPU memory;
     4. else 3D parallelism (DP + TP + PP).
 
 It is the search's answer in the special case where memory is the only thing that tells the strategies
@@ -68,8 +71,8 @@ class RuleVerdict:
         return out
 
 
-def seed_rule(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
-    """Apply the seed's rule literally (memory only) and say which strategy it picks."""
+def rule_of_thumb(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
+    """Apply the rule literally (memory only) and say which strategy it picks."""
     base = Plan(dp=cluster.num_gpus, micro_batch=1, recompute=Recompute.FULL)
     candidates = (
         (Strategy.DP, base),

@@ -18,8 +18,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.memory import GB, MemoryBreakdown, memory_per_rank
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute, Schedule
+from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
 from shardwise.planner.time import StepTime, step_time
 
 MAX_MICRO_BATCH = 64
@@ -83,7 +84,7 @@ def layout_problems(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: 
     if job.global_batch % (plan.dp * plan.micro_batch):
         bad(Reason.BATCH, f"global batch {job.global_batch} is not a multiple of dp * micro_batch = "
                           f"{plan.dp} * {plan.micro_batch}")
-    elif plan.schedule is Schedule.INTERLEAVED:
+    elif plan.schedule is PipelineSchedule.INTERLEAVED_1F1B:
         chunks = plan.pp * plan.virtual_stages
         if model.n_layer % chunks or plan.grad_accum(job) % plan.pp:
             bad(Reason.INTERLEAVING, f"interleaved 1F1B needs n_layer = {model.n_layer} divisible by pp * v = "
@@ -145,10 +146,11 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def _schedules(pp: int) -> list[tuple[Schedule, int]]:
+def _schedules(pp: int) -> list[tuple[PipelineSchedule, int]]:
     if pp == 1:
-        return [(Schedule.ONE_F_ONE_B, 1)]
-    return [(Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED, INTERLEAVED_CHUNKS)]
+        return [(PipelineSchedule.ONE_F_ONE_B, 1)]
+    return [(PipelineSchedule.GPIPE, 1), (PipelineSchedule.ONE_F_ONE_B, 1),
+            (PipelineSchedule.INTERLEAVED_1F1B, INTERLEAVED_CHUNKS)]
 
 
 def _rank_key(e: Evaluation) -> tuple:

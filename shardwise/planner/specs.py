@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.errors import UserError
 
 
@@ -81,14 +82,6 @@ class Recompute(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"   # recompute only the attention core (QK^T, softmax, dropout, AV)
     FULL = "full"             # keep each layer's input, recompute the layer in backward
-
-
-class Schedule(str, enum.Enum):
-    """Pipeline schedule; names as the config's "pipeline.schedule"."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved_1f1b"
 
 
 def _positive_int(owner: str, name: str, value: Any, fix: str = "") -> None:
@@ -345,13 +338,14 @@ class Plan:
     offload: Offload = Offload.NONE
     micro_batch: int = 1
     recompute: Recompute = Recompute.NONE
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    """The config's own enum, so a plan exports to "pipeline.schedule" unchanged."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule only)."""
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": Schedule})
+        _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": PipelineSchedule})
         for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
             _positive_int("plan", name, getattr(self, name))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
@@ -360,7 +354,7 @@ class Plan:
             raise PlannerError("plan.offload = 'optimizer' needs zero_stage 1, 2 or 3 (ZeRO-Offload shards first)")
         if self.offload is Offload.OPTIMIZER_AND_PARAMS and self.zero_stage != 3:
             raise PlannerError("plan.offload = 'optimizer+params' needs zero_stage 3 (only stage 3 shards params)")
-        if (self.schedule is Schedule.INTERLEAVED) != (self.virtual_stages > 1):
+        if (self.schedule is PipelineSchedule.INTERLEAVED_1F1B) != (self.virtual_stages > 1):
             raise PlannerError(f"plan: schedule {self.schedule.value!r} with virtual_stages = {self.virtual_stages}; "
                                f"'interleaved_1f1b' needs virtual_stages >= 2, other schedules need 1")
         if self.sequence_parallel and self.tp == 1:

@@ -240,7 +240,7 @@ def steps_to_train(job: JobSpec, model: ModelSpec, num_params: int) -> float:
     return job.total_tokens(num_params) / (job.global_batch * job.sequence_length(model))
 
 
-# -- scaling (formulas.md A8) ----------------------------------------------------------------------
+# -- scaling: strong and weak efficiency, Amdahl's law ---------------------------------------------
 
 def strong_scaling_efficiency(t1: float, tn: float, n: int) -> float:
     """Fixed total problem: t_1 / (N t_N) = speedup / N."""

@@ -1,4 +1,5 @@
-"""The seed's section-11 loop runs unchanged with `import shardwise`, as one process and under torchrun."""
+"""A DeepSpeed-style training loop (examples/deepspeed_loop.py) runs with `import shardwise` in place of
+`deepspeed`, as one process and under torchrun."""
 
 import json
 import subprocess

@@ -1,7 +1,7 @@
-"""The planner's step time against the engine's on this machine (issue 6): within 25% for at least six
-configurations, one or more of them on two ranks, after calibrating in the same run.
+"""The planner's step time against the engine's on this machine: within 25% for at least six configurations,
+one or more of them on two ranks, after calibrating in the same run.
 
-`shardwise.benchmarks.planner_check` calibrates and measures side by side: each world size (1 and 2 gloo ranks)
+`benchmarks.planner_check` calibrates and measures side by side: each world size (1 and 2 gloo ranks)
 is a group of processes that lives for the whole test, the groups take turns one round at a time, and each
 round of a group runs the calibration probes of `shardwise plan --calibrate` and then a few timed optimizer
 steps of each of its engine configurations. So the calibration sees the load the engine sees (this machine is
@@ -11,7 +11,7 @@ cluster (torch-free arithmetic); nothing of the engine's timings goes into it.
 
 from __future__ import annotations
 
-from shardwise.benchmarks.planner_check import CASES, render, run
+from benchmarks.planner_check import CASES, render, run
 
 TOLERANCE = 0.25
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.benchmarks import allreduce as bench
+from benchmarks import allreduce as bench
 
 
 def test_bus_bandwidth_follows_nccl_tests() -> None:

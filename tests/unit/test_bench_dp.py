@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.benchmarks import dp as bench
+from benchmarks import dp as bench
 
 TINY_PARAMS = 1_902_720          # gpt_num_params(gpt_config("tiny"))
 TINY_TENSORS = 69                # parameters of the tiny GPT (AdamW keeps one fp32 `step` scalar for each)

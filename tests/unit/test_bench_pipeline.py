@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.benchmarks import pipeline as bench
+from benchmarks import pipeline as bench
 from shardwise.config.resolved import PipelineSchedule
 
 

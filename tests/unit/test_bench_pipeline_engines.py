@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.benchmarks import pipeline_engines as bench
+from benchmarks import pipeline_engines as bench
 
 
 @pytest.mark.parametrize("nproc,argv,fragment", [

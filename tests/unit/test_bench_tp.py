@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.benchmarks import tp as bench
+from benchmarks import tp as bench
 from shardwise.cli.main import main as cli_main
 from shardwise.models import gpt_config, gpt_num_params
 

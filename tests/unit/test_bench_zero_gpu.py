@@ -1,4 +1,4 @@
-"""The world-size-1 ZeRO benchmark prepared for a GPU session (`shardwise.benchmarks.zero_gpu`): its baseline and
+"""The world-size-1 ZeRO benchmark prepared for a GPU session (`benchmarks.zero_gpu`): its baseline and
 verdict arithmetic, its argument errors, and one tiny real run of every row and of the bandwidth section on the CPU
 (the code path the GPU run takes, less CUDA)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.benchmarks import zero_gpu as bench
+from benchmarks import zero_gpu as bench
 
 ROW_NAMES = [r.name for r in bench.ROWS]
 COPIES = ("plain_d2h", "plain_h2d", "zero_offload_d2h", "zero_offload_h2d")
@@ -52,7 +52,7 @@ def test_config_per_row() -> None:
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["gradient_accumulation_steps"] == 1
     assert bench.ds_config(spec["stage1"], 4)["zero_optimization"] == {"stage": 1}
     from shardwise.models import gpt_num_params
-    assert gpt_num_params(bench.model_config("1b")) == 1_011_572_736          # "~1B", as issue 3 asks
+    assert gpt_num_params(bench.model_config("1b")) == 1_011_572_736          # the "1b" preset is ~1B parameters
 
 
 @pytest.mark.parametrize("argv,fragment", [

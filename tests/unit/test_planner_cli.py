@@ -41,7 +41,7 @@ def test_json_report_for_a_preset(capsys) -> None:
                                                        ["reduce_scatter", "all_gather"])
     assert {r["strategy"] for r in out["memory_by_strategy"]} >= {"DP (ZeRO-0)", "ZeRO-3"}
     assert out["flops"]["convention"].startswith("attention scores not halved")
-    assert out["seed_rule"]["strategy"] == "data parallelism"
+    assert out["rule_of_thumb"]["strategy"] == "data parallelism"
     assert out["search"]["ranked"][0]["label"]
 
 
@@ -49,7 +49,7 @@ def test_tables_are_printed(capsys) -> None:
     assert main(["plan", "--model", "gpt2-124m", "--cluster", "h100-80gb", "--global-batch", "64"]) == 0
     text = capsys.readouterr().out
     for needle in ("Model gpt2-124m", "Memory per GPU", "Recommended plan", "Communication per step",
-                   "Seed rule (section 10.3)", "Layouts that cannot run"):
+                   "Rule of thumb (DP if it fits", "Layouts that cannot run"):
         assert needle in text
 
 

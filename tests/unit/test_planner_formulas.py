@@ -1,4 +1,5 @@
-"""Planner formulas against published tables and hand-computed values (formulas.md, the seed's GPT-3 numbers)."""
+"""Planner formulas against published tables (ZeRO, Megatron-LM, GPT-3, Korthikanti et al.) and hand-computed
+values."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from shardwise.models.presets import PRESETS, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    ModelSpec, Op, Optimizer, Precision, Recompute, Schedule, bubble_fraction, bubble_ratio, flops_per_token,
+    ModelSpec, Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
     forward_flops, iteration_flops, layer_activation_bytes, max_trainable_params, model_preset, model_state_bytes,
     narayanan_params, narayanan_train_seconds, param_count, peak_in_flight, pipeline_seconds, ring_seconds,
     ring_send_bytes, six_nd, zero_paper_volume,
@@ -135,10 +136,10 @@ def test_narayanan_iteration_flops_for_gpt3_shape() -> None:
     assert round(f96 / 1e18, 3) == 4.511 and round(f72 / 1e18, 3) == 3.386
 
 
-def test_seed_gpt3_numbers() -> None:
+def test_gpt3_training_compute() -> None:
     flops = six_nd(175e9, 300e9)
-    assert flops == pytest.approx(3.15e23, rel=1e-12)                      # the seed's ~3.15e23
-    assert round(six_nd(param_count(model_preset("gpt3-175b")).total, 300e9) / 1e23, 2) == 3.14   # Table D.1
+    assert flops == pytest.approx(3.15e23, rel=1e-12)                      # 6ND with the round N = 175e9
+    assert round(six_nd(param_count(model_preset("gpt3-175b")).total, 300e9) / 1e23, 2) == 3.14   # GPT-3 Table D.1
     assert round(six_nd(174.6e9, 300e9) / 8.64e19) == 3637                 # 3.64E+03 petaflop/s-days
     gpu_seconds = flops / 312e12
     assert gpu_seconds == pytest.approx(1.0096e9, rel=1e-4)
@@ -173,7 +174,8 @@ def test_korthikanti_activation_memory(tp: int, sp: bool, recompute: Recompute, 
 
 
 def test_activation_generalisation_for_other_ffn_widths() -> None:
-    # formulas.md: per layer with d_ff other than 4h = s b (18h + 4 d_ff + 5 a s)
+    # Korthikanti's 34 s b h + 5 a s^2 b bytes per layer holds 16 s b h for the two 2-byte MLP tensors of width
+    # 4h; with any d_ff that part is 4 s b d_ff, so the layer holds s b (18h + 4 d_ff + 5 a s)
     m = dataclasses.replace(GPT3, d_ff=3 * 12288)
     got = layer_activation_bytes(m, micro_batch=1, seq_len=2048, act_bytes=2)
     assert got == pytest.approx(2048 * (18 * 12288 + 4 * 3 * 12288 + 5 * 96 * 2048), rel=1e-12)
@@ -197,12 +199,12 @@ def test_ring_volumes_and_alpha_beta_times_by_hand() -> None:
 
 def test_bubble_by_hand() -> None:
     assert bubble_fraction(stages=4, microbatches=8) == pytest.approx(3 / 11)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=Schedule.GPIPE) == pytest.approx(3 / 11)
+    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == pytest.approx(3 / 11)
     assert bubble_ratio(stages=4, microbatches=8) == pytest.approx(3 / 8)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=Schedule.INTERLEAVED,
+    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.INTERLEAVED_1F1B,
                            virtual_stages=2) == pytest.approx(1.5 / 9.5)
     assert bubble_fraction(stages=1, microbatches=8) == 0
     assert pipeline_seconds(microbatch_seconds=2.0, stages=4, microbatches=8) == pytest.approx(22.0)
     assert [peak_in_flight(stage=r, stages=4, microbatches=8) for r in range(4)] == [4, 3, 2, 1]
     assert peak_in_flight(stage=0, stages=4, microbatches=2) == 2
-    assert peak_in_flight(stage=3, stages=4, microbatches=8, schedule=Schedule.GPIPE) == 8
+    assert peak_in_flight(stage=3, stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == 8

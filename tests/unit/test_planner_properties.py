@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    JobSpec, ModelSpec, Offload, Op, Optimizer, Plan, Precision, Recompute, Schedule, bubble_fraction,
+    JobSpec, ModelSpec, Offload, Op, Optimizer, PipelineSchedule, Plan, Precision, Recompute, bubble_fraction,
     cluster_preset, flops_per_token, iteration_flops, layer_activation_bytes, memory_per_rank, model_state_bytes,
     param_count, params_per_rank, ring_send_bytes,
 )
@@ -97,16 +97,17 @@ def test_offload_moves_states_off_the_gpu(psi: int, dp: int, precision: Precisio
 
 
 @FAST
-@given(st.integers(1, 64), st.integers(1, 1000), st.integers(1, 1000), st.sampled_from(list(Schedule)))
-def test_bubble_falls_with_microbatches_and_grows_with_stages(p: int, m1: int, m2: int, schedule: Schedule) -> None:
+@given(st.integers(1, 64), st.integers(1, 1000), st.integers(1, 1000), st.sampled_from(list(PipelineSchedule)))
+def test_bubble_falls_with_microbatches_and_grows_with_stages(p: int, m1: int, m2: int,
+                                                              schedule: PipelineSchedule) -> None:
     assume(m1 < m2)
-    v = 2 if schedule is Schedule.INTERLEAVED else 1
+    v = 2 if schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     f = lambda stages, m: bubble_fraction(stages=stages, microbatches=m, schedule=schedule, virtual_stages=v)  # noqa
     assert 0 <= f(p, m2) <= f(p, m1) < 1
     if p > 1:
         assert f(p, m2) < f(p, m1)
         assert f(p + 1, m1) > f(p, m1)
-        assert f(p, m1) < bubble_fraction(stages=p, microbatches=m1) or schedule is not Schedule.INTERLEAVED
+        assert f(p, m1) < bubble_fraction(stages=p, microbatches=m1) or v == 1
 
 
 @FAST
@@ -139,12 +140,12 @@ def test_ring_all_reduce_is_reduce_scatter_plus_all_gather(n: float, p: int) -> 
 @FAST
 @given(st.sampled_from(["gpt2-124m", "llama-7b", "1.3b"]), st.sampled_from([1, 2, 4, 8]),
        st.sampled_from([0, 1, 2, 3]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]),
-       st.sampled_from(list(Schedule)))
+       st.sampled_from(list(PipelineSchedule)))
 def test_memory_per_gpu_falls_with_more_data_parallel_ranks(name: str, dp: int, stage: int, tp: int, pp: int,
-                                                            schedule: Schedule) -> None:
+                                                            schedule: PipelineSchedule) -> None:
     from shardwise.planner import model_preset
     model, job = model_preset(name), JobSpec(global_batch=256)
-    v = 2 if schedule is Schedule.INTERLEAVED else 1
+    v = 2 if schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     plan = Plan(dp=dp, tp=tp, pp=pp, zero_stage=stage, schedule=schedule, virtual_stages=v,
                 sequence_parallel=tp > 1)
     cluster = cluster_preset("h100-80gb", num_gpus=plan.world_size)

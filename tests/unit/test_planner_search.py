@@ -1,4 +1,4 @@
-"""The search, its explanations of infeasible plans, the seed's rule, step time, and the exported config."""
+"""The search, its explanations of infeasible plans, the rule of thumb, step time, and the exported config."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from shardwise.config import ConfigError, load_config_for_world, parse_config, resolve_batch
 from shardwise.config.unsupported import refuse_unimplemented
 from shardwise.planner import (
-    JobSpec, Offload, Plan, PlannerError, Reason, Recompute, Schedule, Strategy, analyze, cluster_preset,
-    deepspeed_config, evaluate, iteration_flops, memory_per_rank, model_preset, param_count, recommend, search,
-    seed_rule, step_time, strategy_of,
+    JobSpec, Offload, PipelineSchedule, Plan, PlannerError, Reason, Recompute, Strategy, analyze, cluster_preset,
+    deepspeed_config, evaluate, iteration_flops, memory_per_rank, model_preset, param_count, recommend,
+    rule_of_thumb, search, step_time, strategy_of,
 )
 from shardwise.planner.memory import GB
 
@@ -74,7 +74,7 @@ def test_layout_rules() -> None:
     cluster = cluster_preset("a100-80gb", num_gpus=64)
     problems = evaluate(model, cluster, job, Plan(dp=4, tp=8, pp=1, sequence_parallel=True)).problems
     assert [p.reason for p in problems][:1] == [Reason.WORLD_SIZE]
-    bad = Plan(dp=1, tp=4, pp=16, schedule=Schedule.INTERLEAVED, virtual_stages=4, sequence_parallel=True)
+    bad = Plan(dp=1, tp=4, pp=16, schedule=PipelineSchedule.INTERLEAVED_1F1B, virtual_stages=4, sequence_parallel=True)
     assert Reason.INTERLEAVING in [p.reason for p in evaluate(model, cluster, job, bad).problems]
     with pytest.raises(PlannerError, match="offload = 'optimizer\\+params' needs zero_stage 3"):
         Plan(zero_stage=2, offload=Offload.OPTIMIZER_AND_PARAMS)
@@ -101,7 +101,7 @@ def test_pipeline_step_time_contains_the_bubble() -> None:
     per_mb = (t.compute_s + t.pp_comm_s) / t.microbatches
     assert t.bubble_s == pytest.approx(3 * per_mb, rel=1e-9)       # (p - 1) micro-batch times
     interleaved = step_time(model, cluster, job, Plan(dp=1, pp=4, recompute=Recompute.FULL,
-                                                      schedule=Schedule.INTERLEAVED, virtual_stages=2))
+                                                      schedule=PipelineSchedule.INTERLEAVED_1F1B, virtual_stages=2))
     assert interleaved.bubble_s == pytest.approx(t.bubble_s / 2, rel=0.01)
 
 
@@ -110,7 +110,7 @@ def test_pipeline_step_time_contains_the_bubble() -> None:
     ("llama-7b", "h100-80gb", 8, 256, Strategy.ZERO),
     ("llama-7b", "a100-80gb", 1, 64, Strategy.ZERO_OFFLOAD),
 ])
-def test_seed_rule_is_the_special_case_the_search_reproduces(name, cluster, gpus, batch, strategy) -> None:
+def test_rule_of_thumb_is_the_special_case_the_search_reproduces(name, cluster, gpus, batch, strategy) -> None:
     a = analyze(model_preset(name), cluster_preset(cluster, num_gpus=gpus), JobSpec(global_batch=batch))
     assert a.rule.strategy is strategy
     assert strategy_of(a.chosen.plan) is strategy
@@ -132,8 +132,8 @@ def test_search_explains_where_it_departs_from_the_rule() -> None:
     assert "longer, mostly from" in a.rule_comparison[1]
     b = analyze(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024), JobSpec(global_batch=1536))
     assert "No ZeRO (sharded data parallelism) plan is feasible" in b.rule_comparison[1]
-    verdict = seed_rule(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024),
-                        JobSpec(global_batch=1536))
+    verdict = rule_of_thumb(model_preset("gpt3-175b"), cluster_preset("a100-80gb", num_gpus=1024),
+                            JobSpec(global_batch=1536))
     assert [s.fits for s in verdict.steps] == [False, True]
 
 
@@ -183,7 +183,7 @@ def test_every_top_plan_exports_a_valid_config() -> None:
         for e in result.ranked[:25]:
             _not_yet_only(deepspeed_config(e.plan, job), gpus, e.plan)
     three_d = Plan(dp=2, tp=4, pp=4, zero_stage=3, offload=Offload.OPTIMIZER_AND_PARAMS, recompute=Recompute.FULL,
-                   schedule=Schedule.INTERLEAVED, virtual_stages=2, sequence_parallel=True)
+                   schedule=PipelineSchedule.INTERLEAVED_1F1B, virtual_stages=2, sequence_parallel=True)
     cfg = deepspeed_config(three_d, job)
     assert cfg["pipeline"] == {"stages": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}
     assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"} and cfg["fp16"] == {"enabled": True}

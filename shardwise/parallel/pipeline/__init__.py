@@ -18,14 +18,14 @@ from shardwise.parallel.pipeline.comm_plan import build_programs, check_programs
 from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
 from shardwise.parallel.pipeline.partition import partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import (
-    Action, Message, Op, PipelineError, Schedule, Transfer, Transfers, build_schedule, format_actions, forward_only,
-    gpipe, interleaved_one_f_one_b, one_f_one_b, parse_schedule_kind, transfers, validate_schedule)
+    Action, ActionTable, Message, Op, PipelineError, Transfer, Transfers, build_schedule, format_actions,
+    forward_only, gpipe, interleaved_one_f_one_b, one_f_one_b, parse_schedule_kind, transfers, validate_schedule)
 from shardwise.parallel.pipeline.simulate import (
     ActionRecord, Costs, Deadlock, DeadlockError, SendMode, Timeline, check_schedule, measured_costs,
     replayed_costs, simulate)
 
 __all__ = [
-    "Action", "ActionRecord", "Costs", "Deadlock", "DeadlockError", "Message", "Op", "PipelineError", "Schedule",
+    "Action", "ActionRecord", "ActionTable", "Costs", "Deadlock", "DeadlockError", "Message", "Op", "PipelineError",
     "SendMode", "Timeline", "Transfer", "Transfers", "build_programs", "build_schedule", "check_programs",
     "check_schedule", "format_actions", "forward_only", "formula_bubble_fraction", "formula_bubble_ratio", "gpipe",
     "interleaved_one_f_one_b", "measured_costs", "one_f_one_b", "parse_schedule_kind", "partition_layers",

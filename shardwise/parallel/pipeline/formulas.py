@@ -1,5 +1,10 @@
-"""The pipeline bubble in closed form (formulas.md A6), for equal stage costs and free communication: what
-`simulate` reproduces exactly with equal costs, and the yardstick a measured bubble is read against."""
+"""The pipeline bubble in closed form, for equal stage costs and free communication: what `simulate`
+reproduces exactly with equal costs, and the yardstick a measured bubble is read against.
+
+With P stages, M micro-batches and V model chunks per stage, the idle time over the busy time is (P-1)/M
+for GPipe and 1F1B, and (P-1)/(V*M) for interleaved 1F1B with M >= P (Huang et al. 2019, "GPipe";
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+section 2.2). The case M < P of the interleaved schedule is worked out below."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire
 from shardwise.parallel.pipeline.schedules import (
-    Action, Message, Op, PipelineError, Schedule, Transfers, build_schedule, format_actions, forward_only,
+    Action, ActionTable, Message, Op, PipelineError, Transfers, build_schedule, format_actions, forward_only,
     parse_schedule_kind, transfers)
 from shardwise.parallel.pipeline.simulate import ActionRecord
 from shardwise.parallel.pipeline.tensors import (
@@ -104,7 +104,7 @@ class _Plan:
     ahead: list[list[tuple[Message, int]]]
 
     @classmethod
-    def of(cls, schedule: Schedule, stage: PipelineStage, lookahead: int) -> "_Plan":
+    def of(cls, schedule: ActionTable, stage: PipelineStage, lookahead: int) -> "_Plan":
         actions = schedule[stage.stage]
         plan = [transfers(a, stage=stage.stage, num_stages=stage.num_stages, virtual_stages=stage.virtual_stages)
                 for a in actions]
@@ -149,7 +149,7 @@ class PipelineRuntime:
         self._outbox: dict[Message, Outgoing] = {}         # outputs waiting for the next batch
         self._saved_output: dict[tuple[int, int], bool] = {}   # (chunk, output j) -> autograd saves it (metered)
 
-    def _schedule(self, num_microbatches: int) -> Schedule:
+    def _schedule(self, num_microbatches: int) -> ActionTable:
         return build_schedule(self.kind, num_stages=self.stage.num_stages, num_microbatches=num_microbatches,
                               virtual_stages=self.stage.virtual_stages)
 

@@ -27,8 +27,8 @@ from typing import Sequence
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.errors import UserError
 
-Schedule = list[list["Action"]]
-"""One ordered action list per stage, indexed by stage."""
+ActionTable = list[list["Action"]]
+"""For each stage, its actions in order: what a schedule kind (`PipelineSchedule`) builds for given sizes."""
 
 
 class PipelineError(UserError, ValueError):
@@ -197,7 +197,7 @@ def interleaved_one_f_one_b(*, num_stages: int, stage: int, num_microbatches: in
 
 
 def build_schedule(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
-                   virtual_stages: int = 1) -> Schedule:
+                   virtual_stages: int = 1) -> ActionTable:
     """Every stage's action list for the named schedule ("gpipe", "1f1b", "interleaved_1f1b").
 
     ``virtual_stages`` > 1 needs "interleaved_1f1b"; "interleaved_1f1b" with V = 1 is plain 1F1B.
@@ -285,7 +285,7 @@ def infer_sizes(schedule: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
     return len(schedule), max(a.microbatch for a in actions) + 1, max(a.chunk for a in actions) + 1
 
 
-def forward_only(schedule: Sequence[Sequence[Action]]) -> Schedule:
+def forward_only(schedule: Sequence[Sequence[Action]]) -> ActionTable:
     """The schedule without its backwards: an evaluation pass (`PipelineRuntime.evaluate`). Each stage keeps
     its training forward order, which the other stages' forwards can always follow (a forward never waits for
     a backward), and no activation is kept for a backward."""

@@ -17,7 +17,7 @@ so they do not depend on the order in which the loop visits stages. Give integer
 to get exact figures. A schedule that cannot finish is reported as a :class:`Deadlock` naming the
 cycle of waiting stages.
 
-Bubble conventions (formulas.md A6). With idle(s) = makespan - busy(s):
+Bubble conventions. With idle(s) = makespan - busy(s):
 - ``bubble_fraction`` = sum idle / (P * makespan): share of the total time. Equal stage costs, no
   latency: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with M >= P.
 - ``bubble_ratio`` = sum idle / sum busy: Narayanan's t_pb / t_id. (P-1)/M for GPipe and 1F1B and

@@ -1,7 +1,7 @@
 """All-reduce bus bandwidth: our ring (`shardwise.comm.ring_all_reduce`) against the backend's own
 `dist.all_reduce`, side by side in one process group.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.allreduce \\
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.allreduce \\
         --sizes-mb 1 4 16 64 256 --iters 20 --warmup 3 --json allreduce.json
 
 For each size the two implementations run alternately (ring first on even iterations, backend first on
@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import (
+from benchmarks.common import (
     int_at_least, positive_float, run_in_gloo_group, run_under_launcher, write_json,
 )
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
@@ -91,7 +91,7 @@ def make_row(size_mb: float, nbytes: int, world_size: int, ring_s: Sequence[floa
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torch.distributed.run --nproc-per-node N -m shardwise.benchmarks.allreduce",
+        prog="python -m torch.distributed.run --nproc-per-node N -m benchmarks.allreduce",
         description="Bus bandwidth of shardwise's ring all-reduce against the backend's dist.all_reduce.")
     p.add_argument("--sizes-mb", type=positive_float("sizes"), nargs="+", default=list(DEFAULT_SIZES_MB),
                    metavar="MB", help="tensor sizes in MiB (default: %(default)s)")
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run this module under the launcher: python -m torch.distributed.run "
-              "--nproc-per-node 2 -m shardwise.benchmarks.allreduce (or `shardwise bench allreduce "
+              "--nproc-per-node 2 -m benchmarks.allreduce (or `shardwise bench allreduce "
               "--nproc 2`)", file=sys.stderr)
         return 2
     return run_in_gloo_group(run, args)     # one thread per rank, barrier before teardown
@@ -208,7 +208,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
         raise ValueError(f"allreduce benchmark: --nproc must be >= 2 (an all-reduce over {nproc} rank moves "
                          f"no data); got {nproc}. Use --nproc 2 or more.")
     build_parser().parse_args(list(argv))        # reject bad options here, not on every rank
-    return run_under_launcher("shardwise.benchmarks.allreduce", nproc, argv)
+    return run_under_launcher("benchmarks.allreduce", nproc, argv)
 
 
 if __name__ == "__main__":

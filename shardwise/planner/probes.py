@@ -24,7 +24,10 @@ rank (a synchronous step waits for it), then the median over samples, then over 
     <op>_small_s, <op>_large_s   all_reduce / reduce_scatter / all_gather of 4 KiB and 8 MiB through the
                               library's Comm, as the engine runs them (ranks > 1)
 
-    python -m shardwise.benchmarks.planner_probes --ranks 2 --rounds 3    # prints the figures as JSON
+    python -m shardwise.planner.probes --ranks 2 --rounds 3    # prints the figures as JSON
+
+The one module of the planner that imports torch: calibrate.py runs it in a child process and nothing that
+`import shardwise.planner` loads imports it, so the planner and `shardwise plan` stay torch-free.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import args_meta, int_at_least, run_under_launcher, write_json
+from benchmarks.common import args_meta, int_at_least, run_under_launcher, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +136,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
         raise ValueError(f"--layers = {args.layers} is fewer than the {nproc} stages; every stage needs a block")
     if importlib.util.find_spec("deepspeed") is None:
         raise ValueError("DeepSpeed is not installed (pip install deepspeed): it is the peer here")
-    return run_under_launcher("shardwise.benchmarks.pipeline_engines", nproc, argv)
+    return run_under_launcher("benchmarks.pipeline_engines", nproc, argv)
 
 
 if __name__ == "__main__":

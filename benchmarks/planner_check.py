@@ -1,7 +1,7 @@
 """The planner's step time against the engine's on this machine, after calibrating it in the same run.
 
-    python -m shardwise.benchmarks.planner_check                       # the table; about 40 s on 2 idle cores
-    python -m shardwise.benchmarks.planner_check --rounds 8 --steps 3 --json out.json
+    python -m benchmarks.planner_check                       # the table; about 40 s on 2 idle cores
+    python -m benchmarks.planner_check --rounds 8 --steps 3 --json out.json
 
 For each case (GPT shape x dp x ZeRO stage x micro-batch x accumulation, fp32, AdamW) the prediction is
 `planner.step_time` on the cluster `calibrate.cluster_from_probes` makes of this machine; the measurement is
@@ -11,7 +11,7 @@ micro-batch of one optimizer step, timed from a barrier to the end of the step (
 On a shared machine the load changes from second to second, so both are measured the same way, side by side:
 each world size in the cases is a group of spawned gloo ranks that lives for the whole run (dp = 1: one
 process, dp = 2: two), and the groups take turns, one round at a time, so at any moment one group works.
-In each of its rounds a group runs every calibration probe once (`planner_probes.probes`, what
+In each of its rounds a group runs every calibration probe once (`shardwise.planner.probes.probes`, what
 `shardwise plan --calibrate` runs), dealt out between its cases, and each case one untimed step (its caches,
 after the other cases ran) and `steps` timed ones. The reported ratio of a case is the median over rounds of
 the prediction from that round's probes over that round's median step (paired: a load that changes between
@@ -34,10 +34,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from shardwise.benchmarks.common import int_at_least
-from shardwise.benchmarks.planner_probes import summarize
+from benchmarks.common import int_at_least
 from shardwise.planner.calibrate import cluster_from_probes, fit_collective, measure_loopback
 from shardwise.planner.comm import Op
+from shardwise.planner.probes import summarize
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Optimizer, Plan, Precision
 from shardwise.planner.time import StepTime, step_time
 
@@ -122,7 +122,7 @@ def _round(cases: list[Case], steps: list[Callable[[], None]], timed: int, sampl
     """The calibration probes dealt out between the cases (so a load that changes within the round reaches
     both), each case one untimed step (its caches, after the other cases ran) and `timed` timed ones."""
     import torch.distributed as dist
-    from shardwise.benchmarks.planner_probes import probes
+    from shardwise.planner.probes import probes
     plan = probes(samples)
     share = len(cases) + 1
     measured: dict[str, list[float]] = {}

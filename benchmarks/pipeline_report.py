@@ -1,5 +1,5 @@
 """The pipeline benchmark's results: one `Row` per schedule, the per-step `Bubble` analysis, and the tables.
-See `shardwise.benchmarks.pipeline` for what is measured and how."""
+See `benchmarks.pipeline` for what is measured and how."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pipeline step time: shardwise's `PipelineRuntime` against `torch.distributed.pipelining`, on the very same
 stage modules, with the same micro-batching; and the bubble each leaves, against the formula.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.pipeline \\
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.pipeline \\
         --d-model 256 --layers 8 --seq 128 --microbatches 16 --rounds 10 --json pipeline.json
 
 P = the number of ranks = pipeline stages. For each schedule (GPipe, 1F1B, interleaved 1F1B with V virtual
@@ -40,9 +40,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import args_meta, int_at_least, run_in_gloo_group, run_under_launcher, write_json
-from shardwise.benchmarks.pipeline_models import MODELS, build_model
-from shardwise.benchmarks.pipeline_report import Bubble, Row, analyse, make_row, print_table
+from benchmarks.common import args_meta, int_at_least, run_in_gloo_group, run_under_launcher, write_json
+from benchmarks.pipeline_models import MODELS, build_model
+from benchmarks.pipeline_report import Bubble, Row, analyse, make_row, print_table
 from shardwise.config.resolved import PipelinePartition, PipelineSchedule
 
 __all__ = ["Bubble", "Bench", "Impl", "Row", "analyse", "launch", "main", "make_row", "measure", "run",
@@ -65,7 +65,7 @@ def torch_supports(kind: PipelineSchedule, num_stages: int, num_microbatches: in
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torch.distributed.run --nproc-per-node P -m shardwise.benchmarks.pipeline",
+        prog="python -m torch.distributed.run --nproc-per-node P -m benchmarks.pipeline",
         description="Pipeline step time of shardwise's PipelineRuntime against torch.distributed.pipelining, and "
                     "the bubble each leaves against the formula.")
     p.add_argument("--schedules", nargs="+", choices=[k.value for k in PipelineSchedule],
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run this module under the launcher: python -m torch.distributed.run "
-              "--nproc-per-node 2 -m shardwise.benchmarks.pipeline (or `shardwise bench pipeline --nproc 2`)",
+              "--nproc-per-node 2 -m benchmarks.pipeline (or `shardwise bench pipeline --nproc 2`)",
               file=sys.stderr)
         return 2
     check_args(args, int(os.environ["WORLD_SIZE"]))
@@ -286,7 +286,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
     """Run this benchmark on `nproc` local ranks via torch's elastic launcher; returns its exit code.
     `argv` are this module's own options (e.g. ["--microbatches", "8", "--json", "out.json"])."""
     check_args(build_parser().parse_args(list(argv)), nproc)   # reject bad options here, not on every rank
-    return run_under_launcher("shardwise.benchmarks.pipeline", nproc, argv)
+    return run_under_launcher("benchmarks.pipeline", nproc, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The trainers the data-parallel benchmark (`shardwise.benchmarks.dp`) times side by side.
+"""The trainers the data-parallel benchmark (`benchmarks.dp`) times side by side.
 
 Each builder takes the parsed options, the one DeepSpeed JSON every trainer follows and this rank's micro-batches,
 and returns a `Built`: `step()` runs one optimizer step as three phases the benchmark can time apart

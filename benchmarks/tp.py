@@ -1,6 +1,6 @@
 """Tensor-parallel step time: shardwise's TP engine against torch DTensor `parallelize_module`, on one GPT.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.tp \\
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.tp \\
         --d-model 256 --layers 4 --seq 128 --micro-batch 4 --rounds 10 --steps 3 --json tp.json
 
 T = the number of ranks = the TP size (dp = 1): every rank builds the same full GPT from one seed, and both
@@ -38,11 +38,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import (
+from benchmarks.common import (
     TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group,
     run_under_launcher, write_json,
 )
-from shardwise.benchmarks.trainers import MIB
+from benchmarks.trainers import MIB
 
 
 class Impl(str, Enum):
@@ -127,7 +127,7 @@ def warmup_mismatch(losses: Sequence[tuple[float, float]],
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torch.distributed.run --nproc-per-node T -m shardwise.benchmarks.tp",
+        prog="python -m torch.distributed.run --nproc-per-node T -m benchmarks.tp",
         description="Tensor-parallel step time of shardwise against torch DTensor parallelize_module on one GPT.")
     p.add_argument("--d-model", type=int_at_least(8), default=256, help="(default: %(default)s)")
     p.add_argument("--heads", type=int_at_least(1), default=8, help="(default: %(default)s)")
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     """Build, check, time and report on the already initialized default group; rank 0 prints and writes JSON."""
     import copy
 
-    from shardwise.benchmarks import tp_trainers as tt
+    from benchmarks import tp_trainers as tt
     from shardwise.models import gpt_num_params
     data = tt.batches(args)
     full = tt.full_gpt(args)
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run this module under the launcher: python -m torch.distributed.run --nproc-per-node 2 "
-              "-m shardwise.benchmarks.tp (or `shardwise bench tp --nproc 2`)", file=sys.stderr)
+              "-m benchmarks.tp (or `shardwise bench tp --nproc 2`)", file=sys.stderr)
         return 2
     check_args(args, int(os.environ["WORLD_SIZE"]))
     return run_in_gloo_group(run, args)     # one thread per rank, barrier before teardown
@@ -282,7 +282,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
     """Run this benchmark on `nproc` local ranks via torch's elastic launcher, one thread per rank; returns
     its exit code. `argv` are this module's own options (e.g. ["--d-model", "256", "--json", "tp.json"])."""
     check_args(build_parser().parse_args(list(argv)), nproc)   # reject bad options here, not on every rank
-    return run_under_launcher("shardwise.benchmarks.tp", nproc, argv, threads_per_rank=1)
+    return run_under_launcher("benchmarks.tp", nproc, argv, threads_per_rank=1)
 
 
 if __name__ == "__main__":

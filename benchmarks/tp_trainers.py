@@ -1,4 +1,4 @@
-"""The two trainers the tensor-parallel benchmark (`shardwise.benchmarks.tp`) times side by side, and the one
+"""The two trainers the tensor-parallel benchmark (`benchmarks.tp`) times side by side, and the one
 meter that measures what each saves for backward.
 
 Both start from the same full GPT (one seed on every rank) and train it with torch's AdamW (fp32, no fused or
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardwise.benchmarks.trainers import Memory, cycling, storage_bytes, token_batches
+from benchmarks.trainers import Memory, cycling, storage_bytes, token_batches
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 

@@ -1,10 +1,10 @@
 """Data-parallel step time: shardwise against torch DDP, torch FSDP2 and DeepSpeed at one ZeRO stage, side by side.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 -m shardwise.benchmarks.dp \\
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.dp \\
         --model tiny --steps 10 --warmup 3 --rounds 5 --micro-batch 4 [--zero-stage 0-3] [--offload] \\
         [--persistence-threshold N] --json dp.json
 
-Every rank builds the trainers (`shardwise.benchmarks.trainers`) of one GPT from one seed and one DeepSpeed JSON
+Every rank builds the trainers (`benchmarks.trainers`) of one GPT from one seed and one DeepSpeed JSON
 (AdamW, gradient clipping, the same gradient bucket size, `--zero-stage`, and with `--offload` the optimizer on
 the CPU): shardwise (`shardwise.initialize`); at stage 0 torch DDP (same bucket cap, gradient_as_bucket_view,
 torch.optim.AdamW, clip_grad_norm_); at stage 3 torch FSDP2 (`fully_shard` on each block, then the root; the same
@@ -39,11 +39,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.benchmarks.common import (
+from benchmarks.common import (
     TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_under_launcher,
     sequence_length, write_json,
 )
-from shardwise.benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
+from benchmarks.trainers import BUILDERS, MIB, Built, Memory, Trainer, batches
 
 MODELS = ("tiny", "small")
 
@@ -81,7 +81,7 @@ def summarize(times_s: dict[str, list[list[float]]], memory: dict[str, Memory], 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torch.distributed.run --nproc-per-node N -m shardwise.benchmarks.dp",
+        prog="python -m torch.distributed.run --nproc-per-node N -m benchmarks.dp",
         description="Step time of shardwise stage 0 against torch DDP and DeepSpeed stage 0 on one GPT.")
     p.add_argument("--model", choices=MODELS, default="tiny", help="GPT preset (default: %(default)s)")
     p.add_argument("--steps", type=int_at_least(1), default=10, help="timed steps per trainer per round "
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run this module under the launcher: python -m torch.distributed.run --nproc-per-node 2 "
-              "-m shardwise.benchmarks.dp (or `shardwise bench dp --nproc 2`)", file=sys.stderr)
+              "-m benchmarks.dp (or `shardwise bench dp --nproc 2`)", file=sys.stderr)
         return 2
     torch.set_num_threads(1)      # one core per rank: the ranks share the machine's cores
     dist.init_process_group("gloo")
@@ -269,7 +269,7 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
         raise ValueError(f"dp benchmark: --nproc must be >= 2 (data parallelism over {nproc} rank communicates "
                          f"nothing); got {nproc}. Use --nproc 2 or more.")
     parse_args(list(argv))        # reject bad options here, not on every rank
-    return run_under_launcher("shardwise.benchmarks.dp", nproc, argv, threads_per_rank=1)
+    return run_under_launcher("benchmarks.dp", nproc, argv, threads_per_rank=1)
 
 
 if __name__ == "__main__":

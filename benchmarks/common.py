@@ -62,8 +62,17 @@ def run_under_launcher(module: str, nproc: int, argv: Sequence[str], *, threads_
     rendezvous); returns its exit code. `threads_per_rank` sets OMP_NUM_THREADS for the ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", module, *argv]
-    env = None if threads_per_rank is None else {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
+    env = {**os.environ, "PYTHONPATH": _with_checkout(os.environ.get("PYTHONPATH", ""))}
+    if threads_per_rank is not None:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
     return subprocess.run(cmd, check=False, env=env).returncode
+
+
+def _with_checkout(pythonpath: str) -> str:
+    """`pythonpath` with the repository root first: the ranks import `benchmarks.<name>` from this checkout
+    whatever their working directory (the package is not installed)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join([root, *(p for p in pythonpath.split(os.pathsep) if p and p != root)])
 
 
 def run_in_gloo_group(run: Callable[[Any], None], args: Any) -> int:
