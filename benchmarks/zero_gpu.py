@@ -14,7 +14,7 @@ nothing. A row that fails (OOM, error) records its error and the run goes on.
 
 The bandwidth section times, on [N] buffers (N: the fp32 gradient shard, i.e. every parameter at world size 1), a
 plain pinned copy (fp32 device <-> pinned fp32 host) against the copies ZeRO-Offload makes (parallel/zero/optimizer.py):
-the bf16 device grad shard into the fp32 host gradient buffer kept across steps (`ShardedOptimizer.step`) and the
+the bf16 device grad shard into the fp32 host gradient buffer kept across steps (`ShardedUpdate._load_grads`) and the
 fp32 master back to the device as bf16 (`_gather_params`). The JSON is rewritten after every row and section.
 """
 
@@ -174,7 +174,7 @@ def _timed_row(spec: RowSpec, args: argparse.Namespace, device: torch.device, da
             out["cuda_build_peak_bytes"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         if spec.offloads:                  # page-locked? (else a non_blocking copy is a synchronous one)
-            opt = engine.optimizer_step
+            opt = engine.updater
             flats = opt.runtime.partition.flats if spec.offload_param else []
             out["pinned"] = {"masters": all(m.is_pinned() for m in opt.masters),
                              "param_shards": all(f.shard.is_pinned() for f in flats) if flats else None}
@@ -264,16 +264,16 @@ def bandwidth(numel: int, device: torch.device, reps: int) -> dict[str, Any]:
     dev16 = dev32.to(torch.bfloat16)                               # [N] the bf16 grad shard
     host32 = torch.empty(numel, pin_memory=pin).copy_(dev32)       # [N] pinned fp32: a plain copy's target
     master = torch.nn.Parameter(torch.empty(numel, pin_memory=pin).copy_(dev32))   # make_shard_masters' master
-    # ShardedOptimizer.step's host gradient buffer: allocated once, pinned like the master, kept across steps
+    # ShardedUpdate._load_grads's host gradient buffer: allocated once, pinned like the master, kept across steps
     grad_buf = torch.empty(master.shape, dtype=master.dtype, pin_memory=master.is_pinned())
     out: dict[str, Any] = {"numel": numel, "bytes_fp32": 4 * numel, "reps": reps, "host_pinned": host32.is_pinned(),
                            "master_pinned": master.is_pinned(), "grad_buffer_pinned": grad_buf.is_pinned()}
     cases: dict[str, Callable[[], Any]] = {
         "plain_d2h": lambda: host32.copy_(dev32, non_blocking=True),
         "plain_h2d": lambda: dev32.copy_(host32, non_blocking=True),
-        # ShardedOptimizer.step: the bf16 device grad shard cast into the kept fp32 host buffer (then a sync)
+        # ShardedUpdate._load_grads: the bf16 device grad shard cast into the kept fp32 host buffer (then a sync)
         "zero_offload_d2h": lambda: grad_buf.copy_(dev16, non_blocking=True),
-        # ShardedOptimizer._gather_params: the fp32 master to the device as bf16
+        # ShardedUpdate._gather_params: the fp32 master to the device as bf16
         "zero_offload_h2d": lambda: master.detach().to(device=device, dtype=torch.bfloat16, non_blocking=True,
                                                        copy=True),
     }
@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: zero_gpu runs at world size 1 (WORLD_SIZE={os.environ['WORLD_SIZE']}): start it with plain "
               f"python, or --nproc-per-node 1", file=sys.stderr)
         return 2
-    from shardwise.build import init_distributed
+    from shardwise.initialization import init_distributed
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     created = not dist.is_initialized()
