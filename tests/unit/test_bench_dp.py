@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,17 @@ def _check_rows(result: dict, expected: list[str]) -> None:
         assert row["params_bytes"] == 4 * TINY_PARAMS, name
         assert row["grads_bytes"] == 4 * TINY_PARAMS, name
         assert row["optimizer_bytes"] == 8 * TINY_PARAMS + 4 * TINY_TENSORS, name
-    assert rows["shardwise"]["shardwise_ratio"] == 1.0
+    # The ratios are recomputed from the raw step times: shardwise's median over this trainer's, overall and
+    # per round (the paired ratio is the median of the per-round ratios).
+    times = result["step_times_s"]
+    for name, row in rows.items():
+        overall = statistics.median(times["shardwise"][0] + times["shardwise"][1]) / statistics.median(
+            times[name][0] + times[name][1])
+        paired = statistics.median(statistics.median(a) / statistics.median(b)
+                                   for a, b in zip(times["shardwise"], times[name]))
+        assert row["shardwise_ratio"] == pytest.approx(overall, rel=1e-12), name
+        assert row["paired_ratio"] == pytest.approx(paired, rel=1e-12), name
+        assert row["median_ms"] == pytest.approx(statistics.median(times[name][0] + times[name][1]) * 1e3), name
     assert len(result["peak_rss_bytes_per_rank"]) == 2
     for name, phases in result["phase_median_s"].items():     # forward, backward, update: each timed apart
         assert list(phases) == ["forward", "backward", "update"] and all(t > 0 for t in phases.values()), name
