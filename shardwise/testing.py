@@ -1,5 +1,5 @@
 """Run a function on N gloo ranks and collect every rank's result or traceback; a single-process
-reference trainer for parity tests.
+reference trainer for parity tests; the tiny GPT and token batches the tests share.
 
 Used by every distributed test:
 
@@ -8,6 +8,7 @@ Used by every distributed test:
 `fn` must be importable (a module-level function): ranks are spawned processes. A failure on any rank
 raises `DistributedTestError` carrying each failed rank's traceback; a rank that is still running when
 the others have failed or the timeout passes is killed and reported as hung, so a test never hangs.
+The shared model and data helpers live here rather than in a conftest because ranks import them too.
 """
 
 from __future__ import annotations
@@ -101,6 +102,52 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     return [torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)]
 
 
+# -- the tiny GPT and its data -----------------------------------------------------------------------
+
+def tiny_gpt(*, n_layer: int = 2, d_model: int = 32, n_head: int = 4, seq_len: int = 16, vocab_size: int = 256,
+             dropout: float = 0.0, seed: int | None = 1234, **overrides: Any) -> torch.nn.Module:
+    """The "tiny" GPT preset shrunk to test size (2 layers, width 32, 4 heads, 16 tokens, byte vocabulary).
+    `seed` seeds torch's global RNG right before the build, so equal arguments give equal weights; None
+    draws from the RNG as it stands (a meta-device build, or a caller that seeded already). Other GPTConfig
+    fields (positions, tie_embeddings, n_kv_head, ...) go through `overrides`."""
+    from shardwise.models import GPT, gpt_config
+    if seed is not None:
+        torch.manual_seed(seed)
+    return GPT(gpt_config("tiny", n_layer=n_layer, d_model=d_model, n_head=n_head, seq_len=seq_len,
+                          vocab_size=vocab_size, dropout=dropout, **overrides))
+
+
+def token_batches(count: int, rows: int, seq: int, *, seed: int, vocab: int = 256) -> list[torch.Tensor]:
+    """`count` batches of random token ids, each [rows, seq], drawn in order from one generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(count)]
+
+
+def lm_pair(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows [b, s + 1] as a language-model micro-batch: inputs [b, s] and next-token labels [b, s]."""
+    return rows[:, :-1], rows[:, 1:]
+
+
+def micro_steps(batches: Iterable[torch.Tensor], *, grad_accum: int, dp_size: int = 1,
+                dp_rank: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per global batch [B, s + 1], the (inputs, labels) micro-batches rank `dp_rank` trains on; with the
+    defaults (one rank), the single-process reference's steps for `reference_train`."""
+    return [[lm_pair(m) for m in shard_global_batch(b, dp_size=dp_size, dp_rank=dp_rank, grad_accum=grad_accum)]
+            for b in batches]
+
+
+def state_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the module's state dict (the module keeps training; the copy does not move)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of a per-rank float over the default group (e.g. the data-parallel mean of a loss)."""
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
 # -- single-process reference -----------------------------------------------------------------------
 
 def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -140,6 +187,19 @@ def assert_close_lists(actual: Sequence[float], expected: Sequence[float], *, rt
                        atol: float = 0.0, what: str = "values") -> None:
     a, e = torch.tensor(list(actual), dtype=torch.float64), torch.tensor(list(expected), dtype=torch.float64)
     torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}\n{a}\nvs\n{e}")
+
+
+def assert_close_growing(actual: Sequence[float], expected: Sequence[float], *, rtol_per_step: float,
+                         steps: Sequence[int], what: str = "values") -> None:
+    """|actual[i] - expected[i]| <= steps[i] * rtol_per_step * |expected[i]|: a tolerance that grows with the
+    number of steps (optimizer updates, say) behind each value, as rounding differences accumulate over them.
+    A value with 0 steps behind it must be equal."""
+    assert len(actual) == len(expected) == len(steps), (what, len(actual), len(expected), len(steps))
+    for i, (a, e, n) in enumerate(zip(actual, expected, steps)):
+        a, e = float(a), float(e)
+        rtol = n * rtol_per_step
+        assert abs(a - e) <= rtol * abs(e), (f"{what}: element {i} ({n} steps in): {a!r} vs {e!r}, relative "
+                                             f"difference {abs(a - e) / abs(e):.1e} > {rtol:.1e}")
 
 
 def assert_state_close(actual: dict, expected: dict, *, what: str, adam: bool = False, rtol: float = 1e-5,

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.testing import (
-    assert_close_lists, assert_state_close, reference_train, run_distributed, shard_global_batch,
+    assert_close_lists, assert_state_close, lm_pair, micro_steps, reference_train, run_distributed, state_copy,
+    tiny_gpt, token_batches,
 )
 
 SEQ, MICRO, STEPS, PP, CLIP = 16, 2, 4, 2, 0.3
@@ -40,15 +41,9 @@ CASES_8 = {   # pp 2 x dp 2 x tp 2: ZeRO shards over dp, its norm over pp x dp o
 }
 
 
-def tiny_gpt() -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=4, d_model=32, n_head=4, seq_len=SEQ))
-
-
 def global_batches(rows: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, 256, (rows, SEQ + 1), generator=g) for _ in range(STEPS)]
+    """STEPS global batches [rows, SEQ + 1] of tokens."""
+    return token_batches(STEPS, rows, SEQ + 1, seed=11)
 
 
 EVAL_SEQ, EVAL_MICRO_BATCHES = 8, 3
@@ -56,23 +51,20 @@ EVAL_SEQ, EVAL_MICRO_BATCHES = 8, 3
 
 def eval_batch(dp: int) -> torch.Tensor:
     """[MICRO * 3 * dp, EVAL_SEQ + 1] tokens: each dp rank's 3 eval micro-batches, shorter than training's."""
-    g = torch.Generator().manual_seed(13)
-    return torch.randint(0, 256, (MICRO * EVAL_MICRO_BATCHES * dp, EVAL_SEQ + 1), generator=g)
+    return token_batches(1, MICRO * EVAL_MICRO_BATCHES * dp, EVAL_SEQ + 1, seed=13)[0]
 
 
 def reference(case: dict, dp: int) -> tuple[list[float], dict, float]:
-    model = tiny_gpt()
-    rows = MICRO * case["gas"] * dp
-    steps = [[(m[:, :-1], m[:, 1:]) for m in shard_global_batch(b, dp_size=1, dp_rank=0, grad_accum=case["gas"] * dp)]
-             for b in global_batches(rows)]
+    model = tiny_gpt(n_layer=4, seq_len=SEQ)
+    # the dp ranks' micro-batches k = 0 .. gas - 1 of a step, in order: gas * dp micro-batches of MICRO rows
+    steps = micro_steps(global_batches(MICRO * case["gas"] * dp), grad_accum=case["gas"] * dp)
     cls = torch.optim.AdamW if case["optimizer"] is ADAMW else torch.optim.SGD
     losses = reference_train(model, cls(model.parameters(), **case["optimizer"]["params"]), steps,
                              loss_fn=lambda m, mb: m(*mb), clip=CLIP)
     model.eval()
     with torch.no_grad():   # equal micro-batches: their mean loss is the whole batch's
-        rows = eval_batch(dp)
-        eval_loss = float(model(rows[:, :-1], rows[:, 1:]))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, eval_loss
+        eval_loss = float(model(*lm_pair(eval_batch(dp))))
+    return losses, state_copy(model), eval_loss
 
 
 def _run(case: dict) -> dict:
@@ -87,15 +79,12 @@ def _run(case: dict) -> dict:
               "pipeline": {"stages": PP, "schedule": case["schedule"], "virtual_stages": case["v"]}}
     if case["tp"] > 1:
         config["tensor_parallel"] = {"size": case["tp"], "sequence_parallel": case["sp"]}
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer=4, seq_len=SEQ)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    losses = []
-    for b in global_batches(MICRO * case["gas"] * dp):
-        micro = [(m[:, :-1], m[:, 1:]) for m in shard_global_batch(b, dp_size=dp, dp_rank=engine.dp_rank,
-                                                                    grad_accum=case["gas"])]
-        losses.append(engine.train_batch(iter(micro)))
-    micro = [(m[:, :-1], m[:, 1:]) for m in shard_global_batch(eval_batch(dp), dp_size=dp, dp_rank=engine.dp_rank,
-                                                                grad_accum=EVAL_MICRO_BATCHES)]
+    losses = [engine.train_batch(iter(micro))
+              for micro in micro_steps(global_batches(MICRO * case["gas"] * dp), dp_size=dp, dp_rank=engine.dp_rank,
+                                       grad_accum=case["gas"])]
+    (micro,) = micro_steps([eval_batch(dp)], dp_size=dp, dp_rank=engine.dp_rank, grad_accum=EVAL_MICRO_BATCHES)
     eval_loss = engine.eval_batch(iter(micro), num_micro_batches=EVAL_MICRO_BATCHES)
     stage = engine.pipeline.stage
     local = engine.dp_runtime.gathered_state_dict(stage, rank0_only=False)     # ZeRO-3 shards gathered over dp
@@ -116,16 +105,15 @@ def _all(cases: dict) -> dict:
     return {name: _run(case) for name, case in cases.items()}
 
 
-def test_pipeline_with_tensor_parallel_or_zero3_equals_single_process() -> None:
+def test_pipeline_with_tensor_parallel_or_zero3_equals_single_process(one_thread) -> None:
     _check(CASES, run_distributed(_all, 4, args=(CASES,), timeout=420))
 
 
-def test_three_d_with_data_parallel_on_8_ranks() -> None:
+def test_three_d_with_data_parallel_on_8_ranks(one_thread) -> None:
     _check(CASES_8, run_distributed(_all, 8, args=(CASES_8,), timeout=420))
 
 
 def _check(cases: dict, results: list[dict]) -> None:
-    torch.set_num_threads(1)
     for name, case in cases.items():
         ref_losses, ref_state, ref_eval = reference(case, results[0][name]["dp"])
         norms = {r[name]["norm"] for r in results}

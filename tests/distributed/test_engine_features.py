@@ -3,6 +3,7 @@ memory and communication reports."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -10,24 +11,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import run_distributed, shard_global_batch
+from shardwise.testing import assert_close_growing, micro_steps, run_distributed, tiny_gpt, token_batches
 
 SEQ = 16
 
 
 def _model(seed: int = 1234) -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(seed)
-    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
+    return tiny_gpt(seq_len=SEQ, seed=seed)
 
 
 def _batch(step: int, rows: int = 8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 256, (rows, SEQ + 1), generator=g)
+    """Step `step`'s global batch [rows, SEQ + 1], from its own seed."""
+    return token_batches(1, rows, SEQ + 1, seed=100 + step)[0]
 
 
 def _micro(step: int, world: int, rank: int, gas: int = 1):
-    return [(m[:, :-1], m[:, 1:]) for m in shard_global_batch(_batch(step), dp_size=world, dp_rank=rank, grad_accum=gas)]
+    (micro,) = micro_steps([_batch(step)], dp_size=world, dp_rank=rank, grad_accum=gas)
+    return micro
 
 
 def _config(**extra) -> dict:
@@ -67,7 +67,8 @@ def test_every_rank_starts_from_rank0_parameters_and_buffers():
 def _run_fp16(steps: int, stage: int = 0) -> dict:
     import shardwise
     model = _model()
-    cfg = _config(zero_optimization={"stage": stage, "reduce_bucket_size": 5000}, fp16={"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 2},
+    cfg = _config(zero_optimization={"stage": stage, "reduce_bucket_size": 5000},
+                  fp16={"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 2},
                   scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2,
                                                             "warmup_num_steps": 100}})
     engine, _, _, sched = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -78,7 +79,7 @@ def _run_fp16(steps: int, stage: int = 0) -> dict:
         lr_steps_before = sched.last_epoch
         loss = _one_step(engine, step)
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        rows.append({"scale": scale, "applied": engine.was_step_applied(), "changed": changed, "loss": loss,
+        rows.append({"scale": scale, "applied": engine.was_step_applied(), "changed": changed, "loss": float(loss),
                      "lr_stepped": sched.last_epoch != lr_steps_before, "global_steps": engine.global_steps})
     return {"rows": rows, "skipped": engine.skipped_steps,
             "dtypes": {str(p.dtype) for p in model.parameters()}}
@@ -88,8 +89,8 @@ def _run_fp16(steps: int, stage: int = 0) -> dict:
 def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed(stage):
     from shardwise.precision import DynamicLossScaler
     out = run_distributed(_run_fp16, 2, args=(14, stage))
-    assert out[0]["rows"] == out[1]["rows"] or all(
-        a["applied"] == b["applied"] for a, b in zip(out[0]["rows"], out[1]["rows"]))
+    # Both ranks see the same overflows, scales, lr steps and (dp mean) losses, and change their weights together.
+    assert out[0]["rows"] == out[1]["rows"]
     rows = out[0]["rows"]
     assert out[0]["dtypes"] == {"torch.float16"}
     assert not rows[0]["applied"], "2**24 must overflow fp16 gradients"
@@ -106,7 +107,7 @@ def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed(stage):
     scales = [r["scale"] for r in rows]
     assert any(b > a for a, b in zip(scales, scales[1:])), f"scale never grew: {scales}"
     assert any(b < a for a, b in zip(scales, scales[1:])), f"scale never shrank: {scales}"
-    assert all(torch.isfinite(torch.as_tensor(r["loss"])) for r in rows)
+    assert all(math.isfinite(r["loss"]) for r in rows)
 
 
 # -- bf16 -----------------------------------------------------------------------------------------------
@@ -124,7 +125,13 @@ def _run_precision(dtype_block: dict, steps: int) -> dict:
 def test_bf16_tracks_fp32_and_memory_report_counts_mixed_precision_states():
     fp32 = run_distributed(_run_precision, 2, args=({}, 5))[0]
     bf16 = run_distributed(_run_precision, 2, args=({"bf16": {"enabled": True}}, 5))[0]
-    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=1.6e-2, atol=0)
+    # bf16 (eps = 2**-7) rounds every weight and activation, but the loss at this init averages the errors out
+    # (logits near 0, loss ~ ln 256): bf16 is 3e-6 off fp32 before training and ~3e-5 after a few updates. The
+    # difference grows with the updates, so step k (k - 1 updates before it) may be k * eps / 64 off (1.2e-4 per
+    # step). A bf16 run that did not train at all would be 3e-4 off after one update and 1.4e-3 after four.
+    eps = torch.finfo(torch.bfloat16).eps
+    assert_close_growing(bf16["losses"], fp32["losses"], rtol_per_step=eps / 64, steps=range(1, 6),
+                         what="bf16 vs fp32 losses")
     psi, n = fp32["num_params"], fp32["num_tensors"]
     m32, m16 = fp32["memory"], bf16["memory"]
     assert m32["params"] == 4 * psi and m32["grads"] == 4 * psi

@@ -14,15 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import assert_close_lists, shard_global_batch
+from shardwise.testing import assert_close_lists, micro_steps, run_distributed, tiny_gpt, token_batches
 
 SEQ, MICRO, GAS = 16, 2, 2
-
-
-def tiny_gpt() -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=4, d_model=32, n_head=4, seq_len=SEQ))
 
 
 def _engine(pp: int, zero: int = 1):
@@ -34,19 +28,16 @@ def _engine(pp: int, zero: int = 1):
               "zero_optimization": {"stage": zero, "reduce_bucket_size": 3000}}
     if pp > 1:
         config["pipeline"] = {"stages": pp, "schedule": "1f1b"}
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer=4, seq_len=SEQ)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
 def _batches(engine, n: int, first: int) -> list[list]:
+    """Steps first .. first + n - 1, each global batch from its own seed (the step): this rank's micro-batches."""
     dp = engine.dp_size
-    out = []
-    for step in range(first, first + n):
-        rows = torch.randint(0, 256, (MICRO * GAS * dp, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        out.append([(m[:, :-1], m[:, 1:]) for m in shard_global_batch(rows, dp_size=dp, dp_rank=engine.dp_rank,
-                                                                       grad_accum=GAS)])
-    return out
+    rows = [token_batches(1, MICRO * GAS * dp, SEQ + 1, seed=step)[0] for step in range(first, first + n)]
+    return micro_steps(rows, dp_size=dp, dp_rank=engine.dp_rank, grad_accum=GAS)
 
 
 def _full_state(engine) -> dict:
@@ -91,13 +82,12 @@ def _ranks(root: str) -> dict:
 
 
 def test_pipeline_checkpoints_resume_exactly_and_reshard_weights(tmp_path: Path) -> None:
-    from shardwise.testing import run_distributed
     results = run_distributed(_ranks, 4, args=(str(tmp_path),), timeout=300)
     ref = results[0]
     assert ref["files"] == sorted([f"mp_rank_{m:02d}_model_states.pt" for m in range(2)]
                                   + [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
                                      for d in range(2) for m in range(2)])
-    assert len(ref["saved_state"]) == len(tiny_gpt().state_dict())
+    assert len(ref["saved_state"]) == len(tiny_gpt(n_layer=4, seq_len=SEQ).state_dict())
     assert ref["consolidated"].keys() == ref["saved_state"].keys()
     for k, v in ref["saved_state"].items():
         torch.testing.assert_close(ref["consolidated"][k], v, rtol=0, atol=0, msg=f"save_16bit_model {k}")

@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.testing import assert_close_lists, assert_state_close, reference_train, run_distributed
-from shardwise.testing import shard_global_batch
+from shardwise.testing import (
+    assert_close_lists, assert_state_close, mean_over_ranks, micro_steps, reference_train, run_distributed,
+    state_copy, tiny_gpt, token_batches,
+)
 
 SEQ, D, MICRO, LAYERS = 16, 32, 2, 4
 EVAL_SEQ, EVAL_MICRO, EVAL_M = 8, 3, 3
@@ -33,17 +35,15 @@ CASES = {
 }
 
 
-def tiny_gpt() -> nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=LAYERS, d_model=D, n_head=4, seq_len=SEQ, dropout=0.1))
+def model_with_dropout() -> nn.Module:
+    return tiny_gpt(n_layer=LAYERS, d_model=D, seq_len=SEQ, dropout=0.1)
 
 
 def batches(seed: int, *, seq: int, micro: int, count: int, dp: int, dp_rank: int) -> list[tuple]:
     """``count`` micro-batches (inputs, labels) of ``micro`` sequences: this dp rank's share of a global batch."""
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, 256, (micro * count * dp, seq + 1), generator=g)
-    return [(mb[:, :-1], mb[:, 1:]) for mb in shard_global_batch(rows, dp_size=dp, dp_rank=dp_rank, grad_accum=count)]
+    (micro_batches,) = micro_steps(token_batches(1, micro * count * dp, seq + 1, seed=seed), dp_size=dp,
+                                   dp_rank=dp_rank, grad_accum=count)
+    return micro_batches
 
 
 def plan(case: dict, dp: int, dp_rank: int) -> dict:
@@ -69,7 +69,7 @@ def _case(name: str) -> dict:
     import shardwise
     case = CASES[name]
     world = dist.get_world_size()
-    model = tiny_gpt()
+    model = model_with_dropout()
     config = {"train_batch_size": MICRO * case["gas"] * world // case["pp"], "gradient_accumulation_steps": case["gas"],
               "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
               "zero_optimization": {"stage": case["zero"], "reduce_bucket_size": 3000}}
@@ -99,9 +99,7 @@ def _loop_step(engine, micro: list[tuple]) -> float:
         engine.backward(loss)
         engine.step()
         total += float(loss.detach())
-    t = torch.tensor([total / len(micro)])
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return mean_over_ranks(total / len(micro))
 
 
 def dataset() -> list[tuple]:
@@ -115,7 +113,7 @@ def _training_data_case() -> dict:
     """DeepSpeed's pipeline loop: initialize(training_data=...) then engine.train_batch() with no iterator; 3 steps
     of 2 micro-batches run past the end of the 3 batches each dp rank has per epoch."""
     import shardwise
-    model = tiny_gpt()
+    model = model_with_dropout()
     no_dropout(model)
     config = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
@@ -149,7 +147,7 @@ def runs() -> list[dict]:
 def reference(name: str) -> tuple[list[float], list[float], dict]:
     case = CASES[name]
     dp = 4 // case["pp"]
-    model = tiny_gpt()
+    model = model_with_dropout()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     plans = [plan(case, dp, r) for r in range(dp)]
 
@@ -173,7 +171,7 @@ def reference(name: str) -> tuple[list[float], list[float], dict]:
     train = [run_train("train1")]
     evals = [fresh, run_eval("eval_same"), run_eval("eval_other")]
     train.append(run_train("train2"))
-    return train, evals, {k: t.detach().clone() for k, t in model.state_dict().items()}
+    return train, evals, state_copy(model)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -204,7 +202,7 @@ def test_train_batch_reads_the_training_data_loader(runs):
                 per_rank[r].append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
     micro = [(torch.cat([per_rank[r][k][0] for r in range(dp)]), torch.cat([per_rank[r][k][1] for r in range(dp)]))
              for k in range(6)]
-    model = tiny_gpt()
+    model = model_with_dropout()
     no_dropout(model)
     ref = reference_train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                           [micro[0:2], micro[2:4], micro[4:6]], loss_fn=lambda mod, mb: mod(*mb))
@@ -220,7 +218,7 @@ def test_train_batch_reads_the_training_data_loader(runs):
 def test_eval_loss_differs_from_train_mode_loss():
     """The reference itself: dropout is on in the fresh GPT, so the first eval loss depends on eval mode (else
     the first comparison above could not catch an eval_batch that forgot it)."""
-    model = tiny_gpt()
+    model = model_with_dropout()
     x, y = batches(2, seq=SEQ, micro=MICRO, count=1, dp=1, dp_rank=0)[0]
     with torch.no_grad():
         model.train()

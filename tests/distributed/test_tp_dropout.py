@@ -13,17 +13,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import run_distributed
+from shardwise.testing import run_distributed, tiny_gpt
 
 SEQ = 16
 
 
 def _train(sp: bool, positions: str) -> dict:
     import shardwise
-    from shardwise.models import GPT, gpt_config
     from shardwise.parallel.tensor_parallel.layers import is_tensor_parallel_shard
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ, dropout=0.2, positions=positions))
+    model = tiny_gpt(seq_len=SEQ, dropout=0.2, positions=positions, seed=0)
     torch.manual_seed(1000 + dist.get_rank())                  # different streams per process
     config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "tensor_parallel": {"size": 2, "sequence_parallel": sp}}

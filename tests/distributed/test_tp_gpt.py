@@ -14,7 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.testing import assert_close_lists, reference_train, run_distributed, shard_global_batch
+from shardwise.testing import (
+    assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, micro_steps, reference_train, run_distributed,
+    shard_global_batch, state_copy, tiny_gpt, token_batches,
+)
 
 STEPS, GLOBAL_BATCH, SEQ = 5, 8, 16
 N_LAYER, D_MODEL = 2, 32
@@ -33,10 +36,8 @@ HF_OPTIMIZER = {"fake_llama": ADAMW, "llama": SGD}
 
 # -- models -----------------------------------------------------------------------------------------------
 
-def tiny_gpt(case: dict) -> nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=N_LAYER, d_model=D_MODEL, n_head=4, seq_len=SEQ, **case["gpt"]))
+def gpt(case: dict) -> nn.Module:
+    return tiny_gpt(n_layer=N_LAYER, d_model=D_MODEL, seq_len=SEQ, **case["gpt"])
 
 
 class FakeLlamaConfig:
@@ -160,12 +161,8 @@ def hf_names() -> list[str]:
 # -- data and reference -----------------------------------------------------------------------------------
 
 def global_batches(vocab: int, seq: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab, (GLOBAL_BATCH, seq), generator=g) for _ in range(STEPS)]
-
-
-def gpt_micro(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rows[:, :-1], rows[:, 1:]
+    """STEPS global batches [GLOBAL_BATCH, seq] of tokens below `vocab`."""
+    return token_batches(STEPS, GLOBAL_BATCH, seq, seed=7, vocab=vocab)
 
 
 def reference_optimizer(spec: dict, params) -> torch.optim.Optimizer:
@@ -174,12 +171,11 @@ def reference_optimizer(spec: dict, params) -> torch.optim.Optimizer:
 
 
 def run_gpt_reference(case: dict) -> tuple[list[float], dict]:
-    model = tiny_gpt(case)
-    steps = [[gpt_micro(m) for m in shard_global_batch(b, dp_size=1, dp_rank=0, grad_accum=case["gas"])]
-             for b in global_batches(256, SEQ + 1)]
+    model = gpt(case)
+    steps = micro_steps(global_batches(256, SEQ + 1), grad_accum=case["gas"])
     losses = reference_train(model, reference_optimizer(case["optimizer"], model.parameters()), steps,
                              loss_fn=lambda m, mb: m(*mb), clip=case["clip"])
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state_copy(model)
 
 
 def run_hf_reference(name: str) -> tuple[list[float], dict]:
@@ -187,7 +183,7 @@ def run_hf_reference(name: str) -> tuple[list[float], dict]:
     steps = [[b] for b in global_batches(model.config.vocab_size, SEQ)]
     losses = reference_train(model, reference_optimizer(HF_OPTIMIZER[name], model.parameters()), steps,
                              loss_fn=hf_loss, clip=1.0)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state_copy(model)
 
 
 # -- the ranks ----------------------------------------------------------------------------------------------
@@ -207,9 +203,7 @@ def _train(model: nn.Module, config: dict, tp: int, batches, micro_fn, loss_fn, 
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())
-        t = torch.tensor([total / gas])
-        dist.all_reduce(t)                                     # TP peers hold equal losses: world mean = dp mean
-        losses.append(float(t) / world)
+        losses.append(mean_over_ranks(total / gas))           # TP peers hold equal losses: world mean = dp mean
         norms.append(engine.updater.last_grad_norm)
     last = engine.global_steps - 1
     out = {"losses": losses, "norms": norms, "report": engine.comm_report(),
@@ -239,7 +233,7 @@ def _all_cases(gpt_names: list[str], hf: list[str], root: str) -> dict:
                   "gradient_clipping": case["clip"], "optimizer": case["optimizer"],
                   "zero_optimization": {"stage": 0, "reduce_bucket_size": 4000},
                   "tensor_parallel": {"size": case["tp"], "sequence_parallel": case["sp"]}}
-        out[name] = _train(tiny_gpt(case), config, case["tp"], global_batches(256, SEQ + 1), gpt_micro,
+        out[name] = _train(gpt(case), config, case["tp"], global_batches(256, SEQ + 1), lm_pair,
                            lambda engine, mb: engine(mb), f"{root}/{name}")
     for name in hf:
         config = {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0, "optimizer": HF_OPTIMIZER[name],
@@ -273,22 +267,9 @@ def megatron_tp_traffic(case: dict, micro: int) -> Counter:
     return c
 
 
-def _assert_state(got: dict, ref: dict, what: str, adam: bool) -> None:
-    for k, v in ref.items():
-        if adam and k.endswith("k_proj.bias"):
-            continue   # exactly-zero true gradient; Adam turns its rounding noise into +-lr steps (see DP test)
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {k}: {m}")
-
-
-def test_tensor_parallel_training_equals_single_process(tmp_path):
+def test_tensor_parallel_training_equals_single_process(tmp_path, one_thread):
     names, hf = list(GPT_CASES), hf_names()
-    results = run_distributed(_all_cases, 4, args=(names, hf, str(tmp_path)), timeout=420)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)                                   # the references below: tiny, 2 shared cores
-    try:
-        _check_results(results, names, hf)
-    finally:
-        torch.set_num_threads(threads)
+    _check_results(run_distributed(_all_cases, 4, args=(names, hf, str(tmp_path)), timeout=420), names, hf)
 
 
 def _check_results(results: list[dict], names: list[str], hf: list[str]) -> None:
@@ -301,7 +282,7 @@ def _check_results(results: list[dict], names: list[str], hf: list[str]) -> None
         for rank, res in enumerate(results):
             got = res[name]
             assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"{name} rank {rank} losses")
-            _assert_state(got["state"], ref_state, f"{name} rank {rank}", adam=case["optimizer"] is ADAMW)
+            assert_state_close(got["state"], ref_state, what=f"{name} rank {rank}", adam=case["optimizer"] is ADAMW)
             assert got["norms"][0] > case["clip"], f"{name}: clipping never engaged, the TP norm went untested"
             assert got["norms"] == results[0][name]["norms"], f"{name}: ranks disagree on the gradient norm"
             assert got["tp_traffic"] == expected, f"{name} rank {rank}: TP traffic {got['tp_traffic']} != {expected}"
@@ -318,4 +299,4 @@ def _check_results(results: list[dict], names: list[str], hf: list[str]) -> None
         for rank, res in enumerate(results):
             got = res[name]
             assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"{name} rank {rank} losses")
-            _assert_state(got["state"], ref_state, f"{name} rank {rank}", adam=HF_OPTIMIZER[name] is ADAMW)
+            assert_state_close(got["state"], ref_state, what=f"{name} rank {rank}", adam=HF_OPTIMIZER[name] is ADAMW)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.testing import (
-    assert_close_lists, assert_state_close, reference_train, run_distributed, shard_global_batch,
+    assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, micro_steps, reference_train, run_distributed,
+    shard_global_batch, state_copy, tiny_gpt, token_batches,
 )
 
 STEPS, GLOBAL_BATCH, SEQ, TP = 5, 8, 16, 2
@@ -25,24 +26,17 @@ CASES = {
 }
 
 
-def tiny_gpt() -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
-
-
 def batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    """STEPS global batches [GLOBAL_BATCH, SEQ + 1] of tokens."""
+    return token_batches(STEPS, GLOBAL_BATCH, SEQ + 1, seed=7)
 
 
 def reference(case: dict) -> tuple[list[float], dict]:
-    model = tiny_gpt()
-    steps = [[(m[:, :-1], m[:, 1:]) for m in shard_global_batch(b, dp_size=1, dp_rank=0, grad_accum=case["gas"])]
-             for b in batches()]
-    losses = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW["params"]), steps,
-                             loss_fn=lambda m, mb: m(*mb), clip=case["clip"])
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = tiny_gpt(seq_len=SEQ)
+    losses = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW["params"]),
+                             micro_steps(batches(), grad_accum=case["gas"]), loss_fn=lambda m, mb: m(*mb),
+                             clip=case["clip"])
+    return losses, state_copy(model)
 
 
 def _engine(case: dict):
@@ -53,7 +47,7 @@ def _engine(case: dict):
     config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": case["gas"],
               "gradient_clipping": case["clip"], "optimizer": ADAMW, "zero_optimization": zero,
               "tensor_parallel": {"size": TP, "sequence_parallel": case["sp"]}}
-    model = tiny_gpt()
+    model = tiny_gpt(seq_len=SEQ)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -65,13 +59,11 @@ def _steps(engine, case: dict, global_batches: list[torch.Tensor]) -> tuple[list
     for b in global_batches:
         total = 0.0
         for x in shard_global_batch(b, dp_size=dp, dp_rank=dp_rank, grad_accum=case["gas"]):
-            loss = engine((x[:, :-1], x[:, 1:]))
+            loss = engine(lm_pair(x))
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())
-        t = torch.tensor([total / case["gas"]])
-        dist.all_reduce(t)                                     # TP peers hold equal losses: world mean = dp mean
-        losses.append(float(t) / world)
+        losses.append(mean_over_ranks(total / case["gas"]))   # TP peers hold equal losses: world mean = dp mean
         norms.append(engine.updater.last_grad_norm)
     return losses, norms
 
@@ -109,9 +101,8 @@ def _all_cases(root: str) -> dict:
     return {name: _train(case, str(Path(root, name))) for name, case in CASES.items()}
 
 
-def test_tensor_parallel_with_zero_equals_single_process(tmp_path: Path):
+def test_tensor_parallel_with_zero_equals_single_process(tmp_path: Path, one_thread):
     results = run_distributed(_all_cases, 4, args=(str(tmp_path),), timeout=420)
-    torch.set_num_threads(1)
     for name, case in CASES.items():
         ref_losses, ref_state = reference(case)
         for rank, res in enumerate(results):

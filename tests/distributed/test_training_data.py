@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import assert_close_lists, reference_train, run_distributed
+from shardwise.testing import assert_close_lists, assert_state_close, reference_train, run_distributed, tiny_gpt
 
 SEQ, MICRO, DP, GAS = 8, 2, 2, 2
 
@@ -20,16 +20,10 @@ def dataset() -> list[tuple]:
     return [(r[:-1], r[1:]) for r in rows]
 
 
-def tiny_gpt() -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
-
-
 def _train() -> dict:
     import shardwise
     torch.set_num_threads(1)
-    model = tiny_gpt()
+    model = tiny_gpt(seq_len=SEQ)
     config = {"train_batch_size": MICRO * GAS * DP, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}
     engine, _, loader, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config,
@@ -62,14 +56,13 @@ def test_train_batch_reads_the_training_data_and_set_dataiterator():
                        torch.stack([y for r in range(DP) for _, y in batches[r][k]])) for k in range(GAS)])
     fixed = [results[r]["fixed"] for r in range(DP)]
     steps.append([(torch.cat([f[0] for f in fixed]), torch.cat([f[1] for f in fixed]))] * GAS)
-    model = tiny_gpt()
+    model = tiny_gpt(seq_len=SEQ)
     ref = reference_train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps,
                           loss_fn=lambda mod, mb: mod(*mb))
     for res in results:
         assert res["as_deepspeed"], "train_batch must return a 0-dim tensor, as DeepSpeed does"
         assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {res['rank']} losses")
-        for k, v in model.state_dict().items():
-            torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5)
+        assert_state_close(res["state"], model.state_dict(), what=f"rank {res['rank']}")
 
 
 # ----- a DeepSpeed pipeline script, imports changed: shardwise.pipe.PipelineModule + training_data -----
@@ -162,6 +155,4 @@ def test_deepspeed_pipeline_module_script_equals_reference_and_deepspeed():
         assert (res["stages"], res["partition"], res["schedule"]) == (2, "parameters", "1f1b")
         assert_close_lists(res["losses"], ref, rtol=1e-5, atol=1e-6, what=f"rank {rank} losses")
         assert_close_lists(res["losses"], res["deepspeed"], rtol=1e-5, atol=1e-6, what=f"rank {rank} vs DeepSpeed")
-    state = results[0]["state"]
-    for k, v in net.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    assert_state_close(results[0]["state"], net.state_dict(), what="after 3 train_batch() steps")

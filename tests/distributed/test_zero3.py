@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from test_dp_parity import (CASES, SEQ, _assert_state_close, as_micro, global_batches, run_reference,
-                            shard_global_batch, tiny_model)
-from shardwise.testing import assert_close_lists, run_distributed
+from test_dp_parity import CASES, SEQ, global_batches, run_reference
+from shardwise.testing import (
+    assert_close_growing, assert_close_lists, assert_state_close, lm_pair, micro_steps, run_distributed, tiny_gpt,
+)
 
 # label -> (CASES entry, stage3_param_persistence_threshold, meta-device build, two param groups,
 #           blocks recomputed in backward with torch.utils.checkpoint)
@@ -36,14 +37,14 @@ def _config(name: str, threshold: int, **zero) -> dict:
 
 
 def _meta_model(threshold: int, **overrides) -> torch.nn.Module:
-    """tiny_model()'s GPT built on the meta device and materialized as shards."""
+    """tiny_gpt(seq_len=SEQ) built on the meta device and materialized as shards (the seed, 1234, is set
+    before the build; materializing draws the weights from it)."""
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ledger import CommLedger
-    from shardwise.models import GPT, gpt_config
+    from shardwise.models import GPT
     from shardwise.parallel.zero.materialize import materialize_sharded
-    torch.manual_seed(1234)
     with torch.device("meta"):
-        model = GPT(gpt_config("tiny", **{"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": SEQ, **overrides}))
+        model = tiny_gpt(seq_len=SEQ, seed=1234, **overrides)
     return materialize_sharded(model, comm=Comm(None, CommLedger(), name="init"), init=GPT.init_weights,
                                persistence_threshold=threshold)
 
@@ -66,18 +67,15 @@ def _recomputing_forward(model: torch.nn.Module, input_ids: torch.Tensor, labels
 
 def _train(engine, name: str, batches: list[torch.Tensor]) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    losses = []
-    for b in batches:
-        micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
-        losses.append(engine.train_batch(iter(micro)))
-    return losses
+    return [engine.train_batch(iter(micro))
+            for micro in micro_steps(batches, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
 
 
 def _parity_cases() -> dict:
     import shardwise
     out = {}
     for label, (name, threshold, meta, two_groups, recompute) in ZERO3_CASES.items():
-        model = _meta_model(threshold) if meta else tiny_model()
+        model = _meta_model(threshold) if meta else tiny_gpt(seq_len=SEQ)
         if recompute:
             model.forward = functools.partial(_recomputing_forward, model)
         params = _two_groups(model) if two_groups else model.parameters()
@@ -92,7 +90,7 @@ def _parity_cases() -> dict:
 
 def _memory_and_comm(bf16: bool, reshard_root: bool) -> dict:
     import shardwise
-    model = tiny_model()
+    model = tiny_gpt(seq_len=SEQ)
     psi = sum(p.numel() for p in model.parameters())
     extra = {"bf16": {"enabled": True}} if bf16 else {}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
@@ -113,7 +111,7 @@ def _prefetch_bounds() -> dict:
     import shardwise
     out = {}
     for label, zero in (("no_room", {"stage3_max_live_parameters": 0}), ("ample", {})):
-        model = tiny_model()
+        model = tiny_gpt(seq_len=SEQ)
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config("adamw", 0, **zero))
         losses = _train(engine, "adamw", global_batches()[:2])
@@ -130,11 +128,11 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     from shardwise.checkpoint import CheckpointError
     name, batches = "sgd_accum_clip", global_batches()
     cfg = _config(name, 100)
-    model = tiny_model()
+    model = tiny_gpt(seq_len=SEQ)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     _train(engine, name, batches[:2])
     # eval: no-grad and grad-enabled forwards without backward leave nothing gathered
-    ids, labels = as_micro(batches[2][:2])
+    ids, labels = lm_pair(batches[2][:2])
     engine.eval()
     with torch.no_grad():
         eval_loss = float(engine(ids, labels))
@@ -143,7 +141,7 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     live_grad = engine.dp_runtime.live_numel
     engine.train()
     full = engine.dp_runtime.gathered_state_dict(rank0_only=False)
-    plain = tiny_model()
+    plain = tiny_gpt(seq_len=SEQ)
     plain.load_state_dict(full)
     plain.eval()
     with torch.no_grad():
@@ -174,16 +172,13 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
 
 
 def _other_model() -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
-    return GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ))
+    return tiny_gpt(seq_len=SEQ, seed=None)     # weights from the caller's seed
 
 
 def _meta_init_is_bit_identical() -> dict:
     """A tied-embedding GPT materialized from the meta device equals the direct build, bit for bit."""
     import shardwise
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(1234)
-    direct = GPT(gpt_config("tiny", n_layer=2, d_model=32, n_head=4, seq_len=SEQ, tie_embeddings=True))
+    direct = tiny_gpt(seq_len=SEQ, tie_embeddings=True)
     model = _meta_model(100, tie_embeddings=True)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=_config("adamw", 100))
     gathered = engine.dp_runtime.gathered_state_dict(rank0_only=False)
@@ -245,7 +240,7 @@ def _over_budget_model() -> dict:
     losses = []
     for _ in range(2):
         rows = torch.randint(0, 256, (1, SEQ + 1), generator=g)
-        losses.append(engine.train_batch(iter([as_micro(rows)])))
+        losses.append(engine.train_batch(iter([lm_pair(rows)])))
     growth = _peak_rss() - before
     out = {"psi": psi, "growth": growth, "peak_live": engine.dp_runtime.peak_live_numel, "losses": losses,
            "block": block, "model_states": engine.memory_report()["model_states"]}
@@ -260,9 +255,8 @@ def _suite_four() -> dict:
 # -- in-process checks of the planning and materialization (no process group: a world of one) ---------
 
 def _meta_gpt(**overrides) -> torch.nn.Module:
-    from shardwise.models import GPT, gpt_config
     with torch.device("meta"):
-        return GPT(gpt_config("tiny", **{"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": SEQ, **overrides}))
+        return tiny_gpt(seq_len=SEQ, seed=None, **overrides)
 
 
 def test_plan_units_blocks_root_and_persistent_follow_deepspeed_rules():
@@ -316,8 +310,8 @@ def _check_parity(results: list[dict]) -> None:
         for rank, res in enumerate(results):
             got = res["parity"][label]
             assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"stage 3 {label} rank {rank}")
-            _assert_state_close(got["state"], ref_state, f"stage 3 {label} rank {rank}",
-                                adam="Adam" in CASES[name]["optimizer"]["type"])
+            assert_state_close(got["state"], ref_state, what=f"stage 3 {label} rank {rank}",
+                               adam="Adam" in CASES[name]["optimizer"]["type"])
             assert got["live_after"] == 0, f"{label}: parameters still gathered after the step"
         assert results[0]["parity"][label]["groups"] == (2 if ZERO3_CASES[label][3] else 1)
 
@@ -354,7 +348,11 @@ def test_zero3_on_two_ranks(tmp_path):
         for (bf16, rr), m in r["memory"].items():
             _check_memory(m, 2, bf16=bf16)
             _check_traffic(m, e=2 if bf16 else 4, reshard_root=rr)
-            assert_close_lists(m["losses"], ref_losses[:2], rtol=2e-2 if bf16 else 1e-5, what=f"bf16={bf16}")
+            if bf16:   # vs the fp32 reference: bf16's rounding (eps = 2**-7) grows with the updates behind a step
+                assert_close_growing(m["losses"], ref_losses[:2], rtol_per_step=torch.finfo(torch.bfloat16).eps / 64,
+                                     steps=[1, 2], what="bf16 losses")
+            else:
+                assert_close_lists(m["losses"], ref_losses[:2], rtol=1e-5, what="fp32 losses")
         p = r["prefetch"]
         assert p["no_room"]["peak"] == p["no_room"]["root"] + max(p["no_room"]["blocks"])   # nothing ahead
         assert p["ample"]["peak"] == p["ample"]["root"] + sum(p["ample"]["blocks"])         # all ahead

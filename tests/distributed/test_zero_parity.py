@@ -4,12 +4,10 @@ model-state bytes follow the ZeRO paper's formulas; gradient-step traffic is 2 p
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from test_dp_parity import (CASES, _assert_state_close, as_micro, global_batches, run_reference, shard_global_batch,
-                            tiny_model)
-from shardwise.testing import assert_close_lists, run_distributed
+from test_dp_parity import CASES, SEQ, global_batches, run_reference
+from shardwise.testing import assert_close_lists, assert_state_close, micro_steps, run_distributed, state_copy, tiny_gpt
 
 ZERO_CASES = ["adamw", "sgd_accum_clip", "adam_ring_accum_clip"]
 
@@ -34,7 +32,7 @@ def _train(stage: int, names: list[str], offload: bool = False, param_offload_on
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
     for name in names:
-        model = tiny_model()
+        model = tiny_gpt(seq_len=SEQ)
         extra = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
                                        "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                        **({"offload_param": {"device": "cpu"}} if stage == 3 else {})}} if offload else {}
@@ -52,12 +50,10 @@ def _train(stage: int, names: list[str], offload: bool = False, param_offload_on
         if offload:
             assert all(m.device.type == "cpu" and m.data_ptr() != b.param_flat.data_ptr()
                        for m, b in zip(engine.updater.masters, engine.updater.buckets))
-        losses = []
-        for b in global_batches():
-            micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])]
-            losses.append(engine.train_batch(iter(micro)))
-        full = engine.dp_runtime.gathered_state_dict(rank0_only=False) if stage == 3 else model.state_dict()
-        out[name] = {"losses": losses, "state": {k: v.detach().clone() for k, v in full.items()},
+        steps = micro_steps(global_batches(), dp_size=world, dp_rank=rank, grad_accum=CASES[name]["gas"])
+        losses = [engine.train_batch(iter(micro)) for micro in steps]
+        state = engine.dp_runtime.gathered_state_dict(rank0_only=False) if stage == 3 else state_copy(model)
+        out[name] = {"losses": losses, "state": state,
                      "memory": engine.memory_report(), "comm": engine.comm_report(),
                      "num_params": sum(p.numel() for p in model.parameters())}
         engine.close()
@@ -75,8 +71,8 @@ def test_zero_matches_single_process(world_size):
             for rank, res in enumerate(results):
                 got = res[key][name]
                 assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"stage {stage} {name} rank {rank}")
-                _assert_state_close(got["state"], ref_state, f"stage {stage} {name} rank {rank}",
-                                    adam="Adam" in CASES[name]["optimizer"]["type"])
+                assert_state_close(got["state"], ref_state, what=f"stage {stage} {name} rank {rank}",
+                                   adam="Adam" in CASES[name]["optimizer"]["type"])
 
 
 def _memory_and_comm_all() -> dict:
@@ -86,12 +82,11 @@ def _memory_and_comm_all() -> dict:
 def _memory_and_comm(stage: int, bf16: bool) -> dict:
     import shardwise
     world = dist.get_world_size()
-    model = tiny_model()
+    model = tiny_gpt(seq_len=SEQ)
     extra = {"bf16": {"enabled": True}} if bf16 else {}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                       config=_config("adamw", world, stage, **extra))
-    for b in global_batches()[:2]:
-        micro = [as_micro(m) for m in shard_global_batch(b, dp_size=world, dp_rank=dist.get_rank(), grad_accum=1)]
+    for micro in micro_steps(global_batches()[:2], dp_size=world, dp_rank=dist.get_rank(), grad_accum=1):
         engine.train_batch(iter(micro))
     buckets = engine.updater.buckets
     return {"memory": engine.memory_report(), "comm": engine.comm_report(),
@@ -125,11 +120,10 @@ def _activation_bytes_by_stage() -> dict:
     import shardwise
     world, out = dist.get_world_size(), {}
     for stage in (0, 1, 2, 3):
-        model = tiny_model()
+        model = tiny_gpt(seq_len=SEQ)
         engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                           config=_config("adamw", world, stage))
-        micro = [as_micro(m) for m in shard_global_batch(global_batches()[0], dp_size=world, dp_rank=dist.get_rank(),
-                                                         grad_accum=1)]
+        (micro,) = micro_steps(global_batches()[:1], dp_size=world, dp_rank=dist.get_rank(), grad_accum=1)
         engine.train_batch(iter(micro))
         out[stage] = engine.memory_report()["activations"]
         engine.close()

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import builtins
 import itertools
-import time
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from shardwise.data import ByteTokenizer, CorpusError, TokenLoader, check_length, check_vocab, load_corpus
+from shardwise.data import (
+    DEFAULT_STDLIB_MAX_BYTES, ByteTokenizer, CorpusError, TokenLoader, check_length, check_vocab, load_corpus,
+    stdlib_root,
+)
+from shardwise.data import corpora
 from shardwise.testing import shard_global_batch
 
 
@@ -37,20 +42,58 @@ def test_tokenizer_rejects_foreign_ids() -> None:
 
 # -- corpora ---------------------------------------------------------------------------------------
 
-def test_stdlib_corpus_is_fast_deterministic_and_bounded() -> None:
-    start = time.perf_counter()
+class _Reads:
+    """What a load_corpus call walks and opens: directories visited and (path, size) of every file opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dirs: list[str] = []
+        self.files: list[tuple[str, int]] = []
+        walk, real_open = os.walk, builtins.open
+
+        def counting_walk(top, *args, **kwargs):
+            for dirpath, dirnames, filenames in walk(top, *args, **kwargs):
+                self.dirs.append(dirpath)
+                yield dirpath, dirnames, filenames
+
+        def counting_open(path, *args, **kwargs):
+            self.files.append((str(path), os.path.getsize(path)))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(corpora.os, "walk", counting_walk)
+        monkeypatch.setattr(corpora, "open", counting_open, raising=False)   # found before the builtin
+
+    def clear(self) -> None:
+        self.dirs.clear()
+        self.files.clear()
+
+
+def test_stdlib_corpus_is_deterministic_bounded_and_cheap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the stdlib stays cheap on any machine: it never walks into site-packages, test suites or caches
+    (which can hold far more than the stdlib), opens only .py files, and stops reading at the byte cap."""
+    reads = _Reads(monkeypatch)
     full = load_corpus("stdlib")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"stdlib corpus took {elapsed:.2f}s"
     assert full.dtype == np.uint16 and full.ndim == 1
     assert 1_000_000 < len(full) <= 16 * 2**20
     assert int(full.max()) < 256
     text = ByteTokenizer().decode(full[:200_000])
     assert "def " in text and "import " in text
+    root, skipped = stdlib_root(), {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+    for d in reads.dirs:
+        parts = Path(d).relative_to(root).parts
+        assert not skipped & set(parts) and not any(p.startswith(".") for p in parts), d
+    assert reads.files and all(path.endswith(".py") for path, _ in reads.files)
+    sizes = [size for _, size in reads.files]
+    # What is kept was read (a newline added per file at most); what was read beyond it is at most the file
+    # that crossed the cap.
+    assert len(full) <= sum(sizes) + len(sizes) and sum(sizes) <= DEFAULT_STDLIB_MAX_BYTES + max(sizes)
+    reads.clear()
     again = load_corpus("stdlib")
     assert np.array_equal(full, again)
+    reads.clear()
     capped = load_corpus("stdlib", max_bytes=100_000)
     assert len(capped) == 100_000 and np.array_equal(capped, full[:100_000])
+    sizes = [size for _, size in reads.files]
+    assert sum(sizes[:-1]) < 100_000 <= sum(sizes) + len(sizes), f"read {sum(sizes)} bytes for a 100 kB cap"
 
 
 def test_text_file(tmp_path: Path) -> None:

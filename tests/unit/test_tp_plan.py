@@ -16,6 +16,7 @@ from shardwise.parallel.tensor_parallel import (
 )
 from shardwise.parallel.tensor_parallel.model_plans import _adjust_head_counts, translate_hf_plan
 from shardwise.parallel.tensor_parallel.plan import check_plan
+from shardwise.testing import tiny_gpt
 from shardwise.topology import SoloComm
 
 
@@ -26,12 +27,6 @@ def solo() -> SoloComm:
 class _SizedComm:
     """Only a size: validation must fail before any communication is attempted."""
     size, rank = 4, 0
-
-
-def tiny_gpt(**overrides):
-    from shardwise.models import GPT, gpt_config
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny", **{"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": 16, **overrides}))
 
 
 # -- patterns -------------------------------------------------------------------------------------------
@@ -90,13 +85,13 @@ def test_gpt_problems_name_heads_kv_heads_hidden_ffn_and_vocab():
                            "tensor_parallel.size dividing 6 (1, 2, 3, 6) or change the model")
     assert validate_gpt(cfg, 1) == [] and validate_gpt(gpt_config("tiny", n_head=4, d_model=32), 4) == []
     with pytest.raises(TensorParallelError, match=r"tensor_parallel.size = 4 cannot split this GPT:\n  - n_head"):
-        parallelize_gpt(tiny_gpt(n_head=2), _SizedComm())
+        parallelize_gpt(tiny_gpt(seed=0, n_head=2), _SizedComm())
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("positions", ["learned", "rotary"])
 def test_every_gpt_plan_entry_matches_the_model(sequence_parallel: bool, positions: str):
-    model = tiny_gpt(positions=positions)
+    model = tiny_gpt(seed=0, positions=positions)
     plan = gpt_tp_plan(sequence_parallel, learned_positions=positions == "learned")
     styles = resolve_plan((n for n, _ in model.named_modules()), plan)          # strict: nothing unmatched
     assert styles["blocks.1.attn.q_proj"] is Style.COLWISE
@@ -108,7 +103,7 @@ def test_every_gpt_plan_entry_matches_the_model(sequence_parallel: bool, positio
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_tp1_application_keeps_the_function_and_the_ties(tie: bool):
-    model = tiny_gpt(tie_embeddings=tie)
+    model = tiny_gpt(seed=0, tie_embeddings=tie)
     ids = torch.randint(0, 256, (2, 16))
     before_logits, before_loss = model(ids).detach(), model(ids, ids).detach()
     old = list(model.parameters())
