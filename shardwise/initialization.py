@@ -2,8 +2,9 @@
 
 `initialize` reads as its order of construction (DESIGN principle 4): config -> mesh (the process groups) ->
 device and dtype -> identical start (the full model broadcast from world rank 0) -> tensor parallelism (slices
-cut from the whole model) -> pipeline (this rank's stage, or the whole model) -> the norm reducer -> the
-data-parallel builder (stage 0, or ZeRO 1-3: an updater and a data-parallel runtime) -> scheduler -> engine.
+cut from the whole model) -> pipeline (this rank's stage, or the whole model) -> activation recomputation of
+this rank's blocks -> the norm reducer -> the data-parallel builder (stage 0, or ZeRO 1-3: an updater and a
+data-parallel runtime) -> scheduler -> engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.replicated import build_replicated
 from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
@@ -113,6 +115,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
     model, pipeline = _pipeline(model, cfg, mesh, ledger, device)
+    apply_recompute(pipeline.blocks(model), cfg.activation_checkpointing)    # this rank's blocks, before ZeRO
     groups = param_groups_of(pipeline.owned(model_parameters) if model_parameters is not None
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),

@@ -85,6 +85,10 @@ class Pipeline(Protocol):
         """`model_parameters` (tensors or param-group dicts of the full model) restricted to this rank's."""
         ...
 
+    def blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """This rank's transformer blocks, in forward order (what activation recomputation wraps)."""
+        ...
+
     def sharding_units(self) -> ShardingUnits | None:
         """How ZeRO-3 should cut this rank's module (None: its own default)."""
         ...

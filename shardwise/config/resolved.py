@@ -47,7 +47,8 @@ class RecomputePolicy(enum.StrEnum):
 
     NONE = "none"            # keep everything
     FULL = "full"            # keep only each block's input, recompute the whole block
-    SELECTIVE = "selective"  # recompute only the cheap, memory-heavy parts (attention scores, activations)
+    SELECTIVE = "selective"  # recompute only the attention core (scores, softmax, dropout, attention over V)
+    EVERY_N = "every_n"      # recompute whole blocks: every N-th, or the first K of each stage
 
 
 class PipelineSchedule(enum.StrEnum):
@@ -239,6 +240,10 @@ class PipelineConfig:
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointingConfig:
     policy: RecomputePolicy = RecomputePolicy.NONE
+    every: int | None = None
+    """policy every_n: recompute blocks N, 2N, ... (1-based) of each stage."""
+    blocks: int | None = None
+    """policy every_n: recompute the first K blocks of each stage."""
     partition_activations: bool = False
     number_checkpoints: int | None = None
     contiguous_memory_optimization: bool = False

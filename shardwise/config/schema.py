@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, PositiveInt, Section, Str
+from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str
 from shardwise.config.zero import ZeroSection
 
 
@@ -83,10 +83,26 @@ class SchedulerSection(Section):
 class ActivationCheckpointingSection(Section):
     """DeepSpeed's activation-checkpointing keys plus shardwise's "policy"."""
 
-    policy: Literal["none", "full", "selective"] = "none"
+    policy: Literal["none", "full", "selective", "every_n"] = "none"
     """shardwise: which activations to recompute in backward. "none" keeps all; "full" keeps only each
-    transformer block's input and recomputes the block; "selective" recomputes only the cheap,
-    memory-heavy parts (attention scores and the MLP activation)."""
+    transformer block's input and recomputes the block; "selective" recomputes only the attention core
+    (scores, softmax, its dropout, attention over V); "every_n" recomputes whole blocks, every N-th one
+    ("every") or the first K of each pipeline stage ("blocks")."""
+    every: PositiveInt | None = None
+    """shardwise, policy "every_n": recompute blocks N, 2N, ... (1-based) of each stage."""
+    blocks: NonNegativeInt | None = None
+    """shardwise, policy "every_n": recompute the first K blocks of each stage (Megatron's "block" method)."""
+
+    @model_validator(mode="after")
+    def _every_n_knobs(self) -> "ActivationCheckpointingSection":
+        given = [k for k in ("every", "blocks") if getattr(self, k) is not None]
+        if self.policy == "every_n" and len(given) != 1:
+            raise ValueError('policy "every_n" takes exactly one of "every" (every N-th block) and "blocks" (the '
+                             'first K blocks of each stage); give one')
+        if self.policy != "every_n" and given:
+            raise ValueError(f'"{given[0]}" goes with policy "every_n" (the policy is "{self.policy}"); set '
+                             f'"policy": "every_n" or remove it')
+        return self
     partition_activations: Bool = False
     """DeepSpeed: shard checkpointed activations over the tensor-parallel group."""
     number_checkpoints: PositiveInt | None = None

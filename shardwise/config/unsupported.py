@@ -50,8 +50,4 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
             refuse(f"activation_checkpointing.{name}",
                    f"activation_checkpointing.{name} = true: not implemented yet in this version; use false "
                    f'(recomputation itself is "activation_checkpointing.policy")')
-    if checkpointing.policy != "none":
-        refuse("activation_checkpointing.policy",
-               f'activation_checkpointing.policy = "{checkpointing.policy}": activation recomputation is not '
-               f'implemented yet in this version; use "none"')
     return problems

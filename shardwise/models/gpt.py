@@ -74,6 +74,8 @@ class CoreAttention(nn.Module):
     No parameters; a module of its own so tensor parallelism can draw its dropout masks from the TP rank's
     own random stream (each rank holds other heads)."""
 
+    is_attention_core = True      # what selective activation recomputation recomputes
+
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout

@@ -28,6 +28,12 @@ class SingleStage:
     def owned(self, model_parameters: Iterable[Any]) -> list[Any]:
         return list(model_parameters)
 
+    def blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The children of the model's largest ModuleList: the transformer blocks of the built-in GPT and of
+        Hugging Face models, the same modules ZeRO-3 makes its units."""
+        from shardwise.parallel.zero.params import default_unit_modules
+        return [m for _, m in default_unit_modules(module)]
+
     def sharding_units(self) -> ShardingUnits | None:
         return None
 

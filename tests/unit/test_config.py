@@ -12,6 +12,7 @@ import pytest
 
 from shardwise.config import (
     AllReduceImpl, ConfigError, DType, OffloadDevice, load_config, load_config_for_world, parse_config,
+    RecomputePolicy,
 )
 from shardwise.errors import UserError
 
@@ -143,9 +144,9 @@ def test_our_blocks_resolve_to_enums() -> None:
     assert cfg.communication.all_reduce is AllReduceImpl.RING and str(cfg.communication.all_reduce) == "ring"
     assert cfg.communication.data_type is DType.BF16
     assert cfg.activation_checkpointing.policy.value == "none"
-    model, _ = parse_config({"activation_checkpointing": {"policy": "selective"}})   # schema-valid ...
-    assert model.activation_checkpointing.policy == "selective"
-    assert "not implemented yet" in str(error_of({**BASE, "activation_checkpointing": {"policy": "full"}}))  # ... refused
+    every = load({"activation_checkpointing": {"policy": "every_n", "every": 3}}).activation_checkpointing
+    assert every.policy is RecomputePolicy.EVERY_N and every.every == 3 and every.blocks is None
+    assert load({"activation_checkpointing": {"policy": "selective"}}).activation_checkpointing.policy.value == "selective"
     assert cfg.pipeline.schedule.value == "1f1b" and cfg.tensor_parallel.size == 1
 
 
@@ -196,7 +197,6 @@ def test_tensor_parallel_composes_with_every_zero_stage(stage: int) -> None:
 
 
 @pytest.mark.parametrize("extra,key", [
-    ({"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
@@ -219,6 +219,16 @@ def test_stage0_reduction_options_are_refused_under_zero(extra: dict, key: str, 
     assert err.key == key and len(err.problems) == 1
     assert "only supported with zero_optimization.stage 0" in str(err) and "remove it" in str(err)
     load({**BASE, **extra}, dp_size=1)       # stage 0 runs them
+
+
+@pytest.mark.parametrize("block,fix", [
+    ({"policy": "every_n"}, 'exactly one of "every"'),
+    ({"policy": "every_n", "every": 2, "blocks": 1}, 'exactly one of "every"'),
+    ({"policy": "full", "every": 2}, 'set "policy": "every_n"'),
+    ({"policy": "every_n", "every": 0}, "activation_checkpointing.every"),
+])
+def test_every_n_takes_one_knob(block: dict, fix: str) -> None:
+    assert fix in str(error_of({**BASE, "activation_checkpointing": block}))
 
 
 def test_refusals_still_validate_the_keys_and_join_with_batch_errors() -> None:

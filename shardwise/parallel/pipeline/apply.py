@@ -62,6 +62,9 @@ class PipelineRunner:
             return [dict(g, params=[p for p in g["params"] if id(p) in mine]) for g in items]
         return [p for p in items if id(p) in mine]
 
+    def blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        return self.stage.blocks()
+
     def sharding_units(self) -> ShardingUnits:
         """ZeRO-3 under a pipeline: the runtime calls model chunks, not the stage, so each chunk is a root (one
         whole forward) and each of its layers a unit."""

@@ -173,11 +173,14 @@ def _costs(layers: _Layers, method: PipelinePartition) -> list[float]:
 class StageChunk(nn.Module):
     """One model chunk: contiguous layers run in order. ``names[j]`` is layer j's name in the full model."""
 
-    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, model_chunk: int) -> None:
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], *, model_chunk: int,
+                 blocks: slice | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(m for _, m in layers)
         self.names = [n for n, _ in layers]
         self.model_chunk = model_chunk
+        self.blocks = blocks if blocks is not None else slice(0, len(self.layers))
+        """The partitioned layers (transformer blocks) among `layers`: not the embedding or head glued on."""
 
     def forward(self, x: Any) -> Any:
         for layer in self.layers:
@@ -222,6 +225,10 @@ class PipelineStage(nn.Module):
         """Does this stage read the micro-batches (it holds the first or the last model chunk)?"""
         return any(self.is_first(v) or self.is_last(v) for v in range(self.virtual_stages))
 
+    def blocks(self) -> list[nn.Module]:
+        """This stage's transformer blocks (the partitioned layers), in forward order over its chunks."""
+        return [layer for chunk in self.chunks for layer in chunk.layers[chunk.blocks]]
+
     def full_names(self) -> dict[str, str]:
         """This module's state-dict keys -> the full model's keys."""
         out = {}
@@ -264,8 +271,9 @@ def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int 
     chunks, local_ranges = [], stage_layers(ranges, stage=stage, num_stages=num_stages)
     for v, r in enumerate(local_ranges):
         k = v * num_stages + stage
-        named = (layers.prefix if k == 0 else []) + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
-        chunks.append(StageChunk(named, model_chunk=k))
+        head = layers.prefix if k == 0 else []
+        named = head + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
+        chunks.append(StageChunk(named, model_chunk=k, blocks=slice(len(head), len(head) + len(r))))
     return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
                          loss_fn=layers.loss_fn, layer_ranges=local_ranges)
 

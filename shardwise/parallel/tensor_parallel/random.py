@@ -27,6 +27,8 @@ from torch import nn
 from shardwise.comm.collectives import Comm
 
 MODEL_PARALLEL_SEED_OFFSET = 2718
+TP_RNG_ATTR = "_shardwise_tp_rng"
+"""Set on a module whose forward runs on a rank's own stream: activation recomputation rewinds that stream."""
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -59,6 +61,16 @@ class TensorParallelRNG:
         local.manual_seed(self.seed)
         self._local = local.get_state()
 
+    @property
+    def local_state(self) -> torch.Tensor:
+        """This rank's own stream, as a generator state (recomputation saves it before a forward and puts it
+        back to replay the same masks)."""
+        return self._local
+
+    @local_state.setter
+    def local_state(self, state: torch.Tensor) -> None:
+        self._local = state
+
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
         """Run the body on this rank's own stream; the default stream is left where it was."""
@@ -90,5 +102,6 @@ class _ForkHooks:
 def run_forked(module: nn.Module, rng: TensorParallelRNG) -> None:
     """Make `module`'s forward draw from this rank's own stream (its dropout masks differ across TP ranks)."""
     hooks = _ForkHooks(rng)
+    setattr(module, TP_RNG_ATTR, rng)
     module.register_forward_pre_hook(hooks.enter)
     module.register_forward_hook(hooks.leave, always_call=True)   # also when the forward raises
