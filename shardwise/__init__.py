@@ -36,6 +36,6 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if name in ("models", "planner", "data", "comm", "testing", "pipe"):
+    if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

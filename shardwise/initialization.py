@@ -10,6 +10,7 @@ data-parallel runtime) -> scheduler -> engine.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable, Iterable, NoReturn
 
 import torch
@@ -115,7 +116,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
     model, pipeline = _pipeline(model, cfg, mesh, ledger, device)
-    apply_recompute(pipeline.blocks(model), cfg.activation_checkpointing)    # this rank's blocks, before ZeRO
+    _recompute(model, pipeline, cfg, mesh)
     groups = param_groups_of(pipeline.owned(model_parameters) if model_parameters is not None
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
@@ -190,6 +191,21 @@ def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, led
     runner = apply_pipeline(model, section=cfg.pipeline, num_microbatches=cfg.batch.grad_accum, mesh=mesh,
                             ledger=ledger, device=device)
     return runner.stage, runner
+
+
+def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, mesh: ParallelMesh) -> None:
+    """Activation recomputation of this rank's blocks (its stage's), before ZeRO shards them. Partitioned
+    checkpoints spread over the TP group, where block inputs are replicated: not with sequence parallelism,
+    whose block inputs are already sequence shards [s/t, b, h] (the key then has nothing to split)."""
+    section = cfg.activation_checkpointing
+    group = None
+    if mesh.size(Axis.TP) > 1 and not cfg.tensor_parallel.sequence_parallel:
+        group = mesh.group(Axis.TP) or dist.group.WORLD
+    if section.contiguous_memory_optimization:
+        warnings.warn("activation_checkpointing.contiguous_memory_optimization has no effect in shardwise (torch's "
+                      "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=3)
+    from shardwise.checkpointing import profile_sink
+    apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink())
 
 
 def _scheduler(lr_scheduler: Any, cfg: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:

@@ -44,10 +44,4 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                             f"{zero.stage} reduce-scatters gradients with the backend); remove it")
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
-    checkpointing = model.activation_checkpointing
-    for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
-        if getattr(checkpointing, name):
-            refuse(f"activation_checkpointing.{name}",
-                   f"activation_checkpointing.{name} = true: not implemented yet in this version; use false "
-                   f'(recomputation itself is "activation_checkpointing.policy")')
     return problems

@@ -26,15 +26,19 @@ is replayed; the hooks of submodules run again during the replay.
 
 from __future__ import annotations
 
+import copy
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.config.resolved import ActivationCheckpointingConfig, RecomputePolicy
 from shardwise.errors import UserError
-from shardwise.parallel.tensor_parallel.random import TP_RNG_ATTR, TensorParallelRNG
+from shardwise.parallel.tensor_parallel.random import TP_RNG_ATTR, TensorParallelRNG, get_cuda_rng_tracker
 
 RECOMPUTED_ATTR = "_shardwise_recomputed"
 
@@ -85,9 +89,10 @@ def _replaying(fn: Callable[..., Any], rngs: list[TensorParallelRNG]) -> Callabl
     return run
 
 
-def recompute_module(module: nn.Module) -> None:
+def recompute_module(module: nn.Module, stored: StoredInputs | None = None) -> None:
     """Make `module`'s forward recompute in backward (an instance attribute over its class's forward, so names,
-    hooks and state dicts are unchanged). Under no_grad it runs as before. Idempotent."""
+    hooks and state dicts are unchanged). Under no_grad it runs as before. Idempotent. `stored`: how inputs are
+    kept (partitioned, on the host...); by default torch's non-reentrant checkpoint keeps them whole."""
     if getattr(module, RECOMPUTED_ATTR, False):
         return
     original = module.forward
@@ -97,6 +102,8 @@ def recompute_module(module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        if stored is not None and not stored.plain:
+            return checkpoint_function(original, args, kwargs, stored, rngs)
         args = tuple(_kept(a) for a in args)
         return checkpoint(_replaying(original, rngs), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
@@ -125,9 +132,169 @@ def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConf
     return cores
 
 
-def apply_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConfig) -> list[nn.Module]:
-    """Recompute what the policy names; returns those modules."""
+def apply_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConfig, *,
+                    partition_group: Any = None, times: list | None = None) -> list[nn.Module]:
+    """Recompute what the policy names; returns those modules. DeepSpeed's keys shape how inputs are kept:
+    `partition_activations` spreads each over `partition_group` (the TP group, when the blocks' inputs are
+    replicated over it), `cpu_checkpointing` keeps them on the host, `synchronize_checkpoint_boundary`
+    synchronizes the device around each, `profile` appends each run's time to `times`."""
+    stored = StoredInputs(group=partition_group if section.partition_activations else None,
+                          cpu=section.cpu_checkpointing, synchronize=section.synchronize_checkpoint_boundary,
+                          times=times if section.profile else None)
     chosen = plan_recompute(blocks, section)
     for m in chosen:
-        recompute_module(m)
+        recompute_module(m, stored)
     return chosen
+
+
+# -- recomputation with stored inputs under our control (partitioned, on the host) ---------------------------
+
+@dataclass(frozen=True)
+class StoredInputs:
+    """How a checkpoint keeps its inputs until the replay. `group`: the model-parallel group over which each
+    input [any shape], replicated there, is kept as 1/t of its elements per rank and all-gathered before the
+    replay (None: whole). `cpu`: kept in host memory (pinned on CUDA) and copied back. `synchronize`: the device
+    is synchronized at the start and end of the forward and of the replay. `times`: a list that receives
+    ("forward" | "replay", seconds) of each run of the function (DeepSpeed's "profile")."""
+
+    group: Any = None
+    cpu: bool = False
+    synchronize: bool = False
+    times: list | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing asked of the stored inputs: torch's own checkpoint does the job."""
+        return self.group is None and not self.cpu and not self.synchronize and self.times is None
+
+    def keep(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """What to save of input `t` and how to rebuild it: (saved tensor, (shape, numel, device))."""
+        meta = (t.shape, t.numel(), t.device)
+        kept = t.detach()
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            part = -(-t.numel() // size)
+            flat = kept.reshape(-1)
+            if part * size != t.numel():                   # pad to equal parts: all_gather takes equal sizes
+                flat = torch.cat([flat, flat.new_zeros(part * size - t.numel())])
+            kept = flat[rank * part:(rank + 1) * part].clone()   # [numel / t]: this rank's part, its own storage
+        if self.cpu:
+            host = torch.empty(kept.shape, dtype=kept.dtype, device="cpu",
+                               pin_memory=kept.is_cuda)
+            kept = host.copy_(kept, non_blocking=kept.is_cuda)
+        return kept, meta
+
+    def restore(self, kept: torch.Tensor, meta: tuple) -> torch.Tensor:
+        shape, numel, device = meta
+        t = kept.to(device, non_blocking=True) if kept.device != device else kept
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            full = torch.empty(t.numel() * dist.get_world_size(self.group), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
+            t = full[:numel]
+        return t.reshape(shape)
+
+    def sync(self, device: torch.device) -> None:
+        if self.synchronize and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+class _RandomStreams:
+    """Every stream a replay must find where the forward found it: the CPU generator, the CUDA generator of the
+    current device, DeepSpeed-style tracker streams, and shardwise's tensor-parallel streams."""
+
+    def __init__(self, rngs: list[TensorParallelRNG]):
+        self.rngs = rngs
+        self.tracker = get_cuda_rng_tracker()
+        self.cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def capture(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
+        return (torch.get_rng_state(), cuda, self.tracker.get_states(), [r.local_state for r in self.rngs])
+
+    def restore(self, state: tuple) -> None:
+        cpu, cuda, tracked, local = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.cuda)
+        self.tracker.set_states(copy.copy(tracked))
+        for r, s in zip(self.rngs, local):
+            r.local_state = s
+
+
+def _timed(run: Callable[..., Any], times: list | None, phase: str) -> Callable[..., Any]:
+    if times is None:
+        return run
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return run(*args)
+        finally:
+            times.append((phase, time.perf_counter() - t0))
+
+    return timed
+
+
+class _Checkpoint(torch.autograd.Function):
+    """function(*inputs) without keeping its activations: forward under no_grad, stored inputs saved for backward
+    (so activation meters count them), backward replays the function with the forward's random streams and
+    backpropagates through the replay. Gradients flow to tensor inputs and to the parameters the function uses."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], stored: StoredInputs, streams: _RandomStreams,
+                *inputs: Any) -> Any:
+        ctx.run, ctx.stored, ctx.streams = run, stored, streams
+        device = next((t.device for t in inputs if torch.is_tensor(t)), torch.device("cpu"))
+        stored.sync(device)
+        ctx.random = streams.capture()
+        with torch.no_grad():
+            outputs = _timed(run, stored.times, "forward")(*inputs)
+        kept, ctx.metas, ctx.slots, ctx.others = [], [], [], list(inputs)
+        for i, t in enumerate(inputs):
+            if torch.is_tensor(t):
+                k, meta = stored.keep(t)
+                kept.append(k)
+                ctx.metas.append((meta, t.requires_grad))
+                ctx.slots.append(i)
+                ctx.others[i] = None
+        ctx.save_for_backward(*kept)
+        stored.sync(device)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        inputs = list(ctx.others)
+        for i, k, (meta, needs) in zip(ctx.slots, ctx.saved_tensors, ctx.metas):
+            inputs[i] = ctx.stored.restore(k, meta).detach().requires_grad_(needs)
+        device = next((t.device for t in inputs if torch.is_tensor(t)), torch.device("cpu"))
+        ctx.stored.sync(device)
+        live = ctx.streams.capture()
+        ctx.streams.restore(ctx.random)
+        try:
+            with torch.enable_grad():
+                outputs = _timed(ctx.run, ctx.stored.times, "replay")(*inputs)
+        finally:
+            ctx.streams.restore(live)
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        ctx.stored.sync(device)
+        return (None, None, None, *[t.grad if torch.is_tensor(t) and t.requires_grad else None for t in inputs])
+
+
+def checkpoint_function(function: Callable[..., Any], args: tuple, kwargs: dict, stored: StoredInputs,
+                        rngs: list[TensorParallelRNG] | None = None) -> Any:
+    """`function(*args, **kwargs)` recomputed in backward, its inputs kept as `stored` says. Keyword arguments
+    are passed through (tensors among them are treated as inputs too)."""
+    keys = tuple(kwargs)
+    flat = tuple(args) + tuple(kwargs[k] for k in keys)
+    n = len(args)
+
+    def run(*values: Any) -> Any:
+        return function(*values[:n], **dict(zip(keys, values[n:])))
+
+    if not torch.is_grad_enabled():
+        return run(*flat)
+    return _Checkpoint.apply(run, stored, _RandomStreams(rngs or []), *flat)

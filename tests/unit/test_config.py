@@ -199,7 +199,6 @@ def test_tensor_parallel_composes_with_every_zero_stage(stage: int) -> None:
 @pytest.mark.parametrize("extra,key", [
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
 ])
 def test_not_yet_features_are_refused(extra: dict, key: str) -> None:
     err = error_of({**BASE, **extra}, dp_size=1)

@@ -19,6 +19,7 @@ The fork touches the generator of the device the module runs on (CPU, or the cur
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Iterator
 
 import torch
@@ -105,3 +106,63 @@ def run_forked(module: nn.Module, rng: TensorParallelRNG) -> None:
     setattr(module, TP_RNG_ATTR, rng)
     module.register_forward_pre_hook(hooks.enter)
     module.register_forward_hook(hooks.leave, always_call=True)   # also when the forward raises
+
+
+# -- named streams, DeepSpeed's and Megatron's way: models fork them explicitly -----------------------------
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""The tracker's stream for dropout on tensor-parallel (split) activations."""
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class RNGStatesTracker:
+    """Named random streams of the compute device (CUDA, else the CPU): `fork(name)` runs a block on that stream
+    and leaves the default stream where it was (DeepSpeed's CudaRNGStatesTracker)."""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def reset(self) -> None:
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return copy.copy(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"random seed {seed} is already tracked: give each stream its own seed")
+        if name in self.states_:
+            raise ValueError(f"random stream {name!r} is already tracked: reset() the tracker first")
+        self.seeds_.add(seed)
+        gen = torch.Generator(device=_device())
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"random stream {name!r} is not tracked: call model_parallel_cuda_manual_seed(seed) "
+                             f"or get_cuda_rng_tracker().add({name!r}, seed) first")
+        device = _device()
+        outside = _get_state(device)
+        _set_state(device, self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_state(device)
+            _set_state(device, outside)
+
+
+_tracker = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process's tracker (module state, as DeepSpeed's and Megatron's: models call it from anywhere)."""
+    return _tracker
