@@ -143,8 +143,8 @@ class Activations:
 
 
 def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
-    """The larger of the first stage (most micro-batches in flight, embeddings) and the last (logits:
-    e s b V / t in the compute dtype plus an fp32 copy for the loss)."""
+    """The larger of the first stage (most micro-batches in flight, embeddings) and the last (the loss's fp32
+    log-probabilities, 4 s b V / t bytes)."""
     return _activation_bytes(model, job, plan.tp, plan.pp, plan.sequence_parallel, plan.micro_batch,
                              plan.recompute, plan.schedule, plan.virtual_stages, plan.grad_accum(job))
 
@@ -159,7 +159,10 @@ def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence
     working = layer_activation_bytes(model, **kw) if recompute is Recompute.FULL else 0.0
     sp = tp if sequence_parallel else 1
     embedding = s * b * model.d_model * (e + (1 if model.dropout else 0)) / sp
-    logits = s * b * (e * model.d_model / sp + (e + FP32_BYTES) * model.vocab_size / tp)
+    # The lm-head saves its input [s, b, h] (the final norm's output); the loss computes in fp32 and saves its
+    # log-probabilities [s, b, V/t] in fp32. The compute-dtype logits themselves are saved by nothing (the
+    # matmul keeps its input, the cast to fp32 keeps nothing), so they do not count.
+    logits = s * b * (e * model.d_model / sp + FP32_BYTES * model.vocab_size / tp)
     layers = stage_layers(model.n_layer, pp)
     in_flight = in_flight_microbatches(pp=pp, num_microbatches=m, schedule=schedule, virtual_stages=virtual_stages)
     first = Activations(per_layer, layers[0], in_flight, working, embedding + (logits if pp == 1 else 0.0))
