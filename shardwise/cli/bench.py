@@ -1,5 +1,5 @@
-"""`shardwise bench {dp,allreduce,pipeline,pipeline_engines,tp} --nproc N [OPTIONS...]`: run a side-by-side
-benchmark on N local ranks.
+"""`shardwise bench {dp,allreduce,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
+side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
 it imports dev-only peers) and is started through torch's elastic launcher; the options after the benchmark name
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
     "pipeline_engines": "shardwise engine.train_batch vs DeepSpeed's PipelineEngine (1F1B): step time",
+    "recompute": "activation recomputation policies (none, selective, full, every_n): stored bytes, step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
 }
 
