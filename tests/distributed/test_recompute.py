@@ -134,3 +134,44 @@ def test_selective_on_a_model_without_attention_cores_names_the_fix():
     every = plan_recompute(list(range(5)), ActivationCheckpointingConfig(policy=RecomputePolicy.EVERY_N, every=2))
     first = plan_recompute(list(range(5)), ActivationCheckpointingConfig(policy=RecomputePolicy.EVERY_N, blocks=2))
     assert every == [1, 3] and first == [0, 1]
+
+
+def _hf_gradient_checkpointing(zero: int) -> dict:
+    """Hugging Face's own switch, `model.gradient_checkpointing_enable()`, under the engine."""
+    import shardwise
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = {}
+    for enabled in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=SEQ, attention_dropout=0.1))
+        if enabled:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        torch.manual_seed(3 + dist.get_rank())
+        cfg = {"train_batch_size": 2 * MICRO, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": zero, "reduce_bucket_size": 4000,
+                                     "stage3_param_persistence_threshold": 0}}
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = []
+        for b in token_batches(STEPS, 2 * MICRO, SEQ, seed=3, vocab=128):
+            mine = b[MICRO * engine.dp_rank:MICRO * (engine.dp_rank + 1)]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        out[enabled] = {"losses": losses, "activations": engine.memory_report()["activations"],
+                        "state": engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=False)}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_hugging_face_gradient_checkpointing_enable_works_under_the_engine(zero: int):
+    for runs in run_distributed(_hf_gradient_checkpointing, 2, args=(zero,)):
+        assert runs[True]["losses"] == runs[False]["losses"]
+        for k, v in runs[False]["state"].items():
+            assert torch.equal(runs[True]["state"][k], v), k
+        assert runs[True]["activations"] < runs[False]["activations"]
