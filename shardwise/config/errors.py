@@ -31,6 +31,11 @@ class ConfigProblem:
     message: str
 
 
+class ConfigWarning(UserWarning):
+    """Something in a config is accepted but does nothing (DeepSpeed ignores it too, or shardwise has nothing it
+    would tune). Emitted with `warnings.warn`, one line each."""
+
+
 class ConfigError(UserError, ValueError):
     """The config is wrong. ``str(err)`` has one line per problem; ``err.key`` is the first problem's
     dotted key (None when it concerns no single key); ``err.problems`` lists them all."""
@@ -133,23 +138,10 @@ def field_kind(root: type[BaseModel], loc: Sequence[Any]) -> str:
     return "other"
 
 
-# Keys that DeepSpeed knows but shardwise does not implement: a clearer message than "unknown key".
-DEEPSPEED_ONLY_KEYS = frozenset({
-    "amp", "aio", "autotuning", "checkpoint", "comet", "comms_logger", "compile", "compression_training",
-    "csv_monitor", "data_efficiency", "data_types", "datastates_ckpt", "disable_allgather",
-    "disable_python_gc", "dump_state", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
-    "hybrid_engine", "log_level", "managed_gradient_accumulation", "nebula", "sequence_parallel_size",
-    "seq_parallel_communication_data_type", "tensorboard", "timers", "torch_autocast",
-    "use_data_before_expert_parallelism", "wandb", "weight_quantization",
-})
-
-
 def _unknown_key(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     key = str(loc[-1])
     where = dotted(loc[:-1])
     path = dotted(loc)
-    if not where and key in DEEPSPEED_ONLY_KEYS:
-        return (f'"{key}" is a DeepSpeed feature that shardwise does not implement; remove it from the config')
     parent = model_at(root, loc[:-1])
     valid = list(parent.model_fields) if parent is not None else []
     return unknown_name_message("key", key, valid, where=where, shown=path)

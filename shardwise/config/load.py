@@ -1,30 +1,39 @@
 """Read a config (path or dict), validate it once, and resolve it into an `EngineConfig`.
 
-Order: read JSON -> reject "auto" -> schema (pydantic) -> batch rule -> not-yet refusals -> sections.
-All problems found at one stage are reported together, one per line.
+Order: read (as leniently as DeepSpeed: hjson, so comments and trailing commas are fine) -> fill "auto"
+(`auto.py`) -> sort out unknown top-level keys (`top_level.py`) -> schema (pydantic) -> batch rule -> not-yet
+refusals -> sections. Problems of the first four steps are reported together, then those of the last ones,
+one per line. What is accepted but ignored becomes one `ConfigWarning` per key, once the config is accepted.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
+import warnings
 from typing import Any
 
+import hjson
 from pydantic import ValidationError
 
 from shardwise.config.batch import BatchSizes, resolve_batch
-from shardwise.config.errors import ConfigError, ConfigProblem, dotted, field_kind, problems_from_validation
+from shardwise.config.auto import AutoValues, auto_paths, resolve_auto
+from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning, problems_from_validation
+from shardwise.config.ignored import ignored_settings
 from shardwise.config.resolved import (
     ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
     OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
     PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
 )
 from shardwise.config.schema import ConfigModel
+from shardwise.config.top_level import screen_top_level
 from shardwise.config.unsupported import refuse_unimplemented
 from shardwise.config.zero import OffloadOptimizerSection, OffloadParamSection, ZeroSection
 
 ConfigSource = str | os.PathLike | dict
+
+# Every top-level key the schema validates ("bfloat16" is DeepSpeed's old name of "bf16").
+TOP_LEVEL_KEYS = (*ConfigModel.model_fields, "bfloat16")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -38,7 +47,8 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_config(config: ConfigSource) -> dict[str, Any]:
-    """The config as a fresh plain dict: a dict is deep-copied; a path is read as JSON."""
+    """The config as a fresh plain dict: a dict is deep-copied; a path is read as DeepSpeed reads it, with
+    hjson (JSON plus comments, trailing commas and unquoted keys), duplicate keys refused."""
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if not isinstance(config, (str, os.PathLike)):
@@ -50,8 +60,8 @@ def read_config(config: ConfigSource) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f'cannot read config file "{path}": {e.strerror or e}') from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as e:
+        data = _plain(hjson.loads(text, object_pairs_hook=_no_duplicate_keys))
+    except hjson.HjsonDecodeError as e:
         raise ConfigError(f'config file "{path}" is not valid JSON: line {e.lineno} column {e.colno}: '
                           f'{e.msg}') from None
     except ConfigError as e:
@@ -61,44 +71,55 @@ def read_config(config: ConfigSource) -> dict[str, Any]:
     return data
 
 
-def _auto_paths(value: Any, loc: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Where "auto" (the Hugging Face integration's placeholder) appears, as key paths."""
-    if isinstance(value, str) and value == "auto":
-        return [loc]
+def _plain(value: Any) -> Any:
+    """hjson's ordered dicts as plain dicts (what a dict config is, so both compare equal)."""
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _auto_paths(v, loc + (k,))]
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in _auto_paths(v, loc + (i,))]
-    return []
+        return [_plain(v) for v in value]
+    return value
 
 
 def _without(data: Any, loc: tuple[Any, ...]) -> None:
+    """Remove the key at `loc` (a list element stays: its list fails validation on its own)."""
     for part in loc[:-1]:
         data = data[part]
     if isinstance(data, dict):
         del data[loc[-1]]
 
 
-def parse_config(config: ConfigSource) -> tuple[ConfigModel, dict[str, Any]]:
-    """Validate against the schema; returns the model and the raw dict. Raises `ConfigError`."""
+def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tuple[ConfigModel, dict[str, Any]]:
+    """Validate against the schema, "auto" filled from `auto`; returns the model and the filled dict.
+    Raises `ConfigError` with every problem; emits a `ConfigWarning` per ignored key of an accepted config."""
     raw = read_config(config)
-    autos = _auto_paths(raw)
-    problems: list[ConfigProblem] = []
-    for loc in autos:
-        wanted = {"number": "give a number", "bool": "give true or false"}.get(field_kind(ConfigModel, loc),
-                                                                              "give an explicit value")
-        problems.append(ConfigProblem(dotted(loc), f'"{dotted(loc)}": "auto" is only meaningful with the Hugging '
-                                                   f'Face integration; {wanted}'))
-    data = copy.deepcopy(raw)
-    for loc in autos:  # validate the rest, so every problem is reported at once
+    filled = resolve_auto(raw, auto)
+    screened = screen_top_level(filled.config, TOP_LEVEL_KEYS)
+    problems: list[ConfigProblem] = [*filled.problems, *screened.problems]
+    unresolved = auto_paths(screened.config)
+    data = copy.deepcopy(screened.config)
+    for loc in unresolved:  # validate the rest, so every problem is reported at once
         _without(data, loc)
+    model = None
     try:
         model = ConfigModel.model_validate(data)
     except ValidationError as e:
-        problems += problems_from_validation(ConfigModel, e, skip=autos)
+        problems += problems_from_validation(ConfigModel, e, skip=unresolved)
     if problems:
-        raise ConfigError(problems)
-    return model, raw
+        raise ConfigError(sorted(problems, key=_document_order(raw)))
+    assert model is not None
+    for line in (*filled.warnings, *screened.warnings, *ignored_settings(model)):
+        warnings.warn(line, ConfigWarning, stacklevel=2)
+    return model, filled.config
+
+
+def _document_order(raw: dict[str, Any]):
+    """Sort key putting problems in the order their top-level keys appear in the config."""
+    order = {key: i for i, key in enumerate(raw)}
+
+    def key(problem: ConfigProblem) -> int:
+        top = (problem.key or "").split(".")[0]
+        return order.get(top, len(order))
+    return key
 
 
 def _precision(model: ConfigModel) -> PrecisionConfig:
@@ -112,18 +133,20 @@ def _precision(model: ConfigModel) -> PrecisionConfig:
         bf16_check_grad_overflow=bf16.check_grad_overflow)
 
 
-def _offload_optimizer(block: OffloadOptimizerSection | None) -> OffloadOptimizerConfig | None:
+def _offload_optimizer(block: OffloadOptimizerSection | None, stage: int) -> OffloadOptimizerConfig | None:
     if block is None:
         return None
     fields = block.model_dump()
-    return OffloadOptimizerConfig(**{**fields, "device": OffloadDevice(block.device)})
+    device = OffloadDevice(block.device) if stage >= 1 else OffloadDevice.NONE   # ignored below stage 1 (warned)
+    return OffloadOptimizerConfig(**{**fields, "device": device})
 
 
-def _offload_param(block: OffloadParamSection | None) -> OffloadParamConfig | None:
+def _offload_param(block: OffloadParamSection | None, stage: int) -> OffloadParamConfig | None:
     if block is None:
         return None
     fields = block.model_dump()
-    return OffloadParamConfig(**{**fields, "device": OffloadDevice(block.device)})
+    device = OffloadDevice(block.device) if stage >= 3 else OffloadDevice.NONE   # ignored below stage 3 (warned)
+    return OffloadParamConfig(**{**fields, "device": device})
 
 
 def _zero(block: ZeroSection) -> ZeroConfig:
@@ -132,8 +155,8 @@ def _zero(block: ZeroSection) -> ZeroConfig:
     overlap = block.overlap_comm if block.overlap_comm is not None else block.stage == 3
     leaf = block.leaf_module
     return ZeroConfig(**{**fields, "overlap_comm": overlap},
-                      offload_optimizer=_offload_optimizer(block.offload_optimizer),
-                      offload_param=_offload_param(block.offload_param),
+                      offload_optimizer=_offload_optimizer(block.offload_optimizer, block.stage),
+                      offload_param=_offload_param(block.offload_param, block.stage),
                       leaf_module_classes=tuple(leaf.classes), leaf_module_names=tuple(leaf.names),
                       leaf_module_name_suffixes=tuple(leaf.name_suffixes))
 
@@ -185,17 +208,18 @@ def _resolve(model: ConfigModel, raw: dict[str, Any], dp_size: int) -> EngineCon
     return _sections(model, batch, raw)
 
 
-def load_config(config: ConfigSource, *, dp_size: int) -> EngineConfig:
+def load_config(config: ConfigSource, *, dp_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """Validate a DeepSpeed-style config (JSON path or dict) and resolve it for `dp_size`
-    data-parallel ranks. Raises `ConfigError` listing every problem found, one per line."""
-    model, raw = parse_config(config)
+    data-parallel ranks, "auto" filled from `auto`. Raises `ConfigError` listing every problem found, one
+    per line."""
+    model, raw = parse_config(config, auto=auto)
     return _resolve(model, raw, dp_size)
 
 
-def load_config_for_world(config: ConfigSource, *, world_size: int) -> EngineConfig:
+def load_config_for_world(config: ConfigSource, *, world_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """As `load_config`, with the data-parallel size derived from the total number of ranks:
     dp = world_size / (tensor_parallel.size * pipeline.stages), which must divide exactly."""
-    model, raw = parse_config(config)
+    model, raw = parse_config(config, auto=auto)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     tp, pp = model.tensor_parallel.size, model.pipeline.stages
