@@ -108,7 +108,7 @@ def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tup
         raise ConfigError(sorted(problems, key=_document_order(raw)))
     assert model is not None
     for line in (*filled.warnings, *screened.warnings, *ignored_settings(model)):
-        warnings.warn(line, ConfigWarning, stacklevel=2)
+        warnings.warn(line, ConfigWarning, stacklevel=3)   # the caller of load_config
     return model, filled.config
 
 

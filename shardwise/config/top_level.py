@@ -16,7 +16,7 @@ from shardwise.config.errors import ConfigProblem, unknown_name_message
 
 # How alike (difflib's ratio, case-insensitive) an unknown key must be to a known one to be taken for its
 # misspelling. High on purpose: "comms_config" is a different key from "comms_logger", not a typo of it.
-MISSPELLING_RATIO = 0.85
+MISSPELLING_RATIO = 0.8
 
 # Keys DeepSpeed 0.19 refuses because the feature was removed: the replacement, if any.
 REMOVED_KEYS: dict[str, str] = {
