@@ -121,3 +121,35 @@ def test_module_entry_point_in_a_subprocess(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stdout == ""
     assert_one_line_error(result.stderr, "train_batch_size 30 != train_micro_batch_size_per_gpu 4 * "
                                          "gradient_accumulation_steps 2 * data-parallel size 4 = 32")
+
+
+def test_auto_is_filled_from_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"}}
+    path = write(tmp_path, config)
+    assert main(["check-config", path, "--world", "2", "--json"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split('"')[1] for line in lines] == [
+        "train_micro_batch_size_per_gpu", "optimizer.params.lr", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold"]
+    assert "--micro-batch" in lines[0] and "--lr" in lines[1] and "--hidden-size" in lines[2]
+    argv = ["check-config", path, "--world", "2", "--json", "--hidden-size", "100", "--micro-batch", "3", "--lr", "0.01"]
+    assert main(argv) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["batch"]["train_batch_size"] == 6 and described["batch"]["micro_batch"] == 3
+    assert described["zero"]["reduce_bucket_size"] == 10_000
+    assert described["zero"]["stage3_prefetch_bucket_size"] == 9_000
+    assert described["zero"]["stage3_param_persistence_threshold"] == 1_000
+    assert described["optimizer"]["params"]["lr"] == 0.01 and described["gradient_clipping"] == 1.0
+
+
+def test_ignored_keys_print_one_warning_line_each(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    text = '{"train_batch_size": 8, "fp8": {}, // Hugging Face\'s\n "comms_config": {}, "tensorboard": {"enabled": false},}'
+    assert main(["check-config", write(tmp_path, text), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["batch"]["train_batch_size"] == 8
+    assert captured.err.strip().splitlines() == [
+        'shardwise: warning: unknown key "fp8" ignored (DeepSpeed ignores unknown top-level keys too)',
+        'shardwise: warning: unknown key "comms_config" ignored (DeepSpeed ignores unknown top-level keys too)']
