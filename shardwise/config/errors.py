@@ -12,7 +12,6 @@ import difflib
 import inspect
 import json
 import re
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -113,29 +112,6 @@ def model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | Non
             return None
         model = _model_in(model.model_fields[part].annotation)
     return model
-
-
-def _base_types(annotation: Any) -> list[Any]:
-    """The plain types inside Optional[...] / Union[...] / Annotated[...]."""
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _base_types(typing.get_args(annotation)[0])
-    args = typing.get_args(annotation)
-    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [t for arg in args for t in _base_types(arg)]
-    return [annotation]
-
-
-def field_kind(root: type[BaseModel], loc: Sequence[Any]) -> str:
-    """"number", "bool" or "other": what kind of value the schema expects at `loc`."""
-    parent = model_at(root, loc[:-1])
-    if parent is None or not loc or loc[-1] not in parent.model_fields:
-        return "other"
-    kinds = set(_base_types(parent.model_fields[loc[-1]].annotation))
-    if kinds & {int, float}:
-        return "number"
-    if bool in kinds:
-        return "bool"
-    return "other"
 
 
 def _unknown_key(root: type[BaseModel], loc: tuple[Any, ...]) -> str:

@@ -27,6 +27,13 @@ def _pipeline_tuning(model: ConfigModel) -> list[str]:
             for name in sorted(given)]
 
 
+def _autotp_keys(model: ConfigModel) -> list[str]:
+    given = model.tensor_parallel.model_fields_set - {"size", "sequence_parallel"}
+    return [f'"tensor_parallel.{name}" tunes DeepSpeed\'s AutoTP; shardwise\'s tensor-parallel plans split the '
+            f'layers themselves; ignored' for name in sorted(given)]
+
+
 def ignored_settings(model: ConfigModel) -> list[str]:
     """One line per setting of `model` that is accepted but changes nothing in shardwise."""
-    return [*no_effect_warnings(model), *_offload_below_its_stage(model), *_pipeline_tuning(model)]
+    return [*no_effect_warnings(model), *_offload_below_its_stage(model), *_pipeline_tuning(model),
+            *_autotp_keys(model)]

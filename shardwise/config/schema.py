@@ -117,6 +117,18 @@ class TensorParallelSection(Section):
     sequence_parallel: Bool = False
     """Also split the layer-norm/dropout activations along the sequence over the tensor-parallel
     group (needs size > 1)."""
+    # DeepSpeed's AutoTP keys: how its engine picks and splits layers. shardwise's own plans do that, so these
+    # are accepted and ignored (config/ignored.py warns); "autotp_size" is "size".
+    dtype: Any = None
+    tp_overlap_comm: Any = None
+    vocab_parallel_lm_head: Any = None
+    vocab_parallel_ce_backend: Any = None
+    tensor_parallel: Any = None
+    injection_policy_tuple: Any = None
+    partition_config: Any = None
+    preset_model: Any = None
+    keep_module_on_host: Any = None
+    replace_with_kernel_inject: Any = None
 
     @model_validator(mode="before")
     @classmethod

@@ -116,6 +116,8 @@ CORPUS = [
     Case("deepspeed_pipeline_keys", with_batch(pipeline={"seed_layers": False, "activation_checkpoint_interval": 0,
                                                          "pipe_partitioned": True, "grad_partitioned": True}),
          warnings=3),
+    Case("deepspeed_autotp_keys", with_batch(tensor_parallel={"autotp_size": 1, "tp_overlap_comm": False,
+                                                              "preset_model": "llama"}), warnings=2),
     # Lenient files (DeepSpeed reads them with hjson).
     Case("trailing_commas", '{"train_batch_size": 8, "fp16": {"enabled": true,},}'),
     Case("comments", '// a comment\n{\n  # another\n  "train_batch_size": 8, /* and another */\n  "bf16": {"enabled": true}\n}'),
