@@ -53,7 +53,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=_positive_int, metavar="B",
                         help='the micro-batch size per process, to fill "auto" batch keys')
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
-                        help='the learning rate, to fill "auto" in optimizer.params.lr and scheduler.params.warmup_max_lr')
+                        help='the learning rate, to fill "auto" in optimizer.params.lr and '
+                             'scheduler.params.warmup_max_lr')
     parser.add_argument("--json", action="store_true", help="print the resolved config as JSON")
     parser.set_defaults(func=run)
     return parser

@@ -18,7 +18,8 @@ FEATURE_NAMES = {
     "comet": "Comet monitor", "comms_logger": "communication logger", "flops_profiler": "FLOPs profiler",
     "autotuning": "autotuner", "hybrid_engine": "hybrid (RLHF) engine", "data_efficiency": "data efficiency library",
     "torch_autocast": "torch.autocast mode", "expert_parallel": "expert parallelism (AutoEP)",
-    "weight_quantization": "weight quantization", "compile": "DeepCompile", "datastates_ckpt": "DataStates checkpointing",
+    "weight_quantization": "weight quantization", "compile": "DeepCompile",
+    "datastates_ckpt": "DataStates checkpointing",
 }
 
 

@@ -135,7 +135,8 @@ def test_auto_is_filled_from_the_flags(tmp_path: Path, capsys: pytest.CaptureFix
         "train_micro_batch_size_per_gpu", "optimizer.params.lr", "zero_optimization.reduce_bucket_size",
         "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold"]
     assert "--micro-batch" in lines[0] and "--lr" in lines[1] and "--hidden-size" in lines[2]
-    argv = ["check-config", path, "--world", "2", "--json", "--hidden-size", "100", "--micro-batch", "3", "--lr", "0.01"]
+    argv = ["check-config", path, "--world", "2", "--json", "--hidden-size", "100", "--micro-batch", "3",
+            "--lr", "0.01"]
     assert main(argv) == 0
     described = json.loads(capsys.readouterr().out)
     assert described["batch"]["train_batch_size"] == 6 and described["batch"]["micro_batch"] == 3
@@ -146,7 +147,8 @@ def test_auto_is_filled_from_the_flags(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_ignored_keys_print_one_warning_line_each(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    text = '{"train_batch_size": 8, "fp8": {}, // Hugging Face\'s\n "comms_config": {}, "tensorboard": {"enabled": false},}'
+    text = ('{"train_batch_size": 8, "fp8": {}, // Hugging Face\'s\n'
+            ' "comms_config": {}, "tensorboard": {"enabled": false},}')
     assert main(["check-config", write(tmp_path, text), "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["batch"]["train_batch_size"] == 8

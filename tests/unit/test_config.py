@@ -202,7 +202,8 @@ def test_tensor_parallel_composes_with_every_zero_stage(stage: int) -> None:
 
 @pytest.mark.parametrize("extra,key", [
     ({"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.device"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
 ])
 def test_not_yet_features_are_refused(extra: dict, key: str) -> None:

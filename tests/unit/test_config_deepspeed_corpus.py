@@ -120,7 +120,8 @@ CORPUS = [
                                                               "preset_model": "llama"}), warnings=2),
     # Lenient files (DeepSpeed reads them with hjson).
     Case("trailing_commas", '{"train_batch_size": 8, "fp16": {"enabled": true,},}'),
-    Case("comments", '// a comment\n{\n  # another\n  "train_batch_size": 8, /* and another */\n  "bf16": {"enabled": true}\n}'),
+    Case("comments", '// a comment\n{\n  # another\n  "train_batch_size": 8, /* and another */\n'
+                     '  "bf16": {"enabled": true}\n}'),
     Case("unquoted_keys", "{train_batch_size: 8, zero_optimization: {stage: 1}}"),
     Case("duplicate_keys", '{"train_batch_size": 8, "train_batch_size": 16}', key="train_batch_size"),
     # Errors DeepSpeed makes too.
