@@ -8,6 +8,7 @@ one per line. What is accepted but ignored becomes one `ConfigWarning` per key, 
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import warnings
@@ -48,12 +49,17 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_config(config: ConfigSource) -> dict[str, Any]:
     """The config as a fresh plain dict: a dict is deep-copied; a path is read as DeepSpeed reads it, with
-    hjson (JSON plus comments, trailing commas and unquoted keys), duplicate keys refused."""
+    hjson (JSON plus comments, trailing commas and unquoted keys), duplicate keys refused; a string that is
+    no file but URL-safe base64 of a config object is decoded, as DeepSpeed does (its launcher passes them)."""
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a path to a JSON file or a dict, got {type(config).__name__}")
     path = os.fspath(config)
+    if isinstance(config, str) and not os.path.exists(path):
+        inline = _from_base64(config)
+        if inline is not None:
+            return inline
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -69,6 +75,16 @@ def read_config(config: ConfigSource) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f'config file "{path}" must hold a JSON object {{...}}, got {type(data).__name__}')
     return data
+
+
+def _from_base64(text: str) -> dict[str, Any] | None:
+    """The config object encoded in `text`, or None when `text` is not base64 of one (then it is a path)."""
+    try:
+        decoded = base64.b64decode(text, altchars=b"-_", validate=True).decode("utf-8")
+        data = _plain(hjson.loads(decoded, object_pairs_hook=_no_duplicate_keys))
+    except (ValueError, UnicodeDecodeError, hjson.HjsonDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _plain(value: Any) -> Any:

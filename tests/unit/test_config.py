@@ -271,6 +271,18 @@ def test_bad_json_names_the_file_and_line(tmp_path: Path) -> None:
         load_config(str(path), dp_size=1)
 
 
+def test_comments_trailing_commas_and_base64_are_read_as_deepspeed_reads_them(tmp_path: Path) -> None:
+    import base64
+    path = tmp_path / "lenient.json"
+    path.write_text('{\n  // the global batch\n  "train_batch_size": 16,\n  "fp16": {"enabled": true,},\n}\n')
+    expected = load_config({"train_batch_size": 16, "fp16": {"enabled": True}}, dp_size=2)
+    assert load_config(path, dp_size=2) == expected
+    encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 16, "fp16": {"enabled": True}}).encode())
+    assert load_config(encoded.decode(), dp_size=2) == expected
+    ds_config = deepspeed("deepspeed.runtime.config")
+    assert ds_config.DeepSpeedConfig(encoded.decode()).train_batch_size == 16      # DeepSpeed takes it too
+
+
 def test_duplicate_keys_and_non_objects_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "dup.json"
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
