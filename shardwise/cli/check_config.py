@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import warnings
 from typing import Any
 
-from shardwise.config import AutoValues, ConfigWarning, EngineConfig, load_config_for_world
+from shardwise.cli.config_warnings import printed_config_warnings
+from shardwise.config import AutoValues, EngineConfig, load_config_for_world
 
 
 def _positive_int(text: str) -> int:
@@ -99,14 +98,8 @@ def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tup
 
 def run(args: argparse.Namespace) -> int:
     known = AutoValues(hidden_size=args.hidden_size, micro_batch=args.micro_batch, lr=args.lr)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigWarning)
+    with printed_config_warnings():
         cfg = load_config_for_world(args.config, world_size=args.world, auto=known)
-    for warning in caught:
-        if issubclass(warning.category, ConfigWarning):
-            print(f"shardwise: warning: {warning.message}", file=sys.stderr)
-        else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     # Imported here: building the optimizer/scheduler needs torch, the config check itself does not.
     from shardwise.optim import check_specs
 
