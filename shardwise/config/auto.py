@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from shardwise.config.errors import ConfigProblem, dotted
 
@@ -33,7 +33,7 @@ AUTO = "auto"
 
 # Blocks DeepSpeed validates with its pydantic models, which drop "auto" values (their defaults apply).
 _DROPPING_BLOCKS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard", "wandb", "csv_monitor",
-                    "comet", "comms_logger", "hybrid_engine", "compile", "weight_quantization")
+                    "comet", "comms_logger", "hybrid_engine", "compile", "weight_quantization", "tensor_parallel")
 # Places where "auto" is DeepSpeed's own value, not Hugging Face's placeholder.
 _DEEPSPEED_AUTOS = (("data_types", "keep_in_fp32_modules"),)
 _ZERO_ALIASES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
@@ -57,8 +57,12 @@ class AutoValues:
     weight_decay: float | None = None
     warmup_num_steps: int | None = None
     total_num_steps: int | None = None
-    precision: str | None = None
+    precision: Literal["fp16", "bf16", "fp32"] | None = None
     """"fp16", "bf16" or "fp32"; None: neither fp16 nor bf16 (the Trainer's default)."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in (None, "fp16", "bf16", "fp32"):
+            raise ValueError(f'AutoValues.precision must be "fp16", "bf16", "fp32" or None, got {self.precision!r}')
 
     def merged(self, other: "AutoValues") -> "AutoValues":
         """These values, with `other`'s filling the ones not known here."""

@@ -6,7 +6,8 @@ deliberate exceptions, each marked in the corpus and checked to be one line nami
   MISSPELLED     a top-level key one typo away from a known key: refused with "did you mean" (DeepSpeed
                  silently ignores it, losing the setting);
   AUTO           a Hugging Face "auto" nothing here can fill: refused (Hugging Face refuses it too, or would
-                 fill it from a Trainer argument shardwise does not have).
+                 fill it from a Trainer argument shardwise does not have; where neither fills it, DeepSpeed's
+                 parser keeps the string "auto" and its engine fails on it later).
 Resolvable "auto" configs are filled first (as Hugging Face fills them before DeepSpeed sees them) and the filled
 config goes to DeepSpeed. The world is one process: DeepSpeed's parser then takes a world size of 1 by itself.
 """
@@ -79,6 +80,11 @@ CORPUS = [
     Case("hf_zero3_autos", HF_ZERO3, known=KNOWN),
     Case("auto_in_a_deepspeed_block_is_dropped", with_batch(zero_optimization={"stage": 1, "sub_group_size": "auto"}),
          warnings=1),
+    Case("auto_deep_in_a_deepspeed_block", with_batch(
+        zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "auto"}},
+        tensor_parallel={"autotp_size": "auto"}), warnings=2),
+    # DeepSpeed's parser keeps a top-level "auto" as the string; its engine would then fail on it.
+    Case("auto_without_a_hugging_face_meaning", with_batch(steps_per_print="auto"), Verdict.AUTO, "steps_per_print"),
     Case("zero3_keys_auto_below_stage_3", with_batch(zero_optimization={
         "stage": 2, "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"})),
     Case("auto_bucket_without_hidden_size", with_batch(zero_optimization={"stage": 2, "reduce_bucket_size": "auto"}),
