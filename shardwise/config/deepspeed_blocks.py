@@ -9,9 +9,10 @@ refusing what is on is `unsupported.py`'s job; `no_effect_warnings` names what i
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.config.fields import Bool, Int, PositiveInt, Section, Str
 
@@ -177,6 +178,18 @@ class DeepSpeedOnlyKeys(Section):
     @classmethod
     def _lowercase(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _misspelled_enabled(self) -> "DeepSpeedOnlyKeys":
+        # DeepSpeed never looks at unknown keys of these blocks, so "enabeld": true would silently leave the
+        # feature off; a near miss of "enabled" is taken for that typo.
+        for name in ("flops_profiler", "autotuning", "data_efficiency", "torch_autocast", "expert_parallel"):
+            block = getattr(self, name)
+            for key in (block.model_extra or {}) if block is not None else ():
+                if key != "enabled" and difflib.SequenceMatcher(None, key.lower(), "enabled").ratio() >= 0.8:
+                    raise ValueError(f'"{name}.{key}": unknown key: did you mean "enabled"? (DeepSpeed would ignore '
+                                     f'it and leave {name} off)')
+        return self
 
 
 def enabled_blocks(model: DeepSpeedOnlyKeys) -> list[str]:

@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from shardwise.config.errors import ConfigProblem, unknown_name_message
+from shardwise.config.errors import ConfigProblem
 
 # How alike (difflib's ratio, case-insensitive) an unknown key must be to a known one to be taken for its
 # misspelling. High on purpose: "comms_config" is a different key from "comms_logger", not a typo of it.
@@ -62,8 +62,9 @@ def screen_top_level(raw: dict[str, Any], known: Iterable[str]) -> Screened:
         elif key in REMOVED_KEYS:
             problems.append(ConfigProblem(key, f'"{key}" was removed from DeepSpeed (0.19 refuses it too): '
                                                f'{REMOVED_KEYS[key]}; remove it'))
-        elif _misspelling_of(key, known) is not None:
-            problems.append(ConfigProblem(key, unknown_name_message("key", key, known)))
+        elif (guess := _misspelling_of(key, known)) is not None:
+            problems.append(ConfigProblem(key, f'unknown key "{key}": did you mean "{guess}"? (DeepSpeed would '
+                                               f'ignore it and lose the setting)'))
         else:
             warnings.append(f'unknown key "{key}" ignored (DeepSpeed ignores unknown top-level keys too)')
     return Screened(kept, tuple(problems), tuple(warnings))

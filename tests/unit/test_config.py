@@ -23,8 +23,8 @@ from config_cases import BASE, deepspeed, error_of, load  # tests/unit is on sys
 def test_unknown_top_level_key_suggests_the_close_match() -> None:
     err = error_of({**BASE, "zero_optimisation": {"stage": 0}})
     assert err.key == "zero_optimisation"
-    assert str(err).startswith('unknown key "zero_optimisation": did you mean "zero_optimization"? valid keys: ')
-    assert "train_micro_batch_size_per_gpu" in str(err)
+    assert str(err) == ('unknown key "zero_optimisation": did you mean "zero_optimization"? (DeepSpeed would ignore '
+                        'it and lose the setting)')
 
 
 def test_unknown_nested_key_suggests_and_lists_that_level() -> None:

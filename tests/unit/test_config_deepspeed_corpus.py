@@ -142,6 +142,8 @@ CORPUS = [
          "zero_optimisation"),
     Case("misspelled_micro_batch", {"train_micro_batch_size": 4, "train_batch_size": 8}, Verdict.MISSPELLED,
          "train_micro_batch_size"),
+    Case("misspelled_enabled_in_a_lenient_block", with_batch(flops_profiler={"enabeld": True}), Verdict.MISSPELLED,
+         "flops_profiler.enabeld"),
     # Switched-on features shardwise does not have.
     Case("tensorboard_on", with_batch(tensorboard={"enabled": True, "output_path": "/tmp/tb"}),
          Verdict.UNIMPLEMENTED, "tensorboard"),
