@@ -12,7 +12,8 @@ import base64
 import copy
 import os
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import hjson
 from pydantic import ValidationError
@@ -104,9 +105,22 @@ def _without(data: Any, loc: tuple[Any, ...]) -> None:
         del data[loc[-1]]
 
 
-def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tuple[ConfigModel, dict[str, Any]]:
-    """Validate against the schema, "auto" filled from `auto`; returns the model and the filled dict.
-    Raises `ConfigError` with every problem; emits a `ConfigWarning` per ignored key of an accepted config."""
+@dataclass(frozen=True)
+class _Parsed:
+    """What parsing found: the model (None when the schema refused the config), the "auto"-filled dict, the
+    problems (in document order), the warning lines, and whether a batch key was an unfilled "auto"."""
+
+    model: ConfigModel | None
+    config: dict[str, Any]
+    problems: list[ConfigProblem]
+    warnings: list[str]
+    batch_unresolved: bool
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _parse(config: ConfigSource, auto: AutoValues | None) -> _Parsed:
     raw = read_config(config)
     filled = resolve_auto(raw, auto)
     screened = screen_top_level(filled.config, TOP_LEVEL_KEYS)
@@ -120,12 +134,26 @@ def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tup
         model = ConfigModel.model_validate(data)
     except ValidationError as e:
         problems += problems_from_validation(ConfigModel, e, skip=unresolved)
-    if problems:
-        raise ConfigError(sorted(problems, key=_document_order(raw)))
-    assert model is not None
-    for line in (*filled.warnings, *screened.warnings, *ignored_settings(model)):
-        warnings.warn(line, ConfigWarning, stacklevel=3)   # the caller of load_config
-    return model, filled.config
+    lines = [*filled.warnings, *screened.warnings, *(ignored_settings(model) if model is not None else [])]
+    return _Parsed(model, filled.config, sorted(problems, key=_document_order(raw)), lines,
+                   any(loc[0] in _BATCH_KEYS for loc in unresolved))
+
+
+def _accepted(parsed: _Parsed) -> ConfigModel:
+    """The model of a config without problems, its warnings emitted; else the `ConfigError`."""
+    if parsed.problems:
+        raise ConfigError(parsed.problems)
+    assert parsed.model is not None
+    for line in parsed.warnings:
+        warnings.warn(line, ConfigWarning, stacklevel=4)   # the caller of load_config
+    return parsed.model
+
+
+def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tuple[ConfigModel, dict[str, Any]]:
+    """Validate against the schema, "auto" filled from `auto`; returns the model and the filled dict.
+    Raises `ConfigError` with every problem; emits a `ConfigWarning` per ignored key of an accepted config."""
+    parsed = _parse(config, auto)
+    return _accepted(parsed), parsed.config
 
 
 def _document_order(raw: dict[str, Any]):
@@ -208,39 +236,58 @@ def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Eng
     )
 
 
-def _resolve(model: ConfigModel, raw: dict[str, Any], dp_size: int) -> EngineConfig:
+def _later_problems(model: ConfigModel, dp_size: int, *, check_batch: bool) -> tuple[BatchSizes | None,
+                                                                                       list[ConfigProblem]]:
+    """The batch rule and the not-yet refusals: the batch sizes (None if wrong or unchecked) and the problems."""
     problems: list[ConfigProblem] = []
     batch = None
-    try:
-        batch = resolve_batch(train_batch_size=model.train_batch_size,
-                              micro_batch=model.train_micro_batch_size_per_gpu,
-                              grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
-    except ConfigError as e:
-        problems += e.problems
-    problems += refuse_unimplemented(model)
-    if problems:
-        raise ConfigError(problems)
+    if check_batch:
+        try:
+            batch = resolve_batch(train_batch_size=model.train_batch_size,
+                                  micro_batch=model.train_micro_batch_size_per_gpu,
+                                  grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
+        except ConfigError as e:
+            problems += e.problems
+    return batch, problems + refuse_unimplemented(model)
+
+
+def _load(parsed: _Parsed, dp_size_of: Callable[[ConfigModel], int]) -> EngineConfig:
+    """Every problem of the config at once: parsing's, then (when the schema accepted it) the batch rule's,
+    unless a batch key is an unfilled "auto" already reported, and the refusals."""
+    problems = list(parsed.problems)
+    batch = None
+    if parsed.model is not None:
+        try:
+            dp_size = dp_size_of(parsed.model)
+        except ConfigError as e:      # no data-parallel size: no batch rule either
+            dp_size, problems = None, problems + list(e.problems)
+        if dp_size is not None:
+            batch, later = _later_problems(parsed.model, dp_size, check_batch=not parsed.batch_unresolved)
+            problems += later
+        parsed = _Parsed(parsed.model, parsed.config, problems, parsed.warnings, parsed.batch_unresolved)
+    model = _accepted(parsed)
     assert batch is not None
-    return _sections(model, batch, raw)
+    return _sections(model, batch, parsed.config)
 
 
 def load_config(config: ConfigSource, *, dp_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """Validate a DeepSpeed-style config (JSON path or dict) and resolve it for `dp_size`
     data-parallel ranks, "auto" filled from `auto`. Raises `ConfigError` listing every problem found, one
     per line."""
-    model, raw = parse_config(config, auto=auto)
-    return _resolve(model, raw, dp_size)
+    return _load(_parse(config, auto), lambda model: dp_size)
 
 
 def load_config_for_world(config: ConfigSource, *, world_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """As `load_config`, with the data-parallel size derived from the total number of ranks:
     dp = world_size / (tensor_parallel.size * pipeline.stages), which must divide exactly."""
-    model, raw = parse_config(config, auto=auto)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
-    tp, pp = model.tensor_parallel.size, model.pipeline.stages
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * pipeline.stages "
-                          f"{pp} = {tp * pp}; change the number of processes or the parallel sizes",
-                          key="tensor_parallel.size")
-    return _resolve(model, raw, world_size // (tp * pp))
+
+    def dp_size_of(model: ConfigModel) -> int:
+        tp, pp = model.tensor_parallel.size, model.pipeline.stages
+        if world_size % (tp * pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * "
+                              f"pipeline.stages {pp} = {tp * pp}; change the number of processes or the parallel "
+                              f"sizes", key="tensor_parallel.size")
+        return world_size // (tp * pp)
+    return _load(_parse(config, auto), dp_size_of)

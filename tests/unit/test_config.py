@@ -62,6 +62,16 @@ def test_unresolvable_autos_name_the_key_and_how_to_give_it() -> None:
     assert "auto=AutoValues(lr=...)" in lines[1] and "--lr" in lines[1]
 
 
+def test_every_problem_of_a_config_at_once() -> None:
+    err = error_of({"train_batch_size": 30, "zero_optimisation": {}, "tensorboard": {"enabled": True}, "amp": {},
+                    "optimizer": {"type": "Adam", "params": {"lr": "auto"}}})
+    assert [p.key for p in err.problems] == ["zero_optimisation", "amp", "optimizer.params.lr", "train_batch_size",
+                                             "tensorboard"]
+    assert len(str(err).splitlines()) == 5
+    unfilled_batch = error_of({"train_micro_batch_size_per_gpu": "auto", "tensorboard": {"enabled": True}})
+    assert [p.key for p in unfilled_batch.problems] == ["train_micro_batch_size_per_gpu", "tensorboard"]
+
+
 def test_integral_floats_are_integers() -> None:
     cfg = load({"zero_optimization": {"reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8}})
     assert cfg.zero.reduce_bucket_size == 500_000_000 and isinstance(cfg.zero.reduce_bucket_size, int)
