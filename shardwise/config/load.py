@@ -2,8 +2,9 @@
 
 Order: read (as leniently as DeepSpeed: hjson, so comments and trailing commas are fine) -> fill "auto"
 (`auto.py`) -> sort out unknown top-level keys (`top_level.py`) -> schema (pydantic) -> batch rule -> not-yet
-refusals -> sections. Problems of the first four steps are reported together, then those of the last ones,
-one per line. What is accepted but ignored becomes one `ConfigWarning` per key, once the config is accepted.
+refusals -> sections. Every problem is reported at once, one per line (the batch rule and the refusals need
+the schema's model, so they join only when the schema accepted the rest). What is accepted but ignored
+becomes one `ConfigWarning` per key, once the config is accepted.
 """
 
 from __future__ import annotations
