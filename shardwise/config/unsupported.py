@@ -2,14 +2,14 @@
 
 # ---------------------------------------------------------------------------------------------
 # NOT-YET FEATURES: every refusal lives in `refuse_unimplemented` below. When a feature lands,
-# delete its check here (and its test in tests/unit/test_config.py); nothing else gates it.
+# delete its check here (and its cases in tests/unit/test_config*.py); nothing else gates it.
 # ---------------------------------------------------------------------------------------------
 """
 
 from __future__ import annotations
 
 from shardwise.config.deepspeed_blocks import data_types_changed, enabled_blocks
-from shardwise.config.errors import ConfigProblem
+from shardwise.config.errors import ConfigProblem, show
 from shardwise.config.schema import ConfigModel
 
 # DeepSpeed features shardwise does not have, by their config block: what each is. Refused only when on.
@@ -63,7 +63,7 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                      f'{_how_to_switch_off(name)}')
     for name in data_types_changed(model):
         key = f"data_types.{name}"
-        refuse(key, f'"{key}" = {model.data_types[name]!r}: choosing dtypes per tensor kind is not implemented; '
+        refuse(key, f'"{key}" = {show(model.data_types[name])}: choosing dtypes per tensor kind is not implemented; '
                     f'remove it (the training dtype comes from "fp16"/"bf16")')
     if model.gradient_allreduce_op == "sum":
         refuse("gradient_allreduce_op", '"gradient_allreduce_op" = "sum": only averaged gradients are implemented; '

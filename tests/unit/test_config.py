@@ -13,6 +13,8 @@ import pytest
 from shardwise.config import (
     AllReduceImpl, ConfigError, ConfigWarning, DType, OffloadDevice, load_config, load_config_for_world, parse_config,
 )
+from shardwise.config.deepspeed_blocks import FEATURE_BLOCKS
+from shardwise.config.unsupported import FEATURE_NAMES
 from shardwise.errors import UserError
 
 from config_cases import BASE, deepspeed, error_of, load  # tests/unit is on sys.path (pytest's rootdir-relative import)
@@ -50,6 +52,18 @@ def test_deepspeed_features_we_lack_are_refused_only_when_on() -> None:
         '"tensorboard" is on, but shardwise does not implement DeepSpeed\'s TensorBoard monitor; set '
         '"tensorboard.enabled": false or remove the block')
     assert 'did you mean "output_path"' in str(error_of({**BASE, "tensorboard": {"output_pat": "x"}}))
+
+
+def _switched_on(name: str) -> object:
+    return {"compile": {"deepcompile": True}, "datastates_ckpt": {}}.get(name, {"enabled": True})
+
+
+@pytest.mark.parametrize("name", FEATURE_BLOCKS)
+def test_every_deepspeed_feature_block_is_refused_on_and_accepted_off(name: str) -> None:
+    off = {"compile": {"deepcompile": False}, "datastates_ckpt": False}.get(name, {"enabled": False})
+    load({name: off})
+    err = error_of({**BASE, name: _switched_on(name)})
+    assert err.key == name and len(err.problems) == 1 and FEATURE_NAMES[name] in str(err)
 
 
 def test_unresolvable_autos_name_the_key_and_how_to_give_it() -> None:
