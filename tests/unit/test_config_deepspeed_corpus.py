@@ -157,6 +157,8 @@ CORPUS = [
     Case("allreduce_sum", with_batch(gradient_allreduce_op="sum"), Verdict.UNIMPLEMENTED, "gradient_allreduce_op"),
     Case("grad_accum_dtype", with_batch(data_types={"grad_accum_dtype": "fp32"}), Verdict.UNIMPLEMENTED,
          "data_types.grad_accum_dtype"),
+    Case("pipeline_layer_checkpointing", with_batch(pipeline={"activation_checkpoint_interval": 1}),
+         Verdict.UNIMPLEMENTED, "pipeline.activation_checkpoint_interval"),
     Case("ulysses", with_batch(sequence_parallel_size=2), Verdict.UNIMPLEMENTED, "sequence_parallel_size"),
 ]
 
