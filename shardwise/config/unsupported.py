@@ -47,6 +47,26 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
         key = f"zero_optimization.{name}.device"
         if block.device != "cpu":
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
+    optimizer_offload = zero.offload_optimizer
+    if optimizer_offload is not None and optimizer_offload.device != "none" and zero.stage >= 1:
+        if optimizer_offload.ratio < 1.0:
+            refuse("zero_optimization.offload_optimizer.ratio",
+                   f'"zero_optimization.offload_optimizer.ratio" = {optimizer_offload.ratio:g}: partial optimizer '
+                   f'offload is not implemented; use 1 (all of it)')
+        if optimizer_offload.super_offload:
+            refuse("zero_optimization.offload_optimizer.super_offload",
+                   '"zero_optimization.offload_optimizer.super_offload": true: SuperOffload is not implemented; '
+                   'use false')
+    # ZeRO++ (DeepSpeed acts on it at stage 3 only): quantized collectives change what is communicated, hpZ
+    # where parameters live.
+    for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(zero, name) and zero.stage == 3:
+            refuse(f"zero_optimization.{name}", f'"zero_optimization.{name}": true: ZeRO++ quantized communication '
+                                                f'is not implemented; use false')
+    if zero.zero_hpz_partition_size > 1 and zero.stage == 3:
+        refuse("zero_optimization.zero_hpz_partition_size",
+               f'"zero_optimization.zero_hpz_partition_size" = {zero.zero_hpz_partition_size}: ZeRO++ hierarchical '
+               f'partitioning is not implemented; use 1')
     if zero.stage >= 1:
         # ZeRO reduce-scatters with the backend in the gradients' dtype; stage 0's all-reduce options do not
         # reach it. Refused rather than ignored: each would silently change what is reduced.
