@@ -27,6 +27,8 @@ _EXPORTS = {
     "Engine": "shardwise.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
+    "ConfigWarning": "shardwise.config",
+    "AutoValues": "shardwise.config",
     "UserError": "shardwise.errors",
 }
 

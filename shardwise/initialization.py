@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.config import load_config_for_world
+from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import EngineConfig
 from shardwise.engine import Engine
 from shardwise.errors import UserError
@@ -104,13 +104,18 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                config: str | os.PathLike | dict | None = None, training_data: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None,
                collate_fn: Callable | None = None, dist_init_required: bool | None = None,
-               args: Any = None, config_params: dict | None = None):
-    """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None)."""
+               args: Any = None, config_params: dict | None = None, *, auto: AutoValues | None = None):
+    """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None).
+
+    Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
+    what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
     config = _config_source(model, config, config_params, args)
     init_distributed()
     ledger = CommLedger()
     world = dist.get_world_size()
-    cfg = load_config_for_world(config, world_size=world)     # batch rule with dp = world / (tp * pp)
+    known = (auto or AutoValues()).merged(AutoValues(hidden_size=hidden_size_of(model),
+                                                     micro_batch=_loader_batch_size(training_data)))
+    cfg = load_config_for_world(config, world_size=world, auto=known)     # batch rule with dp = world / (tp * pp)
     mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages))
     device, dtype = _device_for(dist.get_backend()), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
@@ -139,6 +144,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     if training_data is not None:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
+        if isinstance(training_data, DataLoader):   # its batch size filled "auto"; we shard its dataset
+            collate_fn = collate_fn or training_data.collate_fn
+            training_data = training_data.dataset
         sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank,
                                      shuffle=not pipeline.reads_in_order)
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
@@ -158,6 +166,27 @@ def _config_source(model: torch.nn.Module, config: Any, config_params: dict | No
         from shardwise.config.load import read_config
         config = model.pipeline_block(read_config(config))   # shardwise.pipe.PipelineModule(num_stages=...)
     return config
+
+
+def hidden_size_of(model: torch.nn.Module) -> int | None:
+    """The model's hidden size, where Hugging Face's integration looks for it (`config.hidden_size`, the largest
+    of `config.hidden_sizes`, the same under `config.text_config`) or our GPT's `cfg.d_model`; None if absent."""
+    for holder in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if holder is None:
+            continue
+        if isinstance(getattr(holder, "hidden_size", None), int):
+            return holder.hidden_size
+        sizes = getattr(holder, "hidden_sizes", None)
+        if sizes:
+            return max(sizes)
+    d_model = getattr(getattr(model, "cfg", None), "d_model", None)
+    return d_model if isinstance(d_model, int) else None
+
+
+def _loader_batch_size(training_data: Any) -> int | None:
+    """The batch size of a DataLoader passed as training_data (a plain dataset has none)."""
+    size = getattr(training_data, "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _start_identical(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ledger: CommLedger) -> None:

@@ -126,6 +126,9 @@ class PipelineModule(PipelineModel):
             return config
         block = dict(config.get("pipeline") or {})
         stages = block.get("stages")
+        if stages == "auto":     # DeepSpeed's default: the module's own stage count
+            del block["stages"]
+            stages = None
         if stages is not None and stages != self.num_stages:
             from shardwise.config import ConfigError
             raise ConfigError(f'"pipeline.stages" is {stages} but the PipelineModule was built with num_stages = '

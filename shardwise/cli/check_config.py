@@ -2,7 +2,9 @@
 
 Prints the batch triple with its arithmetic, dtypes and loss scaling, the optimizer and schedule
 (as the torch objects they become), ZeRO, communication and parallel sizes; as a table or, with
---json, as JSON. Any problem exits 2 with one line naming the key.
+--json, as JSON. Hugging Face "auto" values are filled as `shardwise.initialize` fills them, from
+--hidden-size, --micro-batch and --lr. Any problem exits 2 with one line per problem naming the key; keys
+accepted but ignored print one "shardwise: warning:" line each on stderr.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import argparse
 import json
 from typing import Any
 
-from shardwise.config import EngineConfig, load_config_for_world
+from shardwise.cli.config_warnings import printed_config_warnings
+from shardwise.config import AutoValues, EngineConfig, load_config_for_world
 
 
 def _positive_int(text: str) -> int:
@@ -21,6 +24,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
 
 
@@ -34,6 +47,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--world", type=_positive_int, default=1, metavar="N",
                         help="total number of processes of the run (default 1); the data-parallel size is "
                              "N / (tensor_parallel.size * pipeline.stages)")
+    parser.add_argument("--hidden-size", type=_positive_int, metavar="H",
+                        help='the model\'s hidden size, to fill "auto" ZeRO bucket sizes (h*h, 0.9*h*h, 10*h)')
+    parser.add_argument("--micro-batch", type=_positive_int, metavar="B",
+                        help='the micro-batch size per process, to fill "auto" batch keys')
+    parser.add_argument("--lr", type=_positive_float, metavar="LR",
+                        help='the learning rate, to fill "auto" in optimizer.params.lr and '
+                             'scheduler.params.warmup_max_lr')
     parser.add_argument("--json", action="store_true", help="print the resolved config as JSON")
     parser.set_defaults(func=run)
     return parser
@@ -77,7 +97,9 @@ def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tup
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config_for_world(args.config, world_size=args.world)
+    known = AutoValues(hidden_size=args.hidden_size, micro_batch=args.micro_batch, lr=args.lr)
+    with printed_config_warnings():
+        cfg = load_config_for_world(args.config, world_size=args.world, auto=known)
     # Imported here: building the optimizer/scheduler needs torch, the config check itself does not.
     from shardwise.optim import check_specs
 

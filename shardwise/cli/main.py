@@ -4,8 +4,8 @@ A subcommand module exposes ``add_parser(subparsers)``, which registers its pars
 ``set_defaults(func=run)``, where ``run(args) -> int`` is the exit code. To add a subcommand,
 write the module and add it to SUBCOMMANDS below.
 
-User errors (`UserError`, which `ConfigError` subclasses) print one line ``shardwise: error: ...``
-on stderr and exit 2, like argparse's own usage errors; anything else is a bug and keeps its traceback.
+User errors (`UserError`, which `ConfigError` subclasses) print ``shardwise: error: ...`` on stderr, one
+line per problem, and exit 2, like argparse's own usage errors; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(error: BaseException) -> str:
-    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+def _lines(error: BaseException) -> list[str]:
+    """The error's problems, one per line (a ConfigError's str already has one problem per line)."""
+    return [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UserError as error:
-        print(f"shardwise: error: {_one_line(error)}", file=sys.stderr)
+        for line in _lines(error):
+            print(f"shardwise: error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

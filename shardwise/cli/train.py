@@ -223,13 +223,17 @@ def _read_config(path: str | None, steps: int) -> dict[str, Any]:
 
 def _check_config(raw: dict[str, Any], path: str | None, world_size: int) -> Any:
     """Validate the config and its batch arithmetic for `world_size` ranks; returns the EngineConfig."""
+    from shardwise.cli.config_warnings import printed_config_warnings
     from shardwise.config import ConfigError, load_config_for_world
 
     try:
-        return load_config_for_world(copy.deepcopy(raw), world_size=world_size)
+        with printed_config_warnings():
+            return load_config_for_world(copy.deepcopy(raw), world_size=world_size)
     except ConfigError as e:
         where = f"config file {path!r}" if path else "default config"
-        raise UserError(f"{where} with {world_size} rank(s): {_one_line(e)}") from None
+        # One line per problem, each saying where it comes from.
+        raise UserError("\n".join(f"{where} with {world_size} rank(s): {line}" for line in str(e).splitlines())) \
+            from None
 
 
 def _check_model(name: str, seq_len: int | None) -> Any:

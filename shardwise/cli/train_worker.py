@@ -12,6 +12,7 @@ import json
 
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -93,7 +94,10 @@ def train(args: WorkerArgs) -> None:
     tokens = load_corpus(args.data)
     torch.manual_seed(args.seed)       # same init on every rank (initialize also broadcasts rank 0's)
     model = GPT(gpt_config(args.model, seq_len=args.seq_len))
-    engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    with warnings.catch_warnings():
+        # The parent printed the config's warnings once before launching; every rank would repeat them.
+        warnings.simplefilter("ignore", shardwise.ConfigWarning)
+        engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
     batch = engine.config.batch
     loader = TokenLoader(tokens, seq_len=args.seq_len, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                          dp_size=engine.dp_size, dp_rank=engine.dp_rank, seed=args.seed)

@@ -7,8 +7,9 @@
 Importing this package does not import torch.
 """
 
+from shardwise.config.auto import AutoResolution, AutoValues, resolve_auto
 from shardwise.config.batch import BatchSizes, resolve_batch
-from shardwise.config.errors import ConfigError, ConfigProblem
+from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning
 from shardwise.config.load import load_config, load_config_for_world, parse_config, read_config
 from shardwise.config.resolved import (
     ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
@@ -17,9 +18,10 @@ from shardwise.config.resolved import (
 )
 
 __all__ = [
-    "ActivationCheckpointingConfig", "AllReduceImpl", "BatchSizes", "CommConfig", "ConfigError", "ConfigProblem",
+    "ActivationCheckpointingConfig", "AllReduceImpl", "AutoResolution", "AutoValues", "BatchSizes", "CommConfig",
+    "ConfigError", "ConfigProblem", "ConfigWarning",
     "DType", "EngineConfig", "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerSpec",
     "PipelineConfig", "PipelinePartition", "PipelineSchedule", "PrecisionConfig", "RecomputePolicy",
     "SchedulerSpec", "TensorParallelConfig", "ZeroConfig", "load_config", "load_config_for_world",
-    "parse_config", "read_config", "resolve_batch",
+    "parse_config", "read_config", "resolve_auto", "resolve_batch",
 ]

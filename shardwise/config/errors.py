@@ -12,7 +12,6 @@ import difflib
 import inspect
 import json
 import re
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -29,6 +28,11 @@ class ConfigProblem:
 
     key: str | None
     message: str
+
+
+class ConfigWarning(UserWarning):
+    """Something in a config is accepted but does nothing (DeepSpeed ignores it too, or shardwise has nothing it
+    would tune). Emitted with `warnings.warn`, one line each."""
 
 
 class ConfigError(UserError, ValueError):
@@ -110,46 +114,10 @@ def model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | Non
     return model
 
 
-def _base_types(annotation: Any) -> list[Any]:
-    """The plain types inside Optional[...] / Union[...] / Annotated[...]."""
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _base_types(typing.get_args(annotation)[0])
-    args = typing.get_args(annotation)
-    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [t for arg in args for t in _base_types(arg)]
-    return [annotation]
-
-
-def field_kind(root: type[BaseModel], loc: Sequence[Any]) -> str:
-    """"number", "bool" or "other": what kind of value the schema expects at `loc`."""
-    parent = model_at(root, loc[:-1])
-    if parent is None or not loc or loc[-1] not in parent.model_fields:
-        return "other"
-    kinds = set(_base_types(parent.model_fields[loc[-1]].annotation))
-    if kinds & {int, float}:
-        return "number"
-    if bool in kinds:
-        return "bool"
-    return "other"
-
-
-# Keys that DeepSpeed knows but shardwise does not implement: a clearer message than "unknown key".
-DEEPSPEED_ONLY_KEYS = frozenset({
-    "amp", "aio", "autotuning", "checkpoint", "comet", "comms_logger", "compile", "compression_training",
-    "csv_monitor", "data_efficiency", "data_types", "datastates_ckpt", "disable_allgather",
-    "disable_python_gc", "dump_state", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
-    "hybrid_engine", "log_level", "managed_gradient_accumulation", "nebula", "sequence_parallel_size",
-    "seq_parallel_communication_data_type", "tensorboard", "timers", "torch_autocast",
-    "use_data_before_expert_parallelism", "wandb", "weight_quantization",
-})
-
-
 def _unknown_key(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     key = str(loc[-1])
     where = dotted(loc[:-1])
     path = dotted(loc)
-    if not where and key in DEEPSPEED_ONLY_KEYS:
-        return (f'"{key}" is a DeepSpeed feature that shardwise does not implement; remove it from the config')
     parent = model_at(root, loc[:-1])
     valid = list(parent.model_fields) if parent is not None else []
     return unknown_name_message("key", key, valid, where=where, shown=path)

@@ -1,30 +1,42 @@
 """Read a config (path or dict), validate it once, and resolve it into an `EngineConfig`.
 
-Order: read JSON -> reject "auto" -> schema (pydantic) -> batch rule -> not-yet refusals -> sections.
-All problems found at one stage are reported together, one per line.
+Order: read (as leniently as DeepSpeed: hjson, so comments and trailing commas are fine) -> fill "auto"
+(`auto.py`) -> sort out unknown top-level keys (`top_level.py`) -> schema (pydantic) -> batch rule -> not-yet
+refusals -> sections. Every problem is reported at once, one per line (the batch rule and the refusals need
+the schema's model, so they join only when the schema accepted the rest). What is accepted but ignored
+becomes one `ConfigWarning` per key, once the config is accepted.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
-import json
 import os
-from typing import Any
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
 
+import hjson
 from pydantic import ValidationError
 
 from shardwise.config.batch import BatchSizes, resolve_batch
-from shardwise.config.errors import ConfigError, ConfigProblem, dotted, field_kind, problems_from_validation
+from shardwise.config.auto import AutoValues, auto_paths, resolve_auto
+from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning, problems_from_validation
+from shardwise.config.ignored import ignored_settings
 from shardwise.config.resolved import (
     ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
     OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
     PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
 )
 from shardwise.config.schema import ConfigModel
+from shardwise.config.top_level import screen_top_level
 from shardwise.config.unsupported import refuse_unimplemented
 from shardwise.config.zero import OffloadOptimizerSection, OffloadParamSection, ZeroSection
 
 ConfigSource = str | os.PathLike | dict
+
+# Every top-level key the schema validates ("bfloat16" is DeepSpeed's old name of "bf16").
+TOP_LEVEL_KEYS = (*ConfigModel.model_fields, "bfloat16")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -38,20 +50,26 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_config(config: ConfigSource) -> dict[str, Any]:
-    """The config as a fresh plain dict: a dict is deep-copied; a path is read as JSON."""
+    """The config as a fresh plain dict: a dict is deep-copied; a path is read as DeepSpeed reads it, with
+    hjson (JSON plus comments, trailing commas and unquoted keys), duplicate keys refused; a string that is
+    no file but URL-safe base64 of a config object is decoded, as DeepSpeed does (its launcher passes them)."""
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a path to a JSON file or a dict, got {type(config).__name__}")
     path = os.fspath(config)
+    if isinstance(config, str) and not os.path.exists(path):
+        inline = _from_base64(config)
+        if inline is not None:
+            return inline
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConfigError(f'cannot read config file "{path}": {e.strerror or e}') from None
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except json.JSONDecodeError as e:
+        data = _plain(hjson.loads(text, object_pairs_hook=_no_duplicate_keys))
+    except hjson.HjsonDecodeError as e:
         raise ConfigError(f'config file "{path}" is not valid JSON: line {e.lineno} column {e.colno}: '
                           f'{e.msg}') from None
     except ConfigError as e:
@@ -61,44 +79,92 @@ def read_config(config: ConfigSource) -> dict[str, Any]:
     return data
 
 
-def _auto_paths(value: Any, loc: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Where "auto" (the Hugging Face integration's placeholder) appears, as key paths."""
-    if isinstance(value, str) and value == "auto":
-        return [loc]
+def _from_base64(text: str) -> dict[str, Any] | None:
+    """The config object encoded in `text`, or None when `text` is not base64 of one (then it is a path)."""
+    try:
+        decoded = base64.b64decode(text, altchars=b"-_", validate=True).decode("utf-8")
+        data = _plain(hjson.loads(decoded, object_pairs_hook=_no_duplicate_keys))
+    except (ValueError, UnicodeDecodeError, hjson.HjsonDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _plain(value: Any) -> Any:
+    """hjson's ordered dicts as plain dicts (what a dict config is, so both compare equal)."""
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _auto_paths(v, loc + (k,))]
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in _auto_paths(v, loc + (i,))]
-    return []
+        return [_plain(v) for v in value]
+    return value
 
 
 def _without(data: Any, loc: tuple[Any, ...]) -> None:
+    """Remove the key at `loc` (a list element stays: its list fails validation on its own)."""
     for part in loc[:-1]:
         data = data[part]
     if isinstance(data, dict):
         del data[loc[-1]]
 
 
-def parse_config(config: ConfigSource) -> tuple[ConfigModel, dict[str, Any]]:
-    """Validate against the schema; returns the model and the raw dict. Raises `ConfigError`."""
+@dataclass(frozen=True)
+class _Parsed:
+    """What parsing found: the model (None when the schema refused the config), the "auto"-filled dict, the
+    problems (in document order), the warning lines, and whether a batch key was an unfilled "auto"."""
+
+    model: ConfigModel | None
+    config: dict[str, Any]
+    problems: list[ConfigProblem]
+    warnings: list[str]
+    batch_unresolved: bool
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _parse(config: ConfigSource, auto: AutoValues | None) -> _Parsed:
     raw = read_config(config)
-    autos = _auto_paths(raw)
-    problems: list[ConfigProblem] = []
-    for loc in autos:
-        wanted = {"number": "give a number", "bool": "give true or false"}.get(field_kind(ConfigModel, loc),
-                                                                              "give an explicit value")
-        problems.append(ConfigProblem(dotted(loc), f'"{dotted(loc)}": "auto" is only meaningful with the Hugging '
-                                                   f'Face integration; {wanted}'))
-    data = copy.deepcopy(raw)
-    for loc in autos:  # validate the rest, so every problem is reported at once
+    filled = resolve_auto(raw, auto)
+    screened = screen_top_level(filled.config, TOP_LEVEL_KEYS)
+    problems: list[ConfigProblem] = [*filled.problems, *screened.problems]
+    unresolved = auto_paths(screened.config)
+    data = copy.deepcopy(screened.config)
+    for loc in unresolved:  # validate the rest, so every problem is reported at once
         _without(data, loc)
+    model = None
     try:
         model = ConfigModel.model_validate(data)
     except ValidationError as e:
-        problems += problems_from_validation(ConfigModel, e, skip=autos)
-    if problems:
-        raise ConfigError(problems)
-    return model, raw
+        problems += problems_from_validation(ConfigModel, e, skip=unresolved)
+    lines = [*filled.warnings, *screened.warnings, *(ignored_settings(model) if model is not None else [])]
+    return _Parsed(model, filled.config, sorted(problems, key=_document_order(raw)), lines,
+                   any(loc[0] in _BATCH_KEYS for loc in unresolved))
+
+
+def _accepted(parsed: _Parsed) -> ConfigModel:
+    """The model of a config without problems, its warnings emitted; else the `ConfigError`."""
+    if parsed.problems:
+        raise ConfigError(parsed.problems)
+    assert parsed.model is not None
+    for line in parsed.warnings:
+        warnings.warn(line, ConfigWarning, stacklevel=4)   # the caller of load_config
+    return parsed.model
+
+
+def parse_config(config: ConfigSource, *, auto: AutoValues | None = None) -> tuple[ConfigModel, dict[str, Any]]:
+    """Validate against the schema, "auto" filled from `auto`; returns the model and the filled dict.
+    Raises `ConfigError` with every problem; emits a `ConfigWarning` per ignored key of an accepted config."""
+    parsed = _parse(config, auto)
+    return _accepted(parsed), parsed.config
+
+
+def _document_order(raw: dict[str, Any]):
+    """Sort key putting problems in the order their top-level keys appear in the config."""
+    order = {key: i for i, key in enumerate(raw)}
+
+    def key(problem: ConfigProblem) -> int:
+        top = (problem.key or "").split(".")[0]
+        return order.get(top, len(order))
+    return key
 
 
 def _precision(model: ConfigModel) -> PrecisionConfig:
@@ -112,18 +178,20 @@ def _precision(model: ConfigModel) -> PrecisionConfig:
         bf16_check_grad_overflow=bf16.check_grad_overflow)
 
 
-def _offload_optimizer(block: OffloadOptimizerSection | None) -> OffloadOptimizerConfig | None:
+def _offload_optimizer(block: OffloadOptimizerSection | None, stage: int) -> OffloadOptimizerConfig | None:
     if block is None:
         return None
     fields = block.model_dump()
-    return OffloadOptimizerConfig(**{**fields, "device": OffloadDevice(block.device)})
+    device = OffloadDevice(block.device) if stage >= 1 else OffloadDevice.NONE   # ignored below stage 1 (warned)
+    return OffloadOptimizerConfig(**{**fields, "device": device})
 
 
-def _offload_param(block: OffloadParamSection | None) -> OffloadParamConfig | None:
+def _offload_param(block: OffloadParamSection | None, stage: int) -> OffloadParamConfig | None:
     if block is None:
         return None
     fields = block.model_dump()
-    return OffloadParamConfig(**{**fields, "device": OffloadDevice(block.device)})
+    device = OffloadDevice(block.device) if stage >= 3 else OffloadDevice.NONE   # ignored below stage 3 (warned)
+    return OffloadParamConfig(**{**fields, "device": device})
 
 
 def _zero(block: ZeroSection) -> ZeroConfig:
@@ -132,8 +200,8 @@ def _zero(block: ZeroSection) -> ZeroConfig:
     overlap = block.overlap_comm if block.overlap_comm is not None else block.stage == 3
     leaf = block.leaf_module
     return ZeroConfig(**{**fields, "overlap_comm": overlap},
-                      offload_optimizer=_offload_optimizer(block.offload_optimizer),
-                      offload_param=_offload_param(block.offload_param),
+                      offload_optimizer=_offload_optimizer(block.offload_optimizer, block.stage),
+                      offload_param=_offload_param(block.offload_param, block.stage),
                       leaf_module_classes=tuple(leaf.classes), leaf_module_names=tuple(leaf.names),
                       leaf_module_name_suffixes=tuple(leaf.name_suffixes))
 
@@ -169,38 +237,58 @@ def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Eng
     )
 
 
-def _resolve(model: ConfigModel, raw: dict[str, Any], dp_size: int) -> EngineConfig:
+def _later_problems(model: ConfigModel, dp_size: int, *, check_batch: bool) -> tuple[BatchSizes | None,
+                                                                                       list[ConfigProblem]]:
+    """The batch rule and the not-yet refusals: the batch sizes (None if wrong or unchecked) and the problems."""
     problems: list[ConfigProblem] = []
     batch = None
-    try:
-        batch = resolve_batch(train_batch_size=model.train_batch_size,
-                              micro_batch=model.train_micro_batch_size_per_gpu,
-                              grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
-    except ConfigError as e:
-        problems += e.problems
-    problems += refuse_unimplemented(model)
-    if problems:
-        raise ConfigError(problems)
+    if check_batch:
+        try:
+            batch = resolve_batch(train_batch_size=model.train_batch_size,
+                                  micro_batch=model.train_micro_batch_size_per_gpu,
+                                  grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
+        except ConfigError as e:
+            problems += e.problems
+    return batch, problems + refuse_unimplemented(model)
+
+
+def _load(parsed: _Parsed, dp_size_of: Callable[[ConfigModel], int]) -> EngineConfig:
+    """Every problem of the config at once: parsing's, then (when the schema accepted it) the batch rule's,
+    unless a batch key is an unfilled "auto" already reported, and the refusals."""
+    problems = list(parsed.problems)
+    batch = None
+    if parsed.model is not None:
+        try:
+            dp_size = dp_size_of(parsed.model)
+        except ConfigError as e:      # no data-parallel size: no batch rule either
+            dp_size, problems = None, problems + list(e.problems)
+        if dp_size is not None:
+            batch, later = _later_problems(parsed.model, dp_size, check_batch=not parsed.batch_unresolved)
+            problems += later
+        parsed = _Parsed(parsed.model, parsed.config, problems, parsed.warnings, parsed.batch_unresolved)
+    model = _accepted(parsed)
     assert batch is not None
-    return _sections(model, batch, raw)
+    return _sections(model, batch, parsed.config)
 
 
-def load_config(config: ConfigSource, *, dp_size: int) -> EngineConfig:
+def load_config(config: ConfigSource, *, dp_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """Validate a DeepSpeed-style config (JSON path or dict) and resolve it for `dp_size`
-    data-parallel ranks. Raises `ConfigError` listing every problem found, one per line."""
-    model, raw = parse_config(config)
-    return _resolve(model, raw, dp_size)
+    data-parallel ranks, "auto" filled from `auto`. Raises `ConfigError` listing every problem found, one
+    per line."""
+    return _load(_parse(config, auto), lambda model: dp_size)
 
 
-def load_config_for_world(config: ConfigSource, *, world_size: int) -> EngineConfig:
+def load_config_for_world(config: ConfigSource, *, world_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """As `load_config`, with the data-parallel size derived from the total number of ranks:
     dp = world_size / (tensor_parallel.size * pipeline.stages), which must divide exactly."""
-    model, raw = parse_config(config)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
-    tp, pp = model.tensor_parallel.size, model.pipeline.stages
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * pipeline.stages "
-                          f"{pp} = {tp * pp}; change the number of processes or the parallel sizes",
-                          key="tensor_parallel.size")
-    return _resolve(model, raw, world_size // (tp * pp))
+
+    def dp_size_of(model: ConfigModel) -> int:
+        tp, pp = model.tensor_parallel.size, model.pipeline.stages
+        if world_size % (tp * pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * "
+                              f"pipeline.stages {pp} = {tp * pp}; change the number of processes or the parallel "
+                              f"sizes", key="tensor_parallel.size")
+        return world_size // (tp * pp)
+    return _load(_parse(config, auto), dp_size_of)

@@ -1,9 +1,11 @@
 """Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19's
 `runtime/config.py`, `constants.py`, `precision_config.py`, `activation_checkpointing/config.py`)
-plus shardwise's own blocks ("communication", "tensor_parallel", "pipeline").
+plus shardwise's own blocks ("communication", "tensor_parallel", "pipeline"); DeepSpeed's other top-level keys
+are in `deepspeed_blocks.py`.
 
 These models only mirror and validate the JSON; `load.py` turns them into the frozen sections of
-`resolved.py`. Unknown keys are errors (with a suggestion), never silently ignored.
+`resolved.py`. Unknown keys inside a block are errors (with a suggestion), as in DeepSpeed; unknown top-level
+keys are sorted out before the schema (`top_level.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shardwise.config.deepspeed_blocks import DeepSpeedOnlyKeys
 from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str
 from shardwise.config.zero import ZeroSection
 
@@ -130,6 +133,18 @@ class TensorParallelSection(Section):
     sequence_parallel: Bool = False
     """Also split the layer-norm/dropout activations along the sequence over the tensor-parallel
     group (needs size > 1)."""
+    # DeepSpeed's AutoTP keys: how its engine picks and splits layers. shardwise's own plans do that, so these
+    # are accepted and ignored (config/ignored.py warns); "autotp_size" is "size".
+    dtype: Any = None
+    tp_overlap_comm: Any = None
+    vocab_parallel_lm_head: Any = None
+    vocab_parallel_ce_backend: Any = None
+    tensor_parallel: Any = None
+    injection_policy_tuple: Any = None
+    partition_config: Any = None
+    preset_model: Any = None
+    keep_module_on_host: Any = None
+    replace_with_kernel_inject: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -163,6 +178,12 @@ class PipelineSection(Section):
     partition: Literal["uniform", "parameters", "flops"] = "uniform"
     """How blocks are split over stages: "uniform" (same block count), "parameters" (balanced
     parameter count) or "flops" (balanced forward FLOPs)."""
+    # DeepSpeed's pipeline keys. The first three tune its own engine's communication and seeding and change
+    # no result; checkpointing every n layers is refused in unsupported.py unless 0 (off).
+    seed_layers: Bool = False
+    pipe_partitioned: Bool = True
+    grad_partitioned: Bool = True
+    activation_checkpoint_interval: NonNegativeInt = 0
 
     @model_validator(mode="after")
     def _virtual_stages_need_interleaving(self) -> "PipelineSection":
@@ -174,8 +195,9 @@ class PipelineSection(Section):
         return self
 
 
-class ConfigModel(Section):
-    """The whole config file."""
+class ConfigModel(DeepSpeedOnlyKeys):
+    """The whole config file: DeepSpeed's keys that shardwise acts on and its own blocks, plus (inherited) the
+    DeepSpeed keys it accepts without acting on them."""
 
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None

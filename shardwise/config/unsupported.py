@@ -2,14 +2,33 @@
 
 # ---------------------------------------------------------------------------------------------
 # NOT-YET FEATURES: every refusal lives in `refuse_unimplemented` below. When a feature lands,
-# delete its check here (and its test in tests/unit/test_config.py); nothing else gates it.
+# delete its check here (and its cases in tests/unit/test_config*.py); nothing else gates it.
 # ---------------------------------------------------------------------------------------------
 """
 
 from __future__ import annotations
 
-from shardwise.config.errors import ConfigProblem
+from shardwise.config.deepspeed_blocks import data_types_changed, enabled_blocks
+from shardwise.config.errors import ConfigProblem, show
 from shardwise.config.schema import ConfigModel
+
+# DeepSpeed features shardwise does not have, by their config block: what each is. Refused only when on.
+FEATURE_NAMES = {
+    "tensorboard": "TensorBoard monitor", "wandb": "Weights & Biases monitor", "csv_monitor": "CSV monitor",
+    "comet": "Comet monitor", "comms_logger": "communication logger", "flops_profiler": "FLOPs profiler",
+    "autotuning": "autotuner", "hybrid_engine": "hybrid (RLHF) engine", "data_efficiency": "data efficiency library",
+    "torch_autocast": "torch.autocast mode", "expert_parallel": "expert parallelism (AutoEP)",
+    "weight_quantization": "weight quantization", "compile": "DeepCompile",
+    "datastates_ckpt": "DataStates checkpointing",
+}
+
+
+def _how_to_switch_off(name: str) -> str:
+    if name == "compile":
+        return 'set "compile.deepcompile": false or remove the block'
+    if name == "datastates_ckpt":
+        return 'remove the block or set it to false'
+    return f'set "{name}.enabled": false or remove the block'
 
 
 def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
@@ -21,16 +40,33 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
         problems.append(ConfigProblem(key, message))
 
     for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        if block is None or block.device == "none":
+        needed = 3 if name == "offload_param" else 1
+        # Below its stage an offload block is ignored, as DeepSpeed ignores it (config/ignored.py warns).
+        if block is None or block.device == "none" or zero.stage < needed:
             continue
         key = f"zero_optimization.{name}.device"
-        needed = 3 if name == "offload_param" else 1
-        what = "parameter" if name == "offload_param" else "optimizer"
-        if zero.stage < needed:   # an invalid combination, not a missing feature
-            refuse(key, f'{key} = "{block.device}": {what} offloading needs zero_optimization.stage >= {needed} '
-                        f'(it is {zero.stage}); raise the stage or set the device to "none"')
-        elif block.device != "cpu":
+        if block.device != "cpu":
             refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
+    optimizer_offload = zero.offload_optimizer
+    if optimizer_offload is not None and optimizer_offload.device != "none" and zero.stage >= 1:
+        if optimizer_offload.ratio < 1.0:
+            refuse("zero_optimization.offload_optimizer.ratio",
+                   f'"zero_optimization.offload_optimizer.ratio" = {optimizer_offload.ratio:g}: partial optimizer '
+                   f'offload is not implemented; use 1 (all of it)')
+        if optimizer_offload.super_offload:
+            refuse("zero_optimization.offload_optimizer.super_offload",
+                   '"zero_optimization.offload_optimizer.super_offload": true: SuperOffload is not implemented; '
+                   'use false')
+    # ZeRO++ (DeepSpeed acts on it at stage 3 only): quantized collectives change what is communicated, hpZ
+    # where parameters live.
+    for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(zero, name) and zero.stage == 3:
+            refuse(f"zero_optimization.{name}", f'"zero_optimization.{name}": true: ZeRO++ quantized communication '
+                                                f'is not implemented; use false')
+    if zero.zero_hpz_partition_size > 1 and zero.stage == 3:
+        refuse("zero_optimization.zero_hpz_partition_size",
+               f'"zero_optimization.zero_hpz_partition_size" = {zero.zero_hpz_partition_size}: ZeRO++ hierarchical '
+               f'partitioning is not implemented; use 1')
     if zero.stage >= 1:
         # ZeRO reduce-scatters with the backend in the gradients' dtype; stage 0's all-reduce options do not
         # reach it. Refused rather than ignored: each would silently change what is reduced.
@@ -42,6 +78,24 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
             if given:
                 refuse(key, f"{key} is only supported with zero_optimization.stage 0 for now (ZeRO stage "
                             f"{zero.stage} reduce-scatters gradients with the backend); remove it")
+    for name in enabled_blocks(model):
+        refuse(name, f'"{name}" is on, but shardwise does not implement DeepSpeed\'s {FEATURE_NAMES[name]}; '
+                     f'{_how_to_switch_off(name)}')
+    for name in data_types_changed(model):
+        key = f"data_types.{name}"
+        refuse(key, f'"{key}" = {show(model.data_types[name])}: choosing dtypes per tensor kind is not implemented; '
+                    f'remove it (the training dtype comes from "fp16"/"bf16")')
+    if model.gradient_allreduce_op == "sum":
+        refuse("gradient_allreduce_op", '"gradient_allreduce_op" = "sum": only averaged gradients are implemented; '
+                                        'use "mean" or remove it')
+    if model.sequence_parallel_size > 1:
+        refuse("sequence_parallel_size", f'"sequence_parallel_size" = {model.sequence_parallel_size}: DeepSpeed\'s '
+                                         f'Ulysses sequence parallelism is not implemented; remove it (shardwise\'s '
+                                         f'sequence parallelism is "tensor_parallel.sequence_parallel")')
+    if model.pipeline.activation_checkpoint_interval > 0:
+        refuse("pipeline.activation_checkpoint_interval",
+               f'"pipeline.activation_checkpoint_interval" = {model.pipeline.activation_checkpoint_interval}: '
+               f'checkpointing every n pipeline layers is not implemented; use 0')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
     return problems

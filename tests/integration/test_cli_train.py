@@ -137,7 +137,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
         "batch_arithmetic": [_config(tmp_path, "batch", {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
                                                 "gradient_accumulation_steps": 1, "optimizer": _OPTIMIZER})],
         "missing_config": [str(tmp_path / "missing.json")],
-        "invalid_json": [_config(tmp_path, "invalid", '{"train_batch_size": 8,}')],
+        "invalid_json": [_config(tmp_path, "invalid", '{"train_batch_size": 8,,}')],   # hjson takes one trailing comma
         "zero_steps": ["--steps", "0"],
         "node_rank": ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
         "no_master_addr": ["--nnodes", "2"],

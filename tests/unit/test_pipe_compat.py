@@ -48,6 +48,7 @@ def test_pipeline_block_from_the_module_and_conflicts() -> None:
     assert kept == {"stages": 2, "schedule": "gpipe", "partition": "uniform"}
     with pytest.raises(ConfigError, match="num_stages = 2"):
         net.pipeline_block({"pipeline": {"stages": 4}})
+    assert net.pipeline_block({"pipeline": {"stages": "auto"}})["pipeline"]["stages"] == 2   # DeepSpeed's default
     no_stages = PipelineModule([nn.Linear(2, 2)], loss_fn=nn.MSELoss())
     assert no_stages.pipeline_block({"a": 1}) == {"a": 1}
 

@@ -1,0 +1,228 @@
+"""DeepSpeed's top-level keys that shardwise reads but does not act on, validated as DeepSpeed validates them.
+
+DeepSpeed 0.19 parses some blocks with pydantic models that forbid unknown keys (the monitors, "comms_logger",
+"hybrid_engine", "compile", "weight_quantization"); those mirror the key names here, so a misspelling is an
+error as in DeepSpeed. Others it reads with ``dict.get`` and never checks ("flops_profiler", "autotuning",
+"checkpoint", ...); those accept any key here too. Whether a block is switched on is decided by `enabled_blocks`;
+refusing what is on is `unsupported.py`'s job; `no_effect_warnings` names what is accepted but does nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from shardwise.config.fields import Bool, Int, PositiveInt, Section, Str
+
+
+class FeatureSection(Section):
+    """A DeepSpeed block switched on by "enabled"."""
+
+    enabled: Bool = False
+
+
+class LenientFeatureSection(FeatureSection):
+    """A block DeepSpeed reads key by key: any other key is accepted, as DeepSpeed does."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, validate_default=False)
+
+
+class TensorBoardSection(FeatureSection):
+    output_path: Str = ""
+    job_name: Str = "DeepSpeedJobName"
+
+
+class WandbSection(FeatureSection):
+    group: Str | None = None
+    team: Str | None = None
+    project: Str = "deepspeed"
+
+
+class CSVMonitorSection(FeatureSection):
+    output_path: Str = ""
+    job_name: Str = "DeepSpeedJobName"
+
+
+class CometSection(FeatureSection):
+    samples_log_interval: Int = 100
+    project: Str | None = None
+    workspace: Str | None = None
+    api_key: Str | None = None
+    experiment_name: Str | None = None
+    experiment_key: Str | None = None
+    online: Bool | None = None
+    mode: Str | None = None
+
+
+class CommsLoggerSection(FeatureSection):
+    prof_all: Bool = True
+    prof_ops: list[Str] = Field(default_factory=list)
+    verbose: Bool = False
+    debug: Bool = False
+
+
+class HybridEngineSection(FeatureSection):
+    max_out_tokens: PositiveInt = 512
+    inference_tp_size: Int = 1
+    release_inference_cache: Bool = False
+    pin_parameters: Bool = True
+    tp_gather_partition_size: Int = 8
+    enable_cuda_graph: Bool = False
+
+
+class WeightQuantizationSection(FeatureSection):
+    # DeepSpeed: present means on unless "enabled" says otherwise.
+    enabled: Bool = True
+    num_bits: Any = 8
+    q_type: Any = "symmetric"
+    q_groups: Any = 1
+    quantized_initialization: Any = None
+    post_init_quant: Any = None
+
+
+class CompileSection(Section):
+    """DeepSpeed's "compile" (DeepCompile): on when "deepcompile" is true; its other knobs only tune it."""
+
+    deepcompile: Bool = False
+    autoep_non_moe: Any = None
+    free_activation: Any = None
+    free_activation_threshold: Any = None
+    offload_activation: Any = None
+    offload_activation_pin_memory: Any = None
+    offload_opt_states: Any = None
+    double_buffer: Any = None
+    symmetric_memory: Any = None
+    debug_log: Any = None
+    offload_parameters: Any = None
+    sync_before_reduce: Any = None
+    sync_after_reduce: Any = None
+    sync_before_allgather: Any = None
+    sync_after_allgather: Any = None
+    keep_int_input_tensors: Any = None
+    keep_all_input_tensors: Any = None
+    passes: Any = None
+
+
+class CheckpointSection(Section):
+    """DeepSpeed's "checkpoint": read with dict.get; two values are checked."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, validate_default=False)
+    tag_validation: Str = "Warn"
+    parallel_write: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value.upper() not in ("IGNORE", "WARN", "FAIL"):
+            raise ValueError('expected "Ignore", "Warn" or "Fail"')
+        return value
+
+    @field_validator("parallel_write")
+    @classmethod
+    def _pipeline_stage_is_a_bool(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("pipeline_stage", False) not in (True, False):
+            raise ValueError('"pipeline_stage" must be true or false')
+        return value
+
+
+# data_types keys and the values that leave DeepSpeed's numerics unchanged (its defaults).
+DATA_TYPES_DEFAULTS: dict[str, Any] = {"grad_accum_dtype": None, "param_dtype": None, "buffer_dtype": None,
+                                       "keep_in_fp32_modules": "auto"}
+
+# Top-level DeepSpeed keys whose only effect is on things shardwise does not have (logs, timers, NVMe I/O
+# tuning, checkpoint storage options): accepted with one warning when given.
+NO_EFFECT_KEYS = ("aio", "checkpoint", "timers", "log_level", "dump_state", "disable_python_gc",
+                  "disable_allgather", "managed_gradient_accumulation", "use_data_before_expert_parallelism",
+                  "seq_parallel_communication_data_type")
+
+# Blocks that do something only while switched on; their fields in the schema, and how "on" is read.
+FEATURE_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "autotuning",
+                  "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel", "weight_quantization",
+                  "compile", "datastates_ckpt")
+
+
+class DeepSpeedOnlyKeys(Section):
+    """The DeepSpeed top-level keys of this module, as fields of the whole config (mixed into `ConfigModel`)."""
+
+    tensorboard: TensorBoardSection | None = None
+    wandb: WandbSection | None = None
+    csv_monitor: CSVMonitorSection | None = None
+    comet: CometSection | None = None
+    comms_logger: CommsLoggerSection | None = None
+    flops_profiler: LenientFeatureSection | None = None
+    autotuning: LenientFeatureSection | None = None
+    hybrid_engine: HybridEngineSection | None = None
+    data_efficiency: LenientFeatureSection | None = None
+    torch_autocast: LenientFeatureSection | None = None
+    expert_parallel: LenientFeatureSection | None = None
+    weight_quantization: WeightQuantizationSection | None = None
+    compile: CompileSection | None = None
+    datastates_ckpt: Any = None
+    data_types: dict[str, Any] | None = None
+    aio: dict[str, Any] | None = None
+    checkpoint: CheckpointSection | None = None
+    timers: dict[str, Any] | None = None
+    log_level: Any = None
+    dump_state: Bool = False
+    disable_python_gc: Any = None
+    disable_allgather: Bool = False
+    managed_gradient_accumulation: Bool = True
+    use_data_before_expert_parallelism: Bool = False
+    seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] | None = None
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    sequence_parallel_size: PositiveInt = 1
+
+    @field_validator("seq_parallel_communication_data_type", "gradient_allreduce_op", mode="before")
+    @classmethod
+    def _lowercase(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _misspelled_enabled(self) -> "DeepSpeedOnlyKeys":
+        # DeepSpeed never looks at unknown keys of these blocks, so "enabeld": true would silently leave the
+        # feature off; a near miss of "enabled" is taken for that typo.
+        for name in ("flops_profiler", "autotuning", "data_efficiency", "torch_autocast", "expert_parallel"):
+            block = getattr(self, name)
+            for key in (block.model_extra or {}) if block is not None else ():
+                if key != "enabled" and difflib.SequenceMatcher(None, key.lower(), "enabled").ratio() >= 0.8:
+                    raise ValueError(f'"{name}.{key}": unknown key: did you mean "enabled"? (DeepSpeed would ignore '
+                                     f'it and leave {name} off)')
+        return self
+
+
+def enabled_blocks(model: DeepSpeedOnlyKeys) -> list[str]:
+    """The feature blocks of `model` that are switched on, in `FEATURE_BLOCKS` order."""
+    on = []
+    for name in FEATURE_BLOCKS:
+        block = getattr(model, name)
+        if name == "datastates_ckpt":
+            # DeepSpeed: on whenever present and not literally false.
+            active = block is not None and block is not False
+        elif name == "compile":
+            active = block is not None and block.deepcompile
+        else:
+            active = block is not None and block.enabled
+        if active:
+            on.append(name)
+    return on
+
+
+def data_types_changed(model: DeepSpeedOnlyKeys) -> list[str]:
+    """The "data_types" keys set to something other than DeepSpeed's default."""
+    given = model.data_types or {}
+    return [k for k, default in DATA_TYPES_DEFAULTS.items() if k in given and given[k] != default]
+
+
+def no_effect_warnings(model: DeepSpeedOnlyKeys) -> list[str]:
+    """One line per given DeepSpeed key that is accepted but changes nothing in shardwise."""
+    lines = []
+    for name in NO_EFFECT_KEYS:
+        if name in model.model_fields_set:
+            lines.append(f'"{name}" is a DeepSpeed setting with no effect in shardwise (nothing it tunes exists '
+                         f'here); ignored')
+    extra = [k for k in (model.data_types or {}) if k not in DATA_TYPES_DEFAULTS]
+    for key in extra:   # DeepSpeed reads data_types with dict.get and never looks at other keys
+        lines.append(f'"data_types.{key}" is not a key DeepSpeed reads; ignored (DeepSpeed ignores it too)')
+    return lines
