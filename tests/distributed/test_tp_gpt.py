@@ -248,16 +248,19 @@ def _all_cases(gpt_names: list[str], hf: list[str], root: str) -> dict:
 
 def megatron_tp_traffic(case: dict, micro: int) -> Counter:
     """(op, bytes) -> count of one micro-batch's collectives on the TP group, fp32, L = N_LAYER layers.
-    Per layer 2 all-reduces of b*s*h forward and 2 backward (A7); the embedding adds one forward and the
-    lm-head's input one backward. With sequence parallelism each all-reduce is a reduce-scatter + all-gather
-    pair, and every replicated parameter used on sequence shards (norms, row biases) sums its gradient once."""
+    Per layer 2 all-reduces of b*s*h forward and 2 backward (Korthikanti et al. 2022, sec. 4.2.2); the embedding
+    adds one forward and the lm-head's input one backward. With sequence parallelism each all-reduce is a
+    reduce-scatter + all-gather pair, each column-parallel input (attention's q/k/v share one, the MLP's fc_in,
+    the lm-head) is all-gathered once more in backward for its weight gradient (only the sequence shard is kept,
+    as Megatron-LM does), and every replicated parameter used on sequence shards (norms, row biases) sums its
+    gradient once."""
     bsh, L = micro * SEQ * D_MODEL * 4, N_LAYER
     learned = case["gpt"].get("positions", "learned") == "learned"
     c: Counter = Counter()
     if not case["sp"]:
         c[("all_reduce", bsh)] += 4 * L + 2
     else:
-        c[("all_gather", bsh)] += 4 * L + 2
+        c[("all_gather", bsh)] += 4 * L + 2 + (2 * L + 1)      # (the re-gathers for weight gradients)
         c[("reduce_scatter", bsh)] += 4 * L + (1 if learned else 2)
         if learned:                    # tokens + positions all-reduced, then split into sequence shards
             c[("all_reduce", bsh)] += 1

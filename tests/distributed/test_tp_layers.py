@@ -157,9 +157,11 @@ def test_tp_layers_equal_full_layers_and_record_megatron_traffic():
     for res in results:
         for t in (2, 4):
             # column: the input enters the region (all-reduce of its gradient backward), or with SP is
-            # all-gathered forward and its gradient reduce-scattered backward; gather_output adds an all-gather
+            # all-gathered forward, gathered again backward for the weight gradient (only the shard is kept,
+            # as Megatron does) and its gradient reduce-scattered; gather_output adds an all-gather
             assert res[f"col t={t} gather=False sp=False"] == [("all_reduce", act_in)]
-            assert res[f"col t={t} gather=False sp=True"] == [("all_gather", act_in), ("reduce_scatter", act_in)]
+            assert res[f"col t={t} gather=False sp=True"] == [("all_gather", act_in), ("all_gather", act_in),
+                                                               ("reduce_scatter", act_in)]
             assert res[f"col t={t} gather=True sp=False"] == [("all_gather", act_out), ("all_reduce", act_in)]
             # row: one all-reduce of the output forward (identity backward), or reduce-scatter / all-gather
             assert res[f"row t={t} parallel=True sp=False"] == [("all_reduce", act_out)]

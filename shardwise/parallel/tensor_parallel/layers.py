@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
 from shardwise.parallel.tensor_parallel.mappings import (
-    copy_to_region, gather_from_last_dim, gather_from_sequence, reduce_from_region, reduce_scatter_to_sequence,
+    SEQ_DIM, copy_to_region, gather_from_last_dim, gather_from_sequence, reduce_from_region, reduce_scatter_to_sequence,
     scatter_to_last_dim, sum_grad_over_region,
 )
+from shardwise.parallel.tensor_parallel.sequence_linear import linear_on_gathered, mark_gathered
 
 TP_DIM_ATTR = "tensor_parallel_dim"
 """Attribute of a sharded parameter: the dimension of the full tensor it is a slice of."""
@@ -63,7 +64,8 @@ class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r, W_r this rank's out_features/t rows of the full weight (and of the bias).
 
     Input: [.., in] replicated (copy-to-region: identity forward, all-reduce of the input gradient backward),
-    or with `sequence_parallel` [b, s/t, in] sequence shards (all-gather forward, reduce-scatter backward).
+    or with `sequence_parallel` [b, s/t, in] sequence shards (all-gather forward, reduce-scatter backward; the
+    shard, not the gathered input, is kept for the weight gradient: `sequence_linear`).
     `input_in_region`: the caller already brought the input into the region once for several layers
     (e.g. q, k and v share one entry, as Megatron's fused QKV does), so this layer communicates nothing
     on its input. Output: [.., out/t], or [.., out] replicated with `gather_output`.
@@ -89,8 +91,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_in_region:
-            x = gather_from_sequence(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
-        y = F.linear(x, self.weight, self.bias)                     # [.., out/t]
+            if self.sequence_parallel:     # keeps the [b, s/t, in] shard for backward, not the gathered input
+                x = mark_gathered(gather_from_sequence(x, self.comm), x, self.comm, SEQ_DIM)
+            else:
+                x = copy_to_region(x, self.comm)
+        y = linear_on_gathered(x, self.weight, self.bias)           # [.., out/t]
         return gather_from_last_dim(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:

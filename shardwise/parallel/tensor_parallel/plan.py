@@ -50,8 +50,9 @@ from shardwise.parallel.tensor_parallel.layers import (
     TP_DIM_ATTR, ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, not_divisible,
 )
 from shardwise.parallel.tensor_parallel.mappings import (
-    copy_to_region, gather_from_sequence, scatter_to_sequence, sum_grad_over_region,
+    SEQ_DIM, copy_to_region, gather_from_sequence, scatter_to_sequence, sum_grad_over_region,
 )
+from shardwise.parallel.tensor_parallel.sequence_linear import mark_gathered
 from shardwise.parallel.tensor_parallel.random import TensorParallelRNG, run_forked
 
 
@@ -197,7 +198,9 @@ class _RegionEntry:
         self.comm, self.sequence_parallel, self.name = comm, sequence_parallel, name
 
     def _map(self, x: Tensor) -> Tensor:
-        return gather_from_sequence(x, self.comm) if self.sequence_parallel else copy_to_region(x, self.comm)
+        if self.sequence_parallel:     # the region's linears keep this [b, s/t, h] shard, not the gathered input
+            return mark_gathered(gather_from_sequence(x, self.comm), x, self.comm, SEQ_DIM)
+        return copy_to_region(x, self.comm)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
