@@ -26,7 +26,7 @@ from shardwise.errors import UserError
 
 if TYPE_CHECKING:
     from shardwise.config.resolved import EngineConfig
-    from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
+    from shardwise.interfaces import DataParallelRuntime, Updater
 
 
 class DeepSpeedEngineAPI:
@@ -35,7 +35,6 @@ class DeepSpeedEngineAPI:
     config: EngineConfig
     updater: Updater
     dp_runtime: DataParallelRuntime
-    pipeline: Pipeline
     micro_steps: int
     dp_size: int
 
@@ -76,9 +75,11 @@ class DeepSpeedEngineAPI:
             raise UserError("set_train_batch_size: called in the middle of a global batch (micro-batches since the "
                             "last step); call it right after engine.step() on a boundary")
         gas = train_batch_size // (micro * dp)
-        if gas != self.gradient_accumulation_steps():
+        if gas != self.gradient_accumulation_steps() and self.config.pipeline.stages > 1:
             # A schedule was built for its micro-batch count: refuse rather than run the old count.
-            self.pipeline.refuse_manual_step("set_train_batch_size (a pipeline schedule fixes the micro-batches)")
+            raise UserError(f"set_train_batch_size({train_batch_size}) would change the micro-batches per step to "
+                            f"{gas}, but the pipeline schedule was built for {self.gradient_accumulation_steps()}: "
+                            f"set train_batch_size in the config instead")
         self.config = dataclasses.replace(self.config, batch=BatchSizes(train_batch_size, micro, gas, dp))
         self._accum_origin = self.micro_steps
 
