@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.errors import UserError
+
 ReduceOp = dist.ReduceOp
 
 
@@ -23,12 +25,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int | None = None, verbose: bool = True, timeout: Any = None,
                      init_method: str | None = None, dist_init_required: bool | None = None,
                      config: Any = None, rank: int = -1, world_size: int = -1) -> None:
-    """Join the job (torchrun's environment) or make a world of one; idempotent. DeepSpeed's other arguments
-    (MPI discovery, port, init_method, explicit rank/world size) are accepted for its call sites; shardwise
-    reads the launcher's environment variables."""
-    from shardwise.initialization import init_distributed as _init
+    """Join the job from the launcher's environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR...), or make a world
+    of one; idempotent. `dist_init_required=False` leaves torch.distributed alone, as in DeepSpeed. MPI discovery,
+    the port and verbosity are DeepSpeed's launcher concerns and change nothing here; an explicit rendezvous
+    (`init_method`, `rank`, `world_size`) is refused: torchrun's environment is the one way in."""
     if dist_init_required is False:
         return
+    if init_method is not None or rank != -1 or world_size != -1:
+        raise UserError("shardwise.comm.init_distributed(init_method=/rank=/world_size=) is not supported: launch "
+                        "with torchrun (or `shardwise train`), which sets RANK and WORLD_SIZE for every process")
+    from shardwise.initialization import init_distributed as _init
     _init(dist_backend, timeout_s=timeout.total_seconds() if timeout is not None else None)
 
 

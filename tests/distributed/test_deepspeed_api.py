@@ -3,7 +3,7 @@ shardwise and with real DeepSpeed (DS_ACCELERATOR=cpu) on the same model, data a
 report must match.
 
 Two scripts:
-- ZeRO-1, gradient_accumulation_steps 1, no clipping (get_global_grad_norm without a clip), a client FusedAdam
+- ZeRO-0 and ZeRO-1, gradient_accumulation_steps 1, no clipping (get_global_grad_norm without a clip), a client FusedAdam
   (DeepSpeed's side: torch's AdamW, which is what DeepSpeed's FusedAdam computes; its CUDA kernel cannot build
   here): one global batch accumulated with no_sync, one plain, then set_train_batch_size doubles the global batch
   (accumulation 1 -> 2) for two more.
@@ -47,6 +47,7 @@ SCALED = "blocks.0.mlp.fc_in.weight"     # the weight the ZeRO-3 script changes 
 ZERO1 = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
          "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10_000,
          "zero_optimization": {"stage": 1, "reduce_bucket_size": 3000}}
+ZERO0 = {**ZERO1, "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000}}
 ZERO3 = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "steps_per_print": 10_000,
          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100, "reduce_bucket_size": 3000}}
@@ -66,6 +67,7 @@ def _args(ds, config_path: str) -> argparse.Namespace:
 
 def _comm_facts(ds) -> dict:
     ds.init_distributed()
+    ds.comm.init_distributed(dist_backend="gloo")      # both are idempotent
     total = torch.ones(1) * (ds.comm.get_rank() + 1)
     ds.comm.all_reduce(total)
     ds.comm.barrier()
@@ -81,7 +83,7 @@ def _engine_facts(engine) -> dict:
             "bf16": engine.bfloat16_enabled()}
 
 
-def _zero1_script(ds, config_path: str, adam) -> dict:
+def _dp_script(ds, config_path: str, adam) -> dict:
     out = {"comm": _comm_facts(ds)}
     rank, world = ds.comm.get_rank(), ds.comm.get_world_size()
     model = tiny_gpt(seq_len=SEQ)
@@ -113,7 +115,9 @@ def _zero1_script(ds, config_path: str, adam) -> dict:
             forward_backward(rows)
             engine.step()
         norms.append(engine.get_global_grad_norm())
-    out["fp32"] = {n: ds.utils.safe_get_full_fp32_param(p).clone() for n, p in model.named_parameters()}
+    # None for every parameter from DeepSpeed at stage 0 (no fp32 mapping there); the weights themselves are whole
+    out["fp32"] = {n: ds.utils.safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.destroy()
     return dict(out, losses=losses, norms=norms)
 
@@ -253,22 +257,22 @@ def _ranks(tmp: str) -> dict:
     import shardwise
     from shardwise.ops.adam import FusedAdam
     paths = {}
-    for name, cfg in (("zero1", ZERO1), ("zero3", ZERO3)):
+    for name, cfg in (("zero0", ZERO0), ("zero1", ZERO1), ("zero3", ZERO3)):
         paths[name] = os.path.join(tmp, f"{name}.json")
         if dist.get_rank() == 0:
             with open(paths[name], "w") as f:
                 json.dump(cfg, f)
     dist.barrier()
-    ours = {"zero1": _zero1_script(shardwise, paths["zero1"],
-                                   lambda ps: FusedAdam(ps, lr=3e-3, weight_decay=0.1, adam_w_mode=True)),
-            "zero3": _zero3_script(shardwise, paths["zero3"], copy.deepcopy(ZERO3)),
-            "only": _shardwise_only()}
+    ours = {name: _dp_script(shardwise, paths[name],
+                             lambda ps: FusedAdam(ps, lr=3e-3, weight_decay=0.1, adam_w_mode=True))
+            for name in ("zero0", "zero1")}
+    ours.update(zero3=_zero3_script(shardwise, paths["zero3"], copy.deepcopy(ZERO3)), only=_shardwise_only())
     deepspeed = _import_deepspeed()
     linear = torch.nn.functional.linear
     try:
-        theirs = {"zero1": _zero1_script(deepspeed, paths["zero1"],
-                                         lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)),
-                  "zero3": _zero3_script(deepspeed, paths["zero3"], copy.deepcopy(ZERO3))}
+        theirs = {name: _dp_script(deepspeed, paths[name], lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1))
+                  for name in ("zero0", "zero1")}
+        theirs["zero3"] = _zero3_script(deepspeed, paths["zero3"], copy.deepcopy(ZERO3))
     finally:
         torch.nn.functional.linear = linear       # DeepSpeed's ZeRO-3 leaves its own in place
     return {"shardwise": ours, "deepspeed": theirs}
@@ -288,7 +292,7 @@ def _norm_rtol() -> float:
 
 # -- checks ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("script", ["zero1", "zero3"])
+@pytest.mark.parametrize("script", ["zero0", "zero1", "zero3"])
 def test_comm_and_engine_facts_match(results: list[dict], script: str) -> None:
     for rank, res in enumerate(results):
         ours, theirs = res["shardwise"][script], res["deepspeed"][script]
@@ -301,19 +305,28 @@ def test_comm_and_engine_facts_match(results: list[dict], script: str) -> None:
     assert facts["zero1"]["before"] == {"local_rank": 0, "global_rank": 0, "train_batch_size": 4, "micro": 2,
                                         "gas": 1, "stage": 1, "fp16": False, "bf16": False}
     assert facts["zero1"]["after"]["train_batch_size"] == 8 and facts["zero1"]["after"]["gas"] == 2
+    assert facts["zero0"]["before"]["stage"] == 0
     assert facts["zero3"]["facts"]["stage"] == 3 and facts["zero3"]["facts"]["gas"] == 2
 
 
-@pytest.mark.parametrize("script", ["zero1", "zero3"])
+@pytest.mark.parametrize("script", ["zero0", "zero1", "zero3"])
 def test_losses_and_grad_norms_match_deepspeed(results: list[dict], script: str) -> None:
     rtol = _norm_rtol()
     for rank, res in enumerate(results):
         ours, theirs = res["shardwise"][script], res["deepspeed"][script]
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{script} rank {rank} losses")
+        if script == "zero0":
+            # DeepSpeed's stage-0 fp32 path has no optimizer wrapper, hence no norm and no fp32 mapping (None);
+            # shardwise reports both: the norm is the one DeepSpeed's ZeRO-1 reports on the same run.
+            assert theirs["norms"] == [None] * len(theirs["norms"])
+            assert all(v is None for v in theirs["fp32"].values())
+            theirs = dict(theirs, norms=res["deepspeed"]["zero1"]["norms"], fp32=theirs["params"])
         assert all(n is not None for n in theirs["norms"]), theirs["norms"]
         assert_close_growing(ours["norms"], theirs["norms"], rtol_per_step=rtol,
                              steps=list(range(1, len(theirs["norms"]) + 1)), what=f"{script} rank {rank} norms")
         assert_state_close(ours["fp32"], theirs["fp32"], what=f"{script} rank {rank} fp32 masters", adam=True)
+        if "params" in theirs:              # whole weights at stages 0-1: the fp32 masters themselves
+            assert_state_close(ours["fp32"], theirs["params"], what=f"{script} rank {rank} weights", adam=True)
 
 
 def test_zero3_init_builds_the_direct_build(results: list[dict]) -> None:
