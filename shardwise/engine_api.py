@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from shardwise.interfaces import DataParallelRuntime, Updater
 
 
+class BatchSizeError(UserError, ValueError):
+    """A batch size set_train_batch_size cannot take; a ValueError too, as DeepSpeed raises."""
+
+
 class DeepSpeedEngineAPI:
     """Mixin of `Engine`: DeepSpeed's accessors over the engine's state."""
 
@@ -69,8 +73,8 @@ class DeepSpeedEngineAPI:
         micro, dp = self.config.batch.micro_batch, self.dp_size
         if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
                 or train_batch_size % (micro * dp):
-            raise UserError(f"set_train_batch_size({train_batch_size!r}): it must be a positive multiple of "
-                            f"train_micro_batch_size_per_gpu {micro} * data-parallel size {dp} = {micro * dp}")
+            raise BatchSizeError(f"set_train_batch_size({train_batch_size!r}): it must be a positive multiple of "
+                                 f"train_micro_batch_size_per_gpu {micro} * data-parallel size {dp} = {micro * dp}")
         if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps():
             raise UserError("set_train_batch_size: called in the middle of a global batch (micro-batches since the "
                             "last step); call it right after engine.step() on a boundary")
@@ -80,6 +84,7 @@ class DeepSpeedEngineAPI:
             raise UserError(f"set_train_batch_size({train_batch_size}) would change the micro-batches per step to "
                             f"{gas}, but the pipeline schedule was built for {self.gradient_accumulation_steps()}: "
                             f"set train_batch_size in the config instead")
+        # `raw`, saved in checkpoints as ds_config, keeps the config as given (DeepSpeed saves its dict unchanged).
         self.config = dataclasses.replace(self.config, batch=BatchSizes(train_batch_size, micro, gas, dp))
         self._accum_origin = self.micro_steps
 

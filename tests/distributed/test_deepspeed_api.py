@@ -176,6 +176,10 @@ def _shardwise_only() -> dict:
                                       config={**copy.deepcopy(ZERO1), **adamw, "zero_optimization": {"stage": 2}})
     out["no_sync_stage2"] = _refusal(lambda: engine.no_sync().__enter__())
     out["bad_batch"] = _refusal(lambda: engine.set_train_batch_size(6))
+    try:
+        engine.set_train_batch_size(6)
+    except ValueError:                          # what DeepSpeed raises, for scripts that catch it
+        out["bad_batch_is_value_error"] = True
     out["norm_before_step"] = engine.get_global_grad_norm()
     engine.destroy()
 
@@ -382,6 +386,7 @@ def test_shardwise_refusals_and_cache(results: list[dict]) -> None:
     only = results[0]["shardwise"]["only"]
     assert "ZeRO stage 2" in only["no_sync_stage2"]
     assert "multiple of train_micro_batch_size_per_gpu 2 * data-parallel size 2" in only["bad_batch"]
+    assert only["bad_batch_is_value_error"]
     assert "inside engine.no_sync()" in only["step_in_no_sync"]
     assert only["norm_before_step"] is None
     assert only["bf16"] == (True, False, 0)
