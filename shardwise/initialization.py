@@ -106,6 +106,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None)."""
     config = _config_source(model, config, config_params, args)
     init_distributed()
+    if hasattr(args, "local_rank"):      # DeepSpeed aligns a script's --local_rank with the launcher's
+        args.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     ledger = CommLedger()
     world = dist.get_world_size()
     cfg = load_config_for_world(config, world_size=world)     # batch rule with dp = world / (tp * pp)

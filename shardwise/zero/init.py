@@ -102,5 +102,5 @@ class Init:
         if self.config is None:
             return ZeroConfig()
         from shardwise.config import load_config_for_world
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        return load_config_for_world(self.config, world_size=world).zero
+        # the batch rule's world is every rank (initialize derives dp from it), whatever group shards the model
+        return load_config_for_world(self.config, world_size=dist.get_world_size()).zero

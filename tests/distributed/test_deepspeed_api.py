@@ -87,9 +87,11 @@ def _dp_script(ds, config_path: str, adam) -> dict:
     out = {"comm": _comm_facts(ds)}
     rank, world = ds.comm.get_rank(), ds.comm.get_world_size()
     model = tiny_gpt(seq_len=SEQ)
-    engine, *_ = ds.initialize(args=_args(ds, config_path), model=model, model_parameters=model.parameters(),
+    args = _args(ds, config_path)
+    args.local_rank = -1                # a script's own --local_rank flag: initialize sets it from the launcher
+    engine, *_ = ds.initialize(args=args, model=model, model_parameters=model.parameters(),
                                optimizer=adam(model.parameters()))
-    out["before"] = _engine_facts(engine)
+    out["before"] = dict(_engine_facts(engine), args_local_rank=args.local_rank)
     losses, norms = [], []
 
     def forward_backward(rows: torch.Tensor) -> None:
@@ -307,7 +309,7 @@ def test_comm_and_engine_facts_match(results: list[dict], script: str) -> None:
                 assert ours[key] == theirs[key], (key, ours[key], theirs[key])
     facts = results[0]["shardwise"]
     assert facts["zero1"]["before"] == {"local_rank": 0, "global_rank": 0, "train_batch_size": 4, "micro": 2,
-                                        "gas": 1, "stage": 1, "fp16": False, "bf16": False}
+                                        "gas": 1, "stage": 1, "fp16": False, "bf16": False, "args_local_rank": 0}
     assert facts["zero1"]["after"]["train_batch_size"] == 8 and facts["zero1"]["after"]["gas"] == 2
     assert facts["zero0"]["before"]["stage"] == 0
     assert facts["zero3"]["facts"]["stage"] == 3 and facts["zero3"]["facts"]["gas"] == 2
