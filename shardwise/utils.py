@@ -11,7 +11,7 @@ DeepSpeed. Difference: DeepSpeed also gives None for every parameter under stage
 mapping exists there); here the fp32 value is given.
 
 Read gradients after the backward of the last micro-batch of a global batch and before `engine.step()`, which
-zeroes them.
+zeroes them. Under fp16 they are still multiplied by the loss scale (the step unscales them), as DeepSpeed's are.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Collective over the parameters' data-parallel group: every rank enters with the 
 that are not ZeRO-3 shards (other stages, plain modules) are left alone, so the block is a no-op outside ZeRO-3,
 as in DeepSpeed. A unit already gathered (e.g. between a forward and its backward) stays gathered.
 
-The change reaches what the optimizer steps when that is the shard itself (fp32 training); under bf16/fp16 or
-offload the optimizer keeps separate fp32 masters, which the next step writes back over the shards, as in
-DeepSpeed: modify weights there before training starts, or load them with the checkpoint API.
+After `initialize`, a change reaches training when the optimizer steps the shards themselves (fp32 without
+offload); under bf16/fp16 or offload its separate fp32 masters overwrite the shards at the next step. DeepSpeed's
+ZeRO-3 behaves alike (its fp32 partitions alias the shards in exactly that case). Modify weights before
+`initialize` (as scripts load them) for the same result everywhere.
 """
 
 from __future__ import annotations
