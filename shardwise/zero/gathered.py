@@ -9,9 +9,10 @@ that are not ZeRO-3 shards (other stages, plain modules) are left alone, so the 
 as in DeepSpeed. A unit already gathered (e.g. between a forward and its backward) stays gathered.
 
 After `initialize`, a change reaches training when the optimizer steps the shards themselves (fp32 without
-offload); under bf16/fp16 or offload its separate fp32 masters overwrite the shards at the next step. DeepSpeed's
-ZeRO-3 behaves alike (its fp32 partitions alias the shards in exactly that case). Modify weights before
-`initialize` (as scripts load them) for the same result everywhere.
+offload); under bf16/fp16 or offload its separate fp32 masters overwrite the shards at the next step.
+Difference: DeepSpeed's ZeRO-3 optimizer steps its own fp32 copy in fp32 training too, so there the change
+reaches the next forward only and the step overwrites it. Modify weights before `initialize` (as scripts load
+them) for the same result in both.
 """
 
 from __future__ import annotations
