@@ -11,6 +11,10 @@ Public API (DeepSpeed-compatible):
         engine.backward(loss)
         engine.step()
 
+DeepSpeed's other names scripts use: `shardwise.add_config_arguments`, `shardwise.comm` (get_rank, barrier, ...),
+`shardwise.zero` (Init, GatheredParameters), `shardwise.ops.adam` (FusedAdam, DeepSpeedCPUAdam) and
+`shardwise.utils` (safe_get_full_fp32_param, safe_get_full_grad).
+
 Names are resolved lazily so that torch-free parts (the planner) can be imported without torch.
 """
 
@@ -30,6 +34,7 @@ _EXPORTS = {
     "ConfigWarning": "shardwise.config",
     "AutoValues": "shardwise.config",
     "UserError": "shardwise.errors",
+    "add_config_arguments": "shardwise.arguments",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -38,6 +43,7 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing"):
+    if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing", "zero", "ops",
+                "utils"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

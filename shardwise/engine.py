@@ -21,6 +21,7 @@ from shardwise import engine_checkpoint
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.config.resolved import EngineConfig
+from shardwise.engine_api import DeepSpeedEngineAPI
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.topology import Axis, ParallelMesh
@@ -60,8 +61,9 @@ class _ActivationMeter:
         return t
 
 
-class Engine:
-    """Built by `shardwise.initialize`; see the module docstring for the training loop."""
+class Engine(DeepSpeedEngineAPI):
+    """Built by `shardwise.initialize`; see the module docstring for the training loop. DeepSpeed's smaller
+    accessors (batch sizes, ranks, no_sync, ...) come from `DeepSpeedEngineAPI`."""
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, updater: Updater,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
@@ -82,7 +84,6 @@ class Engine:
         self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
         self.device = device
         self.compute_dtype = compute_dtype
-        self.gradient_accumulation_steps = config.batch.grad_accum
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -118,7 +119,7 @@ class Engine:
         return self.module.parameters()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps - self._accum_origin + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -148,7 +149,7 @@ class Engine:
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
         if not (self.module.training and torch.is_grad_enabled()):
             return self.module(*inputs, **kwargs)
-        if self.micro_steps % self.gradient_accumulation_steps == 0:
+        if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps() == 0:
             self.ledger.begin_step(self.global_steps)
         self._activations.reset(list(self.module.parameters()))
         with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack):
@@ -161,17 +162,19 @@ class Engine:
             raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
         self.pipeline.refuse_manual_step("engine.backward(loss)")
         scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
-            scaled = scaled / self.gradient_accumulation_steps
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
         if self.updater.scaler.loss_scale != 1.0:
             scaled = scaled * self.updater.scaler.loss_scale
-        boundary = self.is_gradient_accumulation_boundary()
+        # Inside no_sync() gradients accumulate locally, even on the boundary (DeepSpeed's rule).
+        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         self.dp_runtime.begin_backward(boundary)
         scaled.backward()
         self.dp_runtime.end_backward(boundary)
         return loss
 
     def step(self) -> None:
+        self._refuse_inside_no_sync("engine.step()")
         if self.is_gradient_accumulation_boundary():
             applied = self.updater.step()
             self._step_applied = applied
@@ -221,7 +224,7 @@ class Engine:
         `data_iter`, in eval mode and without gradients, averaged over data-parallel ranks; the same number on
         every rank (DeepSpeed's PipelineEngine.eval_batch, also without a pipeline). Gradients, optimizer and
         step counters are untouched; the module's train/eval mode is restored. Collective."""
-        count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
+        count = self.gradient_accumulation_steps() if num_micro_batches is None else num_micro_batches
         if count < 1:
             raise UserError(f"engine.eval_batch: num_micro_batches = {count}; it must be >= 1")
         was_training = self.module.training

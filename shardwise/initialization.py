@@ -32,6 +32,7 @@ from shardwise.parallel.update import UpdateRecipe, param_groups_of
 from shardwise.parallel.zero.build import build_zero
 from shardwise.precision import make_loss_scaler
 from shardwise.topology import Axis, MeshShape, ParallelMesh
+from shardwise.utils import link_params
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
@@ -111,6 +112,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
     config = _config_source(model, config, config_params, args)
     init_distributed()
+    if hasattr(args, "local_rank"):      # DeepSpeed aligns a script's --local_rank with the launcher's
+        args.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     ledger = CommLedger()
     world = dist.get_world_size()
     known = (auto or AutoValues()).merged(AutoValues(hidden_size=hidden_size_of(model),
@@ -126,7 +129,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
                           scaler=make_loss_scaler(cfg.precision), clip=cfg.gradient_clipping,
-                          check_overflow=cfg.precision.checks_overflow, dtype=dtype)
+                          check_overflow=cfg.precision.checks_overflow, dtype=dtype,
+                          compute_norm=cfg.zero.compute_grad_norm)
     norms = GradNormReducer.from_mesh(mesh, ledger)
     dp_comm = mesh.comm(Axis.DP, ledger, name="dp")
     updater: Updater
@@ -137,6 +141,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     else:
         updater, dp_runtime = build_zero(model, groups, section=cfg.zero, recipe=recipe, dp_comm=dp_comm,
                                          norms=norms, device=device, units=pipeline.sharding_units())
+    link_params(updater)
     sched = _scheduler(lr_scheduler, cfg, updater.optimizer)
     engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype)
@@ -156,12 +161,24 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
 
 
 def _config_source(model: torch.nn.Module, config: Any, config_params: dict | None, args: Any) -> Any:
-    """DeepSpeed's places for the config: config=, config_params=, args.deepspeed_config; a PipelineModule's
-    stages and partition become its pipeline block."""
+    """DeepSpeed's places for the config: config=, config_params=, args.deepspeed_config (or the deprecated
+    args.deepscale_config); a PipelineModule's stages and partition become its pipeline block."""
+    from_args = getattr(args, "deepspeed_config", None)
+    legacy = getattr(args, "deepscale_config", None)
+    if legacy is not None:
+        if from_args is not None:
+            raise UserError("both --deepspeed_config and --deepscale_config were given: keep --deepspeed_config")
+        from_args = legacy
     if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+        config = config_params
+    if config is not None and from_args is not None:
+        raise UserError("a config was given both to shardwise.initialize (config=) and in args.deepspeed_config "
+                        "(--deepspeed_config): give only one")
     if config is None:
-        raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict)")
+        config = from_args
+    if config is None:
+        raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict) or "
+                        "args.deepspeed_config (--deepspeed_config, see shardwise.add_config_arguments)")
     if getattr(model, "num_stages", None) is not None and hasattr(model, "pipeline_block"):
         from shardwise.config.load import read_config
         config = model.pipeline_block(read_config(config))   # shardwise.pipe.PipelineModule(num_stages=...)

@@ -46,6 +46,9 @@ class DataParallelRuntime(Protocol):
         than 0 when `rank0_only`."""
         ...
 
+    def release_gathered(self) -> None:
+        """Free every parameter buffer gathered from other ranks (ZeRO-3; nothing elsewhere)."""
+
     def close(self) -> None: ...
 
 
@@ -56,6 +59,8 @@ class Updater(Protocol):
     scaler: LossScaler
     last_grad_norm: float | None
     checkpoint_per_rank: bool
+    model_params: list[torch.nn.Parameter]
+    """The model's parameters this updater trains (what `shardwise.utils` reads values of)."""
 
     def step(self) -> bool:
         """The update; False when an overflow skipped it (on every rank alike)."""
@@ -73,6 +78,16 @@ class Updater(Protocol):
 
     def sync_masters_from_model(self) -> None:
         """After loading module weights only: restart what the optimizer steps from them."""
+
+    def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 value the optimizer steps for `param` (one of `model_params`), whole. Collective over dp
+        when dp ranks hold shards."""
+        ...
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """`param`'s gradient as the next step will use it (averaged over dp once synchronised), whole.
+        Collective over dp when dp ranks hold shards."""
+        ...
 
 
 class Pipeline(Protocol):

@@ -74,7 +74,7 @@ def _write_pipeline_trace(engine, out: Path, is_main: bool) -> None:
     timeline = Timeline.from_records(records)
     cfg = engine.config.pipeline
     draw_timeline(timeline, out / "pipeline_timeline.png", time_unit="ms",
-                  title=f"measured {cfg.schedule.value}: P={cfg.stages}, M={engine.gradient_accumulation_steps}, "
+                  title=f"measured {cfg.schedule.value}: P={cfg.stages}, M={engine.gradient_accumulation_steps()}, "
                         f"V={cfg.virtual_stages}, bubble {timeline.bubble_fraction:.1%}")
     (out / "pipeline_trace.json").write_text(json.dumps(
         {"bubble_fraction": timeline.bubble_fraction, "unit": "ms",

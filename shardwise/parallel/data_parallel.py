@@ -72,6 +72,9 @@ class OrderedLauncher:
         """Parameters keep their own storages here; the engine already knows them."""
         return set()
 
+    def release_gathered(self) -> None:
+        """Nothing is gathered: every rank keeps its parameters whole."""
+
     def gathered_state_dict(self, module: torch.nn.Module, *, rank0_only: bool = True
                             ) -> dict[str, torch.Tensor] | None:
         """The module's own state: every dp rank holds all of it (no communication)."""

@@ -101,6 +101,12 @@ class GradNormReducer:
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
         return norm
 
+    def total_norm(self, params: Sequence[Tensor]) -> float:
+        """The whole model's norm of the `p.grad`s, without clipping (what clip_ would return)."""
+        if self.alone:      # the arithmetic of clip_grad_norm_, which clip_ uses alone
+            return float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        return self.norm(params)
+
     def norm(self, params: Sequence[Tensor]) -> float:
         sq = self._local_squares(params)
         self.holders.all_reduce(sq)

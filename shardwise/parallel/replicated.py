@@ -26,6 +26,7 @@ class ReplicatedUpdate(Update):
                          masters=masters or [], separate_masters=masters is not None, recipe=recipe,
                          norms=norms)
         self.model_params = model_params
+        self._index = {id(p): i for i, p in enumerate(model_params)}
 
     def _load_grads(self) -> None:
         for p, m in zip(self.model_params, self.masters):
@@ -50,6 +51,16 @@ class ReplicatedUpdate(Update):
 
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         self._load_common(state, load_optimizer_states)
+
+    def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A copy of the fp32 master (fp32 training: of the parameter itself, which the optimizer steps)."""
+        i = self._index[id(param)]
+        value = self.masters[i] if self.separate_masters else param
+        return value.detach().to(torch.float32, copy=True)
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """A copy of .grad: the bucket's slot, averaged over dp after the boundary's backward."""
+        return None if param.grad is None else param.grad.detach().clone()
 
 
 def make_masters(groups: list[dict]) -> tuple[list[dict], list[torch.nn.Parameter], list[torch.nn.Parameter]]:

@@ -41,7 +41,7 @@ class SingleStage:
         if data_iter is None:
             raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
                             "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
-        count = engine.gradient_accumulation_steps
+        count = engine.gradient_accumulation_steps()
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(count):
             loss = engine(next(data_iter))

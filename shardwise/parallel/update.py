@@ -33,6 +33,8 @@ class UpdateRecipe:
     """Skip a step whose gradients hold inf/nan (fp16 always; bf16 unless bf16_check_grad_overflow is off)."""
     dtype: torch.dtype
     """The model's dtype: below fp32 the optimizer steps separate fp32 masters."""
+    compute_norm: bool = True
+    """Report the global gradient norm also when not clipping (DeepSpeed's zero_optimization.compute_grad_norm)."""
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -70,6 +72,7 @@ class Update:
         self.clip = recipe.clip
         self.check_overflow = recipe.check_overflow
         self.norms = norms
+        self.compute_norm = recipe.compute_norm
         self.last_grad_norm: float | None = None
 
     def step(self) -> bool:
@@ -78,13 +81,15 @@ class Update:
         grads = [p.grad for p in self.stepped if p.grad is not None]
         if self.check_overflow and self.norms.overflow(grads_have_inf_or_nan(grads)):
             self.scaler.update(overflow=True)
-            self.last_grad_norm = float("inf")
+            self.last_grad_norm = float("inf") if self.compute_norm or self.clip > 0 else None
             return False
         scale = self.scaler.loss_scale
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
         if self.clip > 0:
             self.last_grad_norm = self.norms.clip_(self.stepped, self.clip)
+        elif self.compute_norm:      # DeepSpeed reports the norm without clipping too (get_global_grad_norm)
+            self.last_grad_norm = self.norms.total_norm(self.stepped)
         self.optimizer.step()
         self._publish()
         self.scaler.update(overflow=False)

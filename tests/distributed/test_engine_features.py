@@ -38,7 +38,7 @@ def _config(**extra) -> dict:
 
 
 def _one_step(engine, step: int) -> float:
-    micro = _micro(step, engine.dp_size, engine.dp_rank, engine.gradient_accumulation_steps)
+    micro = _micro(step, engine.dp_size, engine.dp_rank, engine.gradient_accumulation_steps())
     return engine.train_batch(iter(micro))
 
 

@@ -51,7 +51,7 @@ def _train(layout: dict, policy: dict) -> dict:
     torch.manual_seed(7 + dist.get_rank())               # the dropout streams start per rank, as in a real run
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
                                       config=_config(layout, policy))
-    gas = engine.gradient_accumulation_steps
+    gas = engine.gradient_accumulation_steps()
     batches = token_batches(STEPS, MICRO * engine.dp_size * gas, SEQ + 1, seed=5)
     losses = [float(engine.train_batch(iter(m)))
               for m in micro_steps(batches, dp_size=engine.dp_size, dp_rank=engine.dp_rank, grad_accum=gas)]

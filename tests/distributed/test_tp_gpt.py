@@ -194,7 +194,7 @@ def _train(model: nn.Module, config: dict, tp: int, batches, micro_fn, loss_fn, 
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, dp_rank = world // tp, rank // tp                      # tp innermost: ranks [d*tp, (d+1)*tp) share data
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    gas = engine.gradient_accumulation_steps
+    gas = engine.gradient_accumulation_steps()
     losses, norms = [], []
     for b in batches:
         total = 0.0

@@ -39,6 +39,10 @@ class ZeroBucket:
         return slice(r.start, r.stop)
 
     @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
+
+    @property
     def param_shard(self) -> torch.Tensor:
         return self.param_flat[self.shard]
 

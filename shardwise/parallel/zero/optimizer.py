@@ -61,6 +61,7 @@ class ShardedUpdate(Update):
         self.buckets = buckets
         self.comm = comm              # parameter all-gathers: gradient-step traffic, group "dp"
         self.model_params = [p for b in buckets for p in b.params]
+        self._where = {id(p): (k, i) for k, b in enumerate(buckets) for i, p in enumerate(b.params)}
         # Offloaded masters get their gradients in host buffers kept across steps, page-locked like the masters
         # (a fresh empty_like each step would be pageable: its non_blocking copy would run synchronously).
         self._host_grads: list[torch.Tensor | None] = [None] * len(masters)
@@ -124,6 +125,28 @@ class ShardedUpdate(Update):
 
     def state_dict(self) -> dict:
         return dict(super().state_dict(), dp_rank=self.comm.rank, dp_size=self.comm.size)
+
+    def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The whole fp32 master of `param`, assembled from every rank's shard. Collective over dp."""
+        k, i = self._where[id(param)]
+        return self._assemble(self.buckets[k], i, self.masters[k].detach())
+
+    def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The whole averaged gradient of `param` (fp32), from every rank's gradient shard: valid after the
+        boundary's backward and before step(). Collective over dp."""
+        k, i = self._where[id(param)]
+        return self._assemble(self.buckets[k], i, self.buckets[k].grad_shard)
+
+    @torch.no_grad()
+    def _assemble(self, bucket: ZeroBucket, i: int, shard: torch.Tensor) -> torch.Tensor:
+        """Parameter i of `bucket` from per-rank shards: each rank writes its pieces into zeros, one sum."""
+        device = getattr(bucket, "compute_device", None) or bucket.grad_shard.device
+        out = torch.zeros(bucket.layout.sizes[i], dtype=torch.float32, device=device)
+        for j, lo, hi, dst in bucket.layout.pieces_in_shard(bucket.rank):
+            if j == i:
+                out[lo:hi] = shard[dst:dst + hi - lo]
+        self.comm.all_reduce(out)
+        return out.view(bucket.shapes[i])
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:

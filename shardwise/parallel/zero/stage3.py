@@ -128,6 +128,18 @@ class ZeroParamRuntime:
         the same storage), so the activation meter does not count weights autograd saves."""
         return {f.full.untyped_storage()._cdata for f in self.partition.flats if f.full is not None}
 
+    def release_gathered(self) -> None:
+        """Free every unit (DeepSpeed's empty_partition_cache); the next forward gathers what it needs."""
+        for u in self.units:
+            self._free(u)
+
+    def gather_unit(self, u: Unit) -> None:
+        """Gather one unit now (for `shardwise.zero.GatheredParameters`), counted in the live elements."""
+        self._gather_now(u)
+
+    def free_unit(self, u: Unit) -> None:
+        self._free(u)
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
