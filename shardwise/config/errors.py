@@ -135,12 +135,12 @@ def field_kind(root: type[BaseModel], loc: Sequence[Any]) -> str:
 
 # Keys that DeepSpeed knows but shardwise does not implement: a clearer message than "unknown key".
 DEEPSPEED_ONLY_KEYS = frozenset({
-    "amp", "aio", "autotuning", "checkpoint", "comet", "comms_logger", "compile", "compression_training",
-    "csv_monitor", "data_efficiency", "data_types", "datastates_ckpt", "disable_allgather",
-    "disable_python_gc", "dump_state", "expert_parallel", "flops_profiler", "gradient_allreduce_op",
+    "amp", "aio", "autotuning", "checkpoint", "comet", "compile", "compression_training",
+    "data_efficiency", "data_types", "datastates_ckpt", "disable_allgather",
+    "disable_python_gc", "dump_state", "expert_parallel", "gradient_allreduce_op",
     "hybrid_engine", "log_level", "managed_gradient_accumulation", "nebula", "sequence_parallel_size",
-    "seq_parallel_communication_data_type", "tensorboard", "timers", "torch_autocast",
-    "use_data_before_expert_parallelism", "wandb", "weight_quantization",
+    "seq_parallel_communication_data_type", "timers", "torch_autocast",
+    "use_data_before_expert_parallelism", "weight_quantization",
 })
 
 

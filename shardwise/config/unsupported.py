@@ -54,4 +54,8 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
         refuse("activation_checkpointing.policy",
                f'activation_checkpointing.policy = "{checkpointing.policy}": activation recomputation is not '
                f'implemented yet in this version; use "none"')
+    if model.flops_profiler.enabled and model.pipeline.stages > 1:
+        # The schedule runs the stage's forwards itself; the profiler hooks engine.forward.
+        refuse("flops_profiler.enabled", "flops_profiler.enabled = true: the flops profiler is not implemented "
+                                         "under a pipeline (pipeline.stages > 1) yet; set it to false")
     return problems

@@ -43,7 +43,7 @@ def test_seed_is_not_a_deepspeed_key() -> None:
 
 
 def test_deepspeed_features_we_lack_say_so() -> None:
-    assert "DeepSpeed feature that shardwise does not implement" in str(error_of({**BASE, "tensorboard": {}}))
+    assert "DeepSpeed feature that shardwise does not implement" in str(error_of({**BASE, "comet": {}}))
 
 
 def test_auto_is_refused_with_the_hugging_face_hint() -> None:
