@@ -20,7 +20,7 @@ from shardwise.telemetry.comms_logger import CommsLogger, bus_factor
 from shardwise.telemetry.events import CSVWriter, EventWriters, csv_file_name, require_package
 from shardwise.telemetry.flops_profiler import FlopsProfiler
 from shardwise.telemetry.timers import PhaseTimers, breakdown_line
-from shardwise.testing import tiny_gpt
+from shardwise.testing import gpt_forward_flops, tiny_gpt
 
 BASE = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 
@@ -155,15 +155,6 @@ def test_comms_logger_rows_bandwidth_and_filters() -> None:
 
 
 # -- flops profiler --------------------------------------------------------------------------------------
-def gpt_forward_flops(model: torch.nn.Module, tokens: int) -> tuple[int, int]:
-    """(what the profiler must count exactly, the allowed gap to the analytic count) for `tokens` tokens: the
-    analytic training count / 3 is the forward, and it prices every norm and bias parameter at 2 FLOPs per
-    token where the profiler prices only matmuls and attention."""
-    analytic = model.flops_per_token() * tokens // 3
-    elementwise = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 1)
-    return analytic - 2 * elementwise * tokens, 2 * elementwise * tokens
-
-
 def test_flops_profile_of_the_gpt_matches_its_analytic_count() -> None:
     model = tiny_gpt(n_layer=2, d_model=32, seq_len=16)
     rows, seq = 3, 16
@@ -191,3 +182,35 @@ def test_flops_profile_of_the_gpt_matches_its_analytic_count() -> None:
     assert f"({exact})" in text and "bwd latency:" in text and "iter latency" in text
     assert "q_proj" not in text                              # module_depth 3 stops above blocks.0.attn.q_proj (depth 4)
     assert re.search(r"\n\s+attn\s+Attention\s+\d+\s+" + str(by_name["blocks.0.attn"].flops), text)
+
+
+# -- wandb, offline ---------------------------------------------------------------------------------------
+def _wandb_values(run_file, tag: str) -> set[float]:
+    """The values logged under `tag` in an offline run's .wandb file: each history item stores its key then,
+    as protobuf field 16 (bytes 0x82 0x01), a length and the value as JSON."""
+    data = run_file.read_bytes()
+    key = tag.encode()
+    values = set()
+    for m in re.finditer(re.escape(key) + rb"\x82\x01", data):
+        length = data[m.end()]
+        values.add(float(data[m.end() + 1:m.end() + 1 + length]))
+    return values
+
+
+def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from shardwise.config.resolved import WandbConfig
+    section = MonitoringConfig(wandb=WandbConfig(enabled=True, project="shardwise-test", group="g"))
+    writers = EventWriters.build(section, global_rank=0)
+    run = writers.writers[0].run
+    assert (run.project, run.group) == ("shardwise-test", "g")
+    writers.write([("Train/Samples/lr", 0.5, 4), ("Train/Samples/train_loss", 2.25, 4)])
+    writers.write([("Train/Samples/lr", 0.25, 8), ("Train/Samples/train_loss", 1.75, 8)])
+    writers.close()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (run_file,) = run_dir.glob("run-*.wandb")
+    assert _wandb_values(run_file, "Train/Samples/lr") == {0.5, 0.25}
+    assert _wandb_values(run_file, "Train/Samples/train_loss") == {2.25, 1.75}
