@@ -83,8 +83,8 @@ class Update:
         scale = self.scaler.loss_scale
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
-        if self.clip > 0:
-            self.last_grad_norm = self.norms.clip_(self.stepped, self.clip)
+        # Without clipping no norm is taken: None, not the figure of an earlier (e.g. overflowing) step.
+        self.last_grad_norm = self.norms.clip_(self.stepped, self.clip) if self.clip > 0 else None
         self.optimizer.step()
         self._publish()
         self.scaler.update(overflow=False)
