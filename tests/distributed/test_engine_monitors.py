@@ -162,3 +162,44 @@ def test_flops_profile_at_profile_step(run) -> None:
     assert re.search(rf"^fwd flops per GPU:\s+\S+ \S* ?\({exact}\)$", text, re.M)
     assert re.search(r"^world size:\s+2$", text, re.M) and re.search(r"^data parallel size:\s+2$", text, re.M)
     assert re.search(r"^depth 1: .*; ", text, re.M)               # top_modules 2
+
+
+# -- under ZeRO-3, tensor parallelism and a pipeline --------------------------------------------------------
+def _train_layout(extra: dict, out: str) -> dict:
+    import shardwise
+    model = tiny_gpt(seq_len=SEQ)
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": MICRO,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 1,
+           "csv_monitor": {"enabled": True, "output_path": out, "job_name": "csv"}, **extra}
+    buf = io.StringIO()
+    losses = []
+    with redirect_stdout(buf):
+        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(2):
+            batch = token_batches(1, 8, SEQ + 1, seed=100 + step)[0]
+            (micro,) = micro_steps([batch], dp_size=engine.dp_size, dp_rank=engine.dp_rank,
+                                   grad_accum=engine.gradient_accumulation_steps)
+            losses.append(float(engine.train_batch(iter(micro))))
+        flops = engine.monitor.flops.profile if engine.monitor.flops is not None else None
+        engine.close()
+    return {"stdout": buf.getvalue(), "losses": losses, "flops": flops[0].flops if flops else None}
+
+
+@pytest.mark.parametrize("layout, share", [("zero3", 1), ("tp", 2)])
+def test_flops_profile_counts_this_ranks_share(tmp_path, layout: str, share: int) -> None:
+    extra = {"zero3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+             "tp": {"tensor_parallel": {"size": 2}}}[layout]
+    extra["flops_profiler"] = {"enabled": True, "profile_step": 0, "detailed": False}
+    r0, r1 = run_distributed(_train_layout, 2, args=(extra, str(tmp_path)))
+    exact, _ = gpt_forward_flops(tiny_gpt(seq_len=SEQ), MICRO * SEQ)
+    assert r0["flops"] == exact // share and r1["flops"] is None    # TP: every matmul and head split in two
+    assert f"({exact // share})" in r0["stdout"] and r1["stdout"] == ""
+
+
+def test_pipeline_logs_the_agreed_loss(tmp_path) -> None:
+    r0, r1 = run_distributed(_train_layout, 2, args=({"pipeline": {"stages": 2}}, str(tmp_path)))
+    assert r0["losses"] == r1["losses"]
+    assert _csv(tmp_path / "csv" / "Train_Samples_train_loss.csv") == list(zip([8, 16], r0["losses"]))
+    for step, loss in enumerate(r0["losses"], start=1):
+        assert f"[Rank 0] step={step}, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]" in r0["stdout"]
+        assert f"steps: {step} loss: {loss:0.4f} iter time (s): " in r0["stdout"]
