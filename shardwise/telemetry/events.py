@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -24,13 +25,18 @@ from shardwise.errors import UserError
 Event = tuple[str, float, int]
 
 
-def require_package(module: str, key: str, extra: str = "monitors") -> Any:
-    """Import `module`, or stop with one line naming the config key that needs it and the extra to install."""
+def require_package(module: str, key: str, extra: str = "monitors", *, load: bool = True) -> Any:
+    """Import `module` (or, with load=False, only find it), or stop with one line naming the config key that
+    needs it and the extra to install."""
     try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f'"{key}": true needs the {module.split(".")[0]} package, which is not installed; '
-                        f"pip install 'shardwise[{extra}]' (or set {key} to false)") from None
+        if load:
+            return importlib.import_module(module)
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except (ImportError, ValueError):      # ValueError: a module set to None in sys.modules
+        pass
+    raise UserError(f'"{key}": true needs the {module.split(".")[0]} package, which is not installed; '
+                    f"pip install 'shardwise[{extra}]' (or set {key} to false)")
 
 
 class EventWriter(Protocol):
@@ -109,6 +115,12 @@ class EventWriters:
 
     @classmethod
     def build(cls, section: MonitoringConfig, *, global_rank: int) -> "EventWriters":
+        # Every rank checks the packages, so a missing one stops all ranks at the same point (rank 0 alone
+        # stopping would leave the others waiting in their next collective).
+        for on, module, key in ((section.tensorboard.enabled, "tensorboard", "tensorboard.enabled"),
+                                (section.wandb.enabled, "wandb", "wandb.enabled")):
+            if on:
+                require_package(module, key, load=False)
         if global_rank != 0:
             return cls()
         writers: list[EventWriter] = []

@@ -14,7 +14,9 @@ import torch
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import ConfigError, load_config
-from shardwise.config.resolved import CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig
+from shardwise.config.resolved import (
+    CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
+)
 from shardwise.errors import UserError
 from shardwise.telemetry.comms_logger import CommsLogger, bus_factor
 from shardwise.telemetry.events import CSVWriter, EventWriters, csv_file_name, require_package
@@ -65,6 +67,9 @@ def test_a_missing_package_is_one_line_naming_the_extra(monkeypatch: pytest.Monk
         require_package("wandb", "wandb.enabled")
     text = str(err.value)
     assert "\n" not in text and '"wandb.enabled"' in text and "shardwise[monitors]" in text
+    # Every rank stops, not only the rank that would write.
+    with pytest.raises(UserError, match="shardwise\\[monitors\\]"):
+        EventWriters.build(MonitoringConfig(wandb=WandbConfig(enabled=True)), global_rank=1)
 
 
 # -- event writers --------------------------------------------------------------------------------------
@@ -202,7 +207,6 @@ def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch: pytest.Mo
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from shardwise.config.resolved import WandbConfig
     section = MonitoringConfig(wandb=WandbConfig(enabled=True, project="shardwise-test", group="g"))
     writers = EventWriters.build(section, global_rank=0)
     run = writers.writers[0].run
