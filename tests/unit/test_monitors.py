@@ -218,3 +218,21 @@ def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch: pytest.Mo
     (run_file,) = run_dir.glob("run-*.wandb")
     assert _wandb_values(run_file, "Train/Samples/lr") == {0.5, 0.25}
     assert _wandb_values(run_file, "Train/Samples/train_loss") == {2.25, 1.75}
+
+
+@pytest.mark.parametrize("name", ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"])
+def test_attention_is_priced_on_every_backend_and_halved_when_causal(name: str) -> None:
+    from shardwise.telemetry.flops_profiler import _attention_formula
+    packet = getattr(torch.ops.aten, name)
+    b, h, s, d = 2, 4, 16, 8
+    q = k = v = torch.empty(b, h, s, d, device="meta")
+    names = [a.name for a in packet.default._schema.arguments if not a.kwarg_only][3:]
+    formula = _attention_formula(packet)
+    full = 2 * b * h * s * s * (d + d)                # QK^T and the mix with V
+    for causal in (False, True):
+        # The op's positional arguments after q, k, v as a caller passes them (placeholders but is_causal).
+        args = [causal if n == "is_causal" else None for n in names]
+        assert formula(q, k, v, *args) == (full // 2 if causal else full)
+    assert formula(q, k, v, is_causal=True) == full // 2
+    assert formula(q, k, v) == full                    # is_causal left at its default
