@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,7 +258,6 @@ class EventFilesConfig:
 
     @property
     def log_dir(self) -> str:
-        import os
         return os.path.join(self.output_path, self.job_name)
 
 

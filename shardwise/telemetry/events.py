@@ -93,7 +93,8 @@ class CSVWriter:
 
 class WandbWriter:
     """A W&B run (project, group, entity = team) in the current directory's `wandb/`. With WANDB_MODE=offline
-    nothing leaves the machine; `wandb sync` uploads the run later."""
+    nothing leaves the machine; `wandb sync` uploads the run later. W&B's own service process writes the run
+    file: `close` ends the run, and the file is complete once that process is done (`wandb.teardown()`)."""
 
     def __init__(self, section: WandbConfig):
         self._wandb = require_package("wandb", "wandb.enabled")

@@ -12,7 +12,6 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from shardwise.testing import gpt_forward_flops, micro_steps, run_distributed, tiny_gpt, token_batches
 
@@ -38,7 +37,6 @@ def _config(out: str) -> dict:
 
 def _train(out: str) -> dict:
     import shardwise
-    rank = dist.get_rank()
     model = tiny_gpt(seq_len=SEQ)
     buf = io.StringIO()
     seen: dict = {"loss": [], "samples": [], "lr": [], "scale": [], "skipped": [], "windows": []}

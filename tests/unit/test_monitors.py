@@ -214,6 +214,8 @@ def test_wandb_offline_writes_its_run_directory(tmp_path, monkeypatch: pytest.Mo
     writers.write([("Train/Samples/lr", 0.5, 4), ("Train/Samples/train_loss", 2.25, 4)])
     writers.write([("Train/Samples/lr", 0.25, 8), ("Train/Samples/train_loss", 1.75, 8)])
     writers.close()
+    import wandb
+    wandb.teardown()          # wait for W&B's service process to write everything out before reading the file
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (run_file,) = run_dir.glob("run-*.wandb")
     assert _wandb_values(run_file, "Train/Samples/lr") == {0.5, 0.25}
