@@ -24,6 +24,8 @@ from shardwise.config.resolved import EngineConfig
 from shardwise.engine_api import DeepSpeedEngineAPI
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
+from shardwise.telemetry.monitor import TrainingMonitor
+from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
 from shardwise.topology import Axis, ParallelMesh
 
 
@@ -67,7 +69,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, updater: Updater,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype):
+                 device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         self.module = module
@@ -79,6 +81,8 @@ class Engine(DeepSpeedEngineAPI):
         self.dp_runtime = dp_runtime
         self.lr_scheduler = lr_scheduler
         self.ledger = ledger
+        self.monitor = monitor
+        """DeepSpeed's monitors, progress lines, timers, comms logger and flops profiler (`shardwise.telemetry`)."""
         self.dp_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp")
         self.metrics_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp:metrics")
         self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
@@ -152,7 +156,8 @@ class Engine(DeepSpeedEngineAPI):
         if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps() == 0:
             self.ledger.begin_step(self.global_steps)
         self._activations.reset(list(self.module.parameters()))
-        with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack), \
+                self.monitor.forward(self):
             out = self.module(*inputs, **kwargs)
         self._last_activation_bytes = self._activations.bytes
         return out
@@ -168,26 +173,32 @@ class Engine(DeepSpeedEngineAPI):
             scaled = scaled * self.updater.scaler.loss_scale
         # Inside no_sync() gradients accumulate locally, even on the boundary (DeepSpeed's rule).
         boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-        self.dp_runtime.begin_backward(boundary)
-        scaled.backward()
-        self.dp_runtime.end_backward(boundary)
+        with self.monitor.timed(BACKWARD):
+            self.dp_runtime.begin_backward(boundary)
+            with self.monitor.timed(BACKWARD_INNER):
+                scaled.backward()
+            with self.monitor.timed(BACKWARD_ALLREDUCE):
+                self.dp_runtime.end_backward(boundary)
+        self.monitor.observe_loss(loss)
         return loss
 
     def step(self) -> None:
         self._refuse_inside_no_sync("engine.step()")
         if self.is_gradient_accumulation_boundary():
-            applied = self.updater.step()
-            self._step_applied = applied
-            if applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.skipped_steps += 1
-            self.dp_runtime.zero_grad()
-            self.updater.zero_master_grads()
+            with self.monitor.timed(STEP):
+                applied = self.updater.step()
+                self._step_applied = applied
+                if applied:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step()
+                else:
+                    self.skipped_steps += 1
+                self.dp_runtime.zero_grad()
+                self.updater.zero_master_grads()
             self.global_steps += 1
             self.global_samples += self.config.batch.train_batch_size
             self._last_report_step = self.global_steps - 1
+            self.monitor.after_step(self)
         self.micro_steps += 1
 
     def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
@@ -216,7 +227,9 @@ class Engine(DeepSpeedEngineAPI):
         0-dim tensor, as DeepSpeed returns (`loss.item()`, `float(loss)`)."""
         if data_iter is None:
             data_iter = self._default_iterator()
-        return _loss_value(self.pipeline.train_batch(self, data_iter))
+        with self.monitor.global_batch(self) as result:
+            result.loss = self.pipeline.train_batch(self, data_iter)
+        return _loss_value(result.loss)
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
@@ -230,9 +243,11 @@ class Engine(DeepSpeedEngineAPI):
         was_training = self.module.training
         self.module.eval()
         try:
-            return _loss_value(self.pipeline.eval_batch(self, data_iter, count))
+            loss = self.pipeline.eval_batch(self, data_iter, count)
         finally:
             self.module.train(was_training)
+        self.monitor.eval_loss(self, loss)
+        return _loss_value(loss)
 
     # -- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -284,6 +299,7 @@ class Engine(DeepSpeedEngineAPI):
     def close(self) -> None:
         self.dp_runtime.close()
         self.pipeline.close()
+        self.monitor.close()
 
 
 def _loss_value(value: float) -> torch.Tensor:

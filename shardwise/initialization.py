@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import AutoValues, load_config_for_world
-from shardwise.config.resolved import EngineConfig
+from shardwise.config.resolved import DType, EngineConfig
 from shardwise.engine import Engine
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
@@ -31,6 +31,7 @@ from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
 from shardwise.parallel.zero.build import build_zero
 from shardwise.precision import make_loss_scaler
+from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.topology import Axis, MeshShape, ParallelMesh
 from shardwise.utils import link_params
 
@@ -143,8 +144,11 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                                          norms=norms, device=device, units=pipeline.sharding_units())
     link_params(updater)
     sched = _scheduler(lr_scheduler, cfg, updater.optimizer)
+    monitor = TrainingMonitor(cfg.monitors, module=model, ledger=ledger, device=device, global_rank=dist.get_rank(),
+                              world_size=world, dp_size=dp_comm.size, mp_size=world // dp_comm.size,
+                              micro_batch=cfg.batch.micro_batch, scales_loss=cfg.precision.dtype is DType.FP16)
     engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
-                    lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype)
+                    lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor)
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader

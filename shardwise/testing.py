@@ -213,3 +213,15 @@ def assert_state_close(actual: dict, expected: dict, *, what: str, adam: bool = 
         if adam and k.endswith("k_proj.bias"):
             continue
         torch.testing.assert_close(actual[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+# -- FLOP counts ---------------------------------------------------------------------------------------
+
+def gpt_forward_flops(model: torch.nn.Module, tokens: int) -> tuple[int, int]:
+    """A GPT's forward FLOPs over `tokens` tokens as the flops profiler counts them, and their gap to the
+    analytic count (`model.flops_per_token()` / 3, the forward share of training). The analytic count prices
+    every norm and bias parameter (the 1-D ones) at 2 FLOPs per token; the profiler prices only matmuls and
+    attention, so it counts exactly that much less."""
+    analytic = model.flops_per_token() * tokens // 3
+    elementwise = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    return analytic - 2 * elementwise * tokens, 2 * elementwise * tokens

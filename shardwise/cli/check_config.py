@@ -93,7 +93,24 @@ def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tup
         ("tensor parallel", f"{tp.size}" + (" + sequence parallel" if tp.sequence_parallel else "")),
         ("pipeline", f"{pp.stages} stage(s), {pp.schedule.value}, {pp.virtual_stages} virtual, {pp.partition.value}"),
         ("recompute", cfg.activation_checkpointing.policy.value),
+        ("monitoring", _monitoring(cfg)),
     ]
+
+
+def _monitoring(cfg: EngineConfig) -> str:
+    """What global rank 0 will log and print, or "none"."""
+    m = cfg.monitors
+    parts = [f"{name} -> {block.log_dir}" for name, block in (("tensorboard", m.tensorboard),
+                                                            ("csv_monitor", m.csv_monitor)) if block.enabled]
+    if m.wandb.enabled:
+        parts.append(f"wandb project {m.wandb.project}")
+    if m.steps_per_print:
+        parts.append(f"progress every {m.steps_per_print} steps")
+    parts += [name for name, on in (("wall_clock_breakdown", m.wall_clock_breakdown),
+                                    ("comms_logger", m.comms_logger.enabled)) if on]
+    if m.flops_profiler.enabled:
+        parts.append(f"flops_profiler at step {m.flops_profiler.profile_step}")
+    return ", ".join(parts) or "none"
 
 
 def run(args: argparse.Namespace) -> int:

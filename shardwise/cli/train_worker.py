@@ -1,9 +1,10 @@
 """What each rank of `shardwise train` runs (started by torchrun: `python -m shardwise.cli.train_worker ARGS`).
 
 Every rank builds the same model from the same seed, the engine and its own slice of the data; global
-rank 0 alone draws the progress bar, writes RUN_DIR/metrics.jsonl after every step, and at the end
-prints the summary and writes RUN_DIR/summary.json and RUN_DIR/loss.png. The inputs were validated by
-the parent (`shardwise.cli.train`), so a failure here is a bug or an environment problem, not a typo.
+rank 0 alone draws the progress bar, writes RUN_DIR/metrics.jsonl after every step (loss, lr, throughput,
+gradient norm, loss scale, skipped steps), and at the end prints the summary and writes
+RUN_DIR/summary.json and RUN_DIR/loss.png. The inputs were validated by the parent (`shardwise.cli.train`), so
+a failure here is a bug or an environment problem, not a typo.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def train(args: WorkerArgs) -> None:
                 m = StepMetrics.build(step=step, loss=loss, lr=lr, tokens=tokens_per_step,
                                       step_time_s=step_time, elapsed_s=time.perf_counter() - start,
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                      rss_bytes=current_rss_bytes())
+                                      rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
+                                      loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps)
                 writer.write(m)
                 progress.update(m)
             if args.save_every and (step % args.save_every == 0 or step == args.steps):

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class CommLedger:
     keep_steps: int = 2
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _next_id: int = 0
+    listeners: list[Callable[[CommRecord], None]] = field(default_factory=list)
+    """Called with every record as it is made (the comms logger); on whichever thread completed the op."""
 
     def begin_step(self, step: int) -> None:
         """Start recording for `step`; keep only the last `keep_steps` steps so memory stays bounded."""
@@ -63,9 +66,10 @@ class CommLedger:
     def finish(self, token: int, *, op: str, group: str, group_size: int, nbytes: int, dtype: str) -> None:
         with self._lock:
             _, _, t0 = self.in_flight.pop(token, (op, group, time.perf_counter()))
-            self.records.append(
-                CommRecord(op, group, group_size, nbytes, dtype, time.perf_counter() - t0, self.step)
-            )
+            record = CommRecord(op, group, group_size, nbytes, dtype, time.perf_counter() - t0, self.step)
+            self.records.append(record)
+        for listener in self.listeners:
+            listener(record)
 
     def pending(self) -> list[tuple[str, str, float]]:
         """Operations launched and not finished: (op, group, seconds waiting)."""

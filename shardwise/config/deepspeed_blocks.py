@@ -29,22 +29,6 @@ class LenientFeatureSection(FeatureSection):
     model_config = ConfigDict(extra="allow", frozen=True, validate_default=False)
 
 
-class TensorBoardSection(FeatureSection):
-    output_path: Str = ""
-    job_name: Str = "DeepSpeedJobName"
-
-
-class WandbSection(FeatureSection):
-    group: Str | None = None
-    team: Str | None = None
-    project: Str = "deepspeed"
-
-
-class CSVMonitorSection(FeatureSection):
-    output_path: Str = ""
-    job_name: Str = "DeepSpeedJobName"
-
-
 class CometSection(FeatureSection):
     samples_log_interval: Int = 100
     project: Str | None = None
@@ -54,13 +38,6 @@ class CometSection(FeatureSection):
     experiment_key: Str | None = None
     online: Bool | None = None
     mode: Str | None = None
-
-
-class CommsLoggerSection(FeatureSection):
-    prof_all: Bool = True
-    prof_ops: list[Str] = Field(default_factory=list)
-    verbose: Bool = False
-    debug: Bool = False
 
 
 class HybridEngineSection(FeatureSection):
@@ -138,20 +115,14 @@ NO_EFFECT_KEYS = ("aio", "checkpoint", "timers", "log_level", "dump_state", "dis
                   "seq_parallel_communication_data_type")
 
 # Blocks that do something only while switched on; their fields in the schema, and how "on" is read.
-FEATURE_BLOCKS = ("tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "autotuning",
-                  "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel", "weight_quantization",
+FEATURE_BLOCKS = ("comet", "autotuning", "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel", "weight_quantization",
                   "compile", "datastates_ckpt")
 
 
 class DeepSpeedOnlyKeys(Section):
     """The DeepSpeed top-level keys of this module, as fields of the whole config (mixed into `ConfigModel`)."""
 
-    tensorboard: TensorBoardSection | None = None
-    wandb: WandbSection | None = None
-    csv_monitor: CSVMonitorSection | None = None
     comet: CometSection | None = None
-    comms_logger: CommsLoggerSection | None = None
-    flops_profiler: LenientFeatureSection | None = None
     autotuning: LenientFeatureSection | None = None
     hybrid_engine: HybridEngineSection | None = None
     data_efficiency: LenientFeatureSection | None = None
@@ -183,7 +154,7 @@ class DeepSpeedOnlyKeys(Section):
     def _misspelled_enabled(self) -> "DeepSpeedOnlyKeys":
         # DeepSpeed never looks at unknown keys of these blocks, so "enabeld": true would silently leave the
         # feature off; a near miss of "enabled" is taken for that typo.
-        for name in ("flops_profiler", "autotuning", "data_efficiency", "torch_autocast", "expert_parallel"):
+        for name in ("autotuning", "data_efficiency", "torch_autocast", "expert_parallel"):
             block = getattr(self, name)
             for key in (block.model_extra or {}) if block is not None else ():
                 if key != "enabled" and difflib.SequenceMatcher(None, key.lower(), "enabled").ratio() >= 0.8:

@@ -28,6 +28,9 @@ from shardwise.config.resolved import (
     OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
     PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
 )
+from shardwise.config.resolved import (
+    CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
+)
 from shardwise.config.schema import ConfigModel
 from shardwise.config.top_level import screen_top_level
 from shardwise.config.unsupported import refuse_unimplemented
@@ -206,6 +209,17 @@ def _zero(block: ZeroSection) -> ZeroConfig:
                       leaf_module_name_suffixes=tuple(leaf.name_suffixes))
 
 
+def _monitors(model: ConfigModel) -> MonitoringConfig:
+    comms = model.comms_logger
+    return MonitoringConfig(
+        tensorboard=EventFilesConfig(**model.tensorboard.model_dump()),
+        csv_monitor=EventFilesConfig(**model.csv_monitor.model_dump()),
+        wandb=WandbConfig(**model.wandb.model_dump()),
+        comms_logger=CommsLoggerConfig(**{**comms.model_dump(), "prof_ops": tuple(comms.prof_ops)}),
+        flops_profiler=FlopsProfilerConfig(**model.flops_profiler.model_dump()),
+        steps_per_print=model.steps_per_print, wall_clock_breakdown=model.wall_clock_breakdown)
+
+
 def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> EngineConfig:
     ac, pipe = model.activation_checkpointing, model.pipeline
     return EngineConfig(
@@ -233,6 +247,7 @@ def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Eng
         memory_breakdown=model.memory_breakdown,
         dataloader_drop_last=model.dataloader_drop_last,
         zero_allow_untested_optimizer=model.zero_allow_untested_optimizer,
+        monitors=_monitors(model),
         raw=raw,
     )
 

@@ -16,6 +16,9 @@ from pydantic import Field, field_validator, model_validator
 
 from shardwise.config.deepspeed_blocks import DeepSpeedOnlyKeys
 from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str
+from shardwise.config.monitors import (
+    CommsLoggerSection, CSVMonitorSection, FlopsProfilerSection, TensorBoardSection, WandbSection,
+)
 from shardwise.config.zero import ZeroSection
 
 
@@ -218,6 +221,11 @@ class ConfigModel(DeepSpeedOnlyKeys):
     communication: CommunicationSection = Field(default_factory=CommunicationSection)
     tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)
+    csv_monitor: CSVMonitorSection = Field(default_factory=CSVMonitorSection)
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
+    flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
     # Harmless DeepSpeed keys that configs commonly carry.
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True

@@ -14,8 +14,7 @@ from shardwise.config.schema import ConfigModel
 
 # DeepSpeed features shardwise does not have, by their config block: what each is. Refused only when on.
 FEATURE_NAMES = {
-    "tensorboard": "TensorBoard monitor", "wandb": "Weights & Biases monitor", "csv_monitor": "CSV monitor",
-    "comet": "Comet monitor", "comms_logger": "communication logger", "flops_profiler": "FLOPs profiler",
+    "comet": "Comet monitor",
     "autotuning": "autotuner", "hybrid_engine": "hybrid (RLHF) engine", "data_efficiency": "data efficiency library",
     "torch_autocast": "torch.autocast mode", "expert_parallel": "expert parallelism (AutoEP)",
     "weight_quantization": "weight quantization", "compile": "DeepCompile",
@@ -98,4 +97,8 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                f'checkpointing every n pipeline layers is not implemented; use 0')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
+    if model.flops_profiler.enabled and model.pipeline.stages > 1:
+        # The schedule runs the stage's forwards itself; the profiler hooks engine.forward.
+        refuse("flops_profiler.enabled", "flops_profiler.enabled = true: the flops profiler is not implemented "
+                                         "under a pipeline (pipeline.stages > 1) yet; set it to false")
     return problems

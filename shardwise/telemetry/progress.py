@@ -114,6 +114,9 @@ def summary_tables(summary: RunSummary) -> list[Table]:
     rows: list[tuple[str, Any]] = [
         ("steps", summary.steps),
         ("final loss", f"{summary.final_loss:.4f}"),
+        ("final gradient norm", "-" if summary.final_grad_norm is None else f"{summary.final_grad_norm:.4g}"),
+        ("final loss scale", f"{summary.final_loss_scale:g}"),
+        ("skipped steps", summary.skipped_steps),
         ("tokens / step", f"{summary.tokens_per_step:,}"),
         ("mean tokens/s (steps 2..N)", format_rate(summary.mean_tokens_per_s)),
         ("MFU", format_mfu(summary.mfu)),

@@ -4,6 +4,7 @@ localhost, and user errors reported as one line with exit code 2 before anything
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -60,10 +61,14 @@ def test_two_ranks_on_stdlib_write_metrics_plot_and_summary(tmp_path: Path) -> N
     losses = [r["loss"] for r in rows]
     assert abs(losses[0] - 5.545) < 0.3                           # ~ln(256): an untrained byte model
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses         # decreasing-ish
+    # gradient_clipping defaults to 1.0, so every step measured the norm; fp32 neither scales nor skips.
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 for r in rows)
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
     assert summary["final_loss"] == pytest.approx(losses[-1])
+    assert summary["final_grad_norm"] == rows[-1]["grad_norm"] and summary["skipped_steps"] == 0
     assert len(summary["memory_per_rank"]) == 2
     assert all(m["peak_rss"] > 0 and m["params"] > 0 for m in summary["memory_per_rank"])
     assert summary["comm_bytes_per_step"] > 0                     # the gradient all-reduce
@@ -73,6 +78,7 @@ def test_two_ranks_on_stdlib_write_metrics_plot_and_summary(tmp_path: Path) -> N
     # Output is not a terminal here: plain progress lines, then the summary table.
     assert "step 1/12 | loss" in proc.stdout and "step 12/12 | loss" in proc.stdout
     assert "Training summary" in proc.stdout and "Memory per rank" in proc.stdout
+    assert "final gradient norm" in proc.stdout and "skipped steps" in proc.stdout
 
 
 @pytest.mark.slow      # four Python processes start torch on two launchers: 20-40 s on a shared 2-core box

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,12 @@ def test_prints_the_resolved_table(tmp_path: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "train_micro_batch_size_per_gpu 4" in out and "gradient_accumulation_steps 2" in out
     assert "torch.optim.AdamW" in out and "2^12" in out and "ring" in out and "WarmupDecayLR" in out
+    assert re.search(r"│ monitoring\s+│ none\s+│", out)
+    monitored = {**GOOD, "steps_per_print": 5, "csv_monitor": {"enabled": True, "output_path": "logs"},
+                 "flops_profiler": {"enabled": True, "profile_step": 3}}
+    assert main(["check-config", write(tmp_path, monitored, "m.json"), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "csv_monitor -> logs/DeepSpeedJobName, progress every 5 steps, flops_profiler at step 3" in out
 
 
 def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -47,11 +47,10 @@ def test_a_key_deepspeed_ignores_is_ignored_with_a_warning() -> None:
 
 
 def test_deepspeed_features_we_lack_are_refused_only_when_on() -> None:
-    load({"tensorboard": {}, "wandb": {"enabled": False, "project": "x"}})
-    err = error_of({**BASE, "tensorboard": {"enabled": True}})
-    assert err.key == "tensorboard" and str(err) == (
-        '"tensorboard" is on, but shardwise does not implement DeepSpeed\'s TensorBoard monitor; set '
-        '"tensorboard.enabled": false or remove the block')
+    load({"comet": {}, "hybrid_engine": {"enabled": False}})
+    err = error_of({**BASE, "comet": {"enabled": True}})
+    assert err.key == "comet" and "shardwise does not implement DeepSpeed's Comet monitor" in str(err)
+    load({"tensorboard": {"enabled": True, "output_path": "x"}})      # the monitors are implemented
     assert 'did you mean "output_path"' in str(error_of({**BASE, "tensorboard": {"output_pat": "x"}}))
 
 

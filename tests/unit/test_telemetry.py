@@ -142,6 +142,22 @@ def test_summarize_run_and_json(tmp_path) -> None:
     assert RunSummary(**{k: v for k, v in saved.items() if k != "comm_bytes_per_step"}) == s
 
 
+def test_step_metrics_carry_grad_norm_loss_scale_and_skips(tmp_path) -> None:
+    m = StepMetrics.build(step=4, loss=3.0, lr=1e-3, tokens=64, step_time_s=0.5, elapsed_s=2.0, flops_per_token=6e6,
+                          peak_flops=1e10, rss_bytes=1, grad_norm=float("inf"), loss_scale=32768.0, skipped_steps=2)
+    with MetricsWriter(tmp_path / "m.jsonl", fresh=True) as w:
+        w.write(_step(3))
+        w.write(m)
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert rows[1]["grad_norm"] == float("inf") and rows[1]["loss_scale"] == 32768.0 and rows[1]["skipped_steps"] == 2
+    s = summarize_run(rows, world_size=1, flops_per_token=6e6, peak_flops=1e10)
+    assert (s.final_grad_norm, s.final_loss_scale, s.skipped_steps) == (float("inf"), 32768.0, 2)
+    # A file from before these fields existed still summarizes.
+    old = [{k: v for k, v in r.items() if k not in ("grad_norm", "loss_scale", "skipped_steps")} for r in rows]
+    s = summarize_run(old, world_size=1, flops_per_token=6e6, peak_flops=1e10)
+    assert (s.final_grad_norm, s.final_loss_scale, s.skipped_steps) == (None, 1.0, 0)
+
+
 def test_formatters() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
@@ -200,6 +216,7 @@ def test_progress_live_bar_on_a_terminal_shows_the_fields() -> None:
 
 def test_print_summary_shows_every_figure() -> None:
     rows = [_step(i, loss=4.0 / i).__dict__ for i in (1, 2)]
+    rows[-1].update(grad_norm=0.8125, loss_scale=1024.0, skipped_steps=3)
     mem = [{"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**22, "peak_rss": 2**30},
            {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**22, "peak_rss": 2**31}]
     comm = [{"op": "all_reduce", "group": "dp", "group_size": 2, "dtype": "float32", "count": 4,
@@ -210,7 +227,8 @@ def test_print_summary_shows_every_figure() -> None:
     print_summary(s, console=console)
     out = buf.getvalue()
     for expected in ("final loss", "2.0000", "mean tokens/s", "2.0k", "MFU", "20.0%", "Memory per rank",
-                     "1.0 GiB", "2.0 GiB", "4.0 MiB", "all_reduce", "3.0 MiB", "peak RSS"):
+                     "1.0 GiB", "2.0 GiB", "4.0 MiB", "all_reduce", "3.0 MiB", "peak RSS", "final gradient norm",
+                     "0.8125", "final loss scale", "1024", "skipped steps"):
         assert expected in out, expected
 
 
