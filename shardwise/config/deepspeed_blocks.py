@@ -1,8 +1,9 @@
 """DeepSpeed's top-level keys that shardwise reads but does not act on, validated as DeepSpeed validates them.
 
-DeepSpeed 0.19 parses some blocks with pydantic models that forbid unknown keys (the monitors, "comms_logger",
-"hybrid_engine", "compile", "weight_quantization"); those mirror the key names here, so a misspelling is an
-error as in DeepSpeed. Others it reads with ``dict.get`` and never checks ("flops_profiler", "autotuning",
+DeepSpeed 0.19 parses some blocks with pydantic models that forbid unknown keys ("comet", "hybrid_engine",
+"compile", "weight_quantization"; the monitors it shares with shardwise are `monitors.py`'s); those mirror the key
+names here, so a misspelling is an error as in DeepSpeed. Others it reads with ``dict.get`` and never checks
+("autotuning",
 "checkpoint", ...); those accept any key here too. Whether a block is switched on is decided by `enabled_blocks`;
 refusing what is on is `unsupported.py`'s job; `no_effect_warnings` names what is accepted but does nothing.
 """

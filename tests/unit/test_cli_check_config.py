@@ -69,7 +69,7 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.parametrize("config,world,fragments", [
     ({**GOOD, "zero_optimisation": {}}, 4, ['unknown key "zero_optimisation"', 'did you mean "zero_optimization"']),
     (GOOD, 3, ["train_batch_size 32 is not a multiple of gradient_accumulation_steps 2 * data-parallel size 3 = 6"]),
-    ({**GOOD, "tensorboard": {"enabled": True}}, 4, ["does not implement DeepSpeed's TensorBoard monitor"]),
+    ({**GOOD, "comet": {"enabled": True}}, 4, ["does not implement DeepSpeed's Comet monitor"]),
     ({**GOOD, "optimizer": {"type": "SGD", "params": {"momentom": 0.9}}}, 4, ['did you mean "momentum"']),
     ({**GOOD, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 4, ["total_num_steps"]),
 ])

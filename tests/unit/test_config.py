@@ -77,13 +77,13 @@ def test_unresolvable_autos_name_the_key_and_how_to_give_it() -> None:
 
 
 def test_every_problem_of_a_config_at_once() -> None:
-    err = error_of({"train_batch_size": 30, "zero_optimisation": {}, "tensorboard": {"enabled": True}, "amp": {},
+    err = error_of({"train_batch_size": 30, "zero_optimisation": {}, "comet": {"enabled": True}, "amp": {},
                     "optimizer": {"type": "Adam", "params": {"lr": "auto"}}})
     assert [p.key for p in err.problems] == ["zero_optimisation", "amp", "optimizer.params.lr", "train_batch_size",
-                                             "tensorboard"]
+                                             "comet"]
     assert len(str(err).splitlines()) == 5
-    unfilled_batch = error_of({"train_micro_batch_size_per_gpu": "auto", "tensorboard": {"enabled": True}})
-    assert [p.key for p in unfilled_batch.problems] == ["train_micro_batch_size_per_gpu", "tensorboard"]
+    unfilled_batch = error_of({"train_micro_batch_size_per_gpu": "auto", "comet": {"enabled": True}})
+    assert [p.key for p in unfilled_batch.problems] == ["train_micro_batch_size_per_gpu", "comet"]
 
 
 def test_integral_floats_are_integers() -> None:
