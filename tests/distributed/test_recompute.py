@@ -87,16 +87,22 @@ def test_every_policy_is_bitwise_the_run_without_recomputation(layout: str):
 
 
 def _hf_llama(policy: dict) -> dict:
-    import shardwise
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                          attention_dropout=0.1))
+    return _train_llama(model, zero=3, policy=policy)
+
+
+def _train_llama(model: torch.nn.Module, *, zero: int, policy: dict) -> dict:
+    """STEPS steps of the engine's plain loop at 2 ranks (each its half of a global batch); the losses, the
+    gathered weights and the activations the last forward saved."""
+    import shardwise
     torch.manual_seed(3 + dist.get_rank())
     cfg = {"train_batch_size": 2 * MICRO, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0},
+           "zero_optimization": {"stage": zero, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0},
            "activation_checkpointing": policy}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
@@ -106,8 +112,10 @@ def _hf_llama(policy: dict) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    state = engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=False)
-    return {"losses": losses, "state": state, "activations": engine.memory_report()["activations"]}
+    out = {"losses": losses, "activations": engine.memory_report()["activations"],
+           "state": engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=False)}
+    engine.close()
+    return out
 
 
 def _hf_both() -> dict:
@@ -138,7 +146,6 @@ def test_selective_on_a_model_without_attention_cores_names_the_fix():
 
 def _hf_gradient_checkpointing(zero: int) -> dict:
     """Hugging Face's own switch, `model.gradient_checkpointing_enable()`, under the engine."""
-    import shardwise
     from transformers import LlamaConfig, LlamaForCausalLM
     out = {}
     for enabled in (False, True):
@@ -149,22 +156,7 @@ def _hf_gradient_checkpointing(zero: int) -> dict:
         if enabled:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-        torch.manual_seed(3 + dist.get_rank())
-        cfg = {"train_batch_size": 2 * MICRO, "gradient_clipping": 1.0,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "zero_optimization": {"stage": zero, "reduce_bucket_size": 4000,
-                                     "stage3_param_persistence_threshold": 0}}
-        engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        losses = []
-        for b in token_batches(STEPS, 2 * MICRO, SEQ, seed=3, vocab=128):
-            mine = b[MICRO * engine.dp_rank:MICRO * (engine.dp_rank + 1)]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        out[enabled] = {"losses": losses, "activations": engine.memory_report()["activations"],
-                        "state": engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=False)}
-        engine.close()
+        out[enabled] = _train_llama(model, zero=zero, policy={"policy": "none"})
     return out
 
 
