@@ -176,7 +176,7 @@ def _train_layout(extra: dict, out: str) -> dict:
         for step in range(2):
             batch = token_batches(1, 8, SEQ + 1, seed=100 + step)[0]
             (micro,) = micro_steps([batch], dp_size=engine.dp_size, dp_rank=engine.dp_rank,
-                                   grad_accum=engine.gradient_accumulation_steps)
+                                   grad_accum=engine.gradient_accumulation_steps())
             losses.append(float(engine.train_batch(iter(micro))))
         flops = engine.monitor.flops.profile if engine.monitor.flops is not None else None
         engine.close()
