@@ -144,8 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:
-    """Run on `nproc` local ranks through torch's elastic launcher; returns its exit code."""
-    build_parser().parse_args(list(argv))
+    """Run on `nproc` local ranks through torch's elastic launcher; returns its exit code. Bad options are
+    refused here, before any rank starts."""
+    args = build_parser().parse_args(list(argv))
+    from shardwise.models import gpt_config
+    limit = gpt_config(args.model).seq_len
+    if args.seq is not None and args.seq > limit:
+        raise ValueError(f"--seq {args.seq} exceeds the {args.model} model's seq_len {limit} (its learned position "
+                         f"table): use --seq {limit} or less")
     return run_under_launcher("benchmarks.recompute", nproc, argv)
 
 
