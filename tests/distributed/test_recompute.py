@@ -27,6 +27,8 @@ LAYOUTS = {
     "dp2_zero3": dict(world=2, zero=3),
     "tp2_sp": dict(world=2, zero=1, tp=2),
     "pp2_1f1b": dict(world=2, zero=0, pp=2, gas=2),
+    "pp2_gpipe": dict(world=2, zero=0, pp=2, gas=2, schedule="gpipe"),
+    "pp2_interleaved": dict(world=2, zero=0, pp=2, gas=2, schedule="interleaved_1f1b", v=2),
 }
 
 
@@ -40,7 +42,8 @@ def _config(layout: dict, policy: dict) -> dict:
     if layout.get("tp", 1) > 1:
         cfg["tensor_parallel"] = {"size": layout["tp"], "sequence_parallel": True}
     if layout.get("pp", 1) > 1:
-        cfg["pipeline"] = {"stages": layout["pp"], "schedule": "1f1b"}
+        cfg["pipeline"] = {"stages": layout["pp"], "schedule": layout.get("schedule", "1f1b"),
+                           "virtual_stages": layout.get("v", 1)}
     return cfg
 
 
