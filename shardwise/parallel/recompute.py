@@ -125,10 +125,10 @@ def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConf
         n = section.every or 1
         return [b for i, b in enumerate(blocks) if (i + 1) % n == 0]
     cores = [m for b in blocks for m in b.modules() if getattr(m, "is_attention_core", False)]
-    if blocks and not cores:
+    if blocks and not cores and not _hf_attention_configs(blocks):
         raise UserError('activation_checkpointing.policy = "selective" needs attention cores as modules (the '
-                        'built-in GPT\'s CoreAttention, or a module with is_attention_core = True); this model has '
-                        'none: use "full" or "every_n"')
+                        'built-in GPT\'s CoreAttention, or a module with is_attention_core = True) or Hugging Face '
+                        'attention layers; this model has neither: use "full" or "every_n"')
     return cores
 
 
@@ -144,7 +144,58 @@ def apply_recompute(blocks: list[nn.Module], section: ActivationCheckpointingCon
     chosen = plan_recompute(blocks, section)
     for m in chosen:
         recompute_module(m, stored)
+    if section.policy is RecomputePolicy.SELECTIVE and not chosen:
+        for config in _hf_attention_configs(blocks):
+            recompute_hf_attention(config)
     return chosen
+
+
+# -- Hugging Face attention: a function the attention layer looks up by name, not a module ----------------
+
+_HF_PREFIX = "shardwise-recompute:"
+
+
+def _hf_attention_configs(blocks: list[nn.Module]) -> list[Any]:
+    """The distinct configs of the Hugging Face attention layers among `blocks` (they look their attention
+    function up by `config._attn_implementation`)."""
+    found = {}
+    for b in blocks:
+        for m in b.modules():
+            config = getattr(m, "config", None)
+            if type(m).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
+                found[id(config)] = config
+    return list(found.values())
+
+
+def recompute_hf_attention(config: Any) -> None:
+    """Selective recomputation for Hugging Face models: their attention core (the function
+    `config._attn_implementation` names: sdpa, eager, flex...) is registered again under a name of ours that runs
+    it under torch's checkpoint, with the mask function of the same core, and the config points at it. q, k, v
+    [b, a, s, d] are kept (and counted); the core's own saved tensors (the scores and probabilities under eager
+    attention) are dropped and recomputed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    inner = config._attn_implementation or "eager"
+    if inner.startswith(_HF_PREFIX):
+        return
+    name = _HF_PREFIX + inner
+
+    def core(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
+            import sys
+            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[inner]
+        if not torch.is_grad_enabled():
+            return function(module, *args, **kwargs)
+        args = tuple(_kept(a) for a in args)
+        return checkpoint(function, module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    AttentionInterface.register(name, core)
+    # The causal mask is built by the implementation's name too: ours takes the mask its core takes.
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    config._attn_implementation = name
 
 
 # -- recomputation with stored inputs under our control (partitioned, on the host) ---------------------------

@@ -89,13 +89,14 @@ def test_every_policy_is_bitwise_the_run_without_recomputation(layout: str):
     assert act["selective"] < act["none"], act
 
 
-def _hf_llama(policy: dict) -> dict:
+def _hf_llama(policy: dict, attention: str = "sdpa") -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                         attention_dropout=0.1))
-    return _train_llama(model, zero=3, policy=policy)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         attention_dropout=0.1)
+    config._attn_implementation = attention
+    return _train_llama(LlamaForCausalLM(config), zero=3, policy=policy)
 
 
 def _train_llama(model: torch.nn.Module, *, zero: int, policy: dict) -> dict:
@@ -121,18 +122,27 @@ def _train_llama(model: torch.nn.Module, *, zero: int, policy: dict) -> dict:
     return out
 
 
-def _hf_both() -> dict:
-    return {"none": _hf_llama({"policy": "none"}), "full": _hf_llama({"policy": "full"}),
-            "every_2": _hf_llama({"policy": "every_n", "every": 2})}
+def _hf_all() -> dict:
+    out = {name: _hf_llama(block) for name, block in
+           {"none": {"policy": "none"}, "full": {"policy": "full"}, "every_2": {"policy": "every_n", "every": 2},
+            "selective": {"policy": "selective"}}.items()}
+    # eager attention stores the [b, a, s, s] probabilities: what selective recomputation exists to drop
+    out["eager_none"] = _hf_llama({"policy": "none"}, "eager")
+    out["eager_selective"] = _hf_llama({"policy": "selective"}, "eager")
+    return out
 
 
 def test_hugging_face_llama_under_zero3_recomputes_exactly():
-    for runs in run_distributed(_hf_both, 2):
-        for name in ("full", "every_2"):
-            assert runs[name]["losses"] == runs["none"]["losses"], name
-            for k, v in runs["none"]["state"].items():
+    for runs in run_distributed(_hf_all, 2):
+        for name, base in (("full", "none"), ("every_2", "none"), ("selective", "none"),
+                           ("eager_selective", "eager_none")):
+            assert runs[name]["losses"] == runs[base]["losses"], name
+            for k, v in runs[base]["state"].items():
                 assert torch.equal(runs[name]["state"][k], v), (name, k)
         assert runs["full"]["activations"] < runs["every_2"]["activations"] < runs["none"]["activations"]
+        # 3 layers x [b=2, a=4, s=16, s=16] fp32 probabilities (+ their dropout masks) no longer stored
+        probs = 3 * 2 * 4 * SEQ * SEQ * 4
+        assert runs["eager_none"]["activations"] - runs["eager_selective"]["activations"] >= probs
 
 
 def test_selective_on_a_model_without_attention_cores_names_the_fix():
