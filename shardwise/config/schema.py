@@ -99,6 +99,21 @@ class ActivationCheckpointingSection(Section):
     blocks: NonNegativeInt | None = None
     """shardwise, policy "every_n": recompute the first K blocks of each stage (Megatron's "block" method)."""
 
+    partition_activations: Bool = False
+    """DeepSpeed: each TP rank keeps 1/t of every stored block input, all-gathered before the replay (no effect
+    under sequence parallelism, whose block inputs are already split over TP, or without TP)."""
+    number_checkpoints: PositiveInt | None = None
+    """DeepSpeed: checkpoints per forward, sizing the contiguous buffer; accepted, with no effect (see below)."""
+    contiguous_memory_optimization: Bool = False
+    """DeepSpeed: copy partitions into one pre-sized buffer against fragmentation; accepted with a warning and no
+    effect: torch's caching allocator reuses the equal-sized partition blocks."""
+    cpu_checkpointing: Bool = False
+    """DeepSpeed: keep stored block inputs in host memory (pinned on CUDA), copied back for the replay."""
+    synchronize_checkpoint_boundary: Bool = False
+    """DeepSpeed: synchronize the device at the start and end of each checkpoint's forward and replay."""
+    profile: Bool = False
+    """DeepSpeed: time each checkpoint's forward and replay (`shardwise.checkpointing.profile_times()`)."""
+
     @model_validator(mode="after")
     def _every_n_knobs(self) -> "ActivationCheckpointingSection":
         given = [k for k in ("every", "blocks") if getattr(self, k) is not None]
@@ -109,14 +124,6 @@ class ActivationCheckpointingSection(Section):
             raise ValueError(f'"{given[0]}" goes with policy "every_n" (the policy is "{self.policy}"); set '
                              f'"policy": "every_n" or remove it')
         return self
-    partition_activations: Bool = False
-    """DeepSpeed: shard checkpointed activations over the tensor-parallel group."""
-    number_checkpoints: PositiveInt | None = None
-    contiguous_memory_optimization: Bool = False
-    cpu_checkpointing: Bool = False
-    """DeepSpeed: keep checkpointed activations in CPU memory."""
-    synchronize_checkpoint_boundary: Bool = False
-    profile: Bool = False
 
 
 class CommunicationSection(Section):
