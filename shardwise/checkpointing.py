@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
 from shardwise.parallel.recompute import StoredInputs, checkpoint_function
 from shardwise.parallel.tensor_parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker
 
@@ -51,8 +52,9 @@ class Settings:
     number_checkpoints: int | None = None
     synchronize: bool = False
     profile: bool = False
-    group: Any = None
-    """The model-parallel process group partitions are spread over (None: no partitioning)."""
+    group: Comm | None = None
+    """The model-parallel group partitions are spread over (None: no partitioning); its collectives are recorded
+    in a ledger of this module's own (there is no engine to report them)."""
     configured: bool = False
 
 
@@ -64,8 +66,7 @@ _times: list[tuple[str, float]] = []
 # -- random streams ---------------------------------------------------------------------------------
 
 def _model_parallel_rank() -> int:
-    group = _settings.group
-    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+    return _settings.group.rank if _settings.group is not None else 0
 
 
 def model_parallel_cuda_manual_seed(seed: int) -> None:
@@ -115,7 +116,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
                       "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=2)
     if mpu_ is not None:
         getter = getattr(mpu_, "get_tensor_model_parallel_group", None) or mpu_.get_model_parallel_group
-        s.group = getter()
+        s.group = Comm(getter(), CommLedger(), name="tp:checkpointing")
     s.configured = True
     _settings = s
 

@@ -125,7 +125,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
     model, pipeline = _pipeline(model, cfg, mesh, ledger, device)
-    _recompute(model, pipeline, cfg, mesh)
+    _recompute(model, pipeline, cfg, mesh, ledger)
     groups = param_groups_of(pipeline.owned(model_parameters) if model_parameters is not None
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
@@ -243,14 +243,15 @@ def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, led
     return runner.stage, runner
 
 
-def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, mesh: ParallelMesh) -> None:
+def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, mesh: ParallelMesh,
+               ledger: CommLedger) -> None:
     """Activation recomputation of this rank's blocks (its stage's), before ZeRO shards them. Partitioned
     checkpoints spread over the TP group, where block inputs are replicated: not with sequence parallelism,
     whose block inputs are already sequence shards [s/t, b, h] (the key then has nothing to split)."""
     section = cfg.activation_checkpointing
     group = None
-    if mesh.size(Axis.TP) > 1 and not cfg.tensor_parallel.sequence_parallel:
-        group = mesh.group(Axis.TP) or dist.group.WORLD
+    if not cfg.tensor_parallel.sequence_parallel:     # (a TP group of size 1 partitions nothing)
+        group = mesh.comm(Axis.TP, ledger, name="tp:recompute")
     if section.contiguous_memory_optimization:
         warnings.warn("activation_checkpointing.contiguous_memory_optimization has no effect in shardwise (torch's "
                       "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=3)

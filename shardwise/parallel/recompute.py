@@ -16,8 +16,9 @@ ZeRO-3 units), or a pipeline stage's partitioned layers, so each stage recompute
 Exactness: the recomputation replays the forward's random numbers. torch's checkpoint restores the default
 generators (CPU and the inputs' CUDA devices); a module that draws from a tensor-parallel rank's own stream
 (`tensor_parallel.random`) gets that stream rewound to where the forward found it, and put back after, so the
-live stream is untouched (other micro-batches' forwards may have advanced it meanwhile). Losses and gradients
-are then bitwise those of the run without recomputation (fp32, CPU).
+live stream is untouched (other micro-batches' forwards may have advanced it meanwhile); the same holds for the
+streams of `get_cuda_rng_tracker()`. Losses and gradients are then bitwise those of the run without
+recomputation (fp32, CPU).
 
 Composition: the module's own forward hooks (ZeRO-3's gather and free of a unit, TP's stream fork) stay outside
 the recomputed function, so a unit is gathered again in backward by ZeRO-3's backward hook before its forward
@@ -32,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import ActivationCheckpointingConfig, RecomputePolicy
 from shardwise.errors import UserError
 from shardwise.parallel.tensor_parallel.random import TP_RNG_ATTR, TensorParallelRNG, get_cuda_rng_tracker
@@ -64,12 +65,10 @@ def _kept(value: Any) -> Any:
     return value
 
 
-def _replaying(fn: Callable[..., Any], rngs: list[TensorParallelRNG]) -> Callable[..., Any]:
-    """`fn` whose second and later calls (the recomputation) start every TP stream where the first call found it,
-    and leave the streams as they were before the replay."""
-    if not rngs:
-        return fn
-    start = [r.local_state.clone() for r in rngs]
+def _replaying(fn: Callable[..., Any], streams: _RandomStreams) -> Callable[..., Any]:
+    """`fn` whose second and later calls (the recomputation) start every stream of `streams` where the first call
+    found it, and leave the streams as they were before the replay (other forwards may have moved them since)."""
+    start = streams.capture()
     calls = 0
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -77,14 +76,12 @@ def _replaying(fn: Callable[..., Any], rngs: list[TensorParallelRNG]) -> Callabl
         calls += 1
         if calls == 1:
             return fn(*args, **kwargs)
-        live = [r.local_state for r in rngs]
-        for r, s in zip(rngs, start):
-            r.local_state = s.clone()
+        live = streams.capture()
+        streams.restore(start)
         try:
             return fn(*args, **kwargs)
         finally:
-            for r, s in zip(rngs, live):
-                r.local_state = s
+            streams.restore(live)
 
     return run
 
@@ -105,7 +102,10 @@ def recompute_module(module: nn.Module, stored: StoredInputs | None = None) -> N
         if stored is not None and not stored.plain:
             return checkpoint_function(original, args, kwargs, stored, rngs)
         args = tuple(_kept(a) for a in args)
-        return checkpoint(_replaying(original, rngs), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        # torch's checkpoint restores the default generators; the TP and tracker streams are rewound here
+        streams = _RandomStreams(rngs, defaults=False)
+        return checkpoint(_replaying(original, streams), *args, use_reentrant=False, preserve_rng_state=True,
+                          **kwargs)
 
     module.forward = forward
     setattr(module, RECOMPUTED_ATTR, True)
@@ -202,13 +202,13 @@ def recompute_hf_attention(config: Any) -> None:
 
 @dataclass(frozen=True)
 class StoredInputs:
-    """How a checkpoint keeps its inputs until the replay. `group`: the model-parallel group over which each
+    """How a checkpoint keeps its inputs until the replay. `group`: the model-parallel `Comm` over which each
     input [any shape], replicated there, is kept as 1/t of its elements per rank and all-gathered before the
     replay (None: whole). `cpu`: kept in host memory (pinned on CUDA) and copied back. `synchronize`: the device
     is synchronized at the start and end of the forward and of the replay. `times`: a list that receives
     ("forward" | "replay", seconds) of each run of the function (DeepSpeed's "profile")."""
 
-    group: Any = None
+    group: Comm | None = None
     cpu: bool = False
     synchronize: bool = False
     times: list | None = None
@@ -218,12 +218,16 @@ class StoredInputs:
         """Nothing asked of the stored inputs: torch's own checkpoint does the job."""
         return self.group is None and not self.cpu and not self.synchronize and self.times is None
 
+    @property
+    def _partitioned(self) -> bool:
+        return self.group is not None and self.group.size > 1
+
     def keep(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         """What to save of input `t` and how to rebuild it: (saved tensor, (shape, numel, device))."""
         meta = (t.shape, t.numel(), t.device)
         kept = t.detach()
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if self._partitioned:
+            size, rank = self.group.size, self.group.rank
             part = -(-t.numel() // size)
             flat = kept.reshape(-1)
             if part * size != t.numel():                   # pad to equal parts: all_gather takes equal sizes
@@ -238,9 +242,9 @@ class StoredInputs:
     def restore(self, kept: torch.Tensor, meta: tuple) -> torch.Tensor:
         shape, numel, device = meta
         t = kept.to(device, non_blocking=True) if kept.device != device else kept
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            full = torch.empty(t.numel() * dist.get_world_size(self.group), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(full, t.contiguous(), group=self.group)
+        if self._partitioned:
+            full = torch.empty(t.numel() * self.group.size, dtype=t.dtype, device=t.device)
+            self.group.all_gather_into_tensor(full, t.contiguous())
             t = full[:numel]
         return t.reshape(shape)
 
@@ -250,21 +254,26 @@ class StoredInputs:
 
 
 class _RandomStreams:
-    """Every stream a replay must find where the forward found it: the CPU generator, the CUDA generator of the
-    current device, DeepSpeed-style tracker streams, and shardwise's tensor-parallel streams."""
+    """Every stream a replay must find where the forward found it: DeepSpeed-style tracker streams, shardwise's
+    tensor-parallel streams, and with `defaults` the CPU generator and the CUDA generator of the current device
+    (torch's own checkpoint restores those two itself)."""
 
-    def __init__(self, rngs: list[TensorParallelRNG]):
+    def __init__(self, rngs: list[TensorParallelRNG], *, defaults: bool = True):
         self.rngs = rngs
         self.tracker = get_cuda_rng_tracker()
+        self.defaults = defaults
         self.cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def capture(self) -> tuple:
-        cuda = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
-        return (torch.get_rng_state(), cuda, self.tracker.get_states(), [r.local_state for r in self.rngs])
+        cpu = torch.get_rng_state() if self.defaults else None
+        cuda = torch.cuda.get_rng_state(self.cuda) if self.defaults and self.cuda is not None else None
+        # Stream states are replaced, never written in place, by a fork: keeping references is enough.
+        return (cpu, cuda, self.tracker.get_states(), [r.local_state for r in self.rngs])
 
     def restore(self, state: tuple) -> None:
         cpu, cuda, tracked, local = state
-        torch.set_rng_state(cpu)
+        if cpu is not None:
+            torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.cuda)
         self.tracker.set_states(copy.copy(tracked))

@@ -37,12 +37,26 @@ class _Layer(nn.Module):
         return self.ds.checkpointing.checkpoint(self.body, x) if self.recompute else self.body(x)
 
 
+class _Net(nn.Module):
+    def __init__(self, ds, recompute: bool):
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(_Layer(ds, recompute) for _ in range(3))
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
 def ds_model(ds, recompute: bool) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[_Layer(ds, recompute) for _ in range(3)], nn.Linear(WIDTH, 1))
+    return _Net(ds, recompute)
 
 
-def _train(use: str, recompute: bool) -> list[float]:
+def _train(use: str, recompute: bool, policy: str = "none") -> list[float]:
     if use == "deepspeed":
         os.environ["DS_ACCELERATOR"] = "cpu"
         import deepspeed as ds
@@ -59,6 +73,8 @@ def _train(use: str, recompute: bool) -> list[float]:
     model = ds_model(ds, recompute)
     cfg = {"train_batch_size": ROWS * dist.get_world_size(), "gradient_clipping": 0.0,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    if policy != "none":
+        cfg["activation_checkpointing"] = {"policy": policy}
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     torch.manual_seed(99 + dist.get_rank())
     g = torch.Generator().manual_seed(5)
@@ -75,12 +91,13 @@ def _train(use: str, recompute: bool) -> list[float]:
 
 def _three_runs() -> dict:
     return {"shardwise": _train("shardwise", True), "plain": _train("shardwise", False),
-            "deepspeed": _train("deepspeed", True)}
+            "policy": _train("shardwise", False, policy="full"), "deepspeed": _train("deepspeed", True)}
 
 
 def test_a_deepspeed_checkpointing_model_runs_with_the_import_changed():
     for runs in run_distributed(_three_runs, 2):
         assert runs["shardwise"] == runs["plain"]                 # recomputation replays both streams exactly
+        assert runs["policy"] == runs["plain"]                    # so does the engine's policy (tracker rewound)
         torch.testing.assert_close(runs["shardwise"], runs["deepspeed"], rtol=1e-5, atol=0)
 
 
