@@ -26,6 +26,7 @@ from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.memory import REDUCE_BUCKET_ELEMENTS
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+from shardwise.planner.zero3 import units_per_block
 
 
 class Op(str, enum.Enum):
@@ -116,14 +117,21 @@ def link_of(axis: Axis, cluster: ClusterSpec, plan: Plan) -> Link:
 
 
 def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: int, cluster: ClusterSpec,
-           plan: Plan, messages: int = 1) -> Collective:
+           plan: Plan, messages: int = 1, efficiency: float = 1.0) -> Collective:
+    """`efficiency`: the share of the link's bandwidth this kind of collective achieves."""
     link = link_of(axis, cluster, plan)
     bw, alpha = ((cluster.intra_node_bw, cluster.intra_node_latency_s) if link is Link.INTRA_NODE
                  else (cluster.inter_node_bw, cluster.inter_node_latency_s))
+    if link is Link.INTER_NODE and size > 1:
+        # a ring through k nodes crosses the network k - 1 times a round, NVLink for the other hops
+        stride = {Axis.TP: 1, Axis.DP: plan.tp, Axis.PP: plan.tp * plan.dp}[axis]
+        nodes = min(size, math.ceil(size / max(1, cluster.gpus_per_node // stride)))
+        alpha = ((nodes - 1) * alpha + (size - nodes) * cluster.intra_node_latency_s) / (size - 1)
     measured = {Op.REDUCE_SCATTER: (cluster.reduce_scatter_bw, cluster.reduce_scatter_latency_s),
                 Op.ALL_GATHER: (cluster.all_gather_bw, cluster.all_gather_latency_s)}.get(op, (0.0, 0.0))
     if measured[0] > 0:   # a calibration timed this collective itself (one host: one kind of link)
         bw, alpha = measured
+    bw *= efficiency
     seconds = ring_seconds(op, payload, size, bandwidth=bw, latency_s=alpha, messages=messages)
     return Collective(axis, op, purpose, size, payload, calls, link, seconds, messages)
 
@@ -150,8 +158,12 @@ def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
         rs_calls = 1 if plan.zero_stage == 1 else m
         return [_timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, rs_calls, cluster, plan, buckets),
                 _timed(Axis.DP, Op.ALL_GATHER, "updated parameters", *args, 1, cluster, plan, buckets)]
-    return [_timed(Axis.DP, Op.ALL_GATHER, "parameters (forward, backward)", *args, 2 * m, cluster, plan, layers),
-            _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, layers)]
+    # one collective per gathered unit: a block (our engine) or each module of it (DeepSpeed), at the share of
+    # the link that ZeRO-3's many uneven collectives achieve
+    units, eff = layers * units_per_block(model, job), cluster.gather_efficiency
+    return [_timed(Axis.DP, Op.ALL_GATHER, "parameters (forward, backward)", *args, 2 * m, cluster, plan, units,
+                   eff),
+            _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, units, eff)]
 
 
 def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
@@ -171,15 +183,19 @@ def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
 
 def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Pipeline: per micro-batch a middle stage sends b s h activations forward and their gradient
-    backward (each v times interleaved); with sequence parallelism only b s h / t crosses (Narayanan's
-    scatter/gather)."""
+    backward (each v times interleaved). Only b s h / t crosses with sequence parallelism (the activation is
+    already split) or Megatron's scatter/gather (Narayanan et al. 2021 sec. 4.1: each TP rank sends its 1/t
+    slice, the receiving stage all-gathers the whole over NVLink, which is charged here too)."""
     if plan.pp == 1:
         return []
-    sp = plan.tp if plan.sequence_parallel else 1
-    payload = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes / sp
+    full = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes
+    split = plan.tp if plan.sequence_parallel or job.pp_scatter_gather else 1
     v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     calls = 2 * v * plan.grad_accum(job)
-    return [_timed(Axis.PP, Op.SEND, "stage boundary activations + grads", 2, payload, calls, cluster, plan)]
+    out = [_timed(Axis.PP, Op.SEND, "stage boundary activations + grads", 2, full / split, calls, cluster, plan)]
+    if job.pp_scatter_gather and not plan.sequence_parallel and plan.tp > 1:
+        out.append(_timed(Axis.TP, Op.ALL_GATHER, "pipeline scatter/gather", plan.tp, full, calls, cluster, plan))
+    return out
 
 
 def step_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:

@@ -26,7 +26,8 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.config.resolved import PipelineSchedule
-from shardwise.planner.flops import layer_params, params_per_rank, stage_layers
+from shardwise.planner.flops import params_per_rank, stage_layers
+from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute,
 )
@@ -208,14 +209,14 @@ class MemoryBreakdown:
 
 
 def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
-    """Communication buffers: ZeRO-1/2's gradient reduce bucket; ZeRO-3's gathered layers (the one
-    computing and the one prefetched, full size in the compute dtype); pipeline send/receive buffers."""
+    """Communication buffers: ZeRO-1/2's gradient reduce bucket; ZeRO-3's gathered parameters in the compute
+    dtype (zero3.py: two blocks in our engine, DeepSpeed's modules and prefetch bucket); pipeline buffers."""
     e = job.precision.nbytes
     buffers = 0.0
     if plan.zero_stage in (1, 2):
         buffers += min(params_on_rank, REDUCE_BUCKET_ELEMENTS) * e
     if plan.zero_stage == 3:
-        buffers += 2 * layer_params(model).per_tp_rank(plan.tp) * e
+        buffers += zero3_buffer_elements(model, job, plan) * e
     if plan.pp > 1:
         sp = plan.tp if plan.sequence_parallel else 1
         buffers += 2 * plan.micro_batch * job.sequence_length(model) * model.d_model * e / sp

@@ -15,73 +15,14 @@ from typing import Any
 
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.errors import UserError
+# The enums live in kinds.py (this file holds the four specs); imported from here as before.
+from shardwise.planner.kinds import (  # noqa: F401
+    FFN, Norm, Offload, Optimizer, PositionKind, Precision, Recompute, Zero3Gather,
+)
 
 
 class PlannerError(UserError, ValueError):
     """A model, cluster, job or plan the planner cannot work with; the message says how to fix it."""
-
-
-class Precision(str, enum.Enum):
-    """Dtype of weights, gradients and activations; bf16/fp16 also keep fp32 master weights."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one weight / gradient / activation element."""
-        return 4 if self is Precision.FP32 else 2
-
-    @property
-    def mixed(self) -> bool:
-        """Mixed precision: the optimizer steps fp32 master copies of the 16-bit weights."""
-        return self is not Precision.FP32
-
-
-class Optimizer(str, enum.Enum):
-    """Optimizer family, which fixes the state bytes per parameter (`optimizer_state_bytes`)."""
-
-    ADAM = "adam"                  # Adam and AdamW: momentum + variance in fp32
-    SGD_MOMENTUM = "sgd-momentum"  # one fp32 momentum buffer
-    SGD = "sgd"                    # no state
-
-    def state_bytes(self, precision: Precision) -> int:
-        """The ZeRO paper's K: fp32 optimizer bytes per parameter, the fp32 master copy included
-        under mixed precision (Adam + bf16/fp16: 4 master + 4 momentum + 4 variance = 12)."""
-        moments = {Optimizer.ADAM: 8, Optimizer.SGD_MOMENTUM: 4, Optimizer.SGD: 0}[self]
-        return moments + (4 if precision.mixed else 0)
-
-
-class FFN(str, enum.Enum):
-    GELU = "gelu"       # two matrices, d -> d_ff -> d (GPT)
-    SWIGLU = "swiglu"   # three matrices: down(silu(gate(x)) * up(x)) (Llama)
-
-
-class Norm(str, enum.Enum):
-    LAYERNORM = "layernorm"   # weight (+ bias when the model has biases)
-    RMSNORM = "rmsnorm"       # weight only
-
-
-class PositionKind(str, enum.Enum):
-    LEARNED = "learned"   # a [seq_len, d_model] table
-    ROTARY = "rotary"     # no parameters
-
-
-class Offload(str, enum.Enum):
-    """ZeRO-Offload: what lives in CPU memory instead of GPU memory."""
-
-    NONE = "none"
-    OPTIMIZER = "optimizer"                   # optimizer states (+ fp32 grads), stepped on the CPU; stages 1-3
-    OPTIMIZER_AND_PARAMS = "optimizer+params"  # also the 16-bit parameters; stage 3 only
-
-
-class Recompute(str, enum.Enum):
-    """Activation recomputation (Korthikanti et al. 2022)."""
-
-    NONE = "none"
-    SELECTIVE = "selective"   # recompute only the attention core (QK^T, softmax, dropout, AV)
-    FULL = "full"             # keep each layer's input, recompute the layer in backward
 
 
 def _positive_int(owner: str, name: str, value: Any, fix: str = "") -> None:
@@ -201,9 +142,15 @@ class ClusterSpec:
     host_memory_bw: float = 100e9
     """CPU memory bandwidth of one node (the offloaded optimizer step of all its GPUs)."""
     compute_efficiency: float = 0.55
-    """Fraction of the peak that training matmuls sustain (communication and bubbles are modelled
-    separately). Narayanan et al. 2021 measure 44-52% of the A100 peak end to end, bubbles and
-    communication included, so the kernels alone run above that."""
+    """Fraction of the peak that a large training GEMM sustains: the ceiling of the shape model (kernels.py),
+    which adds each GEMM's operand traffic at memory_bw and the memory-bound kernels around the matmuls.
+    Communication and bubbles are modelled separately."""
+    gemm_operand_bw: float = 0.0
+    """Bytes/s at which a GEMM streams its operands and result, the memory side of its time (kernels.py);
+    the HBM bandwidth on datasheet presets, fitted by `--calibrate`; 0: FLOPs alone."""
+    gather_efficiency: float = 1.0
+    """Share of the link bandwidth ZeRO-3's parameter all-gathers and gradient reduce-scatters achieve
+    (many collectives of uneven size launched from module hooks; 1: as the other collectives)."""
     reserved_memory_bytes: float = 1e9
     """Taken from every GPU before anything is placed: CUDA context, allocator fragmentation."""
     # Measured by `shardwise plan --calibrate` (CPU ranks, where dense matmuls are not all a step costs). 0 on
@@ -243,21 +190,22 @@ class ClusterSpec:
         _positive_int(owner, "num_gpus", self.num_gpus)
         _positive_int(owner, "gpus_per_node", self.gpus_per_node)
         for name in ("memory_bytes", "peak_flops_bf16", "peak_flops_fp32", "intra_node_bw", "inter_node_bw",
-                     "memory_bw", "pcie_bw", "host_memory_bytes", "host_memory_bw", "compute_efficiency"):
+                     "memory_bw", "pcie_bw", "host_memory_bytes", "host_memory_bw", "compute_efficiency",
+                     "gather_efficiency"):
             _positive_number(owner, name, getattr(self, name))
         for name in ("intra_node_latency_s", "inter_node_latency_s", "reserved_memory_bytes", "attention_flops",
                      "activation_s", "norm_s", "layer_overhead_s", "microbatch_overhead_s", "optimizer_tensor_s",
-                     "cache_bytes", "cache_bw", "reduce_scatter_bw", "reduce_scatter_latency_s", "all_gather_bw",
-                     "all_gather_latency_s"):
+                     "cache_bytes", "cache_bw", "gemm_operand_bw", "reduce_scatter_bw", "reduce_scatter_latency_s",
+                     "all_gather_bw", "all_gather_latency_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise PlannerError(f"{owner}.{name} = {value!r}: must be a number >= 0")
         overlap = self.comm_overlap
         if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
             raise PlannerError(f"{owner}.comm_overlap = {self.comm_overlap!r}: a share, must be in [0, 1]")
-        if self.compute_efficiency > 1:
-            raise PlannerError(f"{owner}.compute_efficiency = {self.compute_efficiency}: a fraction of the peak, "
-                               f"must be in (0, 1]")
+        for name in ("compute_efficiency", "gather_efficiency"):
+            if getattr(self, name) > 1:
+                raise PlannerError(f"{owner}.{name} = {getattr(self, name)}: a fraction, must be in (0, 1]")
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise PlannerError(f"{owner}.reserved_memory_bytes = {self.reserved_memory_bytes:.3g} leaves nothing "
                                f"of memory_bytes = {self.memory_bytes:.3g}; lower it")
@@ -308,10 +256,21 @@ class JobSpec:
     """Attention scores are never materialised (no s^2 activation memory)."""
     overlap_dp_comm: bool = True
     """Gradient reduction overlaps the backward pass (bucketed, as our engine and DeepSpeed do)."""
+    pp_scatter_gather: bool = False
+    """Pipeline sends carry 1/tp of each boundary activation and the next stage all-gathers it over NVLink
+    (Megatron's scatter/gather); without it the whole activation crosses unless sequence parallelism split it."""
+    zero3_gather: Zero3Gather = Zero3Gather.BLOCK
+    """ZeRO-3 gathers a block at a time (our engine) or each module separately (DeepSpeed)."""
+    zero3_prefetch_elements: int = 50_000_000
+    """ZeRO-3 gathers up to this many parameters ahead of the compute (stage3_prefetch_bucket_size)."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, "job", {"precision": Precision, "optimizer": Optimizer})
+        _coerce_enums(self, "job", {"precision": Precision, "optimizer": Optimizer, "zero3_gather": Zero3Gather})
         _positive_int("job", "global_batch", self.global_batch)
+        if isinstance(self.zero3_prefetch_elements, bool) or not isinstance(self.zero3_prefetch_elements, int) \
+                or self.zero3_prefetch_elements < 0:
+            raise PlannerError(f"job.zero3_prefetch_elements = {self.zero3_prefetch_elements!r}: must be an "
+                               f"integer >= 0 (0: no prefetch)")
         if self.seq_len is not None:
             _positive_int("job", "seq_len", self.seq_len)
         if self.tokens is not None:

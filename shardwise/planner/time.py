@@ -36,15 +36,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.planner.bubble import pipeline_seconds
+from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
-from shardwise.planner.flops import (
-    ForwardFlops, forward_flops, layer_params, params_per_rank, stage_layers, training_flops,
-)
+from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
+from shardwise.planner.kernels import block_parts, embedding_parts, head_parts
 from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_bytes_per_param
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Plan, PlannerError, PositionKind, Recompute,
 )
+from shardwise.planner.zero3 import exposed_seconds, prefetch_depth
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,21 @@ class StepTime:
         return self.compute_s / self.total_s if self.total_s > 0 else 0.0
 
 
-def _dp_exposed(dp: list[Collective], plan: Plan, m: int, compute_mb: float, backward_mb: float,
-                overlap: bool, share: float) -> float:
-    """Data-parallel communication left on the critical path; `share` of what could hide does."""
+def _dp_exposed(dp: list[Collective], plan: Plan, m: int, mb: "MicrobatchCompute", overlap: bool,
+                share: float, zero3: dict[str, int | float]) -> float:
+    """Data-parallel communication left on the critical path; `share` of what could hide does.
+    ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, reduce-scatters only when `overlap`."""
+    if not dp:
+        return 0.0
+    if plan.zero_stage == 3:
+        gather = next(c for c in dp if c.op is Op.ALL_GATHER).seconds
+        reduce = next(c for c in dp if c.op is Op.REDUCE_SCATTER).seconds
+        return m * exposed_seconds(gather_s=gather, reduce_s=reduce, block_share=zero3["block_share"],
+                                   layers=int(zero3["layers"]), forward_s=mb.block_forward_s,
+                                   backward_s=mb.block_backward_s, depth=int(zero3["depth"]),
+                                   overlap_reduce=overlap, share=share)
     if not overlap:
         return sum(c.total_seconds for c in dp)
-    if plan.zero_stage == 3:   # every micro-batch: gather twice, reduce-scatter once, behind its compute
-        per_mb = sum(c.total_seconds for c in dp) / m
-        return m * (per_mb - share * min(per_mb, compute_mb))
     exposed = 0.0
     for c in dp:
         if c.op is Op.ALL_GATHER:   # ZeRO-1/2: gather the updated shards after the step
@@ -90,19 +97,23 @@ def _dp_exposed(dp: list[Collective], plan: Plan, m: int, compute_mb: float, bac
             # k buckets, the i-th ready at i/k of the backward, reduced one at a time: the last finishes at
             # max(backward + c/k, backward/k + c), so at most (k - 1)/k of min(c, backward) hides
             k = c.messages
-            exposed += c.calls * (c.seconds - share * min(c.seconds, backward_mb) * (k - 1) / k)
+            exposed += c.calls * (c.seconds - share * min(c.seconds, mb.backward_s) * (k - 1) / k)
     return exposed
 
 
 @dataclass(frozen=True)
 class MicrobatchCompute:
-    """Seconds of one micro-batch's forward + backward (+ recomputation) on one rank, by part."""
+    """Seconds of one micro-batch's forward + backward (+ recomputation) on the slowest pipeline stage, by
+    part, and every stage's total."""
 
     matmul_s: float
     attention_s: float
     pointwise_s: float
     operators_s: float
     backward_s: float      # the part of the total that is backward (the overlap window of gradient reduction)
+    stages_s: tuple[float, ...] = ()
+    block_forward_s: float = 0.0    # one transformer block, forward (the window a ZeRO-3 prefetch hides in)
+    block_backward_s: float = 0.0   # and backward with any recomputation
 
     @property
     def total_s(self) -> float:
@@ -110,32 +121,29 @@ class MicrobatchCompute:
 
 
 def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
-    """Compute of one micro-batch on the busiest rank (module notes): its share 1 / (tp * pp) of the
-    matmuls and attention, the pointwise work of its layers (TP splits d_ff; sequence parallelism the norms)."""
-    s, b, split = job.sequence_length(model), plan.micro_batch, plan.tp * plan.pp
-    layers, tokens = stage_layers(model.n_layer, plan.pp)[0], b * s
-    f = forward_flops(model, batch=b, seq_len=s, causal=job.causal_flops)
-    rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
-    matmul_s = training_flops(ForwardFlops(f.dense, 0.0, f.logits), plan.recompute) / split / rate
-    if cluster.attention_flops > 0:        # measured with a causal kernel, counted without the mask, in fp32:
-        full = forward_flops(model, batch=b, seq_len=s, causal=False).attention / split
-        same_share = cluster.peak_flops(job.precision) / cluster.peak_flops_fp32     # of the matmul peak
-        attention_s = training_flops(ForwardFlops(0.0, full, 0.0), plan.recompute) / (
-            cluster.attention_flops * same_share)
-    else:
-        attention_s = training_flops(ForwardFlops(0.0, f.attention / split, 0.0), plan.recompute) / rate
-    assert model.d_ff is not None
-    norm_split = plan.tp if plan.sequence_parallel else 1
-    head = model.d_model + model.vocab_size / plan.tp      # final norm and the loss's softmax (last stage)
-    pointwise = tokens * (layers * (model.d_ff / plan.tp * cluster.activation_s
-                                    + 2 * model.d_model / norm_split * cluster.norm_s) + head * cluster.norm_s)
-    operators = layers * cluster.layer_overhead_s + cluster.microbatch_overhead_s
-    if plan.recompute is Recompute.FULL:    # the forward (about half of these) runs once more in backward
-        pointwise, operators = 1.5 * pointwise, 1.5 * operators
-    total = matmul_s + attention_s + pointwise + operators
+    """Compute of one micro-batch per pipeline stage (kernels.py): each stage runs its blocks (the
+    partitioner's `stage_layers`), the first also the embedding, the last the final norm, the logits and the
+    loss; the slowest stage is reported by part."""
+    block = block_parts(model, cluster, job, plan)
+    layers = stage_layers(model.n_layer, plan.pp)
+    first, last = embedding_parts(model, cluster, job, plan), head_parts(model, cluster, job, plan)
+    stages = []
+    for i, n in enumerate(layers):
+        stage = block * n
+        if i == 0:
+            stage = stage + first
+        if i == len(layers) - 1:
+            stage = stage + last
+        stages.append(stage)
+    slowest = max(stages, key=lambda p: p.total_s)
     # backward is 2/3 of forward + backward; a recomputed forward runs inside the backward too
     backward_share = 2 / 3 if plan.recompute is Recompute.NONE else 3 / 4
-    return MicrobatchCompute(matmul_s, attention_s, pointwise, operators, backward_s=backward_share * total)
+    forward_share = 1 / 3 if plan.recompute is Recompute.NONE else 1 / 4
+    return MicrobatchCompute(slowest.matmul_s, slowest.attention_s, slowest.pointwise_s, slowest.operators_s,
+                             backward_s=backward_share * slowest.total_s,
+                             stages_s=tuple(p.total_s for p in stages),
+                             block_forward_s=forward_share * block.total_s,
+                             block_backward_s=backward_share * block.total_s)
 
 
 def param_tensor_sizes(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> list[int]:
@@ -202,9 +210,20 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     tp = sum(c.total_seconds for c in collectives if c.axis is Axis.TP)
     pp = sum(c.total_seconds for c in collectives if c.axis is Axis.PP)
     dp = [c for c in collectives if c.axis is Axis.DP]
-    t_mb = compute_mb + (tp + pp) / m
-    pipeline = pipeline_seconds(microbatch_seconds=t_mb, stages=plan.pp, microbatches=m,
-                                schedule=plan.schedule, virtual_stages=plan.virtual_stages)
+    comm_mb = (tp + pp) / m
+    t_mb = compute_mb + comm_mb
+    # 1F1B / GPipe: the slowest stage sets the pace of all m micro-batches; filling and draining the pipeline
+    # costs one micro-batch of every other stage, (p - 1) t for equal stages, divided by v when interleaved
+    v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
+    fill = sum(mb.stages_s) - compute_mb + (plan.pp - 1) * comm_mb
+    pipeline = m * t_mb + fill / v
+    zero3 = {}
+    if plan.zero_stage == 3:
+        block = layer_params(model).per_tp_rank(plan.tp)
+        layers = stage_layers(model.n_layer, plan.pp)[0]
+        zero3 = {"layers": layers, "block_share": min(1.0, layers * block / params_per_rank(model, tp=plan.tp,
+                                                                                          pp=plan.pp)),
+                 "depth": prefetch_depth(model, job, plan.tp)}
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     shard = math.ceil(psi / plan.dp) if plan.zero_stage >= 1 else psi
@@ -224,8 +243,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
         microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp,
         bubble_s=pipeline - m * t_mb,
         dp_comm_s=sum(c.total_seconds for c in dp),
-        dp_exposed_s=_dp_exposed(dp, plan, m, compute_mb, mb.backward_s, job.overlap_dp_comm,
-                                  cluster.comm_overlap),
+        dp_exposed_s=_dp_exposed(dp, plan, m, mb, job.overlap_dp_comm, cluster.comm_overlap, zero3),
         optimizer_s=optimizer_s, offload_s=offload_s,
         model_flops=training_flops(fwd) * job.global_batch / plan.micro_batch,   # all terms are linear in b
     )

@@ -15,14 +15,15 @@ from shardwise.planner import (
 )
 from shardwise.planner.calibrate import cluster_from_probes, fit_collective
 from shardwise.planner.time import (
-    _dp_exposed, microbatch_compute, optimizer_seconds, optimizer_tensor_sizes, param_tensor_sizes,
+    MicrobatchCompute, _dp_exposed, microbatch_compute, optimizer_seconds, optimizer_tensor_sizes, param_tensor_sizes,
 )
+from shardwise.planner.zero3 import exposed_seconds
 
 TINY = ModelSpec.from_gpt_config(PRESETS["tiny"])
 FP32 = JobSpec(global_batch=4, precision=Precision.FP32)
 MEASURED = cluster_preset("a100-80gb", num_gpus=2).replace(
     peak_flops_fp32=1e11, compute_efficiency=1.0, attention_flops=5e10, activation_s=1e-8, norm_s=2e-9,
-    layer_overhead_s=1e-4, microbatch_overhead_s=2e-4)
+    layer_overhead_s=1e-4, microbatch_overhead_s=2e-4, gemm_operand_bw=0.0)   # matmuls: FLOPs over the rate
 
 
 @pytest.mark.parametrize("name,tensors", [("tiny", 4 * 16 + 5), ("gpt2-124m", 12 * 16 + 4), ("llama-7b", 32 * 9 + 3)])
@@ -84,15 +85,37 @@ def _collective(seconds: float, messages: int, op: Op = Op.ALL_REDUCE, calls: in
 ])
 def test_bucketed_gradient_reduction_hides_behind_the_backward(buckets, backward, share, exposed) -> None:
     dp = [_collective(4.0, buckets)]
-    assert _dp_exposed(dp, Plan(dp=2), 1, 3 * backward, backward, True, share) == pytest.approx(exposed)
-    assert _dp_exposed(dp, Plan(dp=2), 1, 3 * backward, backward, False, share) == 4.0
+    mb = MicrobatchCompute(backward / 2, 0.0, 0.0, 0.0, backward_s=backward)
+    assert _dp_exposed(dp, Plan(dp=2), 1, mb, True, share, {}) == pytest.approx(exposed)
+    assert _dp_exposed(dp, Plan(dp=2), 1, mb, False, share, {}) == 4.0
 
 
-def test_zero3_gathers_hide_behind_compute_by_the_overlap_share() -> None:
+def test_zero3_exposed_time_by_hand() -> None:
+    # 2 micro-batches; per micro-batch one gather of everything 1.0 s (twice) and one reduce-scatter 1.0 s;
+    # 4 blocks hold 80% of the parameters: per block g = r = 0.2 s, the rest 0.2 s each
     dp = [_collective(1.0, 4, Op.ALL_GATHER, calls=4), _collective(1.0, 4, Op.REDUCE_SCATTER, calls=2)]
     plan = Plan(dp=2, zero_stage=3)
-    assert _dp_exposed(dp, plan, 2, 2.0, 1.0, True, 1.0) == pytest.approx(2 * (3.0 - 2.0))
-    assert _dp_exposed(dp, plan, 2, 2.0, 1.0, True, 0.0) == pytest.approx(6.0)
+    mb = MicrobatchCompute(0.0, 0.0, 0.0, 0.0, backward_s=0.0, block_forward_s=0.1, block_backward_s=0.3)
+    shape = {"layers": 4, "block_share": 0.8, "depth": 1}
+    # forward: rest 0.2 + first block 0.2 + 3 x (0.2 - 0.1); backward with the reduce-scatters overlapped:
+    # rest 0.2 + 0.2 + first block 0.2 + 3 x (0.4 - 0.3) + the last block's reduce-scatter 0.2
+    assert _dp_exposed(dp, plan, 2, mb, True, 1.0, shape) == pytest.approx(2 * (0.7 + 1.1))
+    # gradient reduction not overlapped: every reduce-scatter waits, gathers still prefetched (g < 0.3)
+    assert _dp_exposed(dp, plan, 2, mb, False, 1.0, shape) == pytest.approx(2 * (0.7 + 0.2 + 0.2 + 1.0))
+    # no prefetch (depth 0) or collectives that take the compute's cores (share 0): all of it
+    assert _dp_exposed(dp, plan, 2, mb, True, 1.0, {**shape, "depth": 0}) == pytest.approx(6.0)
+    assert _dp_exposed(dp, plan, 2, mb, True, 0.0, shape) == pytest.approx(6.0)
+
+
+def test_zero3_prefetch_hides_gathers_only_behind_the_block_before() -> None:
+    # compute per block well above the gather: only the first block's and the rest's gathers stay exposed;
+    # the same total compute in one block would hide nothing more, since a gather waits for the block before
+    args = dict(gather_s=1.0, reduce_s=1.0, block_share=0.8, layers=4, depth=2, overlap_reduce=True, share=1.0)
+    hidden = exposed_seconds(forward_s=10.0, backward_s=20.0, **args)
+    assert hidden == pytest.approx(0.2 + 0.2 + 0.2 + 0.2 + 0.2 + 0.2)
+    starved = exposed_seconds(forward_s=0.0, backward_s=0.0, **args)
+    assert starved == pytest.approx(3.0)                  # no compute to hide behind: everything exposed
+    assert hidden < exposed_seconds(forward_s=0.1, backward_s=0.2, **args) < starved
 
 
 def _probes(ranks: int) -> dict[str, float]:

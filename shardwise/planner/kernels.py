@@ -1,0 +1,159 @@
+"""Seconds of one transformer block and of the model's head on one rank, from the shapes of their kernels.
+
+Why shapes: a GEMM [M, K] x [K, N] does 2 M K N FLOPs but also streams its operands and result,
+e (M K + K N + M N) bytes. Its time is taken as the sum
+
+    t = 2 M K N / (peak * compute_efficiency) + e (M K + K N + M N) / gemm_operand_bw
+
+so small and thin GEMMs (small hidden size, few tokens per micro-batch, a TP split that narrows N or K) run
+further below the ceiling than large ones, and the efficiency rises with the GEMM towards
+compute_efficiency, the large-GEMM ceiling. The forward GEMM, the input-gradient GEMM and the weight-gradient
+GEMM of a linear layer touch the same three matrices, so training costs three of them (four under full
+recomputation). Around the matmuls run memory-bound kernels whose time is bytes over memory bandwidth; relative
+to the matmuls they shrink as 1/h (per-token work: norms, bias + dropout + residual, GELU) and as a s / h^2
+(attention scores: scale + mask + softmax and dropout over a s^2 elements a sequence), which is why achieved
+FLOP/s grow with the model in published weak-scaling tables.
+
+Per block and micro-batch of b sequences of s tokens on one TP rank of t (h hidden, f = d_ff, a heads):
+
+    linear layers   M = b s;  QKV K = h, N = (h + 2 kv) / t;  output K = h / t, N = h;
+                    MLP in K = h, N = f / t (x2 SwiGLU);  MLP out K = f / t, N = h
+    attention core  b a / t pairs of [s, d] x [d, s] and [s, s] x [s, d] (d = h / a); with flash attention
+                    one fused kernel at the ceiling that streams q, k, v and the output only
+    pointwise       b s per-token elements: 2 norms of h and 2 bias+dropout+residual of h (split over t only
+                    with sequence parallelism), the MLP nonlinearity over f / t; scores a s^2 b / t (not
+                    with flash attention)
+    head            logits M = b s, K = h, N = V / t on the last stage; the final norm and the loss's softmax
+
+Per-element costs: what `--calibrate` measured (activation_s, norm_s, the attention rate), or, on a datasheet
+cluster that measured none of them, the bytes each kernel moves over memory_bw, e the element size:
+norm and nonlinearity 5 e (forward reads and writes, backward reads input and gradient, writes the
+gradient), bias + dropout + residual 5 e + 2 (the 1-byte mask written, then read), score 9 e + 2 (fused
+softmax 5 e, dropout 4 e + 2). Recomputation repeats the forward: full recomputation every forward kernel
+(the pointwise costs x 1.5), selective the attention core and its scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.planner.specs import FFN, ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+
+NORM_BYTES, ACTIVATION_BYTES = 5, 5       # x e, forward + backward
+RESIDUAL_BYTES, SCORE_BYTES = (5, 2), (9, 2)   # x e, + mask bytes
+
+
+def gemm_seconds(m: float, k: float, n: float, cluster: ClusterSpec, job: JobSpec, *, count: float = 1) -> float:
+    """`count` GEMMs [m, k] x [k, n] (module notes)."""
+    rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
+    t = 2.0 * m * k * n / rate
+    if cluster.gemm_operand_bw > 0:
+        t += job.precision.nbytes * (m * k + k * n + m * n) / cluster.gemm_operand_bw
+    return count * t
+
+
+@dataclass(frozen=True)
+class ElementCosts:
+    """Seconds per element, forward + backward, of the memory-bound kernels."""
+
+    norm_s: float
+    activation_s: float
+    residual_s: float
+    score_s: float
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec, job: JobSpec) -> "ElementCosts":
+        if cluster.attention_flops > 0 or cluster.activation_s > 0 or cluster.norm_s > 0:
+            # measured: the attention probe includes its softmax; residual adds were not measured apart
+            return cls(cluster.norm_s, cluster.activation_s, 0.0, 0.0)
+        e, bw = job.precision.nbytes, cluster.memory_bw
+        return cls(NORM_BYTES * e / bw, ACTIVATION_BYTES * e / bw, (RESIDUAL_BYTES[0] * e + RESIDUAL_BYTES[1]) / bw,
+                   (SCORE_BYTES[0] * e + SCORE_BYTES[1]) / bw)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Seconds of forward + backward (+ recomputation) on one rank, by kind of work."""
+
+    matmul_s: float = 0.0
+    attention_s: float = 0.0
+    pointwise_s: float = 0.0
+    operators_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.pointwise_s + self.operators_s
+
+    def __add__(self, other: "Parts") -> "Parts":
+        return Parts(self.matmul_s + other.matmul_s, self.attention_s + other.attention_s,
+                     self.pointwise_s + other.pointwise_s, self.operators_s + other.operators_s)
+
+    def __mul__(self, k: float) -> "Parts":
+        return Parts(self.matmul_s * k, self.attention_s * k, self.pointwise_s * k, self.operators_s * k)
+
+
+def _passes(recompute: Recompute) -> tuple[int, int]:
+    """GEMM passes of (the block's linear layers, its attention core): forward, input and weight gradients
+    (the attention core has no weights but two inputs), plus a forward recomputed."""
+    return (4 if recompute is Recompute.FULL else 3,
+            3 if recompute is Recompute.NONE else 4)
+
+
+def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
+    b, s, t = plan.micro_batch, job.sequence_length(model), plan.tp
+    d, heads = model.head_dim, model.n_head / t
+    flops = 4.0 * b * s * s * model.d_model / t            # QK^T and AV, every score (papers' count)
+    if cluster.attention_flops > 0:   # measured with a causal kernel, counted without the mask, in fp32
+        same_share = cluster.peak_flops(job.precision) / cluster.peak_flops_fp32
+        return passes * flops / (cluster.attention_flops * same_share)
+    if job.flash_attention:           # one fused kernel: q, k, v in, the output out
+        rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
+        io = 4 * b * s * model.d_model / t * job.precision.nbytes
+        return passes * (flops * (0.5 if job.causal_flops else 1.0) / rate
+                         + (io / cluster.gemm_operand_bw if cluster.gemm_operand_bw > 0 else 0.0))
+    return (gemm_seconds(s, d, s, cluster, job, count=passes * b * heads)
+            + gemm_seconds(s, s, d, cluster, job, count=passes * b * heads))
+
+
+def block_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+    """One transformer block, one micro-batch, one TP rank (module notes)."""
+    assert model.d_ff is not None
+    b, s, t, h, f = plan.micro_batch, job.sequence_length(model), plan.tp, model.d_model, model.d_ff
+    tokens = b * s
+    linear_passes, attention_passes = _passes(plan.recompute)
+    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in (
+        (h, (h + 2 * model.kv_dim) / t), (h / t, h), (h, mlp_in * f / t), (f / t, h)))
+    attention = _attention(model, cluster, job, plan, attention_passes)
+    c = ElementCosts.of(cluster, job)
+    sp = t if plan.sequence_parallel else 1
+    per_token = 2 * h / sp * (c.norm_s + c.residual_s) + f / t * c.activation_s
+    pointwise = tokens * per_token
+    scores = 0.0 if job.flash_attention else model.n_head / t * s * s * b * c.score_s
+    if plan.recompute is Recompute.FULL:    # the forward (about half of these) runs once more in backward
+        pointwise, scores = 1.5 * pointwise, 1.5 * scores
+        operators = 1.5 * cluster.layer_overhead_s
+    else:
+        operators = cluster.layer_overhead_s
+        if plan.recompute is Recompute.SELECTIVE:
+            scores *= 1.5
+    return Parts(matmul, attention, pointwise + scores, operators)
+
+
+def head_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+    """The last stage's extra work per micro-batch: the logits GEMM (three passes; recomputation keeps the
+    head), the final norm and the loss's softmax over V / t, and the rest of a micro-batch's operators."""
+    tokens = plan.micro_batch * job.sequence_length(model)
+    c = ElementCosts.of(cluster, job)
+    logits = gemm_seconds(tokens, model.d_model, model.vocab_size / plan.tp, cluster, job, count=3)
+    pointwise = tokens * (model.d_model + model.vocab_size / plan.tp) * c.norm_s
+    operators = cluster.microbatch_overhead_s * (1.5 if plan.recompute is Recompute.FULL else 1.0)
+    return Parts(logits, 0.0, pointwise, operators)
+
+
+def embedding_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+    """The first stage's extra work per micro-batch: the embedding lookup (+ positions) and its dropout, a
+    bias + dropout + residual's worth of traffic over b s h elements."""
+    tokens = plan.micro_batch * job.sequence_length(model)
+    sp = plan.tp if plan.sequence_parallel else 1
+    return Parts(pointwise_s=tokens * model.d_model / sp * ElementCosts.of(cluster, job).residual_s)
