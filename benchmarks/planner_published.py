@@ -93,7 +93,8 @@ ROWS: tuple[Row, ...] = (
     Row(K22_T5, "1T", 512, 512, 8, 64, 94.42, "s"), Row(K22_T5, "1T", 512, 512, 8, 64, 71.49, "s", selective_sp=True),
 )
 FIT = frozenset({"1.7B ptd-p n32", "7.5B ptd-p n128", "39.1B ptd-p n512", "145.6B ptd-p n1536",
-                 "529.6B ptd-p n2520", "175B zero3 n1536"})
+                 "529.6B ptd-p n2520", "22B ptd-p n8", "175B sp+sel n64", "530B ptd-p n280", "1T sp+sel n512",
+                 "175B zero3 n1536"})
 """The rows the preset's fitted figures came from; the rest are predictions."""
 
 
@@ -205,11 +206,11 @@ def fit(base: ClusterSpec | None = None) -> tuple[float, float]:
     squared log error of the fitted Table 1 rows (a grid of 0.005 steps), then gather_efficiency matching the
     fitted ZeRO-3 row (bisection; throughput rises with it)."""
     base = base or cluster_preset("a100-80gb")
-    table1 = [r for r in ROWS if r.key in FIT and not r.zero3]
+    ptdp = [r for r in ROWS if r.key in FIT and not r.zero3]
 
     def loss(e: float) -> float:
         c = base.replace(compute_efficiency=e)
-        return sum(math.log(predict(r, c).ratio) ** 2 for r in table1)
+        return sum(math.log(predict(r, c).ratio) ** 2 for r in ptdp)
     compute = min((0.30 + 0.005 * i for i in range(141)), key=loss)
     zero3 = next(r for r in ROWS if r.key in FIT and r.zero3)
     lo, hi = 0.05, 1.0

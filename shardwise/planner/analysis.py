@@ -9,10 +9,10 @@ from shardwise.planner.bubble import bubble_fraction
 from shardwise.planner.comm import Collective, step_collectives
 from shardwise.planner.flops import ParamCount, TrainingCost, days, narayanan_train_seconds, param_count, training_cost
 from shardwise.planner.memory import MemoryBreakdown, layer_activation_bytes, memory_per_rank
-from shardwise.planner.rule import RuleVerdict, compare_with_search, rule_of_thumb
-from shardwise.planner.search import Evaluation, SearchResult, evaluate, recommend, search
+from shardwise.planner.rule import RuleVerdict, compare_with_search, recommendation_reason, rule_of_thumb
+from shardwise.planner.search import TIE_TOLERANCE, Evaluation, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
-from shardwise.planner.time import mfu, steps_to_train
+from shardwise.planner.time import hfu, mfu, steps_to_train
 
 STRATEGY_ROWS: tuple[tuple[str, int, Offload], ...] = (
     ("DP (ZeRO-0)", 0, Offload.NONE),
@@ -37,6 +37,7 @@ class TrainTime:
     seconds: float            # steps * the chosen plan's step time
     gpu_days: float
     mfu: float
+    hfu: float                # with recomputation: the papers' "% of peak"
     narayanan_days: float     # eq. 4 at the cluster's achieved FLOP/s (peak * efficiency)
     gpu_days_at_peak: float   # 6ND / peak: the floor, every GPU at its peak (312 TFLOPS bf16 on an A100)
 
@@ -57,6 +58,7 @@ class Analysis:
     train: TrainTime | None
     rule: RuleVerdict
     rule_comparison: tuple[str, ...]
+    reason: str | None = None                  # why the search recommends its plan
 
 
 def _train_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, chosen: Evaluation,
@@ -69,7 +71,8 @@ def _train_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, chosen: Ev
     eq4 = narayanan_train_seconds(tokens=cost.tokens, num_params=cost.params, num_gpus=cluster.num_gpus,
                                   achieved_flops=peak * cluster.compute_efficiency)
     return TrainTime(steps=steps, seconds=seconds, gpu_days=days(seconds) * cluster.num_gpus,
-                     mfu=mfu(chosen.time, cluster, job, cluster.num_gpus), narayanan_days=days(eq4),
+                     mfu=mfu(chosen.time, cluster, job, cluster.num_gpus),
+                     hfu=hfu(chosen.time, cluster, job, cluster.num_gpus), narayanan_days=days(eq4),
                      gpu_days_at_peak=cost.gpu_days(cost.flops_6nd, peak))
 
 
@@ -105,6 +108,9 @@ def analyze(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan | N
         train = _train_time(model, cluster, job, chosen, cost)
     verdict = rule_of_thumb(model, cluster, job)
     comparison = compare_with_search(verdict, result, chosen) if result is not None else []
+    reason = (recommendation_reason(result, chosen, TIE_TOLERANCE)
+              if result is not None and chosen is not None and chosen.time is not None else None)
     return Analysis(model=model, cluster=cluster, job=job, params=count, cost=cost, strategies=strategies,
                     activations_per_layer=per_layer, result=result, chosen=chosen, collectives=collectives,
-                    bubble=bubble, train=train, rule=verdict, rule_comparison=tuple(comparison))
+                    bubble=bubble, train=train, rule=verdict, rule_comparison=tuple(comparison),
+                    reason=reason)

@@ -8,7 +8,9 @@ fixed cost of a transformer block and of the rest of a micro-batch, torch's Adam
 a memory copy, and gloo's all-reduce, reduce-scatter and all-gather at two sizes: per sample the slowest rank,
 then medians over samples and over rounds. Here that is turned into figures:
 
-- matmul peak (fp32; bf16 from a small bf16 linear): FLOPs / seconds of the linear probe; attention likewise.
+- matmul peak (fp32; bf16 from a small bf16 linear) and gemm_operand_bw: the least-squares fit of the linear
+  probes' times to FLOPs / peak + operand bytes / bandwidth (kernels.py's GEMM model), the bandwidth no lower
+  than memory_bw's (below); attention: FLOPs / seconds of its probe.
 - memory_bw: the bytes time.py charges an Adam step (28 per parameter) over its measured time per parameter of
   a large tensor, so the optimizer term reproduces torch's for-loop AdamW (several passes over each state) on
   this machine; cache_bw the same for tensors that stay in the last-level cache, cache_bytes its share per rank.
@@ -137,6 +139,9 @@ def cluster_from_probes(probes: dict[str, float], *, link: tuple[float, float] |
         name=f"calibrated:{host}", num_gpus=ranks, gpus_per_node=ranks, memory_bytes=ram / ranks,
         peak_flops_bf16=1.0 / probes["linear_bf16_s_per_flop"], peak_flops_fp32=1.0 / probes["linear_s_per_flop"],
         intra_node_bw=link[0], inter_node_bw=link[0], intra_node_latency_s=link[1], inter_node_latency_s=link[1],
+        # a GEMM streams its operands at least as fast as Adam streams its states: a slower fit is load noise
+        gemm_operand_bw=(max(1.0 / probes["gemm_s_per_byte"], optimizer_bw)
+                         if probes.get("gemm_s_per_byte", 0.0) > 0 else 0.0),
         memory_bw=optimizer_bw, cache_bytes=probes["cache_bytes"] / ranks,     # the ranks share it
         cache_bw=adam_bytes / probes["adam_cached_s_per_param"], pcie_bw=1.0 / probes["copy_s_per_byte"],
         host_memory_bytes=ram, host_memory_bw=optimizer_bw * ranks,   # each rank steps its shard at that rate

@@ -49,12 +49,12 @@ _DGX_H200 = ("NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 141 GB HBM3e at 4
              "sparsity = 989 dense, FP32 67 TFLOPS, NVLink 900 GB/s, PCIe Gen5 128 GB/s); DGX H200 "
              "(8x 400 Gb/s NDR InfiniBand, 2 TB RAM, same CPUs as DGX H100)")
 _LATENCY_NOTE = "; latencies 5 us (NVLink) and 10 us (InfiniBand) per message are typical NCCL figures, assumed"
-A100_GEMM_CEILING = 0.74
+A100_GEMM_CEILING = 0.77
 """The large-GEMM ceiling (compute_efficiency) and ZeRO-3's share of the link (gather_efficiency), fitted on
 A100 rows of Narayanan et al. 2021 (Table 1: 1.7B, 7.5B, 39.1B, 145.6B, 529.6B; Table 2: ZeRO-3 175B on 1,536
 GPUs) by `python -m benchmarks.planner_published --fit`; the other published rows check them."""
 ZERO3_GATHER_SHARE = 0.81
-_FITTED = "; GEMM ceiling 0.74 and ZeRO-3 link share 0.81 fitted on published A100 runs (Narayanan et al. 2021)"
+_FITTED = "; GEMM ceiling 0.77 and ZeRO-3 link share 0.81 fitted on published A100 runs (Narayanan et al. 2021)"
 _FITTED_ELSEWHERE = "; GEMM ceiling and ZeRO-3 link share are the A100 fit (no published per-shape H100 rows used)"
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {

@@ -6,7 +6,10 @@ sample), so each figure is what a rank gets while all of them work: with more ra
 `measure_round` times every probe (`probes`) `samples` times on this rank; `summarize` takes, per sample, the slowest
 rank (a synchronous step waits for it), then the median over samples, then over rounds, and derives:
 
-    linear_s_per_flop         F.linear forward + backward at two transformer shapes, 6 M K N FLOPs a call
+    linear_s_per_flop         F.linear forward + backward at two transformer shapes and a thin one, 6 M K N
+    gemm_s_per_byte           FLOPs a call, 3 x 4 (M K + K N + M N) bytes streamed: t = FLOPs a + bytes c fitted
+                              by least squares (c = 0 and a = time / FLOPs of the two square-ish shapes when the
+                              fit finds no traffic term)
     linear_bf16_s_per_flop    the same in bf16 at a small shape
     attention_s_per_flop      causal scaled_dot_product_attention forward + backward at head dims 64 and 32,
                               counted as 12 b h s^2 d_head (flops.py's 4 b s^2 h forward, the mask ignored,
@@ -45,7 +48,8 @@ import torch.nn.functional as F
 
 SMALL_BYTES, LARGE_BYTES = 4 << 10, 8 << 20
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-_LINEAR_SHAPES = ((1024, 256, 1024), (1024, 1024, 256))      # (tokens M, in K, out N)
+_LINEAR_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (4096, 64, 4096))   # (tokens M, in K, out N)
+# the third is thin (64 FLOPs per element it streams against ~180): it separates operand traffic from FLOPs
 _LINEAR_BF16_SHAPE = (256, 256, 256)                          # bf16 runs far below fp32 without AMX/AVX-512
 _ATTENTION_SHAPES = ((2, 4, 256, 64), (4, 6, 128, 32))       # (batch, heads, seq, head dim)
 _NUMEL = 1 << 20
@@ -181,6 +185,25 @@ def _cache_bytes() -> int:
     return int(text.rstrip("KM") or 0) * scale
 
 
+def fit_gemm(seconds: list[float]) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per operand byte) of the linear probes, t = 6 M K N a + 12 (M K + K N + M N) c
+    (fp32, three GEMMs a call) by least squares over the shapes; (time / FLOPs of the first two, 0) when the
+    fit gives no positive traffic term (noise, or a machine whose GEMMs are compute-bound at these shapes)."""
+    flops = [6.0 * m * k * n for m, k, n in _LINEAR_SHAPES]
+    nbytes = [12.0 * (m * k + k * n + m * n) for m, k, n in _LINEAR_SHAPES]
+    ff = sum(f * f for f in flops)
+    bb = sum(b * b for b in nbytes)
+    fb = sum(f * b for f, b in zip(flops, nbytes))
+    ft = sum(f * x for f, x in zip(flops, seconds))
+    bt = sum(b * x for b, x in zip(nbytes, seconds))
+    det = ff * bb - fb * fb
+    if det > 0:
+        a, c = (ft * bb - bt * fb) / det, (bt * ff - ft * fb) / det
+        if a > 0 and c > 0:
+            return a, c
+    return sum(seconds[:2]) / sum(flops[:2]), 0.0
+
+
 def summarize(per_rank: list[list[Samples]], threads: int | None = None) -> dict[str, float]:
     """`per_rank[r]`: rank r's rounds (`measure_round`). Per sample the slowest rank, then the median over
     samples, then over rounds; then the figures of the module notes."""
@@ -193,8 +216,9 @@ def summarize(per_rank: list[list[Samples]], threads: int | None = None) -> dict
         return sum(t[f"{prefix}{i}"] for i in range(len(flops))) / sum(flops)
     (cached_k, cached_n), (tiny_k, tiny_n) = _CACHED, _TINY
     per_cached = max(1e-12, (t["adam_cached"] / cached_k - t["adam_tiny"] / tiny_k) / (cached_n - tiny_n))
+    per_flop, per_byte = fit_gemm([t[f"linear{i}"] for i in range(len(_LINEAR_SHAPES))])
     out = {
-        "linear_s_per_flop": rate("linear", [6.0 * m * k * n for m, k, n in _LINEAR_SHAPES]),
+        "linear_s_per_flop": per_flop, "gemm_s_per_byte": per_byte,
         "linear_bf16_s_per_flop": t["linear_bf16"] / (6.0 * _LINEAR_BF16_SHAPE[0] ** 3),
         "attention_s_per_flop": rate("attention", [12.0 * b * h * q * q * d for b, h, q, d in _ATTENTION_SHAPES]),
         "activation_s": t["gelu"] / (_GELU[0] * _GELU[1]), "norm_s": t["norm"] / (_NORM[0] * _NORM[1]),

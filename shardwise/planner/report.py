@@ -9,7 +9,9 @@ from shardwise.planner.analysis import Analysis
 from shardwise.planner.comm import zero_paper_volume
 from shardwise.planner.memory import GB, MemoryBreakdown
 from shardwise.planner.search import Evaluation
+from shardwise.planner.rule import describe, strategy_of
 from shardwise.planner.specs import PlannerError
+from shardwise.planner.time import hfu, mfu
 
 TOP_PLANS = 10
 _PARTS = ("weights", "grads", "optimizer", "activations", "buffers", "reserved")
@@ -29,7 +31,8 @@ def _memory(m: MemoryBreakdown) -> dict[str, Any]:
 
 
 def _evaluation(a: Analysis, e: Evaluation) -> dict[str, Any]:
-    out: dict[str, Any] = {"label": e.plan.label(), "plan": e.plan.to_dict(), "feasible": e.feasible,
+    out: dict[str, Any] = {"label": e.plan.label(), "strategy": strategy_of(e.plan).value,
+                           "description": describe(e.plan), "plan": e.plan.to_dict(), "feasible": e.feasible,
                            "problems": [{"reason": p.reason.value, "detail": p.detail} for p in e.problems]}
     if e.memory is not None:
         out["memory"] = _memory(e.memory)
@@ -38,7 +41,10 @@ def _evaluation(a: Analysis, e: Evaluation) -> dict[str, Any]:
         out["step_time"] = {**{k: getattr(t, k) for k in _STEP_PARTS}, "total_s": t.total_s,
                             "microbatches": t.microbatches, "compute_share": t.compute_share}
         out["tokens_per_s"] = a.job.global_batch * a.job.sequence_length(a.model) / t.total_s
-        out["mfu"] = t.model_flops / (t.total_s * a.cluster.num_gpus * a.cluster.peak_flops(a.job.precision))
+        # MFU counts the model's FLOPs (no recomputation); HFU those executed, the papers' "% of peak"
+        out["mfu"] = mfu(t, a.cluster, a.job, a.cluster.num_gpus)
+        out["hfu"] = hfu(t, a.cluster, a.job, a.cluster.num_gpus)
+        out["hardware_flops"] = t.hardware_flops
     return out
 
 
@@ -57,6 +63,7 @@ def to_json(a: Analysis) -> dict[str, Any]:
                                for s in a.strategies],
         "activations_per_layer_bytes": a.activations_per_layer,
         "plan": None if chosen is None else _evaluation(a, chosen),
+        "reason": a.reason,
         "communication": [{"axis": c.axis.value, "op": c.op.value, "purpose": c.purpose, "group_size": c.group_size,
                            "link": c.link.value, "calls": c.calls, "payload_bytes": c.payload_bytes,
                            "sent_bytes": c.sent_bytes, "seconds": c.total_seconds} for c in a.collectives],
@@ -106,7 +113,7 @@ def render(a: Analysis, console: Any) -> None:
     t.add_row("parameters", f"{a.params.total:,} (non-embedding {a.params.non_embedding:,})")
     t.add_row("cluster", f"{c.num_gpus} x {c.name} in {c.num_nodes} node(s) of {c.gpus_per_node}: "
                          f"{c.peak_flops(j.precision) / 1e12:,.1f} TFLOP/s {j.precision.value} peak x "
-                         f"{c.compute_efficiency:.2f} sustained, {_gb(c.memory_bytes)} GB, links "
+                         f"{c.compute_efficiency:.2f} large-GEMM ceiling, {_gb(c.memory_bytes)} GB, links "
                          f"{c.intra_node_bw / 1e9:,.1f} / {c.inter_node_bw / 1e9:,.1f} GB/s intra / inter node")
     if c.source:
         t.add_row("figures from", c.source)
@@ -119,7 +126,7 @@ def render(a: Analysis, console: Any) -> None:
     if a.train is not None:
         tr = a.train
         t.add_row("time to train", f"{_duration(tr.seconds)} on {c.num_gpus} GPUs ({_amount(tr.gpu_days)} GPU-days, "
-                                   f"MFU {100 * tr.mfu:.1f}%, {tr.steps:,.0f} steps)")
+                                   f"MFU {100 * tr.mfu:.1f}%, HFU {100 * tr.hfu:.1f}%, {tr.steps:,.0f} steps)")
         t.add_row("cross-checks", f"Narayanan eq. 4: {_duration(tr.narayanan_days * 86400)}; 6ND at 100% of peak: "
                                   f"{_amount(tr.gpu_days_at_peak)} GPU-days")
     console.print(t)
@@ -153,6 +160,8 @@ def _render_plan(a: Analysis, e: Evaluation, console: Any) -> None:
 
     head = "Recommended plan" if a.result is not None else "Plan"
     console.print(f"[bold]{head}: {e.plan.label()}[/bold]")
+    if a.reason is not None:
+        console.print(f"Why: {a.reason}")
     for p in e.problems:
         console.print(f"  cannot run: {p.reason.value}: {p.detail}")
     if e.time is None:
@@ -164,7 +173,9 @@ def _render_plan(a: Analysis, e: Evaluation, console: Any) -> None:
     t.add_row(_s(st.compute_s), _s(st.tp_comm_s), _s(st.pp_comm_s), _s(st.bubble_s),
               f"{_s(st.dp_comm_s)} ({_s(st.dp_exposed_s)})", _s(st.optimizer_s), _s(st.offload_s), _s(st.total_s))
     console.print(t)
-    extra = f"compute share (scaling efficiency) {100 * st.compute_share:.1f}%"
+    n = a.cluster.num_gpus
+    extra = (f"MFU {100 * mfu(st, a.cluster, a.job, n):.1f}%, HFU {100 * hfu(st, a.cluster, a.job, n):.1f}% "
+             f"(with recomputation), compute share (scaling efficiency) {100 * st.compute_share:.1f}%")
     if a.bubble is not None:
         extra += f", pipeline bubble {100 * a.bubble:.1f}% of the step"
     console.print(extra)
@@ -185,12 +196,14 @@ def _render_search(a: Analysis, console: Any) -> None:
     r = a.result
     assert r is not None
     t = Table(title=f"Fastest of {len(r.ranked)} feasible plans ({r.considered} considered)")
-    for col in ("#", "plan", "step s", "MFU %", "memory GB"):
+    for col in ("#", "plan", "strategy", "step s", "MFU %", "HFU %", "memory GB"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, e in enumerate(r.ranked[:TOP_PLANS], 1):
         assert e.time is not None and e.memory is not None
-        mfu = e.time.model_flops / (e.time.total_s * a.cluster.num_gpus * a.cluster.peak_flops(a.job.precision))
-        t.add_row(str(i), e.plan.label(), _s(e.time.total_s), f"{100 * mfu:.1f}", _gb(e.memory.total))
+        n = a.cluster.num_gpus
+        t.add_row(str(i), e.plan.label(), strategy_of(e.plan).name.lower().replace("_", " "), _s(e.time.total_s),
+                  f"{100 * mfu(e.time, a.cluster, a.job, n):.1f}", f"{100 * hfu(e.time, a.cluster, a.job, n):.1f}",
+                  _gb(e.memory.total))
     console.print(t)
     if r.infeasible:
         t = Table(title="Layouts that cannot run")

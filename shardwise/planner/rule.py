@@ -32,6 +32,7 @@ class Strategy(str, enum.Enum):
     DP = "data parallelism"
     ZERO = "ZeRO (sharded data parallelism)"
     ZERO_OFFLOAD = "ZeRO + CPU offload"
+    MODEL_PARALLEL = "model parallelism (TP and/or PP, not all three axes)"
     THREE_D = "3D parallelism (DP + TP + PP)"
 
 
@@ -39,11 +40,42 @@ RULE_ORDER = (Strategy.DP, Strategy.ZERO, Strategy.ZERO_OFFLOAD, Strategy.THREE_
 
 
 def strategy_of(plan: Plan) -> Strategy:
-    if plan.tp > 1 or plan.pp > 1:
+    """"3D" only with all three axes (pp > 1, tp > 1, dp > 1); TP or PP with fewer axes is model parallelism
+    (a TP x ZeRO-3 plan with no pipeline is not 3D)."""
+    if plan.tp > 1 and plan.pp > 1 and plan.dp > 1:
         return Strategy.THREE_D
+    if plan.tp > 1 or plan.pp > 1:
+        return Strategy.MODEL_PARALLEL
     if plan.offload is not Offload.NONE:
         return Strategy.ZERO_OFFLOAD
     return Strategy.ZERO if plan.zero_stage >= 1 else Strategy.DP
+
+
+def describe(plan: Plan) -> str:
+    """The plan in an engineer's words: its axes, the ZeRO stage and offload, e.g.
+    "3D: TP 8 (+SP) x PP 16 x DP 8, ZeRO-1" or "TP 8 x ZeRO-3 over DP 4"."""
+    axes = [f"TP {plan.tp}" + (" (+SP)" if plan.sequence_parallel else "")] if plan.tp > 1 else []
+    if plan.pp > 1:
+        axes.append(f"PP {plan.pp}" + (f" (interleaved x{plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
+    zero = f"ZeRO-{plan.zero_stage}" + (f" + offload {plan.offload.value}" if plan.offload is not Offload.NONE else "")
+    if plan.dp > 1:
+        if plan.zero_stage and plan.pp == 1:
+            axes.append(f"{zero} over DP {plan.dp}")
+            zero = ""
+        else:
+            axes.append(f"DP {plan.dp}")
+    elif plan.offload is not Offload.NONE:
+        axes.append(zero)
+        zero = ""
+    text = " x ".join(axes) or "one GPU"
+    if zero and plan.zero_stage:
+        text += f", {zero}"
+    return ("3D: " if strategy_of(plan) is Strategy.THREE_D else "") + text
+
+
+def _rule_step(strategy: Strategy) -> Strategy:
+    """The rule's last step is any model parallelism."""
+    return Strategy.THREE_D if strategy is Strategy.MODEL_PARALLEL else strategy
 
 
 @dataclass(frozen=True)
@@ -67,7 +99,7 @@ class RuleVerdict:
             out.append(f"{s.strategy.value}: {s.gpu_bytes / GB:.1f} GB per GPU ({s.plan.label()}) {verb} in "
                        f"{s.capacity / GB:.1f} GB")
         if self.strategy is Strategy.THREE_D:
-            out.append("nothing else fits: 3D parallelism")
+            out.append("nothing else fits: model parallelism (TP/PP; 3D with DP as well)")
         return out
 
 
@@ -99,12 +131,12 @@ def compare_with_search(verdict: RuleVerdict, result: SearchResult, chosen: Eval
     if chosen is None or chosen.time is None:
         return [f"The rule picks {verdict.strategy.value}; the search found no feasible plan at all."]
     found = strategy_of(chosen.plan)
-    if found is verdict.strategy:
+    if _rule_step(found) is verdict.strategy:
         return [f"The search agrees with the rule: {found.value} ({chosen.plan.label()}, "
                 f"{chosen.time.total_s:.4g} s per step)."]
     lines = [f"The rule picks {verdict.strategy.value}; the search picks {found.value} "
              f"({chosen.plan.label()}, {chosen.time.total_s:.4g} s per step)."]
-    rivals = [e for e in result.ranked if strategy_of(e.plan) is verdict.strategy and e.time is not None]
+    rivals = [e for e in result.ranked if _rule_step(strategy_of(e.plan)) is verdict.strategy and e.time is not None]
     if not rivals:
         lines.append(f"No {verdict.strategy.value} plan is feasible on this job: the rule checks memory only, "
                      f"not the batch arithmetic or the micro-batch the memory allows.")
@@ -123,3 +155,27 @@ def compare_with_search(verdict: RuleVerdict, result: SearchResult, chosen: Eval
     lines.append(f"The best {verdict.strategy.value} plan ({rival.plan.label()}) takes {rival.time.total_s:.4g} s "
                  f"per step, {100 * slower:.0f}% longer, mostly from {name} (+{worst:.3g} s).")
     return lines
+
+
+def recommendation_reason(result: SearchResult, chosen: Evaluation, tolerance: float) -> str:
+    """Why the search recommends `chosen`: its strategy, its rank, and where its step time goes."""
+    assert chosen.time is not None
+    best = result.best
+    assert best is not None and best.time is not None
+    t = chosen.time
+    parts = sorted(((getattr(t, k), name) for k, name in _PARTS), reverse=True)
+    spent = ", ".join(f"{name} {100 * v / t.total_s:.0f}%" for v, name in parts[:3] if v > 0)
+    if chosen is best:
+        head = f"the fastest of {len(result.ranked)} feasible plans"
+    else:
+        a, b = chosen.plan, best.plan
+        simpler = [what for what, yes in (
+            (f"{a.tp * a.pp} model-parallel ranks, not {b.tp * b.pp}", a.tp * a.pp < b.tp * b.pp),
+            ("no offload", a.offload is Offload.NONE and b.offload is not Offload.NONE),
+            (f"{a.recompute.value} recomputation, not {b.recompute.value}", a.recompute is not b.recompute),
+            (f"ZeRO-{a.zero_stage}, not ZeRO-{b.zero_stage}", a.zero_stage < b.zero_stage),
+            (f"micro-batch {a.micro_batch}, not {b.micro_batch}", a.micro_batch > b.micro_batch)) if yes]
+        head = (f"the simplest plan within {100 * tolerance:.0f}% of the fastest ({b.label()}, "
+                f"{best.time.total_s:.4g} s; this one {100 * (t.total_s / best.time.total_s - 1):.1f}% slower with "
+                f"{', '.join(simpler) or 'the same shape'})")
+    return f"{describe(chosen.plan)} ({strategy_of(chosen.plan).value}): {head}; its step is {spent}."

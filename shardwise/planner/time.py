@@ -61,6 +61,7 @@ class StepTime:
     optimizer_s: float
     offload_s: float       # PCIe traffic and the CPU optimizer step
     model_flops: float     # the whole job's useful FLOPs per step (no recomputation)
+    hardware_flops: float = 0.0   # the FLOPs executed, recomputation included (flops.py's conventions)
 
     @property
     def total_s(self) -> float:
@@ -246,12 +247,19 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
         dp_exposed_s=_dp_exposed(dp, plan, m, mb, job.overlap_dp_comm, cluster.comm_overlap, zero3),
         optimizer_s=optimizer_s, offload_s=offload_s,
         model_flops=training_flops(fwd) * job.global_batch / plan.micro_batch,   # all terms are linear in b
+        hardware_flops=training_flops(fwd, plan.recompute) * job.global_batch / plan.micro_batch,
     )
 
 
 def mfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> float:
     """Model FLOPs utilisation: useful FLOPs per second over the peak of all GPUs."""
     return step.model_flops / (step.total_s * num_gpus * cluster.peak_flops(job.precision))
+
+
+def hfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> float:
+    """Hardware FLOPs utilisation: the FLOPs executed, recomputation included (the published "% of peak" of
+    Narayanan et al. 2021 with full recomputation), per second over the peak of all GPUs; >= MFU."""
+    return step.hardware_flops / (step.total_s * num_gpus * cluster.peak_flops(job.precision))
 
 
 def steps_to_train(job: JobSpec, model: ModelSpec, num_params: int) -> float:
