@@ -14,11 +14,13 @@ Rows (A100 80 GB, DGX A100 nodes of 8 on HDR InfiniBand: the `a100-80gb` preset;
 - Korthikanti et al. 2022 (arXiv:2205.05198) Table 5: iteration time of 22B, 175B, 530B and 1T with full
   recomputation and with sequence parallelism + selective recomputation (Table 3 gives the layouts).
 
-Fitting: `FIT` names the rows the preset's two fitted figures came from (compute_efficiency: Table 1's
-1.7B, 7.5B, 39.1B, 145.6B and 529.6B rows; gather_efficiency: Table 2's ZeRO-3 175B row on 1,536 GPUs).
-Every other row is a prediction. How the jobs ran, taken from the papers: Megatron 2021 reduces gradients
+Fitting: `FIT` names the rows the preset's two fitted figures came from, half of each table's PTD-P rows for
+compute_efficiency (alternate rows: Table 1's 1.7B, 7.5B, 39.1B, 145.6B, 529.6B; Table 5's 22B and 530B full,
+175B and 1T selective) and Table 2's ZeRO-3 175B row on 1,536 GPUs for gather_efficiency. Every other row is
+a prediction. How the jobs ran, taken from the papers: Megatron 2021 reduces gradients
 after the backward (no overlap) and sends 1/t of each pipeline activation (scatter/gather); DeepSpeed's ZeRO-3
-gathers parameters module by module and prefetches (its default bucket of 50M elements).
+gathers parameters module by module, prefetches (its default bucket of 50M elements) and, by its default
+`overlap_comm: false`, reduce-scatters gradients after each module's backward rather than behind it.
 """
 
 from __future__ import annotations
@@ -169,8 +171,6 @@ def stats(preds: list[Prediction]) -> Stats:
 
 def ranking_agrees(preds: list[Prediction]) -> dict[str, bool]:
     """Table 2: for each model and GPU count, the paper's winner (PTD-P) is the planner's."""
-    by = {(p.row.model, p.row.gpus if p.row.zero3 else None, p.row.zero3): p for p in preds
-          if p.row.source == N21_T2}
     out = {}
     for model, rank_pairs in (("175B", ((384, 384), (768, 768), (1536, 1536))),
                               ("530B", ((640, 560), (1280, 1120), (2560, 2240)))):
@@ -180,15 +180,15 @@ def ranking_agrees(preds: list[Prediction]) -> dict[str, bool]:
                      and p.row.gpus == p_gpus)
             paper = d.row.value > z.row.value
             out[f"{model} n{z_gpus}/{p_gpus}"] = (d.predicted > z.predicted) == paper
-    del by
     return out
 
 
 def render(preds: list[Prediction]) -> str:
+    # error: predicted over published throughput - 1 (for an iteration time, published over predicted - 1)
     lines = [f"{'source':25} {'row':24} {'published':>9} {'predicted':>9} {'error':>7}  fit  fits"]
     for p in preds:
-        unit = "TF/s" if p.row.unit == "tflops" else "s"
-        lines.append(f"{p.row.source:25} {p.row.key:24} {p.row.value:>7.2f}{unit[:2]:>2} {p.predicted:>7.2f}{unit[:2]:>2} "
+        unit = "TF" if p.row.unit == "tflops" else " s"
+        lines.append(f"{p.row.source:25} {p.row.key:24} {p.row.value:>7.2f}{unit} {p.predicted:>7.2f}{unit} "
                      f"{100 * (p.ratio - 1):>+6.1f}%  {'yes' if p.fitted else '   '}  {'yes' if p.fits else 'no'}")
     held = [p for p in preds if not p.fitted]
     for name, group in (("all rows", preds), ("held-out rows", held)):

@@ -51,26 +51,30 @@ _DGX_H200 = ("NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 141 GB HBM3e at 4
 _LATENCY_NOTE = "; latencies 5 us (NVLink) and 10 us (InfiniBand) per message are typical NCCL figures, assumed"
 A100_GEMM_CEILING = 0.77
 """The large-GEMM ceiling (compute_efficiency) and ZeRO-3's share of the link (gather_efficiency), fitted on
-A100 rows of Narayanan et al. 2021 (Table 1: 1.7B, 7.5B, 39.1B, 145.6B, 529.6B; Table 2: ZeRO-3 175B on 1,536
-GPUs) by `python -m benchmarks.planner_published --fit`; the other published rows check them."""
+half of the published A100 rows (Narayanan et al. 2021 Table 1: 1.7B, 7.5B, 39.1B, 145.6B, 529.6B; Table 2:
+ZeRO-3 175B on 1,536 GPUs; Korthikanti et al. 2022 Table 5: 22B and 530B full, 175B and 1T selective) by
+`python -m benchmarks.planner_published --fit`; the other rows check them."""
 ZERO3_GATHER_SHARE = 0.81
-_FITTED = "; GEMM ceiling 0.77 and ZeRO-3 link share 0.81 fitted on published A100 runs (Narayanan et al. 2021)"
+_FITTED = "; GEMM ceiling 0.77 and ZeRO-3 link share 0.81 fitted on published A100 runs (Megatron papers)"
 _FITTED_ELSEWHERE = "; GEMM ceiling and ZeRO-3 link share are the A100 fit (no published per-shape H100 rows used)"
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "a100-80gb": ClusterSpec(
         name="a100-80gb", num_gpus=8, gpus_per_node=8, memory_bytes=80e9, peak_flops_bf16=312e12,
-        peak_flops_fp32=19.5e12, intra_node_bw=300e9, inter_node_bw=25e9, memory_bw=2.039e12, gemm_operand_bw=2.039e12, pcie_bw=32e9,
+        peak_flops_fp32=19.5e12, intra_node_bw=300e9, inter_node_bw=25e9, memory_bw=2.039e12, pcie_bw=32e9,
+        gemm_operand_bw=2.039e12,
         host_memory_bytes=2e12, host_memory_bw=2 * 204.8e9, compute_efficiency=A100_GEMM_CEILING,
         gather_efficiency=ZERO3_GATHER_SHARE, source=_DGX_A100 + _LATENCY_NOTE + _FITTED),
     "h100-80gb": ClusterSpec(
         name="h100-80gb", num_gpus=8, gpus_per_node=8, memory_bytes=80e9, peak_flops_bf16=989e12,
-        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=3.35e12, gemm_operand_bw=3.35e12, pcie_bw=64e9,
+        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=3.35e12, pcie_bw=64e9,
+        gemm_operand_bw=3.35e12,
         host_memory_bytes=2e12, host_memory_bw=2 * 307.2e9, compute_efficiency=A100_GEMM_CEILING,
         gather_efficiency=ZERO3_GATHER_SHARE, source=_DGX_H100 + _LATENCY_NOTE + _FITTED_ELSEWHERE),
     "h200": ClusterSpec(
         name="h200", num_gpus=8, gpus_per_node=8, memory_bytes=141e9, peak_flops_bf16=989e12,
-        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=4.8e12, gemm_operand_bw=4.8e12, pcie_bw=64e9,
+        peak_flops_fp32=67e12, intra_node_bw=450e9, inter_node_bw=50e9, memory_bw=4.8e12, pcie_bw=64e9,
+        gemm_operand_bw=4.8e12,
         host_memory_bytes=2e12, host_memory_bw=2 * 307.2e9, compute_efficiency=A100_GEMM_CEILING,
         gather_efficiency=ZERO3_GATHER_SHARE, source=_DGX_H200 + _LATENCY_NOTE + _FITTED_ELSEWHERE),
 }

@@ -1,34 +1,27 @@
 """Step time of a plan, time to train, utilisation and scaling efficiency.
 
-One step, as seen by the busiest rank:
+One step, as seen by the slowest pipeline stage:
 
-    t_mb     = one micro-batch's compute on this rank (below) + its TP collectives + its pipeline sends
-    pipeline = (m + (p - 1) / v) * t_mb                                                  (bubble.py)
+    t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
+    pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal stages)
     step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
 
-Compute of one micro-batch on one rank:
-
-    matmuls     hardware FLOPs of the linear layers and the logits / (peak * efficiency)
-    attention   FLOPs of QK^T and AV / attention_flops (measured in fp32, scaled with the matmul peak to
-                other precisions; the matmul rate when not measured)
-    pointwise   elements * seconds per element: the MLP nonlinearity (d_ff per token per layer) and the
-                normalisations (2 d_model per token per layer, the final d_model, the loss over V)
-    operators   layers * layer_overhead_s + microbatch_overhead_s: the fixed cost of running the operators
-                (dispatch, autograd, launch), what small models and micro-batches spend besides FLOPs
-
-The last three are measured by `shardwise plan --calibrate` and are 0 on the datasheet presets, whose
-compute_efficiency stands for everything besides the dense matmuls. Recomputation repeats the forward share
-of each term (flops.py's factors for the matmuls and attention; half of forward + backward for the rest).
+Compute of one micro-batch (kernels.py): every GEMM at the large-GEMM ceiling plus its operand traffic, so
+efficiency depends on the GEMM shapes (hidden size, micro-batch x sequence, TP split); the memory-bound
+kernels around them (norms, bias + dropout + residual, the nonlinearity, the attention scores) at memory
+bandwidth on datasheet clusters or at the per-element costs `--calibrate` measured; the operators' fixed
+cost (layer_overhead_s, microbatch_overhead_s, measured). Each stage runs its blocks (the partitioner's
+`stage_layers`), the first also the embedding, the last the final norm, the logits and the loss.
 
 Data-parallel communication hides behind backward when `JobSpec.overlap_dp_comm`: gradients are reduced in
 k buckets, each launched when the backward has produced it, one after the other, so of c seconds of reduction
-max(c / k, c - (k - 1) / k * backward) stay exposed (one bucket: all of it); ZeRO-3's gathers hide behind
-each micro-batch's compute (prefetch). Of what could hide, the cluster's `comm_overlap` share does (CPU ranks
-whose collectives need the cores the compute runs on hide almost nothing). ZeRO-1/2's all-gather of updated
-parameters follows the optimizer step and is never hidden. The optimizer step streams its states once
-(memory-bandwidth bound: Adam reads gradient, master, m, v and writes master, m, v and the 16-bit weight, 28
-bytes per parameter) and pays `optimizer_tensor_s` for every tensor it steps (each parameter at stage 0, each
-flat shard under ZeRO).
+max(c / k, c - (k - 1) / k * backward) stay exposed (one bucket: all of it). ZeRO-3's gathers hide only behind
+the compute of the block before, as deep as the prefetch bucket allows (zero3.py). Of what could hide, the
+cluster's `comm_overlap` share does (CPU ranks whose collectives need the cores the compute runs on hide
+almost nothing). ZeRO-1/2's all-gather of updated parameters follows the optimizer step and is never hidden.
+The optimizer step streams its states once (memory-bandwidth bound: Adam reads gradient, master, m, v and
+writes master, m, v and the 16-bit weight, 28 bytes per parameter) and pays `optimizer_tensor_s` for every
+tensor it steps (each parameter at stage 0, each flat shard under ZeRO).
 """
 
 from __future__ import annotations
