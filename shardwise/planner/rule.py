@@ -170,7 +170,8 @@ def recommendation_reason(result: SearchResult, chosen: Evaluation, tolerance: f
     else:
         a, b = chosen.plan, best.plan
         simpler = [what for what, yes in (
-            (f"{a.tp * a.pp} model-parallel ranks, not {b.tp * b.pp}", a.tp * a.pp < b.tp * b.pp),
+            ((f"{a.tp * a.pp} model-parallel ranks" if a.tp * a.pp > 1 else "no model parallelism")
+             + f", not {b.tp * b.pp}", a.tp * a.pp < b.tp * b.pp),
             ("no offload", a.offload is Offload.NONE and b.offload is not Offload.NONE),
             (f"{a.recompute.value} recomputation, not {b.recompute.value}", a.recompute is not b.recompute),
             (f"ZeRO-{a.zero_stage}, not ZeRO-{b.zero_stage}", a.zero_stage < b.zero_stage),
