@@ -53,6 +53,12 @@ class Case:
     micro_batch: int
     grad_accum: int = 1
     model: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
 
     def gpt_config(self) -> Any:
         from shardwise.models import gpt_config
@@ -78,6 +84,11 @@ CASES = (
     Case("wide dp2 z2 mb2", dp=2, zero=2, micro_batch=2, model=_WIDE),
     Case("deep dp2 z1 mb4 gas2", dp=2, zero=1, micro_batch=4, grad_accum=2, model=_DEEP),
 )
+MODEL_PARALLEL_CASES = (   # `--model-parallel`: tensor and pipeline parallelism on two ranks
+    Case("wide tp2 mb2", dp=1, zero=0, micro_batch=2, tp=2, model=_WIDE),
+    Case("tiny tp2 mb4", dp=1, zero=0, micro_batch=4, tp=2),
+    Case("tiny pp2 mb2 gas4", dp=1, zero=0, micro_batch=2, grad_accum=4, pp=2),
+)
 
 
 def predict(case: Case, cluster: ClusterSpec) -> StepTime:
@@ -85,7 +96,7 @@ def predict(case: Case, cluster: ClusterSpec) -> StepTime:
     cfg = case.gpt_config()
     job = JobSpec(global_batch=case.global_batch, seq_len=cfg.seq_len, precision=Precision.FP32,
                   optimizer=Optimizer.ADAM)
-    plan = Plan(dp=case.dp, zero_stage=case.zero, micro_batch=case.micro_batch)
+    plan = Plan(dp=case.dp, tp=case.tp, pp=case.pp, zero_stage=case.zero, micro_batch=case.micro_batch)
     return step_time(ModelSpec.from_gpt_config(cfg), cluster, job, plan)
 
 
@@ -102,13 +113,21 @@ def _build(case: Case, rank: int) -> Callable[[], None]:
     config = {"train_batch_size": case.global_batch, "train_micro_batch_size_per_gpu": case.micro_batch,
               "gradient_accumulation_steps": case.grad_accum, "zero_optimization": {"stage": case.zero},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    if case.tp > 1:
+        config["tensor_parallel"] = {"size": case.tp}
+    if case.pp > 1:
+        config["pipeline"] = {"stages": case.pp, "schedule": "1f1b"}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(engine.dp_rank)      # the same batches on a TP group and a pipeline
     rows = [torch.randint(0, cfg.vocab_size, (case.micro_batch, cfg.seq_len + 1), generator=g) for _ in range(4)]
     batches = [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]     # ids, labels [mb, s]
     turn = [0]
 
     def step() -> None:
+        if case.pp > 1:      # the pipeline schedule runs all micro-batches of the step
+            engine.train_batch(iter([batches[(turn[0] + i) % len(batches)] for i in range(case.grad_accum)]))
+            turn[0] += case.grad_accum
+            return
         for _ in range(case.grad_accum):
             ids, labels = batches[turn[0] % len(batches)]
             turn[0] += 1
@@ -245,14 +264,14 @@ def run(cases: tuple[Case, ...] = CASES, *, rounds: int = 6, steps: int = 2, sam
     """Calibrate and measure `cases` interleaved (module notes); predictions from the calibration."""
     start = time.monotonic()
     ctx = mp.get_context("spawn")
-    worlds = sorted({c.dp for c in cases})
+    worlds = sorted({c.world for c in cases})
     groups: dict[int, _Group] = {}
     probes: dict[int, list] = {w: [] for w in worlds}          # [round][rank] -> samples
     times: dict[str, list[list[float]]] = {c.name: [] for c in cases}     # [round] -> slowest rank per step
     with tempfile.TemporaryDirectory(prefix="shardwise-planner-check-") as tmp:
         try:
             for w in worlds:
-                groups[w] = _Group(ctx, w, [c for c in cases if c.dp == w], threads, tmp)
+                groups[w] = _Group(ctx, w, [c for c in cases if c.world == w], threads, tmp)
             for g in groups.values():
                 g.collect("ready", timeout)
             for _ in range(rounds):
@@ -269,20 +288,22 @@ def run(cases: tuple[Case, ...] = CASES, *, rounds: int = 6, steps: int = 2, sam
                           for w, p in probes.items()})
     per_round = [_clusters({w: summarize([[p[i][r]] for r in range(w)], threads) for w, p in probes.items()})
                  for i in range(rounds)]
-    rows = [Row(c, predict(c, clusters[c.dp]), statistics.median(sum(times[c.name], [])), sum(times[c.name], []),
-                [predict(c, per_round[i][c.dp]).total_s / statistics.median(times[c.name][i]) for i in range(rounds)])
+    rows = [Row(c, predict(c, clusters[c.world]), statistics.median(sum(times[c.name], [])), sum(times[c.name], []),
+                [predict(c, per_round[i][c.world]).total_s / statistics.median(times[c.name][i])
+                 for i in range(rounds)])
             for c in cases]
     return Report(rows, clusters, time.monotonic() - start)
 
 
 def render(report: Report) -> str:
     head = (f"{'case':<24} {'predicted':>9} {'measured':>9} {'ratio':>6}   {'compute':>8} {'dp comm':>8} "
-            f"{'optim':>7}  (ms; ratio: median over rounds of predicted / measured in the round)")
+            f"{'optim':>7} {'tp/pp':>7}  (ms; ratio: median over rounds of predicted / measured in the round)")
     lines = [head]
     for r in report.rows:
         t = r.predicted
         lines.append(f"{r.case.name:<24} {t.total_s * 1e3:9.1f} {r.measured_s * 1e3:9.1f} {r.ratio:6.2f}   "
-                     f"{t.compute_s * 1e3:8.1f} {t.dp_exposed_s * 1e3:8.1f} {t.optimizer_s * 1e3:7.1f}")
+                     f"{t.compute_s * 1e3:8.1f} {t.dp_exposed_s * 1e3:8.1f} {t.optimizer_s * 1e3:7.1f} "
+                     f"{(t.tp_comm_s + t.pp_comm_s + t.bubble_s) * 1e3:7.1f}")
     for w, c in sorted(report.clusters.items()):
         lines.append(f"calibrated, {w} rank(s): linear {c.peak_flops_fp32 / 1e9:.1f} GFLOP/s, attention "
                      f"{c.attention_flops / 1e9:.1f} GFLOP/s, gelu {c.activation_s * 1e9:.2f} ns/el, norm "
@@ -302,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int_at_least(1), default=2, help="timings per probe per round (default 2)")
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch threads per rank")
     p.add_argument("--json", metavar="OUT.json", help="also write the rows and the calibrated clusters")
+    p.add_argument("--model-parallel", action="store_true", help="also tensor- and pipeline-parallel cases")
     args = p.parse_args(argv)
-    report = run(rounds=args.rounds, steps=args.steps, samples=args.samples, threads=args.threads)
+    cases = CASES + (MODEL_PARALLEL_CASES if args.model_parallel else ())
+    report = run(cases, rounds=args.rounds, steps=args.steps, samples=args.samples, threads=args.threads)
     print(render(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
