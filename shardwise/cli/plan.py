@@ -74,7 +74,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--intra-latency-us", type=_positive(float), metavar="US")
     g.add_argument("--inter-latency-us", type=_positive(float), metavar="US")
     g.add_argument("--efficiency", type=_positive(float), metavar="F",
-                   help="fraction of the peak that matmuls sustain (presets 0.55; calibrated 1.0)")
+                   help="fraction of the peak a large GEMM sustains, the ceiling of the shape model (A100 preset "
+                        "0.77, fitted on published runs; calibrated 1.0)")
 
     g = p.add_argument_group("training job")
     g.add_argument("--global-batch", type=_positive(int), default=512, metavar="B",

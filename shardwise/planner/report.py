@@ -9,11 +9,13 @@ from shardwise.planner.analysis import Analysis
 from shardwise.planner.comm import zero_paper_volume
 from shardwise.planner.memory import GB, MemoryBreakdown
 from shardwise.planner.search import Evaluation
-from shardwise.planner.rule import describe, strategy_of
+from shardwise.planner.rule import Strategy, describe, strategy_of
 from shardwise.planner.specs import PlannerError
 from shardwise.planner.time import hfu, mfu
 
 TOP_PLANS = 10
+_SHORT = {Strategy.DP: "DP", Strategy.ZERO: "ZeRO", Strategy.ZERO_OFFLOAD: "ZeRO+offload",
+          Strategy.MODEL_PARALLEL: "TP/PP", Strategy.THREE_D: "3D"}
 _PARTS = ("weights", "grads", "optimizer", "activations", "buffers", "reserved")
 _STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s",
                "offload_s")
@@ -201,7 +203,7 @@ def _render_search(a: Analysis, console: Any) -> None:
     for i, e in enumerate(r.ranked[:TOP_PLANS], 1):
         assert e.time is not None and e.memory is not None
         n = a.cluster.num_gpus
-        t.add_row(str(i), e.plan.label(), strategy_of(e.plan).name.lower().replace("_", " "), _s(e.time.total_s),
+        t.add_row(str(i), e.plan.label(), _SHORT[strategy_of(e.plan)], _s(e.time.total_s),
                   f"{100 * mfu(e.time, a.cluster, a.job, n):.1f}", f"{100 * hfu(e.time, a.cluster, a.job, n):.1f}",
                   _gb(e.memory.total))
     console.print(t)
