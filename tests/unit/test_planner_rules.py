@@ -187,3 +187,13 @@ def test_seed_ladder_recommendations(model, gpus, memory_gb, batch, accept) -> N
     assert a.chosen.feasible and accept(plan), plan.label()
     assert (strategy_of(plan) is Strategy.THREE_D) == (plan.tp > 1 and plan.pp > 1 and plan.dp > 1)
     assert a.reason and describe(plan) in a.reason
+
+
+def test_a_ring_through_nodes_pays_the_network_latency_once_per_node() -> None:
+    from shardwise.planner.comm import dp_collectives
+    model, cluster = _gpt(2048, layers=4), A100.replace(num_gpus=64)
+    [allreduce] = dp_collectives(model, cluster, JOB, Plan(dp=64))
+    hops = 2 * 63                                 # 8 nodes: 7 InfiniBand hops and 56 NVLink hops per round
+    alpha = (7 * cluster.inter_node_latency_s + 56 * cluster.intra_node_latency_s) / 63
+    bandwidth = allreduce.payload_bytes * 2 * 63 / 64 / cluster.inter_node_bw
+    assert allreduce.seconds == pytest.approx(allreduce.messages * hops * alpha + bandwidth, rel=1e-12)
