@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 SMALL_BYTES, LARGE_BYTES = 4 << 10, 8 << 20
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-_LINEAR_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (4096, 64, 4096))   # (tokens M, in K, out N)
+_LINEAR_SHAPES = ((1024, 256, 1024), (1024, 1024, 256), (2048, 64, 2048))   # (tokens M, in K, out N)
 # the third is thin (64 FLOPs per element it streams against ~180): it separates operand traffic from FLOPs
 _LINEAR_BF16_SHAPE = (256, 256, 256)                          # bf16 runs far below fp32 without AMX/AVX-512
 _ATTENTION_SHAPES = ((2, 4, 256, 64), (4, 6, 128, 32))       # (batch, heads, seq, head dim)
