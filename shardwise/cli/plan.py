@@ -37,7 +37,7 @@ def _positive(kind: type) -> Any:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS
     from shardwise.config.resolved import PipelineSchedule
-    from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute
+    from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute, Zero3Gather
 
     p = subparsers.add_parser("plan", help="estimate FLOPs, memory, communication and the best parallel plan",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +87,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--causal-flops", action="store_true", help="halve attention-score FLOPs for the causal mask")
     g.add_argument("--flash-attention", action="store_true", help="attention scores are not kept in memory")
     g.add_argument("--no-overlap", action="store_true", help="gradient communication does not overlap backward")
+    g.add_argument("--pp-scatter-gather", action="store_true",
+                   help="pipeline sends carry 1/tp of each activation, all-gathered over NVLink (Megatron)")
+    g.add_argument("--zero3-gather", choices=[x.value for x in Zero3Gather], default="block",
+                   help="ZeRO-3 gathers a block at a time (our engine) or each module (DeepSpeed); default %(default)s")
+    g.add_argument("--zero3-prefetch", type=int, default=50_000_000, metavar="N",
+                   help="ZeRO-3 parameters gathered ahead of the compute (stage3_prefetch_bucket_size; "
+                        "default %(default)s, 0: none)")
 
     g = p.add_argument_group("evaluate one plan instead of searching (unset sizes: dp = GPUs / (tp * pp))")
     g.add_argument("--dp", type=_positive(int))
@@ -194,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     job = JobSpec(global_batch=args.global_batch, tokens=args.tokens, seq_len=args.seq_len, precision=args.precision,
                   optimizer=args.optimizer, causal_flops=args.causal_flops, flash_attention=args.flash_attention,
-                  overlap_dp_comm=not args.no_overlap)
+                  overlap_dp_comm=not args.no_overlap, pp_scatter_gather=args.pp_scatter_gather,
+                  zero3_gather=args.zero3_gather, zero3_prefetch_elements=args.zero3_prefetch)
     analysis = analyze(model, cluster, job, _plan(args, cluster.num_gpus))
     written = None
     if args.write_config:

@@ -131,3 +131,16 @@ def test_calibrate_flag_saves_and_plans(capsys, tmp_path, monkeypatch) -> None:
     out = _json(capsys, *TINY, "--calibrate", str(path))
     assert out["cluster"]["name"] == "calibrated:test" and load_cluster(path) == measured
     assert os.path.exists(path)
+
+
+def test_deepspeed_style_zero3_and_megatron_pipeline_options(capsys) -> None:
+    zero3 = ["--model", "gpt3-175b", "--gpus", "384", "--global-batch", "1536", "--dp", "384", "--zero", "3",
+             "--micro-batch", "4", "--recompute", "full"]
+    ours, deepspeed = _json(capsys, *zero3), _json(capsys, *zero3, "--zero3-gather", "module")
+    assert deepspeed["plan"]["memory"]["buffers"] < ours["plan"]["memory"]["buffers"] / 3
+    assert 0 < deepspeed["plan"]["mfu"] < deepspeed["plan"]["hfu"] < 1 and deepspeed["reason"] is None   # given
+    pipe = ["--model", "gpt3-175b", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--pp", "8",
+            "--recompute", "full", "--no-sequence-parallel"]
+    plain, sg = _json(capsys, *pipe), _json(capsys, *pipe, "--pp-scatter-gather")
+    assert sg["plan"]["step_time"]["pp_comm_s"] < plain["plan"]["step_time"]["pp_comm_s"] / 4
+    assert "zero3_prefetch_elements = -1: must be an integer >= 0" in _error(capsys, *TINY, "--zero3-prefetch", "-1")
