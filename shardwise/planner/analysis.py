@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.bubble import bubble_fraction
 from shardwise.planner.comm import Collective, step_collectives
 from shardwise.planner.flops import ParamCount, TrainingCost, days, narayanan_train_seconds, param_count, training_cost
 from shardwise.planner.memory import MemoryBreakdown, layer_activation_bytes, memory_per_rank
@@ -102,9 +101,8 @@ def analyze(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan | N
     train = None
     if chosen is not None and feasible:
         collectives = tuple(step_collectives(model, cluster, job, chosen.plan))
-        if chosen.plan.pp > 1:
-            bubble = bubble_fraction(stages=chosen.plan.pp, microbatches=chosen.plan.grad_accum(job),
-                                     schedule=chosen.plan.schedule, virtual_stages=chosen.plan.virtual_stages)
+        if chosen.plan.pp > 1 and chosen.time is not None:   # the step's, with unequal stages (time.py)
+            bubble = chosen.time.bubble_s / chosen.time.total_s
         train = _train_time(model, cluster, job, chosen, cost)
     verdict = rule_of_thumb(model, cluster, job)
     comparison = compare_with_search(verdict, result, chosen) if result is not None else []
