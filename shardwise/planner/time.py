@@ -37,7 +37,8 @@ from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_b
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Plan, PlannerError, PositionKind, Recompute,
 )
-from shardwise.planner.zero3 import exposed_seconds, prefetch_depth
+from shardwise.planner.zero3 import Zero3Shape, exposed_seconds
+from shardwise.planner.zero3 import shape_of as zero3_shape
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,18 @@ class StepTime:
 
 
 def _dp_exposed(dp: list[Collective], plan: Plan, m: int, mb: "MicrobatchCompute", overlap: bool,
-                share: float, zero3: dict[str, int | float]) -> float:
+                share: float, zero3: Zero3Shape | None = None) -> float:
     """Data-parallel communication left on the critical path; `share` of what could hide does.
     ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, reduce-scatters only when `overlap`."""
     if not dp:
         return 0.0
     if plan.zero_stage == 3:
+        assert zero3 is not None
         gather = next(c for c in dp if c.op is Op.ALL_GATHER).seconds
         reduce = next(c for c in dp if c.op is Op.REDUCE_SCATTER).seconds
-        return m * exposed_seconds(gather_s=gather, reduce_s=reduce, block_share=zero3["block_share"],
-                                   layers=int(zero3["layers"]), forward_s=mb.block_forward_s,
-                                   backward_s=mb.block_backward_s, depth=int(zero3["depth"]),
+        return m * exposed_seconds(gather_s=gather, reduce_s=reduce, block_share=zero3.block_share,
+                                   layers=zero3.layers, forward_s=mb.block_forward_s,
+                                   backward_s=mb.block_backward_s, depth=zero3.depth,
                                    overlap_reduce=overlap, share=share)
     if not overlap:
         return sum(c.total_seconds for c in dp)
@@ -211,13 +213,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     fill = sum(mb.stages_s) - compute_mb + (plan.pp - 1) * comm_mb
     pipeline = m * t_mb + fill / v
-    zero3 = {}
-    if plan.zero_stage == 3:
-        block = layer_params(model).per_tp_rank(plan.tp)
-        layers = stage_layers(model.n_layer, plan.pp)[0]
-        zero3 = {"layers": layers, "block_share": min(1.0, layers * block / params_per_rank(model, tp=plan.tp,
-                                                                                          pp=plan.pp)),
-                 "depth": prefetch_depth(model, job, plan.tp)}
+    zero3 = zero3_shape(model, job, plan) if plan.zero_stage == 3 else None
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     shard = math.ceil(psi / plan.dp) if plan.zero_stage >= 1 else psi

@@ -27,7 +27,9 @@ larger of that module and the bucket.
 
 from __future__ import annotations
 
-from shardwise.planner.flops import layer_params, norm_params
+from dataclasses import dataclass
+
+from shardwise.planner.flops import layer_params, norm_params, params_per_rank, stage_layers
 from shardwise.planner.specs import FFN, JobSpec, ModelSpec, Plan, Zero3Gather
 
 
@@ -68,6 +70,22 @@ def buffer_elements(model: ModelSpec, job: JobSpec, plan: Plan) -> int:
     if job.zero3_gather is Zero3Gather.MODULE:
         return unit + max(unit, job.zero3_prefetch_elements)
     return 2 * unit
+
+
+@dataclass(frozen=True)
+class Zero3Shape:
+    """What the overlap of one rank's ZeRO-3 traffic depends on besides time."""
+
+    layers: int          # blocks on this rank's pipeline stage
+    block_share: float   # the blocks' part of the rank's parameters
+    depth: int           # units gathered ahead (`prefetch_depth`)
+
+
+def shape_of(model: ModelSpec, job: JobSpec, plan: Plan) -> Zero3Shape:
+    layers = stage_layers(model.n_layer, plan.pp)[0]
+    blocks = layers * layer_params(model).per_tp_rank(plan.tp)
+    return Zero3Shape(layers, min(1.0, blocks / params_per_rank(model, tp=plan.tp, pp=plan.pp)),
+                      prefetch_depth(model, job, plan.tp))
 
 
 def exposed_seconds(*, gather_s: float, reduce_s: float, block_share: float, layers: int, forward_s: float,

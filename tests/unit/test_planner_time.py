@@ -3,6 +3,7 @@ overlap of gradient reduction, and the calibration's conversion of probe timings
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -17,7 +18,7 @@ from shardwise.planner.calibrate import cluster_from_probes, fit_collective
 from shardwise.planner.time import (
     MicrobatchCompute, _dp_exposed, microbatch_compute, optimizer_seconds, optimizer_tensor_sizes, param_tensor_sizes,
 )
-from shardwise.planner.zero3 import exposed_seconds
+from shardwise.planner.zero3 import Zero3Shape, exposed_seconds
 
 TINY = ModelSpec.from_gpt_config(PRESETS["tiny"])
 FP32 = JobSpec(global_batch=4, precision=Precision.FP32)
@@ -86,8 +87,8 @@ def _collective(seconds: float, messages: int, op: Op = Op.ALL_REDUCE, calls: in
 def test_bucketed_gradient_reduction_hides_behind_the_backward(buckets, backward, share, exposed) -> None:
     dp = [_collective(4.0, buckets)]
     mb = MicrobatchCompute(backward / 2, 0.0, 0.0, 0.0, backward_s=backward)
-    assert _dp_exposed(dp, Plan(dp=2), 1, mb, True, share, {}) == pytest.approx(exposed)
-    assert _dp_exposed(dp, Plan(dp=2), 1, mb, False, share, {}) == 4.0
+    assert _dp_exposed(dp, Plan(dp=2), 1, mb, True, share) == pytest.approx(exposed)
+    assert _dp_exposed(dp, Plan(dp=2), 1, mb, False, share) == 4.0
 
 
 def test_zero3_exposed_time_by_hand() -> None:
@@ -96,14 +97,14 @@ def test_zero3_exposed_time_by_hand() -> None:
     dp = [_collective(1.0, 4, Op.ALL_GATHER, calls=4), _collective(1.0, 4, Op.REDUCE_SCATTER, calls=2)]
     plan = Plan(dp=2, zero_stage=3)
     mb = MicrobatchCompute(0.0, 0.0, 0.0, 0.0, backward_s=0.0, block_forward_s=0.1, block_backward_s=0.3)
-    shape = {"layers": 4, "block_share": 0.8, "depth": 1}
+    shape = Zero3Shape(layers=4, block_share=0.8, depth=1)
     # forward: rest 0.2 + first block 0.2 + 3 x (0.2 - 0.1); backward with the reduce-scatters overlapped:
     # rest 0.2 + 0.2 + first block 0.2 + 3 x (0.4 - 0.3) + the last block's reduce-scatter 0.2
     assert _dp_exposed(dp, plan, 2, mb, True, 1.0, shape) == pytest.approx(2 * (0.7 + 1.1))
     # gradient reduction not overlapped: every reduce-scatter waits, gathers still prefetched (g < 0.3)
     assert _dp_exposed(dp, plan, 2, mb, False, 1.0, shape) == pytest.approx(2 * (0.7 + 0.2 + 0.2 + 1.0))
     # no prefetch (depth 0) or collectives that take the compute's cores (share 0): all of it
-    assert _dp_exposed(dp, plan, 2, mb, True, 1.0, {**shape, "depth": 0}) == pytest.approx(6.0)
+    assert _dp_exposed(dp, plan, 2, mb, True, 1.0, dataclasses.replace(shape, depth=0)) == pytest.approx(6.0)
     assert _dp_exposed(dp, plan, 2, mb, True, 0.0, shape) == pytest.approx(6.0)
 
 
