@@ -18,8 +18,9 @@ Per block and micro-batch of b sequences of s tokens on one TP rank of t (h hidd
 
     linear layers   M = b s;  QKV K = h, N = (h + 2 kv) / t;  output K = h / t, N = h;
                     MLP in K = h, N = f / t (x2 SwiGLU);  MLP out K = f / t, N = h
-    attention core  b a / t pairs of [s, d] x [d, s] and [s, s] x [s, d] (d = h / a); with flash attention
-                    one fused kernel at the ceiling that streams q, k, v and the output only
+    attention core  b a / t pairs of [s, d] x [d, s] and [s, s] x [s, d] (d = h / a), every score computed;
+                    with flash attention one fused causal kernel at the ceiling (half the scores) that
+                    streams q, k, v and the output only
     pointwise       b s per-token elements: 2 norms of h and 2 bias+dropout+residual of h (split over t only
                     with sequence parallelism), the MLP nonlinearity over f / t; scores a s^2 b / t (not
                     with flash attention)
@@ -106,10 +107,10 @@ def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan,
     if cluster.attention_flops > 0:   # measured with a causal kernel, counted without the mask, in fp32
         same_share = cluster.peak_flops(job.precision) / cluster.peak_flops_fp32
         return passes * flops / (cluster.attention_flops * same_share)
-    if job.flash_attention:           # one fused kernel: q, k, v in, the output out
+    if job.flash_attention:   # one fused kernel: q, k, v in, the output out; a causal one skips masked tiles
         rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
         io = 4 * b * s * model.d_model / t * job.precision.nbytes
-        return passes * (flops * (0.5 if job.causal_flops else 1.0) / rate
+        return passes * (0.5 * flops / rate
                          + (io / cluster.gemm_operand_bw if cluster.gemm_operand_bw > 0 else 0.0))
     return (gemm_seconds(s, d, s, cluster, job, count=passes * b * heads)
             + gemm_seconds(s, s, d, cluster, job, count=passes * b * heads))
