@@ -68,7 +68,8 @@ def buffer_elements(model: ModelSpec, job: JobSpec, plan: Plan) -> int:
     """Gathered parameters held at once (module notes)."""
     unit = unit_elements(model, job, plan.tp)
     if job.zero3_gather is Zero3Gather.MODULE:
-        return unit + max(unit, job.zero3_prefetch_elements)
+        bucket = job.zero3_prefetch_elements
+        return unit + (max(unit, bucket) if bucket > 0 else 0)
     return 2 * unit
 
 
