@@ -37,13 +37,13 @@ from shardwise.planner.memory import (
     memory_per_rank, model_state_bytes,
 )
 from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
-from shardwise.planner.rule import Strategy, rule_of_thumb, strategy_of
+from shardwise.planner.rule import Strategy, describe, rule_of_thumb, strategy_of
 from shardwise.planner.search import Evaluation, Infeasible, Reason, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import (
     FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Optimizer, Plan, PlannerError, PositionKind, Precision,
-    Recompute,
+    Recompute, Zero3Gather,
 )
-from shardwise.planner.time import StepTime, mfu, step_time
+from shardwise.planner.time import StepTime, hfu, mfu, step_time
 
 _LAZY = {"calibrate": "shardwise.planner.calibrate", "load_cluster": "shardwise.planner.calibrate",
          "save_cluster": "shardwise.planner.calibrate"}
@@ -53,14 +53,14 @@ __all__ = [
     "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "ModelStates", "Norm", "Offload", "Op", "Optimizer",
     "ParamCount", "PipelineSchedule", "Plan", "PlannerError", "PositionKind", "Precision", "Reason", "Recompute",
     "SearchResult", "StepTime", "Strategy", "TrainingCost", "activation_bytes", "analyze", "bubble_fraction",
-    "bubble_ratio", "calibrate", "cluster_preset", "deepspeed_config", "dp_collectives", "evaluate",
-    "flops_per_token", "forward_flops", "iteration_flops", "layer_activation_bytes", "load_cluster",
+    "bubble_ratio", "calibrate", "cluster_preset", "deepspeed_config", "describe", "dp_collectives", "evaluate",
+    "flops_per_token", "forward_flops", "hfu", "iteration_flops", "layer_activation_bytes", "load_cluster",
     "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_preset", "model_state_bytes",
     "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
     "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "rule_of_thumb",
     "save_cluster", "search", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives",
     "training_cost",
-    "write_config", "zero_paper_volume",
+    "write_config", "Zero3Gather", "zero_paper_volume",
 ]
 
 
