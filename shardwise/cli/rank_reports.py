@@ -69,7 +69,8 @@ def write_failure(folder: Path, *, rank: int, attempt: int, error: BaseException
         text = "".join(traceback.format_exception(error))
         log = folder / f"{stem}.log"
         log.write_text(text, encoding="utf-8")
-        last = text.strip().splitlines()[-1] if text.strip() else type(error).__name__
+        said = [line.strip() for line in str(error).splitlines() if line.strip()]
+        last = f"{type(error).__name__}: {said[-1]}" if said else type(error).__name__
         report = RankReport(rank=rank, attempt=attempt, kind=CRASH, message=last, time=time.time(), log=str(log))
     _write_json(folder / f"{stem}.json", asdict(report))
     return report
