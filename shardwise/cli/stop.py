@@ -39,6 +39,7 @@ class StopRequest:
             signal.signal(sig, _ignore)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_fd,), name="shardwise-stop", daemon=True).start()
+        _term_when_parent_dies()
         return self
 
     def _watch(self, read_fd: int) -> None:
@@ -60,6 +61,20 @@ class StopRequest:
     def agreed(self, comm: Comm) -> int:
         """The signal any rank of `comm` was stopped by (the largest number), 0 if none. Collective: one float."""
         return int(comm.all_reduce_object_max(float(self.signum)))
+
+
+def _term_when_parent_dies() -> None:
+    """Linux: SIGTERM this rank when its launcher dies (even by kill -9), so it saves and stops instead of
+    training on as an orphan in its own session. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
 
 
 def _ignore(signum: int, frame: object) -> None:

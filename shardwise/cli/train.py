@@ -4,10 +4,13 @@ Everything that can be the user's fault (flags, the config file and its batch ar
 preset, the corpus) is checked here, BEFORE any rank starts, and reported as one line with exit code 2.
 A mistake found by N ranks after start-up would otherwise print N tracebacks through the launcher.
 
-Then the job is handed to `python -m torch.distributed.run` (torchrun), which starts the local ranks,
-runs the rendezvous across nodes and tears the group down if a rank dies; this process only waits for
-it and returns its exit code. The ranks run `shardwise.cli.train_worker` with a JSON file of
-`WorkerArgs` written into the run directory (it doubles as the record of what the run did).
+A run directory that holds a run is resumed, or refused, before anything in it changes (`run_dir`).
+
+Then torch's elastic launcher (torchrun's agent) runs in this process (`launch`): it starts the local ranks,
+runs the rendezvous across nodes, restarts the ranks after a failure (`--max-restarts`), forwards SIGTERM and
+SIGINT to them, and tears the group down; its outcome becomes a few lines and the exit code. The ranks run
+`shardwise.cli.train_worker` with a JSON file of `WorkerArgs` written into the run directory (it doubles as
+the record of what the run did, and names the run a later command may resume).
 
 Single node: `--standalone` rendezvous on a free port. Several nodes: static rendezvous, where
 `--node-rank 0` hosts the store at `--master-addr:--master-port` and its local rank 0 is global rank 0,

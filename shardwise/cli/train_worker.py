@@ -4,7 +4,12 @@ Every rank builds the same model from the same seed, the engine and its own slic
 rank 0 alone draws the progress bar, writes RUN_DIR/metrics.jsonl after every step (loss, lr, throughput,
 gradient norm, loss scale, skipped steps), and at the end prints the summary and writes
 RUN_DIR/summary.json and RUN_DIR/loss.png. The inputs were validated by the parent (`shardwise.cli.train`), so
-a failure here is a bug or an environment problem, not a typo.
+a failure here is a bug or an environment problem, not a typo; it becomes a report for the launcher
+(`rank_reports`), not a traceback per rank.
+
+The ranks start from RUN_DIR/checkpoints/latest when it exists (a resumed run, a restarted attempt: `resume`),
+append to metrics.jsonl, and after every step agree whether a signal asked them to stop (`stop`): then they
+save that step and leave.
 """
 
 from __future__ import annotations
