@@ -16,11 +16,12 @@ an elastic restart resumes the same way.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from shardwise.errors import UserError
 
@@ -103,6 +104,28 @@ def remove_outputs(run_dir: Path) -> list[str]:
             continue
         removed.append(name)
     return removed
+
+
+def lock(run_dir: Path, name: str) -> IO[str]:
+    """Hold RUN_DIR/NAME (one per node) for this process's life, so two commands never train into one directory
+    at once (both would append to the metrics and write the same tags). UserError when another process holds it;
+    the OS releases it when this process ends, however it ends."""
+    import fcntl
+
+    handle = open(run_dir / name, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UserError(f"--out {run_dir} is in use by another shardwise train ({holder}); wait for it to end "
+                        f"or choose another --out.") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool) -> Decision:

@@ -36,6 +36,7 @@ from shardwise.errors import UserError
 DEFAULT_SEED = 0
 DEFAULT_STEPS_PER_PRINT = 10
 DEFAULT_MASTER_PORT = 29500
+_held: list[Any] = []       # the run directory's lock, held while the ranks run
 
 
 def default_config(steps: int) -> dict[str, Any]:
@@ -135,15 +136,19 @@ def run(args: argparse.Namespace) -> int:
 
     OMP_NUM_THREADS is set to this node's cores // local ranks unless the caller already set it (the ranks
     inherit this process's environment)."""
-    worker_args, args_path = prepare(args)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
-    print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
-          f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
-    from shardwise.cli.launch import launch
-    from shardwise.cli.train_worker import reports_folder
+    try:
+        worker_args, args_path = prepare(args)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
+        print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
+              f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
+        from shardwise.cli.launch import launch
+        from shardwise.cli.train_worker import reports_folder
 
-    return launch(launcher_command(args, args_path)[3:], reports=reports_folder(worker_args),
-                  run_dir=Path(worker_args.out))
+        return launch(launcher_command(args, args_path)[3:], reports=reports_folder(worker_args),
+                      run_dir=Path(worker_args.out))
+    finally:
+        while _held:
+            _held.pop().close()
 
 
 def threads_per_rank(local_ranks: int) -> int:
@@ -195,13 +200,19 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                              steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace,
                              launch=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
-    # Start, resume or refuse, before anything in RUN_DIR changes.
-    decision = run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
+    # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
+    def decide() -> run_dir.Decision:
+        return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
                               overwrite=args.overwrite)
+
+    existed = out.is_dir()
+    decision = decide() if not existed else None
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {str(out)!r}: cannot create the run directory ({e.strerror}).") from None
+    _held.append(run_dir.lock(out, f".{Path(name).stem}.lock"))
+    decision = decision or decide()
     if decision.message:
         print(f"shardwise train: {decision.message}", flush=True)
     return worker_args, worker_args.write(out / name)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardwise.cli.rank_reports import CRASH, USER, ProcessExit, RankReport, failure_lines, read_reports, write_failure
-from shardwise.cli.run_dir import decide, identity_difference
+from shardwise.cli.run_dir import decide, identity_difference, lock
 from shardwise.errors import UserError
 from shardwise.telemetry import final_history
 
@@ -87,6 +87,15 @@ def test_the_same_run_without_a_checkpoint_is_refused_and_overwrite_replaces_it(
     decision = _decide(run, {**ARGS, "seed": 3}, overwrite=True)
     assert decision.resume_step is None and "removed the earlier run's metrics.jsonl" in decision.message
     assert sorted(p.name for p in run.iterdir()) == ["logs", "train_args.json"]
+
+
+def test_one_command_at_a_time_trains_into_a_directory(tmp_path: Path) -> None:
+    held = lock(tmp_path, ".train_args.lock")
+    with pytest.raises(UserError, match=r"is in use by another shardwise train \(pid \d+\)"):
+        lock(tmp_path, ".train_args.lock")
+    lock(tmp_path, ".train_args.node1.lock").close()       # another node's launcher sharing the directory
+    held.close()
+    lock(tmp_path, ".train_args.lock").close()
 
 
 def test_failure_lines_user_error_wins_then_killed_ranks_then_crashes(tmp_path: Path) -> None:
