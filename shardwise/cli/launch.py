@@ -88,5 +88,6 @@ def _stopped(reports: Path, run_dir: Path, signum: int) -> int:
         from shardwise.cli.run_dir import latest_step
         latest = latest_step(run_dir)
         where = f"its last checkpoint is {run_dir / 'checkpoints' / latest[0]}" if latest else "it has no checkpoint"
-        print(f"shardwise: {name}: the ranks stopped without saving; {where}", file=sys.stderr, flush=True)
+        # Before the first step ended, during the last one, or past the grace: nothing saved for this signal.
+        print(f"shardwise: {name}: the ranks ended without a stop checkpoint; {where}", file=sys.stderr, flush=True)
     return 128 + signum
