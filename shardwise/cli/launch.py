@@ -9,7 +9,8 @@ Ctrl-C) and exited 1 for all of them. Run in this process, its outcomes are exce
   the stop grace for them to finish their step and save; exit 128 + signal (143, 130), after one line saying
   which checkpoint to resume from;
 - ChildFailedError (a rank failed and no restart is left): the ranks' reports (`rank_reports`) give one line
-  for a user error (exit 2) or a short report of the failed ranks (exit 1).
+  for a user error (exit 2) or a short report of the failed ranks (exit 1);
+- RendezvousError (the nodes never met): one line, exit 1.
 
 The agent's own log lines are silenced (they repeat, in more words, what the report says).
 """
@@ -44,6 +45,10 @@ def _early_signal(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"got {signal_name(signum)}", sigval=signal.Signals(signum))
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or "no message"
+
+
 def stop_grace_args() -> list[str]:
     return [] if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else ["--shutdown-timeout", str(STOP_GRACE_S)]
 
@@ -52,6 +57,7 @@ def launch(torchrun_argv: list[str], *, reports: Path, run_dir: Path) -> int:
     """Run `torchrun torchrun_argv` in this process; returns the exit code of `shardwise train`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     _quiet_agent_logs()
@@ -70,6 +76,11 @@ def launch(torchrun_argv: list[str], *, reports: Path, run_dir: Path) -> int:
         code, lines = failure_lines(read_reports(reports), exits, reports)
         print("\n".join(lines), file=sys.stderr, flush=True)
         return code
+    except RendezvousError as e:
+        # The nodes never met (a node not started, another address or port): not a crash of ours.
+        print(f"shardwise: the ranks could not meet ({type(e).__name__}: {_one_line(e)}); start every node with the "
+              f"same --nnodes, --master-addr and --master-port", file=sys.stderr, flush=True)
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
