@@ -153,3 +153,19 @@ def test_random_streams_round_trip_with_tensor_parallel_dropout_streams() -> Non
     set_rng_state(engine, saved)
     assert draws() == first
     assert torch.equal(stream.local_state, saved["tp_streams"][0])
+
+
+def test_train_into_another_runs_directory_is_one_line_exit_2_and_touches_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardwise.cli.main import main
+
+    run = _earlier_run(tmp_path / "run", args={**ARGS, "data": "stdlib", "seq_len": 128})
+    def files() -> dict:          # (the lock file of the refused command aside)
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and not p.name.endswith(".lock")}
+
+    before = files()
+    assert main(["train", "--nproc", "2", "--seed", "1", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"shardwise: error: --out {run} holds another run (different "
+                                                   f"seed: 0 there, 1 now)"), err
+    assert files() == before
