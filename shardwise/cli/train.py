@@ -200,6 +200,7 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                              steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace,
                              launch=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
+
     # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
     def decide() -> run_dir.Decision:
         return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
