@@ -29,6 +29,7 @@ SUBCOMMANDS: list[ModuleType] = [
 ]
 
 EXIT_USER_ERROR = 2
+EXIT_SIGINT = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in _lines(error):
             print(f"shardwise: error: {line}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:      # Ctrl-C before the ranks started (a running run answers it in `train`)
+        print("shardwise: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

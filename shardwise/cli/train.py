@@ -4,10 +4,13 @@ Everything that can be the user's fault (flags, the config file and its batch ar
 preset, the corpus) is checked here, BEFORE any rank starts, and reported as one line with exit code 2.
 A mistake found by N ranks after start-up would otherwise print N tracebacks through the launcher.
 
-Then the job is handed to `python -m torch.distributed.run` (torchrun), which starts the local ranks,
-runs the rendezvous across nodes and tears the group down if a rank dies; this process only waits for
-it and returns its exit code. The ranks run `shardwise.cli.train_worker` with a JSON file of
-`WorkerArgs` written into the run directory (it doubles as the record of what the run did).
+A run directory that holds a run is resumed, or refused, before anything in it changes (`run_dir`).
+
+Then torch's elastic launcher (torchrun's agent) runs in this process (`launch`): it starts the local ranks,
+runs the rendezvous across nodes, restarts the ranks after a failure (`--max-restarts`), forwards SIGTERM and
+SIGINT to them, and tears the group down; its outcome becomes a few lines and the exit code. The ranks run
+`shardwise.cli.train_worker` with a JSON file of `WorkerArgs` written into the run directory (it doubles as
+the record of what the run did, and names the run a later command may resume).
 
 Single node: `--standalone` rendezvous on a free port. Several nodes: static rendezvous, where
 `--node-rank 0` hosts the store at `--master-addr:--master-port` and its local rank 0 is global rank 0,
@@ -21,18 +24,19 @@ import copy
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli import run_dir
 from shardwise.errors import UserError
 
 DEFAULT_SEED = 0
 DEFAULT_STEPS_PER_PRINT = 10
 DEFAULT_MASTER_PORT = 29500
+_held: list[Any] = []       # the run directory's lock, held while the ranks run
 
 
 def default_config(steps: int) -> dict[str, Any]:
@@ -65,6 +69,7 @@ class WorkerArgs:
     save_every: int               # 0: never save a checkpoint
     steps_per_print: int
     pipeline_trace: bool = False  # draw the last step's measured pipeline timeline (needs pipeline.stages > 1)
+    launch: str = ""              # this command's name for RUN_DIR/logs/LAUNCH, where failed ranks report
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
@@ -106,6 +111,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "measured per-stage timeline of the last step, and print its bubble fraction")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint to RUN_DIR/checkpoints every N steps and at the end (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in RUN_DIR from its latest checkpoint (automatic when RUN_DIR holds "
+                        "checkpoints of the same run); an error when there is none")
+    p.add_argument("--overwrite", action="store_true",
+                   help="RUN_DIR holds another run (or this run without a checkpoint): delete its metrics, "
+                        "checkpoints, summary and plots and start again")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the ranks up to N times after one fails; they resume from the latest "
+                        "checkpoint, losing at most --save-every steps (default: 0)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="number of nodes, one `shardwise train` per node (default: 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default: 0)")
@@ -118,22 +132,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, write the worker arguments, launch torchrun and return its exit code.
+    """Validate, write the worker arguments, run torch's elastic launcher and return the run's exit code.
 
-    OMP_NUM_THREADS is set to this node's cores // local ranks unless the caller already set it."""
-    worker_args, args_path = prepare(args)
-    cmd = launcher_command(args, args_path)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
-    print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
-          f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    OMP_NUM_THREADS is set to this node's cores // local ranks unless the caller already set it (the ranks
+    inherit this process's environment)."""
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        # The terminal sent SIGINT to torchrun too; let it stop its ranks before returning.
-        proc.wait()
-        return 130
+        worker_args, args_path = prepare(args)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
+        print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
+              f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
+        from shardwise.cli.launch import launch
+        from shardwise.cli.train_worker import reports_folder
+
+        return launch(launcher_command(args, args_path)[3:], reports=reports_folder(worker_args),
+                      run_dir=Path(worker_args.out))
+    finally:
+        while _held:
+            _held.pop().close()
 
 
 def threads_per_rank(local_ranks: int) -> int:
@@ -147,9 +162,11 @@ def threads_per_rank(local_ranks: int) -> int:
 
 
 def launcher_command(args: argparse.Namespace, args_path: Path) -> list[str]:
-    """The torchrun command line for this node."""
+    """The torchrun command line for this node (`shardwise train` runs it in-process: `launch`)."""
+    from shardwise.cli.launch import stop_grace_args
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           "--nnodes", str(args.nnodes), "--max-restarts", "0"]
+           "--nnodes", str(args.nnodes), "--max-restarts", str(args.max_restarts), *stop_grace_args()]
     if args.nnodes == 1 and args.master_port is None:
         cmd += ["--standalone"]
     else:
@@ -161,7 +178,8 @@ def launcher_command(args: argparse.Namespace, args_path: Path) -> list[str]:
 
 # -- validation -------------------------------------------------------------------------------------
 def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
-    """Check every user input, create RUN_DIR and write the worker arguments; UserError on a mistake."""
+    """Check every user input, decide how RUN_DIR is used (start, resume, refuse: `run_dir.decide`), create it
+    and write the worker arguments; UserError on a mistake."""
     _check_flags(args)
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
@@ -175,17 +193,29 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     out = Path(args.out) if args.out else Path("runs") / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory; choose another run directory.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {str(out)!r}: cannot create the run directory ({e.strerror}).") from None
-
     steps_per_print = engine_config.steps_per_print or DEFAULT_STEPS_PER_PRINT   # DeepSpeed's default: None
     worker_args = WorkerArgs(config=raw_config, model=args.model, seq_len=model_cfg.seq_len, data=args.data,
                              steps=args.steps, seed=args.seed, out=str(out.resolve()),
                              peak_tflops=args.peak_tflops, save_every=args.save_every,
-                             steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace)
+                             steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace,
+                             launch=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
+
+    # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
+    def decide() -> run_dir.Decision:
+        return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
+                              overwrite=args.overwrite)
+
+    existed = out.is_dir()
+    decision = decide() if not existed else None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {str(out)!r}: cannot create the run directory ({e.strerror}).") from None
+    _held.append(run_dir.lock(out, f".{Path(name).stem}.lock"))
+    decision = decision or decide()
+    if decision.message:
+        print(f"shardwise train: {decision.message}", flush=True)
     return worker_args, worker_args.write(out / name)
 
 
@@ -196,7 +226,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1.")
-    for flag, value in {"--seed": args.seed, "--save-every": args.save_every}.items():
+    for flag, value in {"--seed": args.seed, "--save-every": args.save_every,
+                        "--max-restarts": args.max_restarts}.items():
         if value < 0:
             raise UserError(f"{flag} {value}: must be 0 or more.")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -207,6 +238,10 @@ def _check_flags(args: argparse.Namespace) -> None:
                         f"for --nnodes {args.nnodes}.")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port {args.master_port}: must be a TCP port in 1..65535.")
+    if args.max_restarts > 0 and args.nnodes > 1:
+        raise UserError(f"--max-restarts {args.max_restarts} with --nnodes {args.nnodes}: restarts need every node's "
+                        f"agent to meet again (a c10d rendezvous), which this launcher does not set up; restart "
+                        f"a multi-node run by running the same commands again (they resume).")
     if args.nnodes > 1 and args.master_addr is None:
         raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
                         f"--node-rank 0 (127.0.0.1 when every node runs on this host).")

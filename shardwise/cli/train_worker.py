@@ -4,31 +4,44 @@ Every rank builds the same model from the same seed, the engine and its own slic
 rank 0 alone draws the progress bar, writes RUN_DIR/metrics.jsonl after every step (loss, lr, throughput,
 gradient norm, loss scale, skipped steps), and at the end prints the summary and writes
 RUN_DIR/summary.json and RUN_DIR/loss.png. The inputs were validated by the parent (`shardwise.cli.train`), so
-a failure here is a bug or an environment problem, not a typo.
+a failure here is a bug or an environment problem, not a typo; it becomes a report for the launcher
+(`rank_reports`), not a traceback per rank.
+
+The ranks start from RUN_DIR/checkpoints/latest when it exists (a resumed run, a restarted attempt: `resume`),
+append to metrics.jsonl, and after every step agree whether a signal asked them to stop (`stop`): then they
+save that step and leave.
 """
 
 from __future__ import annotations
 
 import json
-
+import os
+import signal
 import sys
 import time
+import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import shardwise
+from shardwise.cli.rank_reports import EXIT_CRASH, EXIT_USER_ERROR, USER, write_failure, write_stopped
+from shardwise.cli.resume import client_state, resume
+from shardwise.cli.run_dir import CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE
+from shardwise.cli.stop import StopRequest
 from shardwise.cli.train import WorkerArgs
-from shardwise.data import CorpusError, TokenLoader, load_corpus
-from shardwise.errors import UserError
+from shardwise.comm.collectives import Comm
+from shardwise.data import TokenLoader, load_corpus
 from shardwise.models import GPT, gpt_config
 from shardwise.telemetry import (
     MetricsWriter,
     StepMetrics,
     TrainProgress,
     current_rss_bytes,
+    final_history,
     measure_matmul_peak_flops,
     plot_loss_curve,
     print_summary,
@@ -36,10 +49,18 @@ from shardwise.telemetry import (
     summarize_run,
 )
 
-METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
-CHECKPOINT_DIR = "checkpoints"
+FAULT_ENV = "SHARDWISE_TEST_KILL_AT"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A run stopped by a signal: which, after which step, and the checkpoint it saved."""
+
+    signum: int
+    step: int
+    checkpoint: str
 
 
 def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype) -> float:
@@ -84,11 +105,27 @@ def _write_pipeline_trace(engine, out: Path, is_main: bool) -> None:
           f"{out / 'pipeline_timeline.png'}", flush=True)
 
 
-def train(args: WorkerArgs) -> None:
+def _fault_hook(rank: int, step: int) -> None:
+    """Tests of restarts and crash reports: FAULT_ENV="R:S" makes global rank R kill itself (SIGKILL, as
+    `kill -9` or the kernel's OOM killer would) after step S, on the first attempt only."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    fault_rank, fault_step = (int(x) for x in spec.split(":"))
+    if (rank, step) == (fault_rank, fault_step):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
+    """Train from RUN_DIR/checkpoints/latest if there is one (a resumed run, or a restarted attempt), else from
+    step 0. Returns where the run stopped when a signal stopped it, None when it ran all its steps."""
+    stop = stop or StopRequest()
     shardwise.init_distributed()
     rank = dist.get_rank()
     is_main = rank == 0
     out = Path(args.out)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     # Read the corpus before `initialize`: its first broadcast then lines the ranks up, so the peak
     # measurement runs on all ranks at once and step 1 does not include a slower rank's loading.
@@ -102,16 +139,31 @@ def train(args: WorkerArgs) -> None:
     batch = engine.config.batch
     loader = TokenLoader(tokens, seq_len=args.seq_len, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
                          dp_size=engine.dp_size, dp_rank=engine.dp_rank, seed=args.seed)
+    checkpoints = out / CHECKPOINT_DIR
+    resumed = resume(engine, loader, checkpoints)
+    done, clock = (resumed.step, resumed.elapsed_s) if resumed is not None else (0, 0.0)
+    if is_main and resumed is not None:
+        again = f"attempt {attempt + 1}: " if attempt else ""
+        streams = "" if resumed.rng_restored else "; the data-parallel size changed: dropout draws new masks"
+        print(f"shardwise: {again}resumed from {resumed.path} at step {done}{streams}", flush=True)
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
     peak_flops = sum(float(p) for p in gather(rank_peak_flops(args, compute_dtype)))   # all ranks together
     flops_per_token = float(model.flops_per_token())
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
+    world = Comm(None, engine.ledger, name="world:stop")
 
-    writer = MetricsWriter(out / METRICS_FILE, fresh=True) if is_main else None
-    with TrainProgress(args.steps, enabled=is_main, steps_per_print=args.steps_per_print) as progress:
+    def save(step: int) -> str:
+        state = client_state(engine, loader, step=step, elapsed_s=clock + time.perf_counter() - start)
+        engine.save_checkpoint(str(checkpoints), client_state=state)
+        return str(checkpoints / f"global_step{engine.global_steps}")
+
+    # Appends: a resumed run continues the file (the parent refused or cleared another run's).
+    writer = MetricsWriter(out / METRICS_FILE) if is_main else None
+    stopped: Stopped | None = None
+    with TrainProgress(args.steps, enabled=is_main, steps_per_print=args.steps_per_print, done=done) as progress:
         start = time.perf_counter()
-        for step in range(1, args.steps + 1):
+        for step in range(done + 1, args.steps + 1):
             lr = engine.get_lr()[0]                # the rate this step's update uses (read before it)
             t0 = time.perf_counter()
             loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
@@ -119,22 +171,35 @@ def train(args: WorkerArgs) -> None:
             if is_main:
                 assert writer is not None
                 m = StepMetrics.build(step=step, loss=loss, lr=lr, tokens=tokens_per_step,
-                                      step_time_s=step_time, elapsed_s=time.perf_counter() - start,
+                                      step_time_s=step_time, elapsed_s=clock + time.perf_counter() - start,
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
                                       loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps)
                 writer.write(m)
                 progress.update(m)
-            if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                engine.save_checkpoint(str(out / CHECKPOINT_DIR))
+            saved = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
+            if saved:
+                save(step)
+            signum = stop.agreed(world)       # the same answer on every rank, after the same step
+            if signum and step < args.steps:
+                path = save(step) if not saved else str(checkpoints / f"global_step{engine.global_steps}")
+                stopped = Stopped(signum=signum, step=step, checkpoint=path)
+                break
+            _fault_hook(rank, step)
     if writer is not None:
         writer.close()
+    if stopped is not None:
+        if is_main:
+            write_stopped(reports_folder(args), signum=stopped.signum, step=stopped.step,
+                          checkpoint=stopped.checkpoint)
+        dist.barrier()
+        return stopped
 
     if args.pipeline_trace:
         _write_pipeline_trace(engine, out, is_main)
     memory = gather(engine.memory_report())      # every rank's bytes, for the per-rank table
     if is_main:
-        summary = summarize_run(read_metrics(out / METRICS_FILE), world_size=dist.get_world_size(),
+        summary = summarize_run(final_history(read_metrics(out / METRICS_FILE)), world_size=dist.get_world_size(),
                                 flops_per_token=flops_per_token, peak_flops=peak_flops,
                                 memory_per_rank=memory, comm_per_step=engine.comm_report())
         print_summary(summary)
@@ -143,6 +208,12 @@ def train(args: WorkerArgs) -> None:
                         title=f"{args.model} on {args.data}: {dist.get_world_size()} rank(s), seq {args.seq_len}")
         print(f"wrote {out / METRICS_FILE}, {out / SUMMARY_FILE}, {out / PLOT_FILE}", flush=True)
     dist.barrier()      # nobody tears the group down while rank 0 still writes
+    return None
+
+
+def reports_folder(args: WorkerArgs) -> Path:
+    """RUN_DIR/logs/LAUNCH: where this launch's ranks leave their failure reports for the launcher."""
+    return Path(args.out) / LOGS_DIR / (args.launch or "unnamed")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,15 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m shardwise.cli.train_worker RUN_DIR/train_args.json "
               "(started by `shardwise train`)", file=sys.stderr)
         return 2
+    stop = StopRequest().install()
     args = WorkerArgs.read(argv[0])
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
-        train(args)
-    except (UserError, CorpusError) as e:
-        # The parent validated the inputs; what is left (e.g. a corpus file that changed since) is still
-        # the user's to fix, so say it in one line, once.
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"shardwise: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        train(args, stop)
+    except BaseException as error:  # noqa: BLE001 - every failure becomes a report for the launcher
+        # The launcher prints a user error's line, or a crash's last line and where its traceback is; a
+        # rank printing its own traceback would repeat it per rank, between the other ranks' output.
+        try:
+            report = write_failure(reports_folder(args), rank=rank, attempt=attempt, error=error)
+        except OSError:
+            traceback.print_exc()
+            return EXIT_CRASH
+        return EXIT_USER_ERROR if report.kind == USER else EXIT_CRASH
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

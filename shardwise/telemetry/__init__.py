@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _HOME = {
-    "MetricsWriter": "metrics", "RunSummary": "metrics", "StepMetrics": "metrics",
+    "MetricsWriter": "metrics", "RunSummary": "metrics", "StepMetrics": "metrics", "final_history": "metrics",
     "mean_tokens_per_s": "metrics", "model_flops_utilization": "metrics", "read_metrics": "metrics",
     "summarize_run": "metrics",
     "current_rss_bytes": "peak", "measure_matmul_peak_flops": "peak", "peak_rss_bytes": "peak",

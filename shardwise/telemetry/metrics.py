@@ -99,6 +99,18 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def final_history(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The steps the run's final state went through, one record each. A resumed run appends to its file and
+    may redo steps written after its last checkpoint: a record of step s drops the records of steps >= s
+    written before it (that history was abandoned)."""
+    kept: list[Mapping[str, Any]] = []
+    for record in records:
+        while kept and int(kept[-1]["step"]) >= int(record["step"]):
+            kept.pop()
+        kept.append(record)
+    return kept
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSummary:
     """The figures a run reports at the end (printed as a table, saved as summary.json)."""

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from shardwise.telemetry.metrics import read_metrics
+from shardwise.telemetry.metrics import final_history, read_metrics
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.PathLike[str], *,
@@ -25,7 +25,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
     Steps with a non-finite loss (an fp16 overflow, a divergence) are left out of the loss line
     rather than stretching the axis to infinity. Returns the path written.
     """
-    records = read_metrics(metrics_path)
+    records = final_history(read_metrics(metrics_path))
     if not records:
         raise ValueError(f"{metrics_path} has no step records: nothing to plot")
     steps = [int(r["step"]) for r in records]

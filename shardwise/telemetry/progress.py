@@ -45,10 +45,12 @@ class TrainProgress:
     """
 
     def __init__(self, total_steps: int, enabled: bool, *, steps_per_print: int = 10,
-                 console: Console | None = None):
+                 console: Console | None = None, done: int = 0):
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         self.total_steps = total_steps
+        self.done = done
+        """Steps finished before this process started (a resumed run)."""
         self.enabled = enabled
         self.steps_per_print = max(1, steps_per_print)
         self.console = console if console is not None else Console()
@@ -69,8 +71,8 @@ class TrainProgress:
                 console=self.console, transient=False,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps, loss="-", rate="-",
-                                                 mfu="-", eta=format_eta(None))
+            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.done, loss="-",
+                                                 rate="-", mfu="-", eta=format_eta(None))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,7 +86,7 @@ class TrainProgress:
         if not self._times:
             return None
         steady = self._times[1:] or self._times
-        return (self.total_steps - len(self._times)) * sum(steady) / len(steady)
+        return (self.total_steps - self.done - len(self._times)) * sum(steady) / len(steady)
 
     def update(self, m: StepMetrics) -> None:
         if not self.enabled:
@@ -103,7 +105,7 @@ class TrainProgress:
             )
 
     def _should_print(self, step: int) -> bool:
-        return step == 1 or step == self.total_steps or step % self.steps_per_print == 0
+        return step == self.done + 1 or step == self.total_steps or step % self.steps_per_print == 0
 
 
 def summary_tables(summary: RunSummary) -> list[Table]:

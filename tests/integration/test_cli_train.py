@@ -128,6 +128,8 @@ _OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3}}
     ("node_rank", "--node-rank 2: must be in 0..1"),
     ("no_master_addr", "needs --master-addr"),
     ("trace_without_pipeline", "--pipeline-trace needs a pipeline"),
+    ("negative_restarts", "--max-restarts -1: must be 0 or more"),
+    ("restarts_on_two_nodes", "--max-restarts 1 with --nnodes 2"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
                                           expected: str) -> None:
@@ -148,6 +150,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
         "node_rank": ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
         "no_master_addr": ["--nnodes", "2"],
         "trace_without_pipeline": ["--pipeline-trace"],
+        "negative_restarts": ["--max-restarts", "-1"],
+        "restarts_on_two_nodes": ["--nnodes", "2", "--master-addr", "127.0.0.1", "--max-restarts", "1"],
     }[case]
     code = main(["train", "--nproc", "2", "--steps", "5", "--out", str(out), *argv])
     captured = capsys.readouterr()
@@ -175,6 +179,7 @@ def test_threads_per_rank_splits_the_cores() -> None:
 
 
 def test_launcher_command_single_node_standalone_and_multi_node_static(tmp_path: Path) -> None:
+    from shardwise.cli.launch import STOP_GRACE_S
     from shardwise.cli.main import build_parser
     from shardwise.cli.train import launcher_command
 
@@ -184,13 +189,18 @@ def test_launcher_command_single_node_standalone_and_multi_node_static(tmp_path:
     assert "--standalone" in one and one[one.index("--nproc-per-node") + 1] == "3"
     assert one[-3:] == ["-m", "shardwise.cli.train_worker", str(args_path)]
 
+    assert one[one.index("--max-restarts") + 1] == "0"
+    restarts = launcher_command(build_parser().parse_args(["train", "--max-restarts", "3"]), args_path)
+    assert restarts[restarts.index("--max-restarts") + 1] == "3"
+
     two = launcher_command(build_parser().parse_args(
         ["train", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234"]),
         args_path)
     assert "--standalone" not in two
     flags = dict(zip(two[3:-3:2], two[4:-3:2]))
+    grace = {} if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in os.environ else {"--shutdown-timeout": str(STOP_GRACE_S)}
     assert flags == {"--nproc-per-node": "1", "--nnodes": "2", "--max-restarts": "0", "--rdzv-backend": "static",
-                     "--node-rank": "1", "--master-addr": "10.0.0.1", "--master-port": "1234"}
+                     "--node-rank": "1", "--master-addr": "10.0.0.1", "--master-port": "1234", **grace}
 
 
 def test_pipeline_run_draws_its_measured_timeline(tmp_path: Path) -> None:

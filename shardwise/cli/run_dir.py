@@ -1,0 +1,164 @@
+"""What `shardwise train` does with a run directory that already holds a run: start, resume or refuse.
+
+A run directory is one run's history: `metrics.jsonl` (appended, never truncated), `checkpoints/` (tags only
+added, `latest` only moved forward) and `train_args*.json` (what the run is). Starting a run into it decides:
+
+- nothing worth keeping there (no metrics, no checkpoint): start from step 0;
+- the same run (same model, sequence length, corpus, seed and config; `--steps` may grow) with a checkpoint:
+  resume from `latest` (automatic; `--resume` only insists on it), said in one line;
+- the same run without a checkpoint, or another run: refused in one line, unless `--overwrite`, which removes
+  that run's outputs first (the user's explicit choice: the only path that deletes anything).
+
+No torch here: the parent decides before any rank starts. The ranks then load `latest` whenever it exists, so
+an elastic restart resumes the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from shardwise.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+LOGS_DIR = "logs"
+LATEST = "latest"
+IDENTITY = ("model", "seq_len", "data", "seed", "config")
+"""The WorkerArgs fields that make two runs the same run (`steps` may grow: extending a run is resuming it)."""
+OUTPUTS = (METRICS_FILE, "summary.json", "loss.png", "pipeline_timeline.png", "pipeline_trace.json", CHECKPOINT_DIR)
+"""What --overwrite removes: the earlier run's results (its logs/ stay: they are small and explain its end)."""
+
+_TAG_STEP = re.compile(r"global_step(\d+)")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How this launch uses RUN_DIR: `resume_step` None starts from step 0; `message` is said once."""
+
+    resume_step: int | None
+    message: str | None
+
+
+def latest_step(run_dir: Path) -> tuple[str, int | None] | None:
+    """(tag, its global step or None when the tag is not `global_stepN`) named by checkpoints/latest, or None."""
+    latest = run_dir / CHECKPOINT_DIR / LATEST
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8").strip()
+    match = _TAG_STEP.fullmatch(tag)
+    return tag, int(match.group(1)) if match else None
+
+
+def _first_difference(before: Any, now: Any, path: str) -> str | None:
+    """The first key path where two JSON values differ, as 'path: A there, B now'."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(set(before) | set(now), key=str):
+            if key not in now or key not in before:
+                where = "there" if key in before else "now"
+                return f"{path}.{key} (only {where})".lstrip(".")
+            diff = _first_difference(before[key], now[key], f"{path}.{key}")
+            if diff is not None:
+                return diff
+        return None
+    if before != now:
+        return f"{path.lstrip('.')}: {json.dumps(before)} there, {json.dumps(now)} now"
+    return None
+
+
+def identity_difference(earlier: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """None when `earlier` and `now` (WorkerArgs as dicts) are the same run, else the first difference."""
+    for field in IDENTITY:
+        diff = _first_difference(earlier.get(field), now.get(field), field)
+        if diff is not None:
+            return diff
+    return None
+
+
+def _has_results(run_dir: Path) -> bool:
+    return (run_dir / METRICS_FILE).is_file() or (run_dir / CHECKPOINT_DIR).is_dir()
+
+
+def _read_args(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def remove_outputs(run_dir: Path) -> list[str]:
+    """Delete the earlier run's results (OUTPUTS); returns the names removed."""
+    removed = []
+    for name in OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def lock(run_dir: Path, name: str) -> IO[str]:
+    """Hold RUN_DIR/NAME (one per node) for this process's life, so two commands never train into one directory
+    at once (both would append to the metrics and write the same tags). UserError when another process holds it;
+    the OS releases it when this process ends, however it ends."""
+    import fcntl
+
+    handle = open(run_dir / name, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise UserError(f"--out {run_dir} is in use by another shardwise train ({holder}); wait for it to end "
+                        f"or choose another --out.") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool) -> Decision:
+    """Start, resume or refuse (UserError, one line) a run described by `now` (WorkerArgs as a dict) in
+    `run_dir`, whose earlier arguments are in `args_name`. With `overwrite`, the earlier outputs are removed."""
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
+                        "--overwrite replaces it; pass one of them.")
+    where = str(run_dir)
+    if not _has_results(run_dir):
+        if resume:
+            raise UserError(f"--resume: {where} holds no checkpoint to resume from; leave out --resume to start "
+                            f"the run there.")
+        return Decision(None, None)
+    if overwrite:
+        removed = remove_outputs(run_dir)
+        return Decision(None, f"--overwrite: removed the earlier run's {', '.join(removed)} from {where}")
+
+    earlier = _read_args(run_dir / args_name)
+    if earlier is None:
+        raise UserError(f"--out {where} holds results of a run without its {args_name} (not a shardwise train run, "
+                        f"or written by another node); choose another --out, or pass --overwrite to replace them.")
+    diff = identity_difference(earlier, now)
+    if diff is not None:
+        raise UserError(f"--out {where} holds another run (different {diff}); choose another --out, or pass "
+                        f"--overwrite to replace it.")
+    latest = latest_step(run_dir)
+    if latest is None:
+        raise UserError(f"--out {where} holds this run without a checkpoint to resume from (it ran without "
+                        f"--save-every, or stopped before its first save); pass --overwrite to start it again, "
+                        f"or choose another --out.")
+    tag, step = latest
+    if step is not None and step >= now["steps"]:
+        raise UserError(f"--out {where} has trained {step} steps already (checkpoint {tag}); --steps "
+                        f"{now['steps']} is done: pass a larger --steps to train further.")
+    return Decision(step, f"resuming {where} from checkpoint {tag} (the same run: metrics.jsonl is appended to)")
