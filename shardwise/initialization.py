@@ -138,10 +138,11 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     dp_runtime: DataParallelRuntime
     if cfg.zero.stage == 0:
         updater, dp_runtime = build_replicated(groups, section=cfg.data_parallel, recipe=recipe, dp_comm=dp_comm,
-                                               norms=norms)
+                                               norms=norms, tied=pipeline.tied_params())
     else:
         updater, dp_runtime = build_zero(model, groups, section=cfg.zero, recipe=recipe, dp_comm=dp_comm,
-                                         norms=norms, device=device, units=pipeline.sharding_units())
+                                         norms=norms, device=device, units=pipeline.sharding_units(),
+                                         tied=pipeline.tied_params())
     link_params(updater)
     sched = _scheduler(lr_scheduler, cfg, updater.optimizer)
     monitor = TrainingMonitor(cfg.monitors, module=model, ledger=ledger, device=device, global_rank=dist.get_rank(),
