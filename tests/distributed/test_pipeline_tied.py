@@ -15,6 +15,7 @@ import tempfile
 import torch
 from torch import nn
 
+from shardwise.errors import UserError
 from shardwise.testing import (
     assert_close_lists, assert_state_close, lm_pair, run_distributed, shard_global_batch, token_batches)
 
@@ -169,6 +170,10 @@ def _all() -> dict:
     engine.close()
     out["unclipped"] = {"losses": losses, "state": state}
     out["deepspeed"] = _deepspeed()
+    try:
+        _train(2, {"optimizer": SGD, "zero_optimization": {"stage": 3}}, steps=0)
+    except UserError as e:
+        out["zero3"] = str(e)
     return out
 
 
@@ -214,6 +219,7 @@ def test_tied_embedding_pipelines_equal_one_process_and_deepspeed() -> None:
     losses, _, state = _reference(SGD, 0.0)
     assert_close_lists(first["unclipped"]["losses"], losses, rtol=1e-5, what="unclipped losses")
     assert_state_close(first["unclipped"]["state"], state, what="unclipped")
+    assert "stage = 3 with weights tied across pipeline stages" in first["zero3"]
     for rank, res in enumerate(results):
         ds_losses, ds_state = res["deepspeed"]
         assert_close_lists(res["unclipped"]["losses"], ds_losses, rtol=1e-5, what=f"rank {rank} vs DeepSpeed")
