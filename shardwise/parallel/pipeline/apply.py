@@ -103,7 +103,9 @@ class PipelineRunner:
         micro = self._read(data_iter, num_micro, "engine.train_batch")
         engine.ledger.begin_step(engine.global_steps)
         engine.module.train()
-        result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale, dp_runtime=engine.dp_runtime)
+        with engine.monitor.stage_forwards(engine) as around_forward:
+            result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale,
+                                       dp_runtime=engine.dp_runtime, around_forward=around_forward)
         self.last = result
         loss = self._agreed_mean(result.losses, engine.device)
         engine.complete_global_batch(micro_batches=num_micro, activation_bytes=result.peak_activation_bytes)

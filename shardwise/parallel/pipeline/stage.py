@@ -247,6 +247,11 @@ class PipelineStage(nn.Module):
                     out[f"chunks.{v}.layers.{j}.{key}"] = f"{name}.{key}"
         return out
 
+    def module_names(self) -> dict[str, str]:
+        """Each layer's module name here -> its name in the full model ("chunks.0.layers.1" -> "blocks.0")."""
+        return {f"chunks.{v}.layers.{j}": name for v, chunk in enumerate(self.chunks)
+                for j, name in enumerate(chunk.names)}
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """This stage's parameters and buffers under the full model's names (gather all stages' to rebuild it)."""
         names = self.full_names()
