@@ -2,7 +2,8 @@
 embedding is also its output projection, pipelined over 4 stages and over 2 stages x dp 2, under ZeRO 0, 1
 and 2, equals the single-process model (losses, parameters, the clipped global norm, which counts the tied
 weight once); a checkpoint holds the tied weight once and loads it back on every holder; and DeepSpeed's own
-PipelineModule with TiedLayerSpec, on the same 4 gloo ranks, trains to the same losses and weights.
+PipelineModule with TiedLayerSpec, on the same 4 gloo ranks, trains to the same losses and weights. The
+built-in GPT with tie_embeddings, pipelined, equals its single-process run too.
 
 All cases run one after the other in one launch of 4 ranks (each case builds its own engine and groups).
 """
@@ -17,7 +18,8 @@ from torch import nn
 
 from shardwise.errors import UserError
 from shardwise.testing import (
-    assert_close_lists, assert_state_close, lm_pair, run_distributed, shard_global_batch, token_batches)
+    assert_close_lists, assert_state_close, lm_pair, micro_steps, reference_train, run_distributed,
+    shard_global_batch, tiny_gpt, token_batches)
 
 VOCAB, HIDDEN, SEQ, ROWS, GAS, STEPS = 24, 16, 6, 8, 2, 3     # ROWS: the global batch
 
@@ -154,6 +156,26 @@ def _deepspeed() -> tuple[list[float], dict]:
     return losses, state
 
 
+def _gpt_tied() -> tuple[list[float], dict]:
+    """The built-in GPT with tie_embeddings over 2 stages x dp 2 (ZeRO-1): the embedding on stage 0 and the
+    lm-head on stage 1 are one parameter registered by both."""
+    import shardwise
+    from shardwise.engine_checkpoint import consolidated_state_dict
+    model = tiny_gpt(seq_len=SEQ, tie_embeddings=True)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config(
+        2, optimizer=SGD, gradient_clipping=0.5, pipeline={"stages": 2}, zero_optimization={"stage": 1}))
+    data = iter([lm_pair(m) for b in gpt_batches() for m in shard_global_batch(b, dp_size=2, dp_rank=engine.dp_rank,
+                                                                                grad_accum=GAS)])
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    state = consolidated_state_dict(engine)
+    engine.close()
+    return losses, state
+
+
+def gpt_batches() -> list[torch.Tensor]:
+    return token_batches(STEPS, ROWS, SEQ + 1, seed=4)
+
+
 def _all() -> dict:
     torch.set_num_threads(1)
     out: dict = {}
@@ -170,6 +192,7 @@ def _all() -> dict:
     engine.close()
     out["unclipped"] = {"losses": losses, "state": state}
     out["deepspeed"] = _deepspeed()
+    out["gpt"] = _gpt_tied()
     try:
         _train(2, {"optimizer": SGD, "zero_optimization": {"stage": 3}}, steps=0)
     except UserError as e:
@@ -220,6 +243,12 @@ def test_tied_embedding_pipelines_equal_one_process_and_deepspeed() -> None:
     assert_close_lists(first["unclipped"]["losses"], losses, rtol=1e-5, what="unclipped losses")
     assert_state_close(first["unclipped"]["state"], state, what="unclipped")
     assert "stage = 3 with weights tied across pipeline stages" in first["zero3"]
+    gpt = tiny_gpt(seq_len=SEQ, tie_embeddings=True)
+    losses = reference_train(gpt, torch.optim.SGD(gpt.parameters(), lr=0.2, momentum=0.9),
+                             micro_steps(gpt_batches(), grad_accum=GAS), loss_fn=lambda m, mb: m(*mb), clip=0.5)
+    for rank, res in enumerate(results):
+        assert_close_lists(res["gpt"][0], losses, rtol=1e-5, what=f"tied GPT rank {rank} losses")
+    assert_state_close(first["gpt"][1], gpt.state_dict(), what="tied GPT")
     for rank, res in enumerate(results):
         ds_losses, ds_state = res["deepspeed"]
         assert_close_lists(res["unclipped"]["losses"], ds_losses, rtol=1e-5, what=f"rank {rank} vs DeepSpeed")

@@ -169,4 +169,4 @@ def apply_pipeline(model: torch.nn.Module, *, section: PipelineConfig, num_micro
                               device=device)
     return PipelineRunner(stage=stage, runtime=runtime, pp_comm=pp_comm,
                           dp_metrics=mesh.comm(Axis.DP, ledger, name="dp:metrics"),
-                          ties=build_ties(stage.tied_layers, stage.tie_holders, mesh, ledger))
+                          ties=build_ties(stage.tied_weights(), stage.tie_holders, mesh, ledger))

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from shardwise.config.resolved import PipelinePartition
 from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import PipelineError
-from shardwise.parallel.pipeline.tied import TiedLayer, tie_holders, tied_modules_of
+from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_holders, tied_modules_of, tied_weight
 
 LossFn = Callable[[Any, Any], Tensor]
 """loss_fn(outputs of the last layer, labels) -> scalar loss of one micro-batch (a mean over its samples)."""
@@ -198,14 +198,17 @@ class PipelineStage(nn.Module):
 
     def __init__(self, chunks: Sequence[StageChunk], *, stage: int, num_stages: int, virtual_stages: int,
                  loss_fn: LossFn, layer_ranges: Sequence[range],
-                 tie_holders: dict[str, tuple[int, ...]] | None = None) -> None:
+                 tie_holders: dict[str, tuple[int, ...]] | None = None,
+                 shared: dict[str, nn.Parameter] | None = None) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.tied_layers = tied_modules_of([layer for c in chunks for layer in c.layers])
         """key -> a use of each tied module this stage holds (its layers refer to the module, unregistered)."""
         self.tied = nn.ModuleDict({k: t.tied_module for k, t in self.tied_layers.items()})
         self.tie_holders = dict(tie_holders or {})
-        """key -> the stages holding a copy of that tied module (all keys of the model)."""
+        """key -> the stages holding a copy of that tied module or shared parameter (all keys of the model)."""
+        self.shared = dict(shared or {})
+        """Parameters this stage's layers register that other stages' layers register too, by full name."""
         self.stage = stage
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
@@ -247,6 +250,11 @@ class PipelineStage(nn.Module):
                     out[f"chunks.{v}.layers.{j}.{key}"] = f"{name}.{key}"
         return out
 
+    def tied_weights(self) -> dict[str, list[nn.Parameter]]:
+        """key -> this stage's copies of the weights tied across stages (a tied module's `tied_weight_attr`s)."""
+        out = {k: [tied_weight(t.tied_module, a) for a in t.weight_attrs] for k, t in self.tied_layers.items()}
+        return out | {k: [p] for k, p in self.shared.items()}
+
     def module_names(self) -> dict[str, str]:
         """Each layer's module name here -> its name in the full model ("chunks.0.layers.1" -> "blocks.0")."""
         return {f"chunks.{v}.layers.{j}": name for v, chunk in enumerate(self.chunks)
@@ -269,28 +277,28 @@ def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int 
     """The `PipelineStage` of ``stage``: its chunks of ``model`` (see the module docstring for the forms).
 
     Raises `PipelineError` for more stages (or chunks) than layers, virtual stages that do not divide the
-    layers under "uniform", a GPT with tied embeddings split across stages, and unsplittable models.
+    layers under "uniform", and unsplittable models.
     """
     layers = _with_sample(_as_layers(model, loss_fn), sample_input)
     if not 0 <= stage < num_stages:
         raise PipelineError(f"stage = {stage} is outside 0..{num_stages - 1} for {num_stages} pipeline stage(s)")
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
-    if tied and num_stages > 1:
-        raise PipelineError("a GPT with tie_embeddings = true cannot be split over pipeline stages: the "
-                            "embedding (first stage) and the lm-head (last stage) share one weight; build the model "
-                            "with tie_embeddings=False, or as a shardwise.pipe.PipelineModule with TiedLayerSpec")
     method = parse_partition_method(partition)
     ranges = partition_layers(_costs(layers, method), num_stages, method, virtual_stages=virtual_stages)
     last = len(ranges) - 1
+    every = [(layers.prefix if k == 0 else []) + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
+             for k, r in enumerate(ranges)]                  # each model chunk's named layers
     chunks, local_ranges = [], stage_layers(ranges, stage=stage, num_stages=num_stages)
     for v, r in enumerate(local_ranges):
         k = v * num_stages + stage
-        head = layers.prefix if k == 0 else []
-        named = head + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
-        chunks.append(StageChunk(named, model_chunk=k, blocks=slice(len(head), len(head) + len(r))))
+        head = len(layers.prefix) if k == 0 else 0
+        chunks.append(StageChunk(every[k], model_chunk=k, blocks=slice(head, head + len(r))))
+    # Weights tied across stages: TiedLayer modules by key, and parameters several stages' layers register (the
+    # built-in GPT's embedding and lm-head) by the full name of their first use.
+    shared = shared_parameters(every, num_stages)
+    holders = tie_holders([m for _, m in layers.items], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
     return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
-                         loss_fn=layers.loss_fn, layer_ranges=local_ranges,
-                         tie_holders=tie_holders([m for _, m in layers.items], ranges, num_stages))
+                         loss_fn=layers.loss_fn, layer_ranges=local_ranges, tie_holders=dict(sorted(holders.items())),
+                         shared={k: p for k, (s, p) in shared.items() if stage in s})
 
 
 @torch.no_grad()

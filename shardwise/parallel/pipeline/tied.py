@@ -4,7 +4,9 @@ projection.
 In the full model one module is shared by several layers: each use is a `TiedLayer` that refers to the module
 without registering it (the model registers it once, as ``tied_modules.<key>``, DeepSpeed's name). A stage
 registers the tied modules its layers use (``tied.<key>``); where several stages hold one, each keeps a copy.
-`tie_holders` says which stages hold which key (pure); `build_ties` makes one process group per key and per
+`tie_holders` says which stages hold which key (pure); a parameter that layers of several stages register
+(`shared_parameters`: the built-in GPT's tied embedding and lm-head) is tied the same way, under the full name of
+its first use, as a whole. `build_ties` makes one process group per key and per
 (dp, tp) coordinate over the holding pp ranks (every rank creates every group, in key order), makes the
 copies equal from the first holder, and hands the update strategies the `TiedParams` whose gradients they
 sum over the holders before the norm and the step.
@@ -81,11 +83,26 @@ def tie_holders(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages
     return {key: tuple(sorted(s)) for key, s in sorted(holders.items())}
 
 
-def build_ties(tied: dict[str, TiedLayer], holders: dict[str, tuple[int, ...]], mesh: ParallelMesh,
+def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_stages: int
+                      ) -> dict[str, tuple[tuple[int, ...], nn.Parameter]]:
+    """Parameters registered in layers of several stages (the built-in GPT's tied embedding and lm-head weight):
+    the full name of the first use -> (the holding stages, the parameter). ``chunks[k]`` are model chunk k's
+    named layers; model chunk k lives on stage k % num_stages."""
+    first: dict[int, tuple[str, nn.Parameter]] = {}
+    stages: dict[int, set[int]] = {}
+    for k, layers in enumerate(chunks):
+        for name, layer in layers:
+            for pname, p in layer.named_parameters(remove_duplicate=False):
+                first.setdefault(id(p), (f"{name}.{pname}", p))
+                stages.setdefault(id(p), set()).add(k % num_stages)
+    return {first[i][0]: (tuple(sorted(s)), first[i][1]) for i, s in stages.items() if len(s) > 1}
+
+
+def build_ties(weights: dict[str, list[nn.Parameter]], holders: dict[str, tuple[int, ...]], mesh: ParallelMesh,
                ledger: CommLedger) -> TiedParams:
-    """The groups of every key held by more than one stage (collective over the world: every rank creates every
-    group in the same order, as `dist.new_group` requires), this rank's copies broadcast from the first holder,
-    and this rank's `TiedParams`, in key order."""
+    """``weights``: this stage's tied weights by key. The groups of every key held by more than one stage
+    (collective over the world: every rank creates every group in the same order, as `dist.new_group` requires),
+    this rank's copies broadcast from the first holder, and this rank's `TiedParams`, in key order."""
     shape, here = mesh.shape, mesh.global_rank
     entries: list[TiedParam] = []
     for key, stages in holders.items():
@@ -100,13 +117,11 @@ def build_ties(tied: dict[str, TiedLayer], holders: dict[str, tuple[int, ...]], 
                     mine = Comm(group, ledger, name=f"pp:tied:{key}")
         if mine is None:
             continue
-        layer = tied[key]
-        weights = [tied_weight(layer.tied_module, a) for a in layer.weight_attrs]
         with torch.no_grad():
-            for w in weights:
+            for w in weights[key]:
                 mine.broadcast(w.data, src_group_rank=0)
         first = stages[0] == mesh.rank(Axis.PP)
-        entries += [TiedParam(w, mine, counted=first) for w in weights]
+        entries += [TiedParam(w, mine, counted=first) for w in weights[key]]
     return TiedParams(tuple(entries))
 
 
