@@ -6,10 +6,10 @@ without registering it (the model registers it once, as ``tied_modules.<key>``, 
 registers the tied modules its layers use (``tied.<key>``); where several stages hold one, each keeps a copy.
 `tie_holders` says which stages hold which key (pure); a parameter that layers of several stages register
 (`shared_parameters`: the built-in GPT's tied embedding and lm-head) is tied the same way, under the full name of
-its first use, as a whole. `build_ties` makes one process group per key and per
-(dp, tp) coordinate over the holding pp ranks (every rank creates every group, in key order), makes the
-copies equal from the first holder, and hands the update strategies the `TiedParams` whose gradients they
-sum over the holders before the norm and the step.
+its first use, as a whole. `build_ties` makes one process group per key and per (dp, tp) coordinate over the
+holding pp ranks (every rank creates every group, in key order), makes the copies equal from the first holder,
+and hands the update strategies the `TiedParams` whose gradients they sum over the holders before the norm and
+the step.
 """
 
 from __future__ import annotations
