@@ -138,15 +138,21 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     dp_runtime: DataParallelRuntime
     if cfg.zero.stage == 0:
         updater, dp_runtime = build_replicated(groups, section=cfg.data_parallel, recipe=recipe, dp_comm=dp_comm,
-                                               norms=norms)
+                                               norms=norms, tied=pipeline.tied_params())
     else:
         updater, dp_runtime = build_zero(model, groups, section=cfg.zero, recipe=recipe, dp_comm=dp_comm,
-                                         norms=norms, device=device, units=pipeline.sharding_units())
+                                         norms=norms, device=device, units=pipeline.sharding_units(),
+                                         tied=pipeline.tied_params())
     link_params(updater)
     sched = _scheduler(lr_scheduler, cfg, updater.optimizer)
+    stages = cfg.pipeline.stages
     monitor = TrainingMonitor(cfg.monitors, module=model, ledger=ledger, device=device, global_rank=dist.get_rank(),
                               world_size=world, dp_size=dp_comm.size, mp_size=world // dp_comm.size,
-                              micro_batch=cfg.batch.micro_batch, scales_loss=cfg.precision.dtype is DType.FP16)
+                              micro_batch=cfg.batch.micro_batch, scales_loss=cfg.precision.dtype is DType.FP16,
+                              # under a pipeline each stage's first rank profiles its own modules
+                              profiles=(mesh.rank(Axis.DP), mesh.rank(Axis.TP)) == (0, 0) if stages > 1 else None,
+                              pipeline_stage=(mesh.rank(Axis.PP), stages) if stages > 1 else None,
+                              module_names=model.module_names() if stages > 1 else None)
     engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor)
     loader = None

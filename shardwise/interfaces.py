@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
+    from shardwise.parallel.tied import TiedParams
     from shardwise.parallel.zero.build import ShardingUnits
     from shardwise.precision import LossScaler
 
@@ -106,6 +107,10 @@ class Pipeline(Protocol):
 
     def sharding_units(self) -> ShardingUnits | None:
         """How ZeRO-3 should cut this rank's module (None: its own default)."""
+        ...
+
+    def tied_params(self) -> TiedParams:
+        """This rank's copies of weights other stages hold too, whose gradients the updater sums."""
         ...
 
     def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> float:

@@ -15,9 +15,12 @@ in order, optionally each under its own seed as DeepSpeed's ``seed_layers``) or 
 ``lambda x: x.flatten(1)`` (wrapped in a parameterless module). Every rank builds every layer from the same
 seed and then keeps its stage's (DeepSpeed builds only its own): the start is bit-identical to one process.
 
-Refused with a message that names the fix, rather than half-supported: `TiedLayerSpec` (weights shared across
-stages), ``topology=`` (give num_stages, and tensor/data parallelism in the config), ``partition_method="type:..."``,
-``activation_checkpoint_interval > 0`` and ``dynamic_shape=True`` (activation shapes are agreed once).
+`TiedLayerSpec(key, ...)` layers share one module per key (``net.tied_modules[key]``); pipelined, every stage
+holding a use keeps a copy whose gradient is summed over the holders (`parallel/pipeline/tied.py`).
+
+Refused with a message that names the fix, rather than half-supported: ``topology=`` (give num_stages, and
+tensor/data parallelism in the config), ``partition_method="type:..."``, ``activation_checkpoint_interval > 0`` and
+``dynamic_shape=True`` (activation shapes are agreed once).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 from shardwise.parallel.pipeline.schedules import PipelineError
 from shardwise.parallel.pipeline.stage import PipelineModel
+from shardwise.parallel.pipeline.tied import TiedLayer, tied_weight
 
 PARTITIONS = {"parameters": "parameters", "uniform": "uniform", "flops": "flops"}
 
@@ -52,12 +56,26 @@ class LayerSpec:
 
 
 class TiedLayerSpec(LayerSpec):
-    """Refused: the layers DeepSpeed ties share one weight across stages, which needs a gradient all-reduce
-    between the stages that hold it."""
+    """A layer whose module is shared by every TiedLayerSpec of the same ``key`` (DeepSpeed's): built once, at
+    its first use; a later use may call it through ``forward_fn(module, inputs)``, e.g. the embedding as the
+    output projection. Across pipeline stages each holder keeps a copy of the weights named by
+    ``tied_weight_attr`` (a name or a list; dotted names reach into submodules), made equal at the start and
+    after a checkpoint load, their gradients summed over the holders before clipping and the step."""
 
-    def __init__(self, key: str, typename: type, *module_args: Any, **module_kwargs: Any) -> None:
-        raise PipelineError(f"TiedLayerSpec({key!r}, ...): weights tied across pipeline stages are not supported; "
-                            f"use an untied LayerSpec for each use (or pipeline stages = 1)")
+    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable[[nn.Module, Any], Any]
+                 | None = None, tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs: Any) -> None:
+        super().__init__(typename, *module_args, **module_kwargs)
+        if not isinstance(key, str) or not key:
+            raise PipelineError(f"TiedLayerSpec(key={key!r}, ...): the key must be a non-empty string naming the "
+                                f"shared module")
+        if forward_fn is not None and not callable(forward_fn):
+            raise PipelineError(f"TiedLayerSpec({key!r}, forward_fn={forward_fn!r}): give a callable(module, inputs)")
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+    def __repr__(self) -> str:
+        return f"TiedLayerSpec({self.key!r}, {self.typename.__name__}, ...)"
 
 
 class _Call(nn.Module):
@@ -102,9 +120,19 @@ class PipelineModule(PipelineModel):
         if dynamic_shape:
             raise PipelineError("PipelineModule(dynamic_shape=True): activation shapes are agreed once per run in "
                                 "training; use equal micro-batch and sequence sizes and dynamic_shape=False")
-        built = []
+        built: list[nn.Module] = []
+        tied: dict[str, nn.Module] = {}
         for i, layer in enumerate(layers):
-            if isinstance(layer, LayerSpec):
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in tied:
+                    if seed_layers:
+                        (seed_fn or torch.manual_seed)(base_seed + i)
+                    tied[layer.key] = layer.build()
+                for attr in layer.tied_weight_attr:
+                    tied_weight(tied[layer.key], attr)         # a wrong name fails here, not at the first step
+                built.append(TiedLayer(layer.key, tied[layer.key], forward_fn=layer.forward_fn,
+                                       weight_attrs=layer.tied_weight_attr))
+            elif isinstance(layer, LayerSpec):
                 if seed_layers:          # DeepSpeed's seed_layers: each layer built under its own seed
                     (seed_fn or torch.manual_seed)(base_seed + i)
                 built.append(layer.build())
@@ -116,6 +144,8 @@ class PipelineModule(PipelineModel):
                 raise PipelineError(f"PipelineModule: layer {i} is a {type(layer).__name__}; give an nn.Module, a "
                                     f"LayerSpec or a callable")
         super().__init__(built, loss_fn if loss_fn is not None else _output_is_loss)
+        self.tied_modules = nn.ModuleDict(tied)
+        """The modules TiedLayerSpecs share, by key (DeepSpeed's attribute and state-dict names)."""
         self.num_stages = num_stages
         self.partition_method = PARTITIONS[method]
 

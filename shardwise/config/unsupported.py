@@ -97,8 +97,4 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
                f'checkpointing every n pipeline layers is not implemented; use 0')
     if zero.zenflow is not None:
         refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow is not implemented; remove it")
-    if model.flops_profiler.enabled and model.pipeline.stages > 1:
-        # The schedule runs the stage's forwards itself; the profiler hooks engine.forward.
-        refuse("flops_profiler.enabled", "flops_profiler.enabled = true: the flops profiler is not implemented "
-                                         "under a pipeline (pipeline.stages > 1) yet; set it to false")
     return problems

@@ -12,7 +12,8 @@ row-parallel layers. Attention reads the number of (local) heads from the projec
 module holding n_head / tp heads runs unchanged.
 
 With tie_embeddings the lm-head weight *is* `embed.tok.weight` (one Parameter); a pipeline split
-that puts embed and head on different stages must keep the two copies in sync itself.
+that puts embed and head on different stages keeps a copy on each and sums their gradients
+(`parallel/pipeline/tied.py`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ class GradNormReducer:
     """The TP group ("tp:metrics"), over which sliced squares are summed."""
     layout: tuple[Ranges, ...] | None = None
     dp_sharded: bool = False
+    uncounted: frozenset[int] = frozenset()
+    """Stepped tensors left out of the norm: tied copies whose weight another holder counts."""
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh, ledger: CommLedger) -> "GradNormReducer":
@@ -69,10 +71,12 @@ class GradNormReducer:
         return cls(stage_comm=mesh.comm(Axis.PP, ledger, name="pp:metrics"), model_comm=model,
                    tp_comm=mesh.comm(Axis.TP, ledger, name="tp:metrics"))
 
-    def for_tensors(self, layout: Sequence[Ranges], *, dp_sharded: bool) -> "GradNormReducer":
+    def for_tensors(self, layout: Sequence[Ranges], *, dp_sharded: bool,
+                    uncounted: frozenset[int] = frozenset()) -> "GradNormReducer":
         """This reducer for one list of stepped tensors: `layout[i]` the replicated ranges of tensor i;
-        `dp_sharded`: the dp ranks hold disjoint parts (ZeRO) rather than equal copies (stage 0)."""
-        return replace(self, layout=tuple(layout), dp_sharded=dp_sharded)
+        `dp_sharded`: the dp ranks hold disjoint parts (ZeRO) rather than equal copies (stage 0); `uncounted`:
+        indices of tensors another rank counts (tied copies)."""
+        return replace(self, layout=tuple(layout), dp_sharded=dp_sharded, uncounted=frozenset(uncounted))
 
     @property
     def holders(self) -> Comm:
@@ -81,7 +85,7 @@ class GradNormReducer:
     @property
     def alone(self) -> bool:
         """No other rank holds a part of this rank's gradients."""
-        return self.holders.size == 1 and self.tp_comm.size == 1
+        return self.holders.size == 1 and self.tp_comm.size == 1 and not self.uncounted
 
     def overflow(self, local: bool) -> bool:
         """True on every rank if any holder or TP peer saw inf/nan (each checks only what it steps)."""
@@ -120,7 +124,8 @@ class GradNormReducer:
         layout = self.layout if self.layout is not None else ((),) * len(params)
         if len(layout) != len(params):
             raise ValueError(f"GradNormReducer: {len(params)} stepped tensors, bound to {len(layout)}")
-        grads = [(p.grad.detach(), ranges) for p, ranges in zip(params, layout) if p.grad is not None]
+        grads = [(p.grad.detach(), ranges) for i, (p, ranges) in enumerate(zip(params, layout))
+                 if p.grad is not None and i not in self.uncounted]
         sq = torch.zeros(2, dtype=torch.float64, device=grads[0][0].device if grads else None)
         for g, ranges in grads:
             # float64 accumulation without a float64 copy of the tensor

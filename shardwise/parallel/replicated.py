@@ -14,6 +14,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import DataParallelConfig
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
+from shardwise.parallel.tied import TiedParams, TiedSlot, uncounted
 from shardwise.parallel.update import Update, UpdateRecipe
 
 
@@ -21,10 +22,11 @@ class ReplicatedUpdate(Update):
     """Stage 0's step: every rank applies the same update to its whole copy."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model_params: list[torch.nn.Parameter],
-                 masters: list[torch.nn.Parameter] | None, recipe: UpdateRecipe, norms: GradNormReducer):
+                 masters: list[torch.nn.Parameter] | None, recipe: UpdateRecipe, norms: GradNormReducer,
+                 tied: tuple[TiedSlot, ...] = ()):
         super().__init__(optimizer, stepped=masters if masters is not None else model_params,
                          masters=masters or [], separate_masters=masters is not None, recipe=recipe,
-                         norms=norms)
+                         norms=norms, tied=tied)
         self.model_params = model_params
         self._index = {id(p): i for i, p in enumerate(model_params)}
 
@@ -76,16 +78,19 @@ def make_masters(groups: list[dict]) -> tuple[list[dict], list[torch.nn.Paramete
 
 
 def build_replicated(groups: list[dict], *, section: DataParallelConfig, recipe: UpdateRecipe, dp_comm: Comm,
-                     norms: GradNormReducer) -> tuple[ReplicatedUpdate, BucketedAllReduce]:
-    """The update and the gradient all-reduce of stage 0 over `groups` (this rank's trainable parameters)."""
+                     norms: GradNormReducer, tied: TiedParams = TiedParams()
+                     ) -> tuple[ReplicatedUpdate, BucketedAllReduce]:
+    """The update and the gradient all-reduce of stage 0 over `groups` (this rank's trainable parameters);
+    `tied` copies are whole stepped tensors here, summed over their holders after the dp all-reduce."""
     model_params = [p for g in groups for p in g["params"]]
     masters = None
     if recipe.dtype != torch.float32:
         groups, model_params, masters = make_masters(groups)
     # Replicas hold equal gradients after the all-reduce: only other stages and TP slices hold other parts.
-    bound = norms.for_tensors(whole_tensor_layout(model_params), dp_sharded=False)
+    slots = tuple(tied.slots({id(p): i for i, p in enumerate(model_params)}))
+    bound = norms.for_tensors(whole_tensor_layout(model_params), dp_sharded=False, uncounted=uncounted(slots))
     update = ReplicatedUpdate(recipe.make_optimizer(groups), model_params=model_params, masters=masters,
-                              recipe=recipe, norms=bound)
+                              recipe=recipe, norms=bound, tied=slots)
     runtime = BucketedAllReduce(model_params, dp_comm, bucket_numel=section.bucket_numel, impl=section.all_reduce,
                                 predivide_factor=section.predivide_factor, prescale=section.prescale,
                                 comm_dtype=section.data_type.torch_dtype if section.data_type else None)

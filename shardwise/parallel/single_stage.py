@@ -12,6 +12,7 @@ import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
+from shardwise.parallel.tied import TiedParams
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -36,6 +37,10 @@ class SingleStage:
 
     def sharding_units(self) -> ShardingUnits | None:
         return None
+
+    def tied_params(self) -> TiedParams:
+        """One stage holds every use of a shared module: autograd sums its gradient."""
+        return TiedParams()
 
     def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> float:
         if data_iter is None:

@@ -2,7 +2,7 @@
 
 Whatever holds the gradients (whole replicated tensors, ZeRO shards, offloaded masters), one step is
 
-    load grads into what the optimizer steps -> overflow verdict (all holders agree) -> unscale -> clip by the
+    load grads into what the optimizer steps -> sum tied copies over their holders -> overflow verdict (all holders agree) -> unscale -> clip by the
     whole model's norm -> optimizer.step() -> publish the new values to the model -> update the loss scale
 
 `Update.step` is that skeleton; a strategy supplies only `_load_grads` and `_publish` (and its checkpoint
@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.tied import TiedSlot, sum_tied_grads
 from shardwise.precision import LossScaler, grads_have_inf_or_nan
 
 
@@ -63,8 +64,10 @@ class Update:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, stepped: list[torch.nn.Parameter],
                  masters: list[torch.nn.Parameter], separate_masters: bool, recipe: UpdateRecipe,
-                 norms: GradNormReducer):
+                 norms: GradNormReducer, tied: tuple[TiedSlot, ...] = ()):
         self.optimizer = optimizer
+        self.tied = tied
+        """Stepped tensors that are copies of a weight other stages hold (`parallel/tied.py`)."""
         self.stepped = stepped
         self.masters = masters
         self.separate_masters = separate_masters
@@ -78,6 +81,7 @@ class Update:
     def step(self) -> bool:
         """One update; False when it was skipped because some holder's gradients overflowed."""
         self._load_grads()
+        sum_tied_grads(self.stepped, self.tied)
         grads = [p.grad for p in self.stepped if p.grad is not None]
         if self.check_overflow and self.norms.overflow(grads_have_inf_or_nan(grads)):
             self.scaler.update(overflow=True)

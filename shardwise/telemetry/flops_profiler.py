@@ -8,7 +8,9 @@ halved under a causal mask. That is the convention of `shardwise.models.presets.
 so a GPT's forward counts exactly 2 FLOPs per token for each matmul weight plus its attention term:
 the analytic count less 2 per token for each norm and bias parameter (elementwise work is not priced).
 
-Latency is wall time between a module's forward hooks (the device synchronised on CUDA), measured
+Under a pipeline the first rank of each stage (dp and tp index 0) profiles its stage's modules on the first
+micro-batch of `profile_step` (every chunk of it, under an interleaved schedule); its report names the stage and
+its rows the full model's modules. Latency is wall time between a module's forward hooks (the device synchronised on CUDA), measured
 under the counter, which slows Python-heavy small models; the backward and step latencies come from
 the engine's phase timers.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -99,12 +102,61 @@ def si(x: float, unit: str = "") -> str:
     return f"{x:.2f} {unit}".rstrip()
 
 
-class FlopsProfiler:
-    """Profiles the first training forward of optimizer step `profile_step` (counted from 0), once."""
+class _Session:
+    """Forward hooks on every module of `module` and the counter; only forwards run inside `counting()` are
+    recorded (a pipeline stage profiles its first micro-batch among the schedule's other forwards)."""
 
-    def __init__(self, section: FlopsProfilerConfig, module: torch.nn.Module, *, device: torch.device):
+    def __init__(self, module: torch.nn.Module, now: Callable[[], float]):
+        self.named = list(module.named_modules())
+        self.stack: list[str] = []
+        self.flops: dict[str, int] = {}
+        self.latency: dict[str, float] = {}
+        self._started: dict[str, list[float]] = {}
+        self._now = now
+        self._active = False
+        self._handles = [h for name, m in self.named for h in (m.register_forward_pre_hook(self._pre(name)),
+                                                                m.register_forward_hook(self._post(name)))]
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if self._active:
+                self.stack.append(name)
+                self._started.setdefault(name, []).append(self._now())
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if self._active and name in self.stack:
+                self.latency[name] = self.latency.get(name, 0.0) + (self._now() - self._started[name].pop()) * 1e3
+                self.stack.remove(name)
+        return hook
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        self._active = True
+        try:
+            with _FlopCounter(self.stack, self.flops):
+                yield
+        finally:
+            self._active = False
+
+    def finish(self) -> list[ModuleProfile]:
+        for h in self._handles:
+            h.remove()
+        return _assemble(self.named, self.flops, self.latency)
+
+
+class FlopsProfiler:
+    """Profiles the first training forward of optimizer step `profile_step` (counted from 0), once. Under a
+    pipeline (`stage` = (s, P)) the rank profiles its stage's modules on the first micro-batch; `names` gives
+    the full model's names of the stage's modules (for the printed rows)."""
+
+    def __init__(self, section: FlopsProfilerConfig, module: torch.nn.Module, *, device: torch.device,
+                 stage: tuple[int, int] | None = None, names: dict[str, str] | None = None):
         self.section = section
         self.module = module
+        self.stage = stage
+        self.names = dict(names or {})
         self._sync = device.type == "cuda"
         self._device = device
         self.profile: list[ModuleProfile] | None = None
@@ -119,49 +171,44 @@ class FlopsProfiler:
         return time.perf_counter()
 
     @contextmanager
+    def session(self) -> Iterator[_Session]:
+        """Hooks in place for the block; forwards inside `session.counting()` are counted. The result lands
+        in `self.profile`."""
+        session = _Session(self.module, self._now)
+        try:
+            yield session
+        finally:
+            self.profile = session.finish()
+
+    @contextmanager
     def profiling(self) -> Iterator[None]:
         """Count and time the forward run inside; the result lands in `self.profile`."""
-        named = list(self.module.named_modules())
-        stack: list[str] = []
-        flops: dict[str, int] = {}
-        latency: dict[str, float] = {}
-        started: dict[str, list[float]] = {}
+        with self.session() as session, session.counting():
+            yield
 
-        def pre(name: str) -> Callable[..., None]:
-            def hook(*_: Any) -> None:
-                stack.append(name)
-                started.setdefault(name, []).append(self._now())
-            return hook
-
-        def post(name: str) -> Callable[..., None]:
-            def hook(*_: Any) -> None:
-                latency[name] = latency.get(name, 0.0) + (self._now() - started[name].pop()) * 1e3
-                stack.remove(name)
-            return hook
-
-        handles = [h for name, m in named for h in (m.register_forward_pre_hook(pre(name)),
-                                                    m.register_forward_hook(post(name)))]
-        try:
-            with _FlopCounter(stack, flops):
-                yield
-        finally:
-            for h in handles:
-                h.remove()
-        self.profile = _assemble(named, flops, latency)
+    def _display(self, name: str) -> str:
+        """A stage module's name in the full model ("chunks.0.layers.1.attn" -> "blocks.0.attn")."""
+        for prefix in sorted(self.names, key=len, reverse=True):
+            if name == prefix or name.startswith(prefix + "."):
+                return self.names[prefix] + name[len(prefix):]
+        return name
 
     def report_lines(self, *, step: int, micro_batch: int, world_size: int, dp_size: int, mp_size: int,
                      bwd_ms: float | None, step_ms: float | None) -> list[str]:
         assert self.profile is not None
         top = self.profile[0]
         fmt = "{:<60}{}"
+        at = f" (stage {self.stage[0]} of {self.stage[1]})" if self.stage else ""
+        part = (f"pipeline stage {self.stage[0]} of {self.stage[1]}: its layers, this rank's slice" if self.stage
+                else "this rank's slice of the model")
         lines = ["", "-------------------------- shardwise flops profiler --------------------------",
-                 f"profile of the first micro-batch of step {step} (this rank's slice of the model)",
+                 f"profile of the first micro-batch of step {step} ({part})",
                  fmt.format("world size:", world_size), fmt.format("data parallel size:", dp_size),
                  fmt.format("model parallel size:", mp_size), fmt.format("batch size per GPU:", micro_batch),
-                 fmt.format("params per GPU:", f"{si(top.params)} ({top.params})"),
-                 fmt.format("fwd MACs per GPU:", si(top.flops / 2)),
-                 fmt.format("fwd flops per GPU:", f"{si(top.flops)} ({top.flops})"),
-                 fmt.format("fwd latency:", f"{top.latency_ms:.2f} ms"),
+                 fmt.format(f"params per GPU{at}:", f"{si(top.params)} ({top.params})"),
+                 fmt.format(f"fwd MACs per GPU{at}:", si(top.flops / 2)),
+                 fmt.format(f"fwd flops per GPU{at}:", f"{si(top.flops)} ({top.flops})"),
+                 fmt.format(f"fwd latency{at}:", f"{top.latency_ms:.2f} ms"),
                  fmt.format("fwd FLOPS per GPU = fwd flops per GPU / fwd latency:", si(top.flops_per_s, "FLOPS"))]
         bwd_factor = 2 + self.section.recompute_fwd_factor
         if bwd_ms:
@@ -180,17 +227,21 @@ class FlopsProfiler:
         for d in sorted({p.depth for p in shown}):
             ranked = sorted((p for p in shown if p.depth == d), key=lambda p: -p.flops)[:self.section.top_modules]
             lines.append(f"depth {d}: " + "; ".join(
-                f"{p.name or '(model)'} [{p.kind}] params {si(p.params)}, flops {si(p.flops)}, "
+                f"{self._display(p.name) or '(model)'} [{p.kind}] params {si(p.params)}, flops {si(p.flops)}, "
                 f"latency {p.latency_ms:.2f} ms" for p in ranked))
         if self.section.detailed:
             lines += ["", "per-module profile (children included):", _table_header()]
-            lines += [_table_row(p, top) for p in shown]
+            lines += [_table_row(p, top, self._display(p.name)) for p in shown]
         lines.append("-" * 78)
         return lines
 
     def write_report(self, lines: list[str], out: Callable[[str], None]) -> None:
+        """To `output_file` (under a pipeline stage s writes ``<stem>_stage<s><suffix>`` beside it), else out."""
         if self.section.output_file:
-            with open(self.section.output_file, "w", encoding="utf-8") as f:
+            path = Path(self.section.output_file)
+            if self.stage:
+                path = path.with_name(f"{path.stem}_stage{self.stage[0]}{path.suffix}")
+            with open(path, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
         else:
             for line in lines:
@@ -226,8 +277,8 @@ def _table_header() -> str:
            f"{'FLOPS':>14}"
 
 
-def _table_row(p: ModuleProfile, top: ModuleProfile) -> str:
+def _table_row(p: ModuleProfile, top: ModuleProfile, display: str) -> str:
     share = 100 * p.flops / top.flops if top.flops else 0.0
-    name = "  " * p.depth + (p.name.rsplit(".", 1)[-1] if p.name else "(model)")
+    name = "  " * p.depth + (display.rsplit(".", 1)[-1] if display else "(model)")
     return (f"{name:<36}{p.kind:<18}{p.params:>12}{p.flops:>14}{share:>8.1f}%{p.latency_ms:>14.3f}"
             f"{si(p.flops_per_s):>14}")

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -60,7 +60,11 @@ def momentum_of(group: dict[str, Any]) -> Any:
 class TrainingMonitor:
     def __init__(self, section: MonitoringConfig, *, module: torch.nn.Module, ledger: CommLedger,
                  device: torch.device, global_rank: int, world_size: int, dp_size: int, mp_size: int,
-                 micro_batch: int, scales_loss: bool):
+                 micro_batch: int, scales_loss: bool, profiles: bool | None = None,
+                 pipeline_stage: tuple[int, int] | None = None, module_names: dict[str, str] | None = None):
+        """`profiles`: this rank prints a flops profile (default: global rank 0; under a pipeline the first rank
+        of each stage, `pipeline_stage` = (stage, stages), whose modules `module_names` names as in the full
+        model)."""
         self.section = section
         self.global_rank = global_rank
         self._shape = {"world_size": world_size, "dp_size": dp_size, "mp_size": mp_size, "micro_batch": micro_batch}
@@ -71,8 +75,10 @@ class TrainingMonitor:
                                   device=device)
         self.comms = (CommsLogger(section.comms_logger, ledger, global_rank=global_rank, out=self._out)
                       if section.comms_logger.enabled else None)
-        self.flops = (FlopsProfiler(section.flops_profiler, module, device=device)
-                      if section.flops_profiler.enabled and global_rank == 0 else None)
+        profiles = global_rank == 0 if profiles is None else profiles
+        self.flops = (FlopsProfiler(section.flops_profiler, module, device=device, stage=pipeline_stage,
+                                    names=module_names)
+                      if section.flops_profiler.enabled and profiles else None)
         self._flops_reported = False
         self._losses: list[torch.Tensor] = []
         self._in_batch = 0
@@ -101,6 +107,16 @@ class TrainingMonitor:
                     yield
             else:
                 yield
+
+    @contextmanager
+    def stage_forwards(self, engine: Engine) -> Iterator[Callable[[int], Any] | None]:
+        """A pipeline step: yields what wraps the stage's forward of micro-batch m (at flops_profiler.profile_step
+        the first micro-batch's forwards are profiled), or None when nothing watches the forwards."""
+        if self.flops is None or not self.flops.wants(engine.global_steps):
+            yield None
+            return
+        with self.flops.session() as session:
+            yield lambda m: session.counting() if m == 0 else nullcontext()
 
     def timed(self, name: str) -> Any:
         return self.timers.timed(name)

@@ -1,4 +1,5 @@
-"""`shardwise.zero.Init`: models constructed inside the block are built as ZeRO-3 shards (DeepSpeed's zero.Init).
+"""`shardwise.zero.Init`: models constructed inside the block are built as ZeRO-3 shards (DeepSpeed's zero.Init);
+``Init(module=model)`` shards a model built already.
 
 Inside the block tensors are created on the meta device (shapes only, no memory, no random draws). On exit
 each model constructed in it (a module that no other module constructed in it holds) is materialized by
@@ -26,27 +27,54 @@ from torch.nn.modules import module as module_hooks
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.config.resolved import ZeroConfig
+from shardwise.errors import UserError
 from shardwise.parallel.zero.homes import UnitKeeper, mark_homes
 from shardwise.parallel.zero.materialize import materialize_sharded
-from shardwise.parallel.zero.params import PARTITION_ATTR
+from shardwise.parallel.zero.params import PARTITION_ATTR, FlatKey, shard_model
 
 
 class Init:
-    """DeepSpeed's `zero.Init(data_parallel_group=None, config_dict_or_path=None, config=None, enabled=True)`
-    plus `init=` (see the module docstring). The config (the one given to `initialize`) supplies the
-    stage3_*_persistence_threshold values, which must match; the group defaults to the world, which is the
-    data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard the model)."""
+    """DeepSpeed's `zero.Init`, plus `init=` (see the module docstring). ``module=`` shards a model built already
+    (the parameters are broadcast from rank 0, then cut one unit at a time); the context manager builds models
+    sharded. The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
+    must match, and, as in DeepSpeed, its offload_param block overrides ``remote_device`` / ``pin_memory``.
+    ``mpu`` serves the config's batch arithmetic only (DeepSpeed's use); the group defaults to the world, which
+    is the data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard).
+    ``remote_device="cpu"`` keeps the shards in host memory (pinned with ``pin_memory`` where CUDA exists) until
+    `initialize` places them as the config says; ``dtype`` casts floating-point weights before sharding;
+    ``mem_efficient_linear`` changes nothing here (ZeRO-3 gathers a weight again for backward anyway). What is
+    not built is refused in one line: NVMe (``remote_device="nvme"``, ``param_swapper``), hpZ
+    (``zero_param_parallel_group``), quantized weights."""
 
-    def __init__(self, data_parallel_group: Any = None, config_dict_or_path: Any = None, config: Any = None,
-                 enabled: bool = True, *, init: Callable[[nn.Module], None] | None = None):
-        self.group = data_parallel_group
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None, *,
+                 init: Callable[[nn.Module], None] | None = None):
+        _refuse_unbuilt(remote_device=remote_device, zero_param_parallel_group=zero_param_parallel_group,
+                        zero_quantized_weights=zero_quantized_weights, param_swapper=param_swapper,
+                        zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights)
+        if sequence_data_parallel_group is not None and data_parallel_group is not None:
+            raise UserError("zero.Init: give data_parallel_group or (deprecated) sequence_data_parallel_group, not "
+                            "both")
+        if mpu is not None and not callable(getattr(mpu, "get_data_parallel_world_size", None)):
+            raise UserError(f"zero.Init(mpu={type(mpu).__name__}): the mpu needs get_data_parallel_world_size() "
+                            f"(and get_model_parallel_world_size()), as DeepSpeed's does")
+        self.group = data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group
         self.config = config_dict_or_path if config_dict_or_path is not None else config
         self.enabled = enabled
         self.init = init
+        self.dtype = dtype
+        self.mpu = mpu
+        self.remote_device, self.pin_memory = remote_device, pin_memory
         self._hooks: list[Any] = []
         self._device: torch.device | None = None
         self._holders: dict[int, nn.Module] = {}      # modules given parameters or children, first-seen order
         self._held: set[int] = set()                   # modules registered as another module's child
+        if module is not None and enabled:
+            self._shard_module(module)
 
     # -- which modules are built inside --------------------------------------------------------------------
     def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
@@ -86,10 +114,48 @@ class Init:
     def _materialize(self, model: nn.Module) -> None:
         zero = self._zero_section()
         comm = Comm(self.group, CommLedger(), name="dp:init")
-        materialize_sharded(model, comm=comm, init=self._init_for(model),
+        if self.dtype is not None:
+            model.to(self.dtype)                      # on the meta device: only the recorded dtypes change
+        materialize_sharded(model, comm=comm, init=self._init_for(model), device=_compute_device(),
                             persistence_threshold=zero.stage3_param_persistence_threshold,
                             model_persistence_threshold=zero.stage3_model_persistence_threshold)
-        mark_homes(getattr(model, PARTITION_ATTR), UnitKeeper(comm), comm)
+        self._place(model, zero, comm)
+
+    def _shard_module(self, module: nn.Module) -> None:
+        """DeepSpeed's ``Init(module=model)``: a model built whole on every rank becomes rank 0's weights, cut to
+        this rank's shards (a model built on the meta device is materialized instead; one sharded already is
+        left as it is)."""
+        from shardwise.initialization import init_distributed
+        init_distributed()
+        if hasattr(module, PARTITION_ATTR):
+            return
+        if any(p.device.type == "meta" for p in module.parameters()):
+            self._materialize(module)
+            return
+        zero = self._zero_section()
+        comm = Comm(self.group, CommLedger(), name="dp:init")
+        if self.dtype is not None:
+            module.to(self.dtype)
+        _broadcast_by_module(module, comm)
+        partition = shard_model(module, key_of=lambda p: FlatKey(0 if p.requires_grad else None, p.dtype),
+                                dp_size=comm.size, dp_rank=comm.rank, device=_compute_device(), grad_shards=False,
+                                persistence_threshold=zero.stage3_param_persistence_threshold,
+                                model_persistence_threshold=zero.stage3_model_persistence_threshold)
+        module.to(_compute_device())                  # the persistent (whole) parameters and the buffers
+        setattr(module, PARTITION_ATTR, partition)
+        self._place(module, zero, comm)
+
+    def _place(self, model: nn.Module, zero: ZeroConfig, comm: Comm) -> None:
+        """Record where each parameter lives; shards wait in host memory with remote_device "cpu" (the config's
+        offload_param block decides instead when it has one, as in DeepSpeed)."""
+        remote, pin = self.remote_device, self.pin_memory
+        if zero.offload_param is not None:
+            remote, pin = zero.offload_param.device.value, zero.offload_param.pin_memory
+        partition = getattr(model, PARTITION_ATTR)
+        if remote == "cpu":
+            for f in partition.flats:
+                f.offload(torch.device("cpu"), pin_memory=pin)
+        mark_homes(partition, UnitKeeper(comm), comm)
 
     def _init_for(self, model: nn.Module) -> Callable[[nn.Module], None] | None:
         if self.init is not None:
@@ -102,5 +168,49 @@ class Init:
         if self.config is None:
             return ZeroConfig()
         from shardwise.config import load_config_for_world
-        # the batch rule's world is every rank (initialize derives dp from it), whatever group shards the model
-        return load_config_for_world(self.config, world_size=dist.get_world_size()).zero
+        # the batch rule's world is every rank (initialize derives dp from it), whatever group shards the model;
+        # an mpu gives it as DeepSpeed's config reads it: its data-parallel size times its model-parallel size
+        if self.mpu is not None:
+            model_parallel = getattr(self.mpu, "get_model_parallel_world_size", lambda: 1)()
+            world = self.mpu.get_data_parallel_world_size() * model_parallel
+        else:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+        return load_config_for_world(self.config, world_size=world).zero
+
+
+def _compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _refuse_unbuilt(**given: Any) -> None:
+    """One line for an argument asking for what is not built here."""
+    if given["remote_device"] not in (None, "none", "cpu"):
+        raise UserError(f"zero.Init(remote_device={given['remote_device']!r}): only None (the accelerator) and "
+                        f"'cpu' are supported; NVMe offload is not")
+    fixes = {"zero_param_parallel_group": "hierarchical partitioning (hpZ) is not supported; leave it None",
+             "zero_quantized_weights": "quantized ZeRO-3 weights are not supported; leave it False",
+             "zero_quantized_nontrainable_weights": "quantized ZeRO-3 weights are not supported; leave it False",
+             "param_swapper": "NVMe parameter swapping is not supported; leave it None"}
+    for name, fix in fixes.items():
+        if given[name] not in (None, False):
+            raise UserError(f"zero.Init({name}=...): {fix}")
+
+
+@torch.no_grad()
+def _broadcast_by_module(model: nn.Module, comm: Comm) -> None:
+    """Rank 0's parameters and buffers on every rank, one flat broadcast per module and dtype (a copy of one
+    module at a time, not of the model)."""
+    if comm.size == 1:
+        return
+    seen: set[int] = set()
+    for m in model.modules():
+        own = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and id(t) not in seen]
+        seen.update(id(t) for t in own)
+        for dtype in dict.fromkeys(t.dtype for t in own):
+            same = [t for t in own if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            comm.broadcast(flat, src_group_rank=0)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

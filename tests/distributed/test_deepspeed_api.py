@@ -2,11 +2,13 @@
 shardwise and with real DeepSpeed (DS_ACCELERATOR=cpu) on the same model, data and config; the values both
 report must match.
 
-Two scripts:
+Three scripts:
 - ZeRO-0 and ZeRO-1, gradient_accumulation_steps 1, no clipping (get_global_grad_norm without a clip), a client FusedAdam
   (DeepSpeed's side: torch's AdamW, which is what DeepSpeed's FusedAdam computes; its CUDA kernel cannot build
   here): one global batch accumulated with no_sync, one plain, then set_train_batch_size doubles the global batch
   (accumulation 1 -> 2) for two more.
+- ZeRO-3 with zero.Init(module=model) on a model built whole (shards on the host): rank 0's weights on every rank,
+  then the same losses.
 - ZeRO-3 under zero.Init: the weights read with GatheredParameters, then every weight written on rank 0
   (modifier_rank=0; rank 1 writes garbage that must not survive) before initialize, as scripts load weights;
   accumulation 2, clipping; one weight changed again with modifier_rank=0 after two steps (shardwise's fp32
@@ -170,6 +172,28 @@ def _zero3_script(ds, config_path: str, config: dict) -> dict:
     return dict(out, losses=losses, norms=norms)
 
 
+def _zero3_module_script(ds, config: dict) -> dict:
+    """zero.Init(module=...) on a model built whole, each rank from its own seed (rank 0's weights must win), the
+    shards kept in host memory (remote_device "cpu", pinned where CUDA exists); then trained."""
+    rank, world = ds.comm.get_rank(), ds.comm.get_world_size()
+    model = tiny_gpt(seq_len=SEQ, seed=1234 + rank)
+    ds.zero.Init(module=model, config_dict_or_path=copy.deepcopy(config), remote_device="cpu", pin_memory=True)
+    named = dict(model.named_parameters())
+    with ds.zero.GatheredParameters(list(named.values())):
+        built = {n: p.detach().clone() for n, p in named.items()}
+    engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
+    losses = []
+    for batch in _batches(2):
+        for rows in shard_global_batch(batch, dp_size=world, dp_rank=rank,
+                                       grad_accum=engine.gradient_accumulation_steps()):
+            loss = engine(rows[:, :-1], rows[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    engine.destroy()
+    return {"built": built, "losses": losses}
+
+
 def _ranks(tmp: str) -> dict:
     torch.set_num_threads(1)
     import shardwise
@@ -185,12 +209,14 @@ def _ranks(tmp: str) -> dict:
                              lambda ps: FusedAdam(ps, lr=3e-3, weight_decay=0.1, adam_w_mode=True))
             for name in ("zero0", "zero1")}
     ours["zero3"] = _zero3_script(shardwise, paths["zero3"], copy.deepcopy(ZERO3))
+    ours["zero3_module"] = _zero3_module_script(shardwise, ZERO3)
     deepspeed = _import_deepspeed()
     linear = torch.nn.functional.linear
     try:
         theirs = {name: _dp_script(deepspeed, paths[name], lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1))
                   for name in ("zero0", "zero1")}
         theirs["zero3"] = _zero3_script(deepspeed, paths["zero3"], copy.deepcopy(ZERO3))
+        theirs["zero3_module"] = _zero3_module_script(deepspeed, ZERO3)
     finally:
         torch.nn.functional.linear = linear       # DeepSpeed's ZeRO-3 leaves its own in place
     return {"shardwise": ours, "deepspeed": theirs}
@@ -260,6 +286,18 @@ def test_zero3_init_builds_the_direct_build(results: list[dict]) -> None:
         assert built.keys() <= direct.keys()
         for n, v in built.items():
             assert torch.equal(v, direct[n]), f"rank {rank}: zero.Init built {n} differently"
+
+
+def test_zero3_init_module_partitions_a_built_model(results: list[dict]) -> None:
+    direct = tiny_gpt(seq_len=SEQ).state_dict()
+    for rank, res in enumerate(results):
+        for side in ("shardwise", "deepspeed"):
+            built = res[side]["zero3_module"]["built"]
+            assert built.keys() == {n for n, _ in tiny_gpt(seq_len=SEQ).named_parameters()}
+            for n, v in built.items():
+                assert torch.equal(v, direct[n]), f"{side} rank {rank}: {n} is not rank 0's weight"
+        assert_close_lists(res["shardwise"]["zero3_module"]["losses"], res["deepspeed"]["zero3_module"]["losses"],
+                           rtol=1e-5, what=f"zero.Init(module=) rank {rank} losses")
 
 
 def test_zero3_gathered_parameters_modify_and_read(results: list[dict]) -> None:

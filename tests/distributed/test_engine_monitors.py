@@ -194,9 +194,21 @@ def test_flops_profile_counts_this_ranks_share(tmp_path, layout: str, share: int
     assert f"({exact // share})" in r0["stdout"] and r1["stdout"] == ""
 
 
-def test_pipeline_logs_the_agreed_loss(tmp_path) -> None:
-    r0, r1 = run_distributed(_train_layout, 2, args=({"pipeline": {"stages": 2}}, str(tmp_path)))
+def test_pipeline_logs_the_agreed_loss_and_profiles_each_stage(tmp_path) -> None:
+    extra = {"pipeline": {"stages": 2}, "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": True}}
+    r0, r1 = run_distributed(_train_layout, 2, args=(extra, str(tmp_path)))
     assert r0["losses"] == r1["losses"]
+    # each stage counted its own layers on its first micro-batch: together, the whole model's forward
+    exact, _ = gpt_forward_flops(tiny_gpt(seq_len=SEQ), MICRO * SEQ)
+    assert r0["flops"] > 0 and r1["flops"] > 0 and r0["flops"] + r1["flops"] == exact
+    for stage, res in enumerate((r0, r1)):
+        text = res["stdout"]
+        assert "profile of the first micro-batch of step 1 (pipeline stage" in text
+        assert re.search(rf"^fwd flops per GPU \(stage {stage} of 2\):\s+\S+ \S* ?\({res['flops']}\)$", text, re.M)
+    # rows under the full model's names: the embedding on stage 0, the head on stage 1
+    for name, holder, other in (("embed", r0, r1), ("head", r1, r0)):
+        assert re.search(rf"^\s+{name}\s", holder["stdout"], re.M) and not re.search(rf"^\s+{name}\s",
+                                                                                     other["stdout"], re.M)
     assert _csv(tmp_path / "csv" / "Train_Samples_train_loss.csv") == list(zip([8, 16], r0["losses"]))
     for step, loss in enumerate(r0["losses"], start=1):
         assert f"[Rank 0] step={step}, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]" in r0["stdout"]

@@ -342,8 +342,6 @@ def test_split_errors_name_the_fix() -> None:
         split_model(gpt(4), num_stages=5, stage=0)
     with pytest.raises(PipelineError, match="must be a multiple of 6"):
         split_model(gpt(8), num_stages=3, stage=0, virtual_stages=2)
-    with pytest.raises(PipelineError, match="tie_embeddings"):
-        split_model(tiny_gpt(d_model=D, seq_len=SEQ, tie_embeddings=True, seed=None), num_stages=2, stage=0)
     with pytest.raises(PipelineError, match="needs a loss function: pass loss_fn="):
         split_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), num_stages=2, stage=0)
     with pytest.raises(PipelineError, match="needs a sample micro-batch"):

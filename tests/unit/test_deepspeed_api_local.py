@@ -61,3 +61,42 @@ def test_add_config_arguments_and_config_from_args(tmp_path) -> None:
         _config_source(model, {"train_batch_size": 1}, None, args)
     with pytest.raises(shardwise.UserError, match="--deepspeed_config"):
         _config_source(model, None, None, parser.parse_args([]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"remote_device": "nvme"}, r"zero.Init\(remote_device='nvme'\): only None .* NVMe offload is not"),
+    ({"zero_param_parallel_group": object()}, r"zero.Init\(zero_param_parallel_group=...\): hierarchical"),
+    ({"zero_quantized_weights": True}, r"zero.Init\(zero_quantized_weights=...\): quantized"),
+    ({"zero_quantized_nontrainable_weights": True}, r"zero_quantized_nontrainable_weights=...\): quantized"),
+    ({"param_swapper": object()}, r"zero.Init\(param_swapper=...\): NVMe parameter swapping"),
+    ({"mpu": object()}, r"zero.Init\(mpu=object\): the mpu needs get_data_parallel_world_size"),
+    ({"data_parallel_group": 1, "sequence_data_parallel_group": 1}, "not both"),
+])
+def test_zero_init_refuses_what_is_not_built_in_one_line(kwargs: dict, match: str) -> None:
+    from shardwise.errors import UserError
+    from shardwise.zero import Init
+    with pytest.raises(UserError, match=match) as info:
+        Init(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_zero_init_disabled_and_mpu_as_deepspeed_reads_them() -> None:
+    from shardwise.config import ConfigError
+    from shardwise.parallel.zero.params import PARTITION_ATTR
+    from shardwise.zero import Init
+    model = torch.nn.Linear(3, 3)
+    before = model.weight.detach().clone()
+    Init(module=model, enabled=False, remote_device="cpu", pin_memory=True, mem_efficient_linear=False)
+    assert not hasattr(model, PARTITION_ATTR) and torch.equal(model.weight, before)   # untouched
+
+    class Mpu:      # DeepSpeed's config reads the batch rule's data-parallel size from the mpu
+        def get_data_parallel_world_size(self) -> int:
+            return 2
+
+        def get_model_parallel_world_size(self) -> int:
+            return 1
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 7}}
+    assert Init(config_dict_or_path=config, mpu=Mpu())._zero_section().stage3_param_persistence_threshold == 7
+    with pytest.raises(ConfigError, match="train_batch_size"):     # one process: 8 != 4 * 1 * 1
+        Init(config_dict_or_path=config)._zero_section()

@@ -70,5 +70,50 @@ def test_bad_layers_and_specs() -> None:
         PipelineModule([nn.Linear(2, 2), 3], loss_fn=nn.MSELoss())
     with pytest.raises(PipelineError, match="not an nn.Module class"):
         LayerSpec(len)
-    with pytest.raises(PipelineError, match="tied across pipeline stages"):
-        TiedLayerSpec("embed", nn.Embedding, 10, 4)
+    with pytest.raises(PipelineError, match="tied_weight_attr 'bias' is not a parameter of Embedding"):
+        PipelineModule([TiedLayerSpec("embed", nn.Embedding, 10, 4, tied_weight_attr="bias")], loss_fn=nn.MSELoss())
+
+
+def _tied_net() -> PipelineModule:
+    torch.manual_seed(0)
+    return PipelineModule([TiedLayerSpec("embed", nn.Embedding, 10, 4), LayerSpec(nn.Linear, 4, 4), nn.Tanh(),
+                           TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda emb, h: h @ emb.weight.T)],
+                          loss_fn=lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+def test_tied_layer_specs_share_one_module_under_deepspeeds_name() -> None:
+    net = _tied_net()
+    assert net.layers[0].tied_module is net.layers[3].tied_module is net.tied_modules["embed"]
+    assert sorted(net.state_dict()) == ["layers.1.bias", "layers.1.weight", "tied_modules.embed.weight"]
+    x = torch.randint(0, 10, (2, 3))
+    emb = net.tied_modules["embed"].weight
+    expected = torch.tanh(net.layers[1](emb[x])) @ emb.T           # [2, 3, 10] logits through the same weight
+    torch.testing.assert_close(net(x), expected, rtol=0, atol=0)
+    net(x, x).backward()                                             # both uses add into the one gradient
+    assert emb.grad is not None and emb.grad.abs().sum() > 0
+
+
+def test_split_stages_each_hold_a_copy_of_the_tied_module() -> None:
+    from shardwise.parallel.pipeline.stage import layer_costs, split_model
+    net = _tied_net()
+    # DeepSpeed counts a tied module in every layer that uses it: 40 + 20 + 0 + 40
+    assert layer_costs(net, "parameters") == [40.0, 20.0, 0.0, 40.0]
+    first, last = (split_model(net, num_stages=2, stage=s, partition="uniform") for s in (0, 1))
+    assert first.tie_holders == last.tie_holders == {"embed": (0, 1)}
+    assert first.tied["embed"] is last.tied["embed"] is net.tied_modules["embed"]
+    assert "tied_modules.embed.weight" in first.full_state_dict() and "tied_modules.embed.weight" in \
+        last.full_state_dict()
+    assert sum(p.numel() for p in last.parameters()) == 40          # the copy counts once per stage
+    alone = split_model(net, num_stages=1, stage=0)
+    assert alone.tie_holders == {"embed": (0,)}
+
+
+def test_a_parameter_registered_on_two_stages_is_tied_under_its_first_name() -> None:
+    from shardwise.parallel.pipeline.stage import split_model
+    from shardwise.testing import tiny_gpt
+    gpt = tiny_gpt(tie_embeddings=True)                  # lm_head.weight is embed.tok.weight
+    first, last = (split_model(gpt, num_stages=2, stage=s) for s in (0, 1))
+    assert first.tie_holders == last.tie_holders == {"embed.tok.weight": (0, 1)}
+    assert first.tied_weights() == {"embed.tok.weight": [gpt.embed.tok.weight]}
+    assert last.tied_weights()["embed.tok.weight"][0] is gpt.head.lm_head.weight
+    assert split_model(gpt, num_stages=1, stage=0).tie_holders == {}

@@ -33,6 +33,8 @@ from shardwise.config.resolved import PipelineConfig
 from shardwise.errors import CheckpointError, UserError
 from shardwise.parallel.pipeline.runtime import PipelineRuntime, StepResult
 from shardwise.parallel.pipeline.stage import PipelineStage, release_unowned, split_model
+from shardwise.parallel.pipeline.tied import build_ties, synchronize
+from shardwise.parallel.tied import TiedParams
 from shardwise.parallel.zero.build import ShardingUnits
 from shardwise.topology import Axis, ParallelMesh
 
@@ -50,6 +52,8 @@ class PipelineRunner:
     """This rank's pipeline (group rank = stage)."""
     dp_metrics: Comm
     """The stage's dp group, for the loss average."""
+    ties: TiedParams = TiedParams()
+    """This stage's copies of weights tied across stages, with the groups of their holders."""
     last: StepResult | None = None
     """The last step's result: its loss, peak in-flight micro-batches and per-action trace (for timelines)."""
     reads_in_order: ClassVar[bool] = True      # DeepSpeed's PipelineEngine reads its training data in order
@@ -64,6 +68,16 @@ class PipelineRunner:
 
     def blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
         return self.stage.blocks()
+
+    def tied_params(self) -> TiedParams:
+        return self.ties
+
+    def _saved_elsewhere(self, full_name: str) -> bool:
+        """A tied module's tensor that an earlier stage holds too: checkpoints keep the first holder's copy."""
+        for key, stages in self.stage.tie_holders.items():
+            if full_name.startswith(f"tied_modules.{key}.") and stages[0] != self.stage.stage:
+                return True
+        return False
 
     def sharding_units(self) -> ShardingUnits:
         """ZeRO-3 under a pipeline: the runtime calls model chunks, not the stage, so each chunk is a root (one
@@ -89,7 +103,9 @@ class PipelineRunner:
         micro = self._read(data_iter, num_micro, "engine.train_batch")
         engine.ledger.begin_step(engine.global_steps)
         engine.module.train()
-        result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale, dp_runtime=engine.dp_runtime)
+        with engine.monitor.stage_forwards(engine) as around_forward:
+            result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale,
+                                       dp_runtime=engine.dp_runtime, around_forward=around_forward)
         self.last = result
         loss = self._agreed_mean(result.losses, engine.device)
         engine.complete_global_batch(micro_batches=num_micro, activation_bytes=result.peak_activation_bytes)
@@ -114,16 +130,20 @@ class PipelineRunner:
                         f"train with engine.train_batch(data_iter)")
 
     def module_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
-        return self.stage.full_state_dict()
+        return {k: v for k, v in self.stage.full_state_dict().items() if not self._saved_elsewhere(k)}
 
     def load_module_state(self, module: torch.nn.Module, full: dict[str, Any], strict: bool) -> None:
+        """This stage's tensors from ``full``; tied weights then come from their first holder (collective over
+        the holders), whose file alone has them."""
         names = self.stage.full_names()           # local name -> full name
         local = {k: full[f] for k, f in names.items() if f in full}
-        missing = [f for f in names.values() if f not in full]
+        absent = [f for f in names.values() if f not in full]
+        missing = [f for f in absent if not self._saved_elsewhere(f)]
         if missing and strict:
             raise CheckpointError(f"the checkpoint has no weights for {len(missing)} tensors of this pipeline stage "
                                   f"(e.g. {missing[0]}): it was written for another model")
-        module.load_state_dict(local, strict=strict and not missing)
+        module.load_state_dict(local, strict=strict and not absent)
+        synchronize(self.ties)
 
     def gather_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor] | None:
         names = self.stage.full_names()
@@ -139,8 +159,8 @@ class PipelineRunner:
 def apply_pipeline(model: torch.nn.Module, *, section: PipelineConfig, num_microbatches: int, mesh: ParallelMesh,
                    ledger: CommLedger, device: torch.device) -> PipelineRunner:
     """Cut ``model`` for this rank's stage (`split_model`; the parameters of other stages are released) and
-    build its runtime, running ``num_microbatches`` (gradient_accumulation_steps) per step. Collective-free
-    except for the groups the mesh already holds."""
+    build its runtime, running ``num_microbatches`` (gradient_accumulation_steps) per step. Collective only for
+    weights tied across stages (their groups, created by every rank, and the copies made equal)."""
     stage = split_model(model, num_stages=section.stages, stage=mesh.rank(Axis.PP),
                         virtual_stages=section.virtual_stages, partition=section.partition)
     release_unowned(model, stage)
@@ -148,4 +168,5 @@ def apply_pipeline(model: torch.nn.Module, *, section: PipelineConfig, num_micro
     runtime = PipelineRuntime(stage, pp_comm, schedule=section.schedule, num_microbatches=num_microbatches,
                               device=device)
     return PipelineRunner(stage=stage, runtime=runtime, pp_comm=pp_comm,
-                          dp_metrics=mesh.comm(Axis.DP, ledger, name="dp:metrics"))
+                          dp_metrics=mesh.comm(Axis.DP, ledger, name="dp:metrics"),
+                          ties=build_ties(stage.tied_weights(), stage.tie_holders, mesh, ledger))

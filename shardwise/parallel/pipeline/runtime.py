@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import Tensor
@@ -158,10 +158,12 @@ class PipelineRuntime:
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[Any] | None, *, loss_scale: float = 1.0,
-             dp_runtime: DataParallelRuntime | None = None) -> StepResult:
+             dp_runtime: DataParallelRuntime | None = None,
+             around_forward: Callable[[int], ContextManager[Any]] | None = None) -> StepResult:
         """Run every action of one global batch. ``micro_batches``: M pairs (inputs, labels) on a stage that
         holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
-        elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here)."""
+        elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here).
+        ``around_forward(m)``: a context entered around each forward of micro-batch m (a profiler's)."""
         batches = self._check_batches(micro_batches, self.num_microbatches)
         measure = self._steps_run % self.measure_every == 0
         self._steps_run += 1
@@ -174,7 +176,8 @@ class PipelineRuntime:
 
         def compute(i: int, inputs: list[Tensor] | None) -> None:
             if self.actions[i].op is Op.FORWARD:
-                self._forward(i, inputs, batches, skip, losses, loss_scale)
+                with around_forward(self.actions[i].microbatch) if around_forward else contextlib.nullcontext():
+                    self._forward(i, inputs, batches, skip, losses, loss_scale)
             else:
                 self._backward(i, inputs, dp_runtime)
 

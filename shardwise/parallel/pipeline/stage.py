@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from shardwise.config.resolved import PipelinePartition
 from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import PipelineError
+from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_holders, tied_modules_of, tied_weight
 
 LossFn = Callable[[Any, Any], Tensor]
 """loss_fn(outputs of the last layer, labels) -> scalar loss of one micro-batch (a mean over its samples)."""
@@ -100,9 +101,10 @@ def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
 # ----- partition costs -----
 
 def _param_count(modules: Sequence[nn.Module]) -> int:
+    """Parameters of ``modules``; a tied layer counts its module's (as DeepSpeed counts each use)."""
     seen: dict[int, int] = {}
     for m in modules:
-        for p in m.parameters():
+        for p in [*m.parameters(), *(m.tied_module.parameters() if isinstance(m, TiedLayer) else ())]:
             seen[id(p)] = p.numel()
     return sum(seen.values())
 
@@ -195,9 +197,18 @@ class PipelineStage(nn.Module):
     """What one pipeline rank holds: its V model chunks (``chunks[v]`` is model chunk v * P + stage)."""
 
     def __init__(self, chunks: Sequence[StageChunk], *, stage: int, num_stages: int, virtual_stages: int,
-                 loss_fn: LossFn, layer_ranges: Sequence[range]) -> None:
+                 loss_fn: LossFn, layer_ranges: Sequence[range],
+                 tie_holders: dict[str, tuple[int, ...]] | None = None,
+                 shared: dict[str, nn.Parameter] | None = None) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
+        self.tied_layers = tied_modules_of([layer for c in chunks for layer in c.layers])
+        """key -> a use of each tied module this stage holds (its layers refer to the module, unregistered)."""
+        self.tied = nn.ModuleDict({k: t.tied_module for k, t in self.tied_layers.items()})
+        self.tie_holders = dict(tie_holders or {})
+        """key -> the stages holding a copy of that tied module or shared parameter (all keys of the model)."""
+        self.shared = dict(shared or {})
+        """Parameters this stage's layers register that other stages' layers register too, by full name."""
         self.stage = stage
         self.num_stages = num_stages
         self.virtual_stages = virtual_stages
@@ -231,12 +242,23 @@ class PipelineStage(nn.Module):
 
     def full_names(self) -> dict[str, str]:
         """This module's state-dict keys -> the full model's keys."""
-        out = {}
+        out = {f"tied.{k}.{key}": f"tied_modules.{k}.{key}" for k, m in self.tied.items()
+               for key in m.state_dict(keep_vars=True)}        # DeepSpeed's name for a tied module
         for v, chunk in enumerate(self.chunks):
             for j, (name, layer) in enumerate(zip(chunk.names, chunk.layers)):
                 for key in layer.state_dict(keep_vars=True):
                     out[f"chunks.{v}.layers.{j}.{key}"] = f"{name}.{key}"
         return out
+
+    def tied_weights(self) -> dict[str, list[nn.Parameter]]:
+        """key -> this stage's copies of the weights tied across stages (a tied module's `tied_weight_attr`s)."""
+        out = {k: [tied_weight(t.tied_module, a) for a in t.weight_attrs] for k, t in self.tied_layers.items()}
+        return out | {k: [p] for k, p in self.shared.items()}
+
+    def module_names(self) -> dict[str, str]:
+        """Each layer's module name here -> its name in the full model ("chunks.0.layers.1" -> "blocks.0")."""
+        return {f"chunks.{v}.layers.{j}": name for v, chunk in enumerate(self.chunks)
+                for j, name in enumerate(chunk.names)}
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """This stage's parameters and buffers under the full model's names (gather all stages' to rebuild it)."""
@@ -255,27 +277,28 @@ def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int 
     """The `PipelineStage` of ``stage``: its chunks of ``model`` (see the module docstring for the forms).
 
     Raises `PipelineError` for more stages (or chunks) than layers, virtual stages that do not divide the
-    layers under "uniform", a GPT with tied embeddings split across stages, and unsplittable models.
+    layers under "uniform", and unsplittable models.
     """
     layers = _with_sample(_as_layers(model, loss_fn), sample_input)
     if not 0 <= stage < num_stages:
         raise PipelineError(f"stage = {stage} is outside 0..{num_stages - 1} for {num_stages} pipeline stage(s)")
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
-    if tied and num_stages > 1:
-        raise PipelineError("a GPT with tie_embeddings = true cannot be split over pipeline stages yet: the "
-                            "embedding (first stage) and the lm-head (last stage) share one weight; build the model "
-                            "with tie_embeddings=False or use pipeline.stages = 1")
     method = parse_partition_method(partition)
     ranges = partition_layers(_costs(layers, method), num_stages, method, virtual_stages=virtual_stages)
     last = len(ranges) - 1
+    every = [(layers.prefix if k == 0 else []) + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
+             for k, r in enumerate(ranges)]                  # each model chunk's named layers
     chunks, local_ranges = [], stage_layers(ranges, stage=stage, num_stages=num_stages)
     for v, r in enumerate(local_ranges):
         k = v * num_stages + stage
-        head = layers.prefix if k == 0 else []
-        named = head + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
-        chunks.append(StageChunk(named, model_chunk=k, blocks=slice(len(head), len(head) + len(r))))
+        head = len(layers.prefix) if k == 0 else 0
+        chunks.append(StageChunk(every[k], model_chunk=k, blocks=slice(head, head + len(r))))
+    # Weights tied across stages: TiedLayer modules by key, and parameters several stages' layers register (the
+    # built-in GPT's embedding and lm-head) by the full name of their first use.
+    shared = shared_parameters(every, num_stages)
+    holders = tie_holders([m for _, m in layers.items], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
     return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
-                         loss_fn=layers.loss_fn, layer_ranges=local_ranges)
+                         loss_fn=layers.loss_fn, layer_ranges=local_ranges, tie_holders=dict(sorted(holders.items())),
+                         shared={k: p for k, (s, p) in shared.items() if stage in s})
 
 
 @torch.no_grad()

@@ -50,18 +50,31 @@ class ZeroBucket:
         return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.layout.offsets, self.layout.sizes)]
 
 
+def _plan(params: list[torch.nn.Parameter], bucket_numel: int, alone: set[int]) -> list[list[int]]:
+    """`plan_buckets` between the parameters in `alone`, each of which gets a bucket of its own."""
+    out: list[list[int]] = []
+    start = 0
+    for i, p in enumerate([*params, None]):
+        if p is None or id(p) in alone:
+            out += [[start + j for j in b] for b in plan_buckets([q.numel() for q in params[start:i]], bucket_numel)]
+            if p is not None:
+                out.append([i])
+            start = i + 1
+    return out
+
+
 @torch.no_grad()
 def build_zero_buckets(groups: list[list[torch.nn.Parameter]], *, dp_size: int, dp_rank: int,
-                       bucket_numel: int) -> list[ZeroBucket]:
+                       bucket_numel: int, alone: set[int] | None = None) -> list[ZeroBucket]:
     """Buckets over every param group (last group first, parameters in reverse order: roughly the order
     backward produces their gradients), each padded to a multiple of dp_size; parameters are rebound as
-    views of their bucket's flat buffer."""
+    views of their bucket's flat buffer. A parameter whose id is in `alone` gets a bucket of its own."""
     buckets: list[ZeroBucket] = []
     for g in reversed(range(len(groups))):
         order = [p for p in reversed(groups[g]) if p.requires_grad]
         for dtype in dict.fromkeys(p.dtype for p in order):
             same = [p for p in order if p.dtype == dtype]
-            for idx in plan_buckets([p.numel() for p in same], bucket_numel):
+            for idx in _plan(same, bucket_numel, alone or set()):
                 params = [same[i] for i in idx]
                 layout = FlatLayout(tuple(p.numel() for p in params), dp_size)
                 flat = torch.zeros(layout.padded_numel, dtype=dtype, device=params[0].device)

@@ -25,6 +25,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, shard_layout
+from shardwise.parallel.tied import TiedParams, uncounted
 from shardwise.parallel.update import UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket, build_zero_buckets
 from shardwise.parallel.zero.grads import ZeroGradReducer
@@ -45,24 +46,30 @@ class ShardingUnits:
 
 
 def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, recipe: UpdateRecipe,
-               dp_comm: Comm, norms: GradNormReducer, device: torch.device, units: ShardingUnits | None = None
-               ) -> tuple[ShardedUpdate, ZeroGradReducer | ZeroParamRuntime]:
+               dp_comm: Comm, norms: GradNormReducer, device: torch.device, units: ShardingUnits | None = None,
+               tied: TiedParams = TiedParams()) -> tuple[ShardedUpdate, ZeroGradReducer | ZeroParamRuntime]:
     """The update and the runtime of ZeRO stage `section.stage` (1-3) over `groups`, this rank's trainable
-    parameters of `model`, sharded over `dp_comm`."""
+    parameters of `model`, sharded over `dp_comm`. Each `tied` copy gets a bucket of its own: its shard is then
+    the same elements on every holder (same size, same dp split), summed over the holders like a whole tensor."""
     if section.stage == 3:
+        if tied:
+            raise UserError("zero_optimization.stage = 3 with weights tied across pipeline stages (TiedLayerSpec) "
+                            "is not supported: use stage 1 or 2 (as DeepSpeed's pipeline does)")
         return _stage3(model, groups, section=section, recipe=recipe, dp_comm=dp_comm, norms=norms, device=device,
                        units=units)
     buckets = build_zero_buckets([g["params"] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
-                                 bucket_numel=section.reduce_bucket_size)
+                                 bucket_numel=section.reduce_bucket_size, alone=tied.ids())
+    slots = tuple(tied.slots({id(b.params[0]): k for k, b in enumerate(buckets) if len(b.params) == 1}))
     separate = recipe.dtype != torch.float32 or section.offloads_optimizer
-    optimizer, masters, bound = _shard_optimizer(buckets, groups, section, recipe, norms, separate=separate)
+    optimizer, masters, bound = _shard_optimizer(buckets, groups, section, recipe, norms, separate=separate,
+                                                 uncounted=uncounted(slots))
     update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
-                           recipe=recipe, norms=bound)
+                           recipe=recipe, norms=bound, tied=slots)
     return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
 
 
 def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, recipe: UpdateRecipe,
-                     norms: GradNormReducer, *, separate: bool
+                     norms: GradNormReducer, *, separate: bool, uncounted: frozenset[int] = frozenset()
                      ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], GradNormReducer]:
     """Shard masters (on the CPU under offload_optimizer), the user's optimizer over them, and the norm
     reducer bound to their layout: dp ranks hold disjoint shards, so they are holders of one model."""
@@ -70,7 +77,7 @@ def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, rec
     master_groups, masters = make_shard_masters(
         buckets, groups, separate=separate, offload_device=torch.device("cpu") if offload else None,
         pin_memory=bool(offload and offload.pin_memory))
-    bound = norms.for_tensors(shard_layout(buckets), dp_sharded=True)
+    bound = norms.for_tensors(shard_layout(buckets), dp_sharded=True, uncounted=uncounted)
     return recipe.make_optimizer(master_groups), masters, bound
 
 

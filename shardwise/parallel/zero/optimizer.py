@@ -18,6 +18,7 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.errors import CheckpointError
 from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.tied import TiedSlot
 from shardwise.parallel.update import Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.fused import prefer_fused_adam
@@ -53,9 +54,9 @@ class ShardedUpdate(Update):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
                  masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, recipe: UpdateRecipe,
-                 norms: GradNormReducer, gather_after_step: bool = True):
+                 norms: GradNormReducer, gather_after_step: bool = True, tied: tuple[TiedSlot, ...] = ()):
         super().__init__(optimizer, stepped=masters, masters=masters, separate_masters=separate_masters,
-                         recipe=recipe, norms=norms)
+                         recipe=recipe, norms=norms, tied=tied)
         # ZeRO-3 (False): parameters stay sharded after the step; only separate masters are written back.
         self.gather_after_step = gather_after_step
         self.buckets = buckets

@@ -263,14 +263,16 @@ def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatK
 @torch.no_grad()
 def shard_model(model: nn.Module, *, key_of: Callable[[nn.Parameter], FlatKey], dp_size: int, dp_rank: int,
                 persistence_threshold: int, model_persistence_threshold: int,
-                modules: list[tuple[str, nn.Module]] | None = None) -> Partition:
+                modules: list[tuple[str, nn.Module]] | None = None, device: torch.device | None = None,
+                grad_shards: bool = True) -> Partition:
     """Shard a materialized model in place: each rank keeps its shard of every unit; parameters become empty
-    placeholders. The full model existed on this rank before the call (see materialize.py to avoid that)."""
+    placeholders. The full model existed on this rank before the call (see materialize.py to avoid that).
+    The shards go to `device` (default: the parameters'), copied one parameter at a time."""
     plans, persistent = plan_units(model, persistence_threshold=persistence_threshold,
                                    model_persistence_threshold=model_persistence_threshold, modules=modules)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     units = build_units(plans, key_of=key_of, shape_of=lambda p: p.shape, dp_size=dp_size, dp_rank=dp_rank,
-                        device=device)
+                        device=device, grad_shards=grad_shards)
     for f in (f for u in units for f in u.flats):
         for i, p in enumerate(f.params):
             f.take(i, p.detach())
