@@ -125,6 +125,9 @@ class PipelineRunner:
                                   f"(e.g. {missing[0]}): it was written for another model")
         module.load_state_dict(local, strict=strict and not missing)
 
+    def full_names(self, module: torch.nn.Module) -> dict[str, str]:
+        return self.stage.full_names()
+
     def gather_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor] | None:
         names = self.stage.full_names()
         mine = {names[k]: v for k, v in local.items()}

@@ -18,7 +18,7 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.errors import CheckpointError
 from shardwise.parallel.grad_norm import GradNormReducer
-from shardwise.parallel.update import Update, UpdateRecipe
+from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.parallel.zero.params import FlatShard
@@ -126,6 +126,11 @@ class ShardedUpdate(Update):
     def state_dict(self) -> dict:
         return dict(super().state_dict(), dp_rank=self.comm.rank, dp_size=self.comm.size)
 
+    def pieces(self) -> list[list[Piece]]:
+        """Master k holds the parts of bucket k's parameters that fall in this rank's shard."""
+        return [[Piece(b.params[i], tuple(b.shapes[i]), lo, hi, dst) for i, lo, hi, dst in
+                 b.layout.pieces_in_shard(b.rank)] for b in self.buckets]
+
     def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole fp32 master of `param`, assembled from every rank's shard. Collective over dp."""
         k, i = self._where[id(param)]
@@ -206,6 +211,10 @@ class Stage3Update(ShardedUpdate):
                 f"model's layout: load it with the same model, zero_optimization.stage, "
                 f"stage3_param_persistence_threshold and param groups it was saved with")
         super().load_state_dict(state, load_optimizer_states=load_optimizer_states)
+        self._gather_persistent()
+
+    def _after_load(self) -> None:
+        super()._after_load()
         self._gather_persistent()
 
     def sync_masters_from_model(self) -> None:
