@@ -91,31 +91,47 @@ class _Assembler:
         assert out is not None, f"{name}: no fragment of TP rank {tp_rank} overlaps [{lo}, {hi})"
         return out
 
-    def source_tp_rank(self, name: str, tp_rank: int, tp_size: int, key: str) -> int:
-        """The saved TP rank to read a tensor TP does not split from (any holds it whole): our own if it exists."""
-        if tp_size == self.tp and tp_rank < self.tp:
-            return tp_rank
-        held = self.index["module"].get(name, {}) if key == "module" else \
+    def holder(self, name: str, key: str, prefer: int) -> int:
+        """A saved TP rank holding `name` (`prefer` if it does): any holds a tensor TP does not split whole."""
+        held = set(self.index["module"].get(name, {})) if key == "module" else \
             {t for t, *_ in self.index["fragments"].get(name, [])}
-        return min(held)
+        return prefer if prefer in held else min(held)
 
-    def local(self, name: str, tp_rank: int, tp_size: int, lo: int, hi: int, key: str) -> torch.Tensor:
-        """Elements [lo, hi) of this rank's TP slice (`tp_rank` of `tp_size`) of `name`, flattened."""
-        full, dim = self.index["tensors"][name]
-        if dim is None or tp_size == self.tp:
-            return self._saved_run(name, self.source_tp_rank(name, tp_rank, tp_size, key), lo, hi, key)
-        n_new, n_old = full[dim] // tp_size, full[dim] // self.tp
-        start = tp_rank * n_new
+    def slices(self, name: str, tp_rank: int, tp_size: int, dim: int | None, key: str) -> list[int]:
+        """The saved TP ranks whose slices of `name` overlap this rank's (`dim`: this model's split dim)."""
+        full, saved_dim = self.index["tensors"][name]
+        old = self.tp if saved_dim is not None else 1
+        new = tp_size if dim is not None else 1
+        if old == new:
+            return [tp_rank if old > 1 else self.holder(name, key, tp_rank)]
+        split = saved_dim if saved_dim is not None else dim
+        n_new, n_old = full[split] // new, full[split] // old
+        start = (tp_rank if new > 1 else 0) * n_new
+        return [j if old > 1 else self.holder(name, key, tp_rank) for j in range(old)
+                if max(start, j * n_old) < min(start + n_new, (j + 1) * n_old)]
+
+    def local(self, name: str, tp_rank: int, tp_size: int, dim: int | None, lo: int, hi: int,
+              key: str) -> torch.Tensor:
+        """Elements [lo, hi) of this rank's TP slice (`tp_rank` of `tp_size`, split along `dim` or whole) of
+        `name`, flattened. A tensor saved whole counts as one slice, as does one this model holds whole."""
+        full, saved_dim = self.index["tensors"][name]
+        old = self.tp if saved_dim is not None else 1
+        new = tp_size if dim is not None else 1
+        if old == new:
+            return self._saved_run(name, self.slices(name, tp_rank, tp_size, dim, key)[0], lo, hi, key)
+        split = saved_dim if saved_dim is not None else dim
+        n_new, n_old = full[split] // new, full[split] // old
+        start = (tp_rank if new > 1 else 0) * n_new
+        old_shape = [n_old if d == split else n for d, n in enumerate(full)]
         mine: torch.Tensor | None = None
-        for t in range(self.tp):
-            a, b = max(start, t * n_old), min(start + n_new, (t + 1) * n_old)
+        for j, src in enumerate(self.slices(name, tp_rank, tp_size, dim, key) if old == 1 else range(old)):
+            a, b = max(start, j * n_old), min(start + n_new, (j + 1) * n_old)
             if a >= b:
                 continue
-            old_shape = [n_old if d == dim else n for d, n in enumerate(full)]
-            saved = self._saved_run(name, t, 0, int(torch.Size(old_shape).numel()), key).view(old_shape)
+            saved = self._saved_run(name, src, 0, int(torch.Size(old_shape).numel()), key).view(old_shape)
             if mine is None:
-                mine = torch.empty([n_new if d == dim else n for d, n in enumerate(full)], dtype=saved.dtype)
-            mine.narrow(dim, a - start, b - a).copy_(saved.narrow(dim, a - t * n_old, b - a))
+                mine = torch.empty([n_new if d == split else n for d, n in enumerate(full)], dtype=saved.dtype)
+            mine.narrow(split, a - start, b - a).copy_(saved.narrow(split, a - j * n_old, b - a))
         assert mine is not None
         return mine.reshape(-1)[lo:hi]
 
@@ -143,9 +159,9 @@ class Plan:
         self.problem = self._check_module(strict) or (self._check_optimizer() if optimizer else None) \
             or self._open_files()
 
-    def local_shape(self, name: str) -> tuple[int, ...]:
-        """This rank's TP slice shape of `name`, from the checkpoint's full shape."""
-        full, dim = self.index["tensors"][name]
+    def local_shape(self, name: str, dim: int | None) -> tuple[int, ...]:
+        """This rank's TP slice shape of `name` (split along `dim`), from the checkpoint's full shape."""
+        full = self.index["tensors"][name][0]
         return tuple(n // self.tp_size if d == dim else n for d, n in enumerate(full))
 
     def _check_module(self, strict: bool) -> str | None:
@@ -156,7 +172,7 @@ class Plan:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
                         f"another model; load it into the model that wrote it")
             full, saved_dim = tensors[name]
-            if saved_dim != dim:
+            if saved_dim is not None and dim is not None and saved_dim != dim:
                 return (f"{name!r} is split by tensor parallelism along dim {saved_dim} in the checkpoint and "
                         f"along {dim} in this model: it was written for another model or TP plan")
             if dim is not None and full[dim] % self.tp_size:
@@ -179,16 +195,15 @@ class Plan:
     def _check_optimizer(self) -> str | None:
         fragments, tensors, entries = self.index["fragments"], self.index["tensors"], self.index["entries"]
         mine = self.engine.updater.group_options()
+        build = _Assembler(self.index, self.read)
         for pieces, options in zip(self.stepped, mine):
             for name, _, _, _ in pieces:
-                full, dim = tensors[name]
+                full, saved_dim = tensors[name]
                 if name not in fragments:
                     return (f"the checkpoint holds no optimizer state for {name!r} (it was not trained when "
                             f"saved): pass load_optimizer_states=False, or load_module_only=True")
-                saved_tp = self.index["dims"]["tp"]
-                ranks = range(saved_tp) if dim is not None and self.tp_size != saved_tp else \
-                    [_Assembler(self.index, self.read).source_tp_rank(name, self.tp_rank, self.tp_size, VALUE)]
-                numel = int(torch.Size(full).numel()) // (saved_tp if dim is not None else 1)
+                ranks = build.slices(name, self.tp_rank, self.tp_size, self.module[name][2], VALUE)
+                numel = int(torch.Size(full).numel()) // (build.tp if saved_dim is not None else 1)
                 if not all(covered(fragments[name], t, numel) for t in ranks):
                     return f"the checkpoint's optimizer shards do not cover {name!r}: some of its files are missing"
             if pieces:
@@ -235,11 +250,11 @@ def apply(plan: Plan, *, strict: bool, load_optimizer_states: bool) -> None:
     engine, build = plan.engine, _Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for name, (_, shape, _, dtype) in plan.module.items():
+    for name, (_, shape, dim, dtype) in plan.module.items():
         key = "module" if name in plan.index["module"] else VALUE      # ZeRO-3 placeholders: from the masters
-        local = shape if shape is not None else plan.local_shape(name)
+        local = shape if shape is not None else plan.local_shape(name, dim)
         numel = int(torch.Size(local).numel())
-        chunk[name] = build.local(name, plan.tp_rank, plan.tp_size, 0, numel, key).view(local).to(dtype)
+        chunk[name] = build.local(name, plan.tp_rank, plan.tp_size, dim, 0, numel, key).view(local).to(dtype)
         size += numel * chunk[name].element_size()
         if size >= _CHUNK_BYTES:
             engine.pipeline.load_module_state(engine.module, chunk, False)
@@ -277,5 +292,5 @@ def _stepped(build: _Assembler, plan: Plan, pieces: list[tuple], stepped: torch.
     """A tensor shaped like `stepped` (fp32, on the CPU) holding the saved `key` of each piece; padding 0."""
     out = torch.zeros(stepped.numel(), dtype=torch.float32)
     for name, lo, hi, dst in pieces:
-        out[dst:dst + hi - lo] = build.local(name, plan.tp_rank, plan.tp_size, lo, hi, key)
+        out[dst:dst + hi - lo] = build.local(name, plan.tp_rank, plan.tp_size, plan.module[name][2], lo, hi, key)
     return out.view(stepped.shape)
