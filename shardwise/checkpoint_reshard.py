@@ -167,6 +167,8 @@ class Plan:
     def _check_module(self, strict: bool) -> str | None:
         tensors, dims = self.index["tensors"], self.index["dims"]
         written = f"(written at dp={dims['dp']}, tp={dims['tp']}, pp={dims['pp']})"
+        if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
+            self.module = {n: v for n, v in self.module.items() if n in tensors}
         for name, (_, shape, dim, _) in self.module.items():
             if name not in tensors:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
@@ -198,10 +200,10 @@ class Plan:
         build = _Assembler(self.index, self.read)
         for pieces, options in zip(self.stepped, mine):
             for name, _, _, _ in pieces:
-                full, saved_dim = tensors[name]
                 if name not in fragments:
                     return (f"the checkpoint holds no optimizer state for {name!r} (it was not trained when "
                             f"saved): pass load_optimizer_states=False, or load_module_only=True")
+                full, saved_dim = tensors[name]
                 ranks = build.slices(name, self.tp_rank, self.tp_size, self.module[name][2], VALUE)
                 numel = int(torch.Size(full).numel()) // (build.tp if saved_dim is not None else 1)
                 if not all(covered(fragments[name], t, numel) for t in ranks):
@@ -244,7 +246,7 @@ def agree(engine: Engine, problem: str | None) -> None:
 
 
 @torch.no_grad()
-def apply(plan: Plan, *, strict: bool, load_optimizer_states: bool) -> None:
+def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
     """Write the planned tensors into the engine (after `agree`): module states, then what the optimizer
     steps and, with `load_optimizer_states`, its state, options and the loss scaler."""
     engine, build = plan.engine, _Assembler(plan.index, plan.read)
@@ -275,10 +277,9 @@ def apply(plan: Plan, *, strict: bool, load_optimizer_states: bool) -> None:
         scaler = saved["scaler"]
         options.append(dict(saved_options))
         state = saved["optimizer"]["state"].get(opt_index, {})
-        states.append({k: (_stepped(build, plan, pieces, stepped, k) if _per_element(v) else v)
-                       for k, v in state.items()})
-        states[-1] = {k: v.clone() if torch.is_tensor(v) and not _per_element(v) else v
-                      for k, v in states[-1].items()}
+        # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
+        states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
+                       (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
     updater.load_stepped(values, states if load_optimizer_states else None,
                          options if load_optimizer_states else None, scaler)
 

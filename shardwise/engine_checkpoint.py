@@ -119,7 +119,7 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
             problem = str(e)
     reshard.agree(engine, problem)
     if plan is not None:
-        reshard.apply(plan, strict=strict, load_optimizer_states=load_optimizer_states)
+        reshard.apply(plan, load_optimizer_states=load_optimizer_states)
     else:
         assert legacy is not None
         engine.pipeline.load_module_state(engine.module, legacy["module"], strict)

@@ -16,7 +16,7 @@ import torch
 
 from shardwise.testing import assert_close_lists, micro_steps, run_distributed, tiny_gpt, token_batches
 
-SEQ, BATCH, SAVE_AT, AFTER = 16, 8, 1, 2
+SEQ, BATCH, SAVE_AT, AFTER = 16, 8, 1, 3
 
 
 def _engine(layout: dict, *, seed: int = 1234, **model):
@@ -31,7 +31,8 @@ def _engine(layout: dict, *, seed: int = 1234, **model):
     config = {"train_batch_size": BATCH, "gradient_accumulation_steps": layout.get("ga", 2),
               "gradient_clipping": 0.5, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 3e-3}}}
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_min_lr": 1e-3,
+                                                          "warmup_max_lr": 3e-3}}}
     if tp > 1:
         config["tensor_parallel"] = {"size": tp}
     if pp > 1:
@@ -67,7 +68,7 @@ def _refused(engine, root: str, **kw) -> tuple[str, bool]:
     return message, all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _save_then_load(root: str, saved: dict, loads: list[dict], refusals: bool) -> dict:
+def _save_then_load(root: str, saved: dict, loads: list[dict], refusals: bool, legacy: dict | None) -> dict:
     torch.set_num_threads(1)
     engine = _engine(saved)
     _train(engine, 0, SAVE_AT)
@@ -81,6 +82,26 @@ def _save_then_load(root: str, saved: dict, loads: list[dict], refusals: bool) -
         other.close()
     if refusals:
         out["refused"] = _refusals(root, saved)
+    if legacy is not None:
+        out["legacy"] = _legacy(root, saved, legacy)
+    return out
+
+
+def _legacy(root: str, saved: dict, other: dict) -> dict:
+    """A checkpoint without an index (as an earlier shardwise wrote them) loads at its own layout, exactly, and
+    is refused at another before anything changes."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        shutil.copytree(Path(root, f"global_step{SAVE_AT}"), Path(root, "legacy"))
+        Path(root, "legacy", "shardwise_index.pt").unlink()
+    dist.barrier()
+    engine = _engine(saved, seed=99)
+    engine.load_checkpoint(root, tag="legacy")
+    out = {"losses": _train(engine, SAVE_AT, AFTER)}
+    engine.close()
+    engine = _engine(other, seed=99)
+    out["refused"] = _refused(engine, root, tag="legacy")
+    engine.close()
     return out
 
 
@@ -104,21 +125,24 @@ def _refusals(root: str, saved: dict) -> dict:
     return out
 
 
-# save layout, world size, load layouts (same world size), whether the refusals run there
+# save layout, world size, load layouts (same world size), whether the refusals run there, a layout at which
+# the same checkpoint without its index is refused
 CASES = {
     "zero2-dp4": ({"zero": 2}, 4, [{"zero": 0}, {"zero": 3, "ga": 1}, {"zero": 1, "tp": 2},
-                                   {"zero": 3, "pp": 2, "offload": True}, {"zero": 0, "tp": 2, "pp": 2}], True),
+                                   {"zero": 3, "pp": 2, "offload": True}, {"zero": 0, "tp": 2, "pp": 2}], True, None),
     "zero1-tp2-pp2": ({"zero": 1, "tp": 2, "pp": 2}, 4, [{"zero": 2, "ga": 1}, {"zero": 3, "tp": 2},
-                                                         {"zero": 0, "pp": 2}, {"zero": 1, "tp": 2, "pp": 2}], False),
+                                                         {"zero": 0, "pp": 2}, {"zero": 1, "tp": 2, "pp": 2}],
+                      False, None),
     "zero3-offload-dp2": ({"zero": 3, "offload": True}, 2, [{"zero": 0}, {"zero": 1, "ga": 4}, {"zero": 2, "tp": 2},
-                                                           {"zero": 3}, {"zero": 0, "pp": 2}], False),
+                                                           {"zero": 3}, {"zero": 0, "pp": 2}], False, {"zero": 0}),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
-    saved, world, loads, refusals = CASES[name]
-    results = run_distributed(_save_then_load, world, args=(str(tmp_path), saved, loads, refusals), timeout=400)
+    saved, world, loads, refusals, legacy = CASES[name]
+    results = run_distributed(_save_then_load, world, args=(str(tmp_path), saved, loads, refusals, legacy),
+                              timeout=400)
     for rank, res in enumerate(results):
         for i, layout in enumerate(loads):
             got = res[i]
@@ -138,3 +162,9 @@ def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
         assert "in the checkpoint but" in results[0]["refused"]["wider"][0]
         assert "damaged/zero_pp_rank_" in results[0]["refused"]["truncated"][0]
         assert "truncated or corrupt" in results[0]["refused"]["truncated"][0]
+    if legacy is not None:
+        for rank, res in enumerate(results):
+            assert_close_lists(res["legacy"]["losses"], res["continued"], rtol=0, what=f"rank {rank}: legacy")
+        lines = {res["legacy"]["refused"][0] for res in results}
+        assert len(lines) == 1 and "without a layout index" in lines.pop()
+        assert all(res["legacy"]["refused"][1] for res in results)
