@@ -84,7 +84,7 @@ def test_pipeline_checkpoints_resume_exactly_and_reshard_weights(tmp_path: Path)
     ref = results[0]
     assert ref["files"] == sorted([f"mp_rank_{m:02d}_model_states.pt" for m in range(2)]
                                   + [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
-                                     for d in range(2) for m in range(2)])
+                                     for d in range(2) for m in range(2)] + ["shardwise_index.pt"])
     assert len(ref["saved_state"]) == len(tiny_gpt(n_layer=4, seq_len=SEQ).state_dict())
     assert ref["consolidated"].keys() == ref["saved_state"].keys()
     for k, v in ref["saved_state"].items():
