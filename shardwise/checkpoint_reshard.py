@@ -152,10 +152,14 @@ class Plan:
         pieces = engine.updater.pieces()
         shape_of = {id(p.param): p.shape for ps in pieces for p in ps}
         param_name = {id(p): names[n] for n, p in engine.module.named_parameters()}
-        # full name -> (local name, local shape or None when unknown here, split dim, dtype)
-        self.module = {names[k]: (k, tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
+        # full name -> (the name its fragments are under (a tied weight's first name), local shape or None when
+        # unknown here, split dim, dtype)
+        self.module = {names[k]: (param_name.get(id(t), names[k]),
+                                  tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
                                   getattr(t, TP_DIM_ATTR, None), t.dtype) for k, t in own.items()}
         self.stepped = [[(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in ps] for ps in pieces]
+        self.frozen = {names[k] for k, t in own.items()
+                       if isinstance(t, torch.nn.Parameter) and not t.requires_grad}
         self.problem = self._check_module(strict) or (self._check_optimizer() if optimizer else None) \
             or self._open_files()
 
@@ -169,7 +173,7 @@ class Plan:
         written = f"(written at dp={dims['dp']}, tp={dims['tp']}, pp={dims['pp']})"
         if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
             self.module = {n: v for n, v in self.module.items() if n in tensors}
-        for name, (_, shape, dim, _) in self.module.items():
+        for name, (source, shape, dim, _) in self.module.items():
             if name not in tensors:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
                         f"another model; load it into the model that wrote it")
@@ -185,7 +189,9 @@ class Plan:
                 if want != tuple(full):
                     return (f"{name!r} has shape {list(full)} in the checkpoint but {list(want)} in this model "
                             f"{written}: it was written for another model")
-            if name not in self.index["module"] and name not in self.index["fragments"]:
+            if name not in self.index["module"] and source not in self.index["fragments"]:
+                if name in self.frozen:     # a frozen ZeRO-3 shard is in no file: it keeps the built value
+                    continue
                 return f"the checkpoint holds no values for {name!r} {written}: save it again with this shardwise"
         if strict:
             extra = sorted(set(tensors) - self.pipeline_names)
@@ -218,9 +224,10 @@ class Plan:
     def _needed_files(self) -> list[str]:
         files = set(self.index["module"].get(n, {}).get(t) for n in self.module
                     for t in range(self.index["dims"]["tp"])) - {None}
+        names = {v[0] for n, v in self.module.items() if n not in self.index["module"]}   # from the masters
         if self.optimizer:
-            names = {name for pieces in self.stepped for name, *_ in pieces}
-            files |= {self.index["entries"][f[3]][0] for n in names for f in self.index["fragments"].get(n, [])}
+            names |= {name for pieces in self.stepped for name, *_ in pieces}
+        files |= {self.index["entries"][f[3]][0] for n in names for f in self.index["fragments"].get(n, [])}
         return sorted(files | {ckpt.model_states_name(0)})
 
     def _open_files(self) -> str | None:
@@ -252,11 +259,14 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
     engine, build = plan.engine, _Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for name, (_, shape, dim, dtype) in plan.module.items():
+    for name, (source, shape, dim, dtype) in plan.module.items():
         key = "module" if name in plan.index["module"] else VALUE      # ZeRO-3 placeholders: from the masters
+        if key == VALUE and source not in plan.index["fragments"]:
+            continue                    # frozen and saved nowhere (checked by the plan)
         local = shape if shape is not None else plan.local_shape(name, dim)
         numel = int(torch.Size(local).numel())
-        chunk[name] = build.local(name, plan.tp_rank, plan.tp_size, dim, 0, numel, key).view(local).to(dtype)
+        chunk[name] = build.local(name if key != VALUE else source, plan.tp_rank, plan.tp_size, dim, 0, numel,
+                                  key).view(local).to(dtype)
         size += numel * chunk[name].element_size()
         if size >= _CHUNK_BYTES:
             engine.pipeline.load_module_state(engine.module, chunk, False)

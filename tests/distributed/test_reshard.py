@@ -84,6 +84,22 @@ def _save_then_load(root: str, saved: dict, loads: list[dict], refusals: bool, l
         out["refused"] = _refusals(root, saved)
     if legacy is not None:
         out["legacy"] = _legacy(root, saved, legacy)
+        out["tied"] = _tied(f"{root}/tied")
+    return out
+
+
+def _tied(root: str) -> dict:
+    """Tied embeddings under ZeRO-3: the lm-head's placeholder takes the embedding's fragments."""
+    engine = _engine({"zero": 3}, tie_embeddings=True)
+    _train(engine, 0, SAVE_AT)
+    engine.save_checkpoint(root)
+    out = {"continued": _train(engine, SAVE_AT, AFTER)}
+    engine.close()
+    for stage in (0, 3):
+        other = _engine({"zero": stage}, seed=99, tie_embeddings=True)
+        other.load_checkpoint(root)
+        out[stage] = _train(other, SAVE_AT, AFTER)
+        other.close()
     return out
 
 
@@ -164,6 +180,9 @@ def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
         assert "truncated or corrupt" in results[0]["refused"]["truncated"][0]
     if legacy is not None:
         for rank, res in enumerate(results):
+            for stage in (0, 3):
+                assert_close_lists(res["tied"][stage], res["tied"]["continued"], rtol=1e-5,
+                                   what=f"rank {rank}: tied embeddings, ZeRO-3 -> {stage}")
             assert_close_lists(res["legacy"]["losses"], res["continued"], rtol=0, what=f"rank {rank}: legacy")
         lines = {res["legacy"]["refused"][0] for res in results}
         assert len(lines) == 1 and "without a layout index" in lines.pop()

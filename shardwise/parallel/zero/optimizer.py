@@ -156,9 +156,9 @@ class ShardedUpdate(Update):
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         if state["dp_size"] != self.comm.size:
-            raise CheckpointError(f"this ZeRO checkpoint was written by {state['dp_size']} data-parallel ranks and "
-                                  f"is being loaded by {self.comm.size}: resharding is not supported yet; load it "
-                                  f"with {state['dp_size']} ranks")
+            raise CheckpointError(f"this ZeRO optimizer shard was written by {state['dp_size']} data-parallel ranks "
+                                  f"and is being loaded by {self.comm.size}: load it with {state['dp_size']} ranks, "
+                                  f"or through engine.load_checkpoint, which reshards")
         self._load_common(state, load_optimizer_states)
         self._publish()
 
