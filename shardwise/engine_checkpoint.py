@@ -4,13 +4,14 @@ Files of one tag (see `checkpoint.py` for the atomic, collective write):
 
     mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
+    shardwise_index.pt                          where every tensor of the full model lives (checkpoint_index)
 
 MM is the model-parallel rank, pp_stage * tp + tp_rank, as in DeepSpeed's grid (00 without model
 parallelism). Model states are written by the ranks of data-parallel index 0 (one per (stage, TP rank));
-ZeRO shards by every rank. Under pipeline parallelism a stage's module states are keyed by the full model's
-names ("blocks.3.attn.q_proj.weight"), so the weights of a checkpoint can be loaded with another number of
-stages (`load_module_only=True`: every rank picks its own layers from all the stages' files); optimizer
-states and counters need the same layout that wrote them.
+ZeRO shards by every rank. Module states are keyed by the full model's names ("blocks.3.attn.q_proj.weight").
+With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
+(`checkpoint_reshard`); a tag written before indexes loads at the layout that wrote it (weights also at
+another number of stages with `load_module_only=True`).
 
 The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
 of the mesh has arrived (or heard of a failure). Nothing here asks which strategy runs: the mesh gives the
