@@ -42,15 +42,16 @@ def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
-def rank_contribution(engine: Engine, where: dict[str, int]) -> dict[str, Any]:
-    """What this rank's files hold, under the full model's names (the index before merging)."""
+def rank_contribution(engine: Engine, where: dict[str, int], *, as_writer: bool = False) -> dict[str, Any]:
+    """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
+    on a dp rank other than 0, what it would write of the model states (what it reads back at this layout)."""
     tp, tp_rank = where["tp_size"], where["tp_rank"]
     names = engine.pipeline.full_names(engine.module)
     own = engine.module.state_dict(keep_vars=True)
     updater = engine.updater
     pieces = updater.pieces()
     local_shape = {id(p.param): p.shape for ps in pieces for p in ps}
-    writes_model = engine.dp_rank == 0
+    writes_model = engine.dp_rank == 0 or as_writer
     model_file = ckpt.model_states_name(where["mp_rank"])
     tensors: dict[str, tuple] = {}
     module: dict[str, dict[int, str]] = {}
@@ -126,3 +127,22 @@ def covered(frags: list[tuple], tp_rank: int, numel: int) -> bool:
             return False
         end = max(end, hi)
     return end >= numel
+
+
+def same_layout(index: dict[str, Any], mine: dict[str, Any], dims: dict[str, int]) -> bool:
+    """Whether the files this rank reads at its own layout hold exactly its pieces (`mine`, a
+    `rank_contribution(as_writer=True)`): the same dims, stepped tensors and fragments. Then it reads them as
+    they are, as before indexes existed."""
+    if index["dims"] != dims:
+        return False
+    files = {e[0] for e in mine["entries"]}
+    saved = [(i, e) for i, e in enumerate(index["entries"]) if e[0] in files]
+    if [e[:5] for _, e in saved] != [e[:5] for e in mine["entries"]]:     # options (lr) may have moved
+        return False
+    local = {i: k for k, (i, _) in enumerate(saved)}
+    theirs: dict[str, list[tuple]] = {}
+    for name, frags in index["fragments"].items():
+        for t, lo, hi, entry, dst in frags:
+            if entry in local:
+                theirs.setdefault(name, []).append((t, lo, hi, local[entry], dst))
+    return {n: sorted(f) for n, f in theirs.items()} == {n: sorted(f) for n, f in mine["fragments"].items()}

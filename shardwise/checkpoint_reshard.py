@@ -143,6 +143,7 @@ class Plan:
                  optimizer: bool):
         self.engine, self.index, self.read = engine, index, read
         self.tp_rank, self.tp_size = engine.mesh.rank(Axis.TP), engine.mesh.size(Axis.TP)
+        self.dims = {"dp": engine.mesh.size(Axis.DP), "tp": self.tp_size, "pp": engine.mesh.size(Axis.PP)}
         self.optimizer = optimizer
         names = engine.pipeline.full_names(engine.module)
         # Every tensor name of the pipeline's stages, gathered before any check can return (a collective).
@@ -239,17 +240,19 @@ class Plan:
         return None
 
 
-def agree(engine: Engine, problem: str | None) -> None:
+def agree(engine: Engine, problem: str | None, *, same_layout: bool = False) -> bool:
     """Raise the same `CheckpointError` on every rank when any rank found a problem (the lowest rank's line),
-    before any rank changes anything. Collective over dp, tp and pp."""
-    found = [(engine.mesh.global_rank, problem)] if problem else []
+    before any rank changes anything; else whether every rank found the checkpoint at its own layout.
+    Collective over dp, tp and pp."""
+    found = [(engine.mesh.global_rank, problem, same_layout)]
     for axis in (Axis.DP, Axis.TP, Axis.PP):
         comm = engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics")
         found = [f for part in comm.all_gather_object(found) for f in part]
-    if found:
-        rank, line = min(found)
-        raise ckpt.CheckpointError(line if engine.mesh.size(Axis.DP) * engine.mesh.size(Axis.TP)
-                                   * engine.mesh.size(Axis.PP) == 1 else f"{line} (found by rank {rank})")
+    problems = [(rank, line) for rank, line, _ in found if line]
+    if not problems:
+        return all(same for _, _, same in found)
+    rank, line = min(problems)
+    raise ckpt.CheckpointError(line if len(found) == 1 else f"{line} (found by rank {rank})")
 
 
 @torch.no_grad()

@@ -103,7 +103,9 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
         return None, None
     read = reshard.FileReader(path)
     plan: reshard.Plan | None = None
-    legacy: dict | None = None
+    own: dict | None = None
+    problem: str | None = None
+    same = False
     try:
         index = checkpoint_index.read_index(path)
     except ckpt.CheckpointError as e:
@@ -113,19 +115,21 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
             if index is not None:
                 plan = reshard.Plan(engine, index, read, strict=strict, optimizer=not load_module_only)
                 problem = plan.problem
-            else:
-                legacy = _legacy_read(engine, path, read, load_module_only)
-                problem = None
+                # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
+                mine = checkpoint_index.rank_contribution(engine, layout(engine), as_writer=True)
+                same = not load_module_only and checkpoint_index.same_layout(index, mine, plan.dims)
+            if index is None or (same and problem is None):
+                own = _read_own(engine, path, read, load_module_only, indexed=index is not None)
         except ckpt.CheckpointError as e:
             problem = str(e)
-    reshard.agree(engine, problem)
-    if plan is not None:
+    same = reshard.agree(engine, problem, same_layout=same)
+    if plan is not None and not same:
         reshard.apply(plan, load_optimizer_states=load_optimizer_states)
     else:
-        assert legacy is not None
-        engine.pipeline.load_module_state(engine.module, legacy["module"], strict)
+        assert own is not None
+        engine.pipeline.load_module_state(engine.module, own["module"], strict)
         if not load_module_only:
-            engine.updater.load_state_dict(legacy["optimizer"], load_optimizer_states=load_optimizer_states)
+            engine.updater.load_state_dict(own["optimizer"], load_optimizer_states=load_optimizer_states)
     state = read(ckpt.model_states_name(0))
     if load_module_only:
         engine.updater.sync_masters_from_model()
@@ -143,12 +147,14 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
     return str(path), state["client_state"]
 
 
-def _legacy_read(engine: Engine, path: Path, read: reshard.FileReader, load_module_only: bool) -> dict:
-    """This rank's files of a checkpoint written without an index (an earlier shardwise): it loads only at the
-    layout that wrote it (weights also at another number of stages), checked here before anything changes."""
+def _read_own(engine: Engine, path: Path, read: reshard.FileReader, load_module_only: bool, *,
+              indexed: bool) -> dict:
+    """This rank's own files, at the layout that wrote them: an indexed checkpoint found at it, or one written
+    without an index (an earlier shardwise), which loads only there (weights also at another number of
+    stages), checked here before anything changes."""
     where = layout(engine)
     own = ckpt.model_states_name(where["mp_rank"])
-    state = read(own if (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
+    state = read(own if indexed or (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
     saved = {"dp": state.get("dp_world_size", 1), "tp": state.get("mp_world_size", 1),
              "pp": state.get("pp_world_size", 1)}
     now = {"dp": engine.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
