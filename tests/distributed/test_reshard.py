@@ -3,7 +3,9 @@ steps' losses equal continuing at the layout that saved (fp32, rtol 1e-5; the gl
 summation order is not). One spawn per save layout; each loads at several layouts of the same world size.
 
 Also here: a checkpoint that cannot be loaded (another model, a damaged file) is refused with the same line on
-every rank before anything changes, and a changed gradient_accumulation_steps resumes at the step boundary.
+every rank before anything changes; a changed gradient_accumulation_steps resumes at the step boundary; SGD's
+momentum, bf16 with fp32 masters and tied embeddings under ZeRO-3 reshard too; a checkpoint without its index
+(an earlier shardwise's) loads exactly at its own layout and is refused at another.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.testing import assert_close_lists, micro_steps, run_distributed, tiny_gpt, token_batches
+from shardwise.testing import assert_close_growing, assert_close_lists, micro_steps, run_distributed, tiny_gpt, token_batches
 
 SEQ, BATCH, SAVE_AT, AFTER = 16, 8, 1, 3
 
@@ -28,11 +30,14 @@ def _engine(layout: dict, *, seed: int = 1234, **model):
             "stage3_param_persistence_threshold": 40}
     if layout.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu"}
+    lr = 0.3 if layout.get("sgd") else 3e-3       # SGD's steps move a loss far less than Adam's at one lr
+    optimizer = {"type": "SGD", "params": {"lr": lr, "momentum": 0.9}} if layout.get("sgd") else \
+        {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.1}}
     config = {"train_batch_size": BATCH, "gradient_accumulation_steps": layout.get("ga", 2),
-              "gradient_clipping": 0.5, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_min_lr": 1e-3,
-                                                          "warmup_max_lr": 3e-3}}}
+              "gradient_clipping": 0.5, "zero_optimization": zero, "optimizer": optimizer,
+              "bf16": {"enabled": bool(layout.get("bf16"))},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_min_lr": lr / 3,
+                                                          "warmup_max_lr": lr}}}
     if tp > 1:
         config["tensor_parallel"] = {"size": tp}
     if pp > 1:
@@ -85,6 +90,8 @@ def _save_then_load(root: str, saved: dict, loads: list[dict], refusals: bool, l
     if legacy is not None:
         out["legacy"] = _legacy(root, saved, legacy)
         out["tied"] = _tied(f"{root}/tied")
+        for name, (first, others) in EXTRA.items():
+            out[name] = _save_then_load(f"{root}/{name}", first, others, False, None)
     return out
 
 
@@ -141,6 +148,11 @@ def _refusals(root: str, saved: dict) -> dict:
     return out
 
 
+# Two more optimizers' states on 2 ranks (spawned with the case below that has `legacy`): SGD's momentum, and
+# bf16 (model and gradients bf16, fp32 masters): compared like the bf16 parity tests, n * eps / 64 after n updates.
+EXTRA = {"sgd": ({"zero": 2, "sgd": True}, [{"zero": 0, "tp": 2, "sgd": True}, {"zero": 3, "sgd": True}]),
+         "bf16": ({"zero": 1, "bf16": True}, [{"zero": 3, "bf16": True}, {"zero": 0, "bf16": True}])}
+
 # save layout, world size, load layouts (same world size), whether the refusals run there, a layout at which
 # the same checkpoint without its index is refused
 CASES = {
@@ -180,6 +192,13 @@ def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
         assert "truncated or corrupt" in results[0]["refused"]["truncated"][0]
     if legacy is not None:
         for rank, res in enumerate(results):
+            for i, layout in enumerate(EXTRA["sgd"][1]):
+                assert_close_lists(res["sgd"][i]["losses"], res["sgd"]["continued"], rtol=1e-5,
+                                   what=f"rank {rank}: SGD, ZeRO-2 -> {layout}")
+            for i, layout in enumerate(EXTRA["bf16"][1]):
+                assert_close_growing(res["bf16"][i]["losses"], res["bf16"]["continued"],
+                                     rtol_per_step=torch.finfo(torch.bfloat16).eps / 64, steps=range(AFTER),
+                                     what=f"rank {rank}: bf16, ZeRO-1 -> {layout}")
             for stage in (0, 3):
                 assert_close_lists(res["tied"][stage], res["tied"]["continued"], rtol=1e-5,
                                    what=f"rank {rank}: tied embeddings, ZeRO-3 -> {stage}")
