@@ -37,10 +37,12 @@ VALUE = "value"          # the stepped tensor's value (fp32 master, or the param
 
 
 class FileReader:
-    """The tag's files, each memory-mapped once; a missing or damaged file is one `CheckpointError` naming it."""
+    """The tag's files, each loaded once (memory-mapped unless `mmap=False`: tensors are then read on first use);
+    a missing or damaged file is one `CheckpointError` naming it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, mmap: bool = True):
         self.path = path
+        self.mmap = mmap
         self._open: dict[str, Any] = {}
 
     def __call__(self, name: str) -> Any:
@@ -50,7 +52,7 @@ class FileReader:
                 raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
                                            f"restore it or load another tag")
             try:
-                self._open[name] = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+                self._open[name] = torch.load(file, map_location="cpu", weights_only=False, mmap=self.mmap)
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "

@@ -20,6 +20,7 @@ layout, the engine's `pipeline` names a stage's tensors, its `updater` and `dp_r
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +120,9 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
                 mine = checkpoint_index.rank_contribution(engine, layout(engine), as_writer=True)
                 same = not load_module_only and checkpoint_index.same_layout(index, mine, plan.dims)
             if index is None or (same and problem is None):
-                own = _read_own(engine, path, read, load_module_only, indexed=index is not None)
+                # Read whole, as before indexes: what it returns becomes the optimizer's state.
+                own = _read_own(engine, path, reshard.FileReader(path, mmap=False), load_module_only,
+                                indexed=index is not None)
         except ckpt.CheckpointError as e:
             problem = str(e)
     same = reshard.agree(engine, problem, same_layout=same)
@@ -144,7 +147,7 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
         engine._accum_origin = engine.micro_steps
     engine.dp_runtime.zero_grad()
-    return str(path), state["client_state"]
+    return str(path), copy.deepcopy(state["client_state"])     # its tensors out of the mapped file
 
 
 def _read_own(engine: Engine, path: Path, read: reshard.FileReader, load_module_only: bool, *,
