@@ -135,6 +135,9 @@ def _refusals(root: str, saved: dict) -> dict:
         engine = _engine(saved, seed=7, **model)
         out[what] = _refused(engine, root)
         engine.close()
+    engine = _engine(dict(saved, sgd=True), seed=7)               # the same model, another optimizer
+    out["optimizer"] = _refused(engine, root)
+    engine.close()
     # A damaged shard: a copy of the tag with one optimizer file cut short.
     tag = Path(root, f"global_step{SAVE_AT}")
     if dist.get_rank() == 0:
@@ -179,7 +182,7 @@ def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
             assert got["steps"] == SAVE_AT
             assert got["micro"] == SAVE_AT * layout.get("ga", 2)       # derived from the step, not restored
     if refusals:
-        for what in ("deeper", "shallower", "wider", "truncated"):
+        for what in ("deeper", "shallower", "wider", "optimizer", "truncated"):
             lines = {res["refused"][what][0] for res in results}
             assert len(lines) == 1, f"{what}: ranks disagree: {lines}"
             line = lines.pop()
@@ -188,6 +191,7 @@ def test_checkpoint_loads_at_other_layouts(tmp_path: Path, name: str) -> None:
         assert "no tensor 'blocks.2." in results[0]["refused"]["deeper"][0]
         assert "does not have (e.g. 'blocks.1." in results[0]["refused"]["shallower"][0]
         assert "in the checkpoint but" in results[0]["refused"]["wider"][0]
+        assert "written with another optimizer" in results[0]["refused"]["optimizer"][0]
         assert "damaged/zero_pp_rank_" in results[0]["refused"]["truncated"][0]
         assert "truncated or corrupt" in results[0]["refused"]["truncated"][0]
     if legacy is not None:
