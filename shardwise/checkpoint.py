@@ -14,8 +14,10 @@ replaced with os.replace, so a crash mid-save leaves the previous checkpoint and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,6 +97,8 @@ def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, r
         raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; nothing was published")
     final = root / tag
     if rank == 0:
+        # Every rank has written its files: no save is still writing into another staging directory.
+        remove_stale_staging(root, keep=staging)
         try:
             if final.exists():
                 # Replace an existing tag: move it aside first so there is never a moment without one.
@@ -113,18 +117,53 @@ def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, r
     return final
 
 
+class CheckpointWarning(UserWarning):
+    """Nothing to load where a checkpoint was asked for (DeepSpeed logs a warning and loads nothing)."""
+
+
+def _tags(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if root.is_dir() else []
+
+
+_OURS = re.compile(r"(mp_rank_\d+_model_states\.pt|zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
+                   r"shardwise_index\.pt)(\.tmp-.*)?")
+
+
+def remove_stale_staging(root: Path, *, keep: Path) -> list[Path]:
+    """Remove the `.TAG.staging` directories a killed save left in `root` (other than `keep`), only those
+    holding nothing but our checkpoint files. Returns what was removed."""
+    removed = []
+    for d in root.glob(".*.staging"):
+        if d == keep or not d.is_dir() or d.is_symlink():
+            continue
+        if all(f.is_file() and _OURS.fullmatch(f.name) for f in d.iterdir()):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
-    """The directory of `tag`, or of the tag named in `latest` when tag is None (None if there is none)."""
+    """The directory of `tag`, or of the tag named in `latest` when tag is None. None, with one warning line,
+    when there is none (a missing directory, no `latest`, no such tag): DeepSpeed's load_checkpoint then
+    returns (None, None) too. A tag directory without its model states is damaged: `CheckpointError`."""
     root = Path(load_dir)
     if tag is None:
         latest = root / LATEST
         if not latest.is_file():
+            warnings.warn(f"no checkpoint loaded: unable to find latest file at {latest} (tags present: "
+                          f"{_tags(root) or 'none'}); pass an explicit tag to load another", CheckpointWarning,
+                          stacklevel=4)
             return None
         tag = latest.read_text().strip()
     path = root / tag
+    if not path.is_dir():
+        warnings.warn(f"no checkpoint loaded: no tag {tag!r} in {root} (tags present: {_tags(root) or 'none'})",
+                      CheckpointWarning, stacklevel=4)
+        return None
     if not (path / MODEL_STATES).is_file():
-        raise CheckpointError(f"no checkpoint at {path}: missing {MODEL_STATES} "
-                              f"(tags present: {sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith('.')) if root.is_dir() else 'none'})")
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {MODEL_STATES}; restore it or load "
+                              f"another tag (tags present: {_tags(root)})")
     return path
 
 

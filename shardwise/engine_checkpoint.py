@@ -4,13 +4,14 @@ Files of one tag (see `checkpoint.py` for the atomic, collective write):
 
     mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
+    shardwise_index.pt                          where every tensor of the full model lives (checkpoint_index)
 
 MM is the model-parallel rank, pp_stage * tp + tp_rank, as in DeepSpeed's grid (00 without model
 parallelism). Model states are written by the ranks of data-parallel index 0 (one per (stage, TP rank));
-ZeRO shards by every rank. Under pipeline parallelism a stage's module states are keyed by the full model's
-names ("blocks.3.attn.q_proj.weight"), so the weights of a checkpoint can be loaded with another number of
-stages (`load_module_only=True`: every rank picks its own layers from all the stages' files); optimizer
-states and counters need the same layout that wrote them.
+ZeRO shards by every rank. Module states are keyed by the full model's names ("blocks.3.attn.q_proj.weight").
+With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
+(`checkpoint_reshard`); a tag written before indexes loads at the layout that wrote it (weights also at
+another number of stages with `load_module_only=True`).
 
 The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
 of the mesh has arrived (or heard of a failure). Nothing here asks which strategy runs: the mesh gives the
@@ -19,12 +20,15 @@ layout, the engine's `pipeline` names a stage's tensors, its `updater` and `dp_r
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from shardwise import checkpoint as ckpt
+from shardwise import checkpoint_index
+from shardwise import checkpoint_reshard as reshard
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict
 from shardwise.topology import Axis
@@ -75,6 +79,9 @@ def save(engine: Engine, save_dir: str, tag: str | None, client_state: dict | No
         for c in _comms(engine):
             c.barrier()
 
+    index = checkpoint_index.gather_index(engine, checkpoint_index.rank_contribution(engine, where))
+    if index is not None:                       # world rank 0
+        files[checkpoint_index.INDEX] = index
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
                    any_failed=lambda failed: _any_failed(engine, failed), save_latest=save_latest)
     return True
@@ -88,56 +95,92 @@ def _any_failed(engine: Engine, failed: bool) -> bool:
     return flag > 0
 
 
-def _module_from_all_stages(path: Path, where: dict[str, int], saved_tp: int) -> dict:
-    """The weights of every stage file with this rank's TP rank, merged (full names): lets a pipelined run
-    load weights written with another number of stages."""
-    merged: dict = {}
-    mp = where["tp_rank"]
-    while (path / ckpt.model_states_name(mp)).is_file():
-        merged.update(ckpt.read_model_states(path, mp)["module"])
-        mp += saved_tp
-    return merged
-
-
 def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
+    """Check everything, agree on it, then change the engine: a checkpoint that cannot be loaded raises the
+    same one line on every rank and leaves the module, the optimizer and the counters as they were."""
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
         return None, None
-    where = layout(engine)
-    # This rank's own file (any file holds the layout); stage 0's of this TP rank when this one does not exist
-    # (written with fewer stages or another TP size).
-    own = path / ckpt.model_states_name(where["mp_rank"])
-    state = ckpt.read_model_states(path, where["mp_rank"] if own.is_file() else where["tp_rank"])
-    saved_tp, saved_pp = state.get("mp_world_size", 1), state.get("pp_world_size", 1)
-    if saved_tp != where["tp_size"]:
-        raise ckpt.CheckpointError(f"{path} was written with tensor_parallel.size = {saved_tp} and is being loaded "
-                                   f"with {where['tp_size']}: resharding across TP sizes is not supported; load it "
-                                   f"with tensor_parallel.size = {saved_tp}")
-    if saved_pp != where["pp_size"]:
-        if not load_module_only:
-            raise ckpt.CheckpointError(f"{path} was written with pipeline.stages = {saved_pp} and is being loaded with "
-                                       f"{where['pp_size']}: optimizer states need the same stages; load it with "
-                                       f"pipeline.stages = {saved_pp}, or pass load_module_only=True to load only the "
-                                       f"weights")
-        full = _module_from_all_stages(path, where, saved_tp)
+    read = reshard.FileReader(path)
+    plan: reshard.Plan | None = None
+    own: dict | None = None
+    problem: str | None = None
+    same = False
+    try:
+        index = checkpoint_index.read_index(path)
+    except ckpt.CheckpointError as e:
+        index, problem = None, str(e)
     else:
-        full = state["module"]
-    engine.pipeline.load_module_state(engine.module, full, strict)
-    if not load_module_only:
-        opt_state = (ckpt.read_optim_states(path, engine.dp_rank, where["mp_rank"])["optimizer_state_dict"]
-                     if engine.updater.checkpoint_per_rank else state["optimizer"])
-        engine.updater.load_state_dict(opt_state, load_optimizer_states=load_optimizer_states)
+        try:
+            if index is not None:
+                plan = reshard.Plan(engine, index, read, strict=strict, optimizer=not load_module_only)
+                problem = plan.problem
+                # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
+                mine = checkpoint_index.rank_contribution(engine, layout(engine), as_writer=True)
+                same = not load_module_only and checkpoint_index.same_layout(index, mine, plan.dims)
+            if index is None or (same and problem is None):
+                # Read whole, as before indexes: what it returns becomes the optimizer's state.
+                own = _read_own(engine, path, reshard.FileReader(path, mmap=False), load_module_only,
+                                indexed=index is not None)
+        except ckpt.CheckpointError as e:
+            problem = str(e)
+    same = reshard.agree(engine, problem, same_layout=same)
+    if plan is not None and not same:
+        reshard.apply(plan, load_optimizer_states=load_optimizer_states)
+    else:
+        assert own is not None
+        engine.pipeline.load_module_state(engine.module, own["module"], strict)
+        if not load_module_only:
+            engine.updater.load_state_dict(own["optimizer"], load_optimizer_states=load_optimizer_states)
+    state = read(ckpt.model_states_name(0))
+    if load_module_only:
+        engine.updater.sync_masters_from_model()
+    else:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps = state["global_steps"]
         engine.global_samples = state["global_samples"]
         engine.skipped_steps = state["skipped_steps"]
-        engine.micro_steps = state["micro_steps"]
-    else:
-        engine.updater.sync_masters_from_model()
+        # Derived, not restored (as DeepSpeed): another gradient_accumulation_steps or dp size then starts its
+        # accumulation cycle at the step boundary instead of inheriting the writer's phase.
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+        engine._accum_origin = engine.micro_steps
     engine.dp_runtime.zero_grad()
-    return str(path), state["client_state"]
+    return str(path), copy.deepcopy(state["client_state"])     # its tensors out of the mapped file
+
+
+def _read_own(engine: Engine, path: Path, read: reshard.FileReader, load_module_only: bool, *,
+              indexed: bool) -> dict:
+    """This rank's own files, at the layout that wrote them: an indexed checkpoint found at it, or one written
+    without an index (an earlier shardwise), which loads only there (weights also at another number of
+    stages), checked here before anything changes."""
+    where = layout(engine)
+    own = ckpt.model_states_name(where["mp_rank"])
+    state = read(own if indexed or (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
+    saved = {"dp": state.get("dp_world_size", 1), "tp": state.get("mp_world_size", 1),
+             "pp": state.get("pp_world_size", 1)}
+    now = {"dp": engine.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
+    per_rank = engine.updater.checkpoint_per_rank
+    differs = [k for k in ("tp", "pp", "dp") if saved[k] != now[k] and not (load_module_only and k != "tp")]
+    if differs or (not load_module_only and (state["optimizer"] is None) != per_rank):
+        raise ckpt.CheckpointError(
+            f"{path} was written without a layout index (by an earlier shardwise) at dp={saved['dp']}, "
+            f"tp={saved['tp']}, pp={saved['pp']} and ZeRO stage {'1-3' if state['optimizer'] is None else 0}; "
+            f"it loads only at that layout: load it there and save it again to reshard it")
+    if saved["pp"] != now["pp"]:
+        module: dict = {}
+        mp = where["tp_rank"]
+        while (path / ckpt.model_states_name(mp)).is_file():
+            module.update(read(ckpt.model_states_name(mp))["module"])
+            mp += saved["tp"]
+    else:
+        module = state["module"]
+    out = {"module": module}
+    if not load_module_only:
+        out["optimizer"] = (read(ckpt.optim_states_name(engine.dp_rank, where["mp_rank"]))["optimizer_state_dict"]
+                            if per_rank else state["optimizer"])
+    return out
 
 
 def consolidated_state_dict(engine: Engine, *, exclude_frozen: bool = False) -> dict | None:

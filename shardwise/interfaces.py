@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from shardwise.engine import Engine
     from shardwise.parallel.tied import TiedParams
+    from shardwise.parallel.update import Piece
     from shardwise.parallel.zero.build import ShardingUnits
     from shardwise.precision import LossScaler
 
@@ -62,6 +63,8 @@ class Updater(Protocol):
     checkpoint_per_rank: bool
     model_params: list[torch.nn.Parameter]
     """The model's parameters this updater trains (what `shardwise.utils` reads values of)."""
+    stepped: list[torch.nn.Parameter]
+    """What the optimizer steps: the model's parameters, or fp32 masters (whole, or ZeRO shards)."""
 
     def step(self) -> bool:
         """The update; False when an overflow skipped it (on every rank alike)."""
@@ -79,6 +82,22 @@ class Updater(Protocol):
 
     def sync_masters_from_model(self) -> None:
         """After loading module weights only: restart what the optimizer steps from them."""
+
+    def pieces(self) -> list[list[Piece]]:
+        """Per stepped tensor: which parts of which parameters it holds (a checkpoint's layout index)."""
+        ...
+
+    def slots(self) -> list[tuple[int, int | None]]:
+        """Per stepped tensor: where `state_dict()` keeps its optimizer state and its master."""
+        ...
+
+    def group_options(self) -> list[dict]:
+        """Per stepped tensor: its param group's options."""
+        ...
+
+    def load_stepped(self, values: list[torch.Tensor | None], states: list[dict] | None,
+                     options: list[dict] | None, scaler: dict | None) -> None:
+        """Load values (and optimizer states) assembled for this layout, then publish them to the model."""
 
     def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 value the optimizer steps for `param` (one of `model_params`), whole. Collective over dp
@@ -130,6 +149,10 @@ class Pipeline(Protocol):
 
     def load_module_state(self, module: torch.nn.Module, full: dict[str, Any], strict: bool) -> None:
         """Load this rank's part of a state dict keyed by the full model's names."""
+
+    def full_names(self, module: torch.nn.Module) -> dict[str, str]:
+        """This rank's module state-dict keys -> the full model's keys."""
+        ...
 
     def gather_stages(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Every stage's `local` state (module names) merged under full names on stage 0; None elsewhere.

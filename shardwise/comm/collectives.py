@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,18 @@ class Comm:
         t = torch.tensor([float(value)], dtype=torch.float32)
         self.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every group rank's picklable `obj`, in group-rank order: for small, rare exchanges (a checkpoint's
+        index, a load verdict), never per step."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        token = self.ledger.start("all_gather_object", self.name)
+        dist.all_gather_object(out, obj, group=self.group)
+        self.ledger.finish(token, op="all_gather_object", group=self.name, group_size=self.size, nbytes=0,
+                           dtype="object")
+        return out
 
     def barrier(self) -> None:
         if self.size > 1:

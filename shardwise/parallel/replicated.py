@@ -15,7 +15,7 @@ from shardwise.config.resolved import DataParallelConfig
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
 from shardwise.parallel.tied import TiedParams, TiedSlot, uncounted
-from shardwise.parallel.update import Update, UpdateRecipe
+from shardwise.parallel.update import Piece, Update, UpdateRecipe
 
 
 class ReplicatedUpdate(Update):
@@ -53,6 +53,10 @@ class ReplicatedUpdate(Update):
 
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         self._load_common(state, load_optimizer_states)
+
+    def pieces(self) -> list[list[Piece]]:
+        """Stepped tensor i is model parameter i (or its master), whole."""
+        return [[Piece(p, tuple(p.shape), 0, p.numel(), 0)] for p in self.model_params]
 
     def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """A copy of the fp32 master (fp32 training: of the parameter itself, which the optimizer steps)."""

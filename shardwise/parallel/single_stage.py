@@ -82,6 +82,9 @@ class SingleStage:
     def load_module_state(self, module: torch.nn.Module, full: dict[str, Any], strict: bool) -> None:
         module.load_state_dict(full, strict=strict)
 
+    def full_names(self, module: torch.nn.Module) -> dict[str, str]:
+        return {k: k for k in module.state_dict(keep_vars=True)}
+
     def gather_stages(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         return local
 

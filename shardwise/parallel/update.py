@@ -38,6 +38,18 @@ class UpdateRecipe:
     """Report the global gradient norm also when not clipping (DeepSpeed's zero_optimization.compute_grad_norm)."""
 
 
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """Part of one parameter held by a stepped tensor: elements [lo, hi) of the parameter flattened (this
+    rank's TP slice of it, `shape`) sit at [dst, dst + hi - lo) of the stepped tensor."""
+
+    param: torch.nn.Parameter
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    dst: int
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in the optimizer's per-parameter state (Adam's m, v and step counters...)."""
     return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
@@ -121,6 +133,51 @@ class Update:
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.masters] if self.masters else None}
+
+    # -- layout-independent checkpoints: what each stepped tensor holds, and loading it piece by piece -----
+    def pieces(self) -> list[list[Piece]]:
+        """Per stepped tensor (the order of `stepped`): the parameter pieces it holds."""
+        raise NotImplementedError
+
+    def slots(self) -> list[tuple[int, int | None]]:
+        """Per stepped tensor: its index in `optimizer.state_dict()["state"]` (torch numbers the parameters of
+        the groups in order) and in `state_dict()["masters"]` (None: the stepped tensor is the model's own
+        parameter, whose value the module states hold)."""
+        order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        masters = {id(m): i for i, m in enumerate(self.masters)}
+        return [(order[id(t)], masters.get(id(t))) for t in self.stepped]
+
+    def group_options(self) -> list[dict]:
+        """Per stepped tensor: its optimizer param group's options (lr, betas, ...), without the params."""
+        of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        return [{k: v for k, v in of[id(t)].items() if k != "params"} for t in self.stepped]
+
+    @torch.no_grad()
+    def load_stepped(self, values: list[torch.Tensor | None], states: list[dict] | None,
+                     options: list[dict] | None, scaler: dict | None) -> None:
+        """Set every stepped tensor from values assembled for this layout (None: keep it), and with `states`
+        the optimizer's per-tensor state, each group's options (from its first tensor) and the loss scaler;
+        then publish to the model as after a step."""
+        for t, v in zip(self.stepped, values):
+            if v is not None:
+                t.copy_(v)
+        if states is not None and options is not None:
+            sd = self.optimizer.state_dict()
+            for (index, _), st in zip(self.slots(), states):
+                if st:
+                    sd["state"][index] = st
+            by_tensor = {id(t): o for t, o in zip(self.stepped, options)}
+            for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+                if g["params"] and id(g["params"][0]) in by_tensor:
+                    saved.update(by_tensor[id(g["params"][0])])
+            self.optimizer.load_state_dict(sd)
+            if scaler is not None:
+                self.scaler.load_state_dict(scaler)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """Make loaded stepped tensors the model's parameters."""
+        self._publish()
 
     @torch.no_grad()
     def _load_common(self, state: dict, load_optimizer_states: bool) -> None:

@@ -115,7 +115,8 @@ def test_tensor_parallel_with_zero_equals_single_process(tmp_path: Path, one_thr
             # a checkpoint per TP rank, and a fresh engine resumed from it takes exactly the same steps
             assert got["files"] == sorted([f"mp_rank_{t:02d}_model_states.pt" for t in range(TP)]
                                           + [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
-                                             for d in range(2) for t in range(TP)]), got["files"]
+                                             for d in range(2) for t in range(TP)]
+                                          + ["shardwise_index.pt"]), got["files"]
             assert_close_lists(got["resumed_losses"], got["losses"][3:], rtol=1e-6, what=f"{name} resumed")
         consolidated = results[0][name]["consolidated"]
         assert consolidated.keys() == results[0][name]["state"].keys()

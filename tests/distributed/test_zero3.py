@@ -125,7 +125,6 @@ def _prefetch_bounds() -> dict:
 
 def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     import shardwise
-    from shardwise.checkpoint import CheckpointError
     name, batches = "sgd_accum_clip", global_batches()
     cfg = _config(name, 100)
     model = tiny_gpt(seq_len=SEQ)
@@ -157,18 +156,17 @@ def _eval_and_checkpoint(ckpt_dir: str) -> dict:
     engine2.load_checkpoint(ckpt_dir, tag="t")
     after_load = _train(engine2, name, batches[2:4])
     final2 = engine2.dp_runtime.gathered_state_dict(rank0_only=False)
-    try:
-        engine2.load_checkpoint(ckpt_dir, tag="t", load_module_only=True)
-        module_only_error = ""
-    except CheckpointError as e:
-        module_only_error = str(e)
+    # weights only: the sharded parameters' values come from the optimizer files' masters (the module states
+    # hold placeholders for them, as DeepSpeed's do)
+    engine2.load_checkpoint(ckpt_dir, tag="t", load_module_only=True)
+    module_only = engine2.dp_runtime.gathered_state_dict(rank0_only=False)
     # a full state dict loaded into the stage-3 module is split into the shards
     engine2.module.load_state_dict(full)
     reloaded = engine2.dp_runtime.gathered_state_dict(rank0_only=False)
     engine2.close()
     return {"eval": (eval_loss, eval_loss_grad, plain_loss), "live": (live_no_grad, live_grad),
             "after_save": after_save, "after_load": after_load, "final": final, "final2": final2,
-            "module_only_error": module_only_error, "full": full, "reloaded": reloaded}
+            "module_only": module_only, "full": full, "reloaded": reloaded}
 
 
 def _other_model() -> torch.nn.Module:
@@ -364,7 +362,7 @@ def test_zero3_on_two_ranks(tmp_path):
         for k, v in ec["final"].items():
             assert torch.equal(ec["final2"][k], v), k
             assert torch.equal(ec["reloaded"][k], ec["full"][k]), k
-        assert "load_module_only=True with a ZeRO-3 checkpoint" in ec["module_only_error"]
+            assert torch.equal(ec["module_only"][k], ec["full"][k]), k
         assert all(r["meta"]["equal"].values()), r["meta"]["equal"]
         assert r["meta"]["tied"]
 

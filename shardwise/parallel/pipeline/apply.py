@@ -145,6 +145,9 @@ class PipelineRunner:
         module.load_state_dict(local, strict=strict and not absent)
         synchronize(self.ties)
 
+    def full_names(self, module: torch.nn.Module) -> dict[str, str]:
+        return self.stage.full_names()
+
     def gather_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor] | None:
         names = self.stage.full_names()
         mine = {names[k]: v for k, v in local.items()}

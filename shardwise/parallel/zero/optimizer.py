@@ -19,7 +19,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.errors import CheckpointError
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.tied import TiedSlot
-from shardwise.parallel.update import Update, UpdateRecipe
+from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.parallel.zero.params import FlatShard
@@ -127,6 +127,11 @@ class ShardedUpdate(Update):
     def state_dict(self) -> dict:
         return dict(super().state_dict(), dp_rank=self.comm.rank, dp_size=self.comm.size)
 
+    def pieces(self) -> list[list[Piece]]:
+        """Master k holds the parts of bucket k's parameters that fall in this rank's shard."""
+        return [[Piece(b.params[i], tuple(b.shapes[i]), lo, hi, dst) for i, lo, hi, dst in
+                 b.layout.pieces_in_shard(b.rank)] for b in self.buckets]
+
     def full_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The whole fp32 master of `param`, assembled from every rank's shard. Collective over dp."""
         k, i = self._where[id(param)]
@@ -152,9 +157,9 @@ class ShardedUpdate(Update):
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         if state["dp_size"] != self.comm.size:
-            raise CheckpointError(f"this ZeRO checkpoint was written by {state['dp_size']} data-parallel ranks and "
-                                  f"is being loaded by {self.comm.size}: resharding is not supported yet; load it "
-                                  f"with {state['dp_size']} ranks")
+            raise CheckpointError(f"this ZeRO optimizer shard was written by {state['dp_size']} data-parallel ranks "
+                                  f"and is being loaded by {self.comm.size}: load it with {state['dp_size']} ranks, "
+                                  f"or through engine.load_checkpoint, which reshards")
         self._load_common(state, load_optimizer_states)
         self._publish()
 
@@ -207,6 +212,10 @@ class Stage3Update(ShardedUpdate):
                 f"model's layout: load it with the same model, zero_optimization.stage, "
                 f"stage3_param_persistence_threshold and param groups it was saved with")
         super().load_state_dict(state, load_optimizer_states=load_optimizer_states)
+        self._gather_persistent()
+
+    def _after_load(self) -> None:
+        super()._after_load()
         self._gather_persistent()
 
     def sync_masters_from_model(self) -> None:

@@ -1,0 +1,312 @@
+"""Load an indexed checkpoint at any (dp, tp, pp, ZeRO stage, offload): each rank assembles its own pieces.
+
+Two phases, so that a checkpoint that cannot be loaded leaves the engine untouched:
+
+1. `plan`: every check that needs no change to the engine: each of this rank's module tensors exists in the
+   index with the same full shape and TP split dim, the pipeline's ranks together hold every tensor of the
+   checkpoint (strict), the fragments cover every piece this rank steps, the optimizer has the same options,
+   and every file this rank will read opens (memory-mapped: pages are read when a fragment is copied).
+   Its one-line verdict is agreed by all ranks (`agree`) before anything is written.
+2. `apply`: the module tensors, a few at a time (at most ~`_CHUNK_BYTES` assembled at once, so a ZeRO-3 rank
+   never holds its whole TP slice of the model), then the stepped tensors, their optimizer states and options.
+
+Assembling elements [lo, hi) of this rank's TP slice of a tensor (`_Assembler.local`):
+    same TP size, or a tensor TP does not split: the saved slice of the same TP rank has the same flat
+        layout, so only the saved fragments overlapping [lo, hi) are copied;
+    another TP size: this rank's slice [.., n_new, ..] is filled from every saved slice [.., n_old, ..]
+        overlapping it along the split dim (each assembled whole, one at a time), then [lo, hi) is taken.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise import checkpoint as ckpt
+from shardwise.checkpoint_index import covered
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
+from shardwise.topology import Axis
+
+if TYPE_CHECKING:
+    from shardwise.engine import Engine
+
+_CHUNK_BYTES = 256 << 20
+VALUE = "value"          # the stepped tensor's value (fp32 master, or the parameter itself)
+
+
+class FileReader:
+    """The tag's files, each loaded once (memory-mapped unless `mmap=False`: tensors are then read on first use);
+    a missing or damaged file is one `CheckpointError` naming it."""
+
+    def __init__(self, path: Path, *, mmap: bool = True):
+        self.path = path
+        self.mmap = mmap
+        self._open: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> Any:
+        if name not in self._open:
+            file = self.path / name
+            if not file.is_file():
+                raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
+                                           f"restore it or load another tag")
+            try:
+                self._open[name] = torch.load(file, map_location="cpu", weights_only=False, mmap=self.mmap)
+            except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "
+                                           f"{first}); restore it or load another tag") from None
+        return self._open[name]
+
+
+class _Assembler:
+    """Reads TP slices (or runs of them) of saved tensors out of the fragments and module files."""
+
+    def __init__(self, index: dict[str, Any], read: FileReader):
+        self.index, self.read = index, read
+        self.tp = index["dims"]["tp"]
+
+    def _source(self, entry: int, key: str, name: str) -> torch.Tensor:
+        file, field, opt_index, master_index, _, _ = self.index["entries"][entry]
+        state = self.read(file)[field]
+        if key != VALUE:
+            return state["optimizer"]["state"][opt_index][key]
+        if master_index is not None:
+            return state["masters"][master_index]
+        return self.read(file)["module"][name]      # stage 0 in fp32: the optimizer steps the parameter
+
+    def _saved_run(self, name: str, tp_rank: int, lo: int, hi: int, key: str) -> torch.Tensor:
+        """Elements [lo, hi) of TP rank `tp_rank`'s saved slice of `name`, flattened."""
+        files = self.index["module"].get(name, {})
+        if key == "module":
+            return self.read(files[tp_rank])["module"][name].reshape(-1)[lo:hi]
+        out: torch.Tensor | None = None
+        for t, f_lo, f_hi, entry, dst in self.index["fragments"][name]:
+            a, b = max(lo, f_lo), min(hi, f_hi)
+            if t != tp_rank or a >= b:
+                continue
+            src = self._source(entry, key, name).reshape(-1)
+            if out is None:
+                out = torch.empty(hi - lo, dtype=src.dtype)
+            out[a - lo:b - lo] = src[dst + a - f_lo:dst + b - f_lo]
+        assert out is not None, f"{name}: no fragment of TP rank {tp_rank} overlaps [{lo}, {hi})"
+        return out
+
+    def holder(self, name: str, key: str, prefer: int) -> int:
+        """A saved TP rank holding `name` (`prefer` if it does): any holds a tensor TP does not split whole."""
+        held = set(self.index["module"].get(name, {})) if key == "module" else \
+            {t for t, *_ in self.index["fragments"].get(name, [])}
+        return prefer if prefer in held else min(held)
+
+    def slices(self, name: str, tp_rank: int, tp_size: int, dim: int | None, key: str) -> list[int]:
+        """The saved TP ranks whose slices of `name` overlap this rank's (`dim`: this model's split dim)."""
+        full, saved_dim = self.index["tensors"][name]
+        old = self.tp if saved_dim is not None else 1
+        new = tp_size if dim is not None else 1
+        if old == new:
+            return [tp_rank if old > 1 else self.holder(name, key, tp_rank)]
+        split = saved_dim if saved_dim is not None else dim
+        n_new, n_old = full[split] // new, full[split] // old
+        start = (tp_rank if new > 1 else 0) * n_new
+        return [j if old > 1 else self.holder(name, key, tp_rank) for j in range(old)
+                if max(start, j * n_old) < min(start + n_new, (j + 1) * n_old)]
+
+    def local(self, name: str, tp_rank: int, tp_size: int, dim: int | None, lo: int, hi: int,
+              key: str) -> torch.Tensor:
+        """Elements [lo, hi) of this rank's TP slice (`tp_rank` of `tp_size`, split along `dim` or whole) of
+        `name`, flattened. A tensor saved whole counts as one slice, as does one this model holds whole."""
+        full, saved_dim = self.index["tensors"][name]
+        old = self.tp if saved_dim is not None else 1
+        new = tp_size if dim is not None else 1
+        if old == new:
+            return self._saved_run(name, self.slices(name, tp_rank, tp_size, dim, key)[0], lo, hi, key)
+        split = saved_dim if saved_dim is not None else dim
+        n_new, n_old = full[split] // new, full[split] // old
+        start = (tp_rank if new > 1 else 0) * n_new
+        old_shape = [n_old if d == split else n for d, n in enumerate(full)]
+        mine: torch.Tensor | None = None
+        for j, src in enumerate(self.slices(name, tp_rank, tp_size, dim, key) if old == 1 else range(old)):
+            a, b = max(start, j * n_old), min(start + n_new, (j + 1) * n_old)
+            if a >= b:
+                continue
+            saved = self._saved_run(name, src, 0, int(torch.Size(old_shape).numel()), key).view(old_shape)
+            if mine is None:
+                mine = torch.empty([n_new if d == split else n for d, n in enumerate(full)], dtype=saved.dtype)
+            mine.narrow(split, a - start, b - a).copy_(saved.narrow(split, a - j * n_old, b - a))
+        assert mine is not None
+        return mine.reshape(-1)[lo:hi]
+
+
+class Plan:
+    """What this rank will load, checked against the index (`problem`: the first reason it cannot)."""
+
+    def __init__(self, engine: Engine, index: dict[str, Any], read: FileReader, *, strict: bool,
+                 optimizer: bool):
+        self.engine, self.index, self.read = engine, index, read
+        self.tp_rank, self.tp_size = engine.mesh.rank(Axis.TP), engine.mesh.size(Axis.TP)
+        self.dims = {"dp": engine.mesh.size(Axis.DP), "tp": self.tp_size, "pp": engine.mesh.size(Axis.PP)}
+        self.optimizer = optimizer
+        names = engine.pipeline.full_names(engine.module)
+        # Every tensor name of the pipeline's stages, gathered before any check can return (a collective).
+        pp = engine.mesh.comm(Axis.PP, engine.ledger, name="pp:metrics")
+        self.pipeline_names = {n for keys in pp.all_gather_object(sorted(set(names.values()))) for n in keys}
+        own = engine.module.state_dict(keep_vars=True)
+        pieces = engine.updater.pieces()
+        shape_of = {id(p.param): p.shape for ps in pieces for p in ps}
+        param_name = {id(p): names[n] for n, p in engine.module.named_parameters()}
+        # full name -> (the name its fragments are under (a tied weight's first name), local shape or None when
+        # unknown here, split dim, dtype)
+        self.module = {names[k]: (param_name.get(id(t), names[k]),
+                                  tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
+                                  getattr(t, TP_DIM_ATTR, None), t.dtype) for k, t in own.items()}
+        self.stepped = [[(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in ps] for ps in pieces]
+        self.frozen = {names[k] for k, t in own.items()
+                       if isinstance(t, torch.nn.Parameter) and not t.requires_grad}
+        self.problem = self._check_module(strict) or (self._check_optimizer() if optimizer else None) \
+            or self._open_files()
+
+    def local_shape(self, name: str, dim: int | None) -> tuple[int, ...]:
+        """This rank's TP slice shape of `name` (split along `dim`), from the checkpoint's full shape."""
+        full = self.index["tensors"][name][0]
+        return tuple(n // self.tp_size if d == dim else n for d, n in enumerate(full))
+
+    def _check_module(self, strict: bool) -> str | None:
+        tensors, dims = self.index["tensors"], self.index["dims"]
+        written = f"(written at dp={dims['dp']}, tp={dims['tp']}, pp={dims['pp']})"
+        if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
+            self.module = {n: v for n, v in self.module.items() if n in tensors}
+        for name, (source, shape, dim, _) in self.module.items():
+            if name not in tensors:
+                return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
+                        f"another model; load it into the model that wrote it")
+            full, saved_dim = tensors[name]
+            if saved_dim is not None and dim is not None and saved_dim != dim:
+                return (f"{name!r} is split by tensor parallelism along dim {saved_dim} in the checkpoint and "
+                        f"along {dim} in this model: it was written for another model or TP plan")
+            if dim is not None and full[dim] % self.tp_size:
+                return (f"{name!r} has {full[dim]} rows along dim {dim} in the checkpoint, not divisible by "
+                        f"tensor_parallel.size = {self.tp_size}: choose a size that divides it")
+            if shape is not None:
+                want = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(shape))
+                if want != tuple(full):
+                    return (f"{name!r} has shape {list(full)} in the checkpoint but {list(want)} in this model "
+                            f"{written}: it was written for another model")
+            if name not in self.index["module"] and source not in self.index["fragments"]:
+                if name in self.frozen:     # a frozen ZeRO-3 shard is in no file: it keeps the built value
+                    continue
+                return f"the checkpoint holds no values for {name!r} {written}: save it again with this shardwise"
+        if strict:
+            extra = sorted(set(tensors) - self.pipeline_names)
+            if extra:
+                return (f"the checkpoint holds {len(extra)} tensors this model does not have (e.g. {extra[0]!r}): "
+                        f"it was written for another model; pass load_module_strict=False to ignore them")
+        return None
+
+    def _check_optimizer(self) -> str | None:
+        fragments, tensors, entries = self.index["fragments"], self.index["tensors"], self.index["entries"]
+        mine = self.engine.updater.group_options()
+        build = _Assembler(self.index, self.read)
+        for pieces, options in zip(self.stepped, mine):
+            for name, _, _, _ in pieces:
+                if name not in fragments:
+                    return (f"the checkpoint holds no optimizer state for {name!r} (it was not trained when "
+                            f"saved): pass load_optimizer_states=False, or load_module_only=True")
+                full, saved_dim = tensors[name]
+                ranks = build.slices(name, self.tp_rank, self.tp_size, self.module[name][2], VALUE)
+                numel = int(torch.Size(full).numel()) // (build.tp if saved_dim is not None else 1)
+                if not all(covered(fragments[name], t, numel) for t in ranks):
+                    return f"the checkpoint's optimizer shards do not cover {name!r}: some of its files are missing"
+            if pieces:
+                saved = entries[fragments[pieces[0][0]][0][3]][5]
+                if set(saved) != set(options):
+                    return (f"the checkpoint's optimizer has options {sorted(saved)} and this run's "
+                            f"{sorted(options)}: it was written with another optimizer; configure the same one")
+        return None
+
+    def _needed_files(self) -> list[str]:
+        files = set(self.index["module"].get(n, {}).get(t) for n in self.module
+                    for t in range(self.index["dims"]["tp"])) - {None}
+        names = {v[0] for n, v in self.module.items() if n not in self.index["module"]}   # from the masters
+        if self.optimizer:
+            names |= {name for pieces in self.stepped for name, *_ in pieces}
+        files |= {self.index["entries"][f[3]][0] for n in names for f in self.index["fragments"].get(n, [])}
+        return sorted(files | {ckpt.model_states_name(0)})
+
+    def _open_files(self) -> str | None:
+        try:
+            for name in self._needed_files():
+                self.read(name)
+        except ckpt.CheckpointError as e:
+            return str(e)
+        return None
+
+
+def agree(engine: Engine, problem: str | None, *, same_layout: bool = False) -> bool:
+    """Raise the same `CheckpointError` on every rank when any rank found a problem (the lowest rank's line),
+    before any rank changes anything; else whether every rank found the checkpoint at its own layout.
+    Collective over dp, tp and pp."""
+    found = [(engine.mesh.global_rank, problem, same_layout)]
+    for axis in (Axis.DP, Axis.TP, Axis.PP):
+        comm = engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics")
+        found = [f for part in comm.all_gather_object(found) for f in part]
+    problems = [(rank, line) for rank, line, _ in found if line]
+    if not problems:
+        return all(same for _, _, same in found)
+    rank, line = min(problems)
+    raise ckpt.CheckpointError(line if len(found) == 1 else f"{line} (found by rank {rank})")
+
+
+@torch.no_grad()
+def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
+    """Write the planned tensors into the engine (after `agree`): module states, then what the optimizer
+    steps and, with `load_optimizer_states`, its state, options and the loss scaler."""
+    engine, build = plan.engine, _Assembler(plan.index, plan.read)
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, (source, shape, dim, dtype) in plan.module.items():
+        key = "module" if name in plan.index["module"] else VALUE      # ZeRO-3 placeholders: from the masters
+        if key == VALUE and source not in plan.index["fragments"]:
+            continue                    # frozen and saved nowhere (checked by the plan)
+        local = shape if shape is not None else plan.local_shape(name, dim)
+        numel = int(torch.Size(local).numel())
+        chunk[name] = build.local(name if key != VALUE else source, plan.tp_rank, plan.tp_size, dim, 0, numel,
+                                  key).view(local).to(dtype)
+        size += numel * chunk[name].element_size()
+        if size >= _CHUNK_BYTES:
+            engine.pipeline.load_module_state(engine.module, chunk, False)
+            chunk, size = {}, 0
+    if chunk:
+        engine.pipeline.load_module_state(engine.module, chunk, False)
+    if not plan.optimizer:
+        return
+    updater = engine.updater
+    values, states, options = [], [], []
+    scaler = None
+    for pieces, stepped in zip(plan.stepped, updater.stepped):
+        values.append(_stepped(build, plan, pieces, stepped, VALUE))
+        entry = plan.index["entries"][plan.index["fragments"][pieces[0][0]][0][3]] if pieces else \
+            plan.index["entries"][0]
+        file, field, opt_index, _, _, saved_options = entry
+        saved = plan.read(file)[field]
+        scaler = saved["scaler"]
+        options.append(dict(saved_options))
+        state = saved["optimizer"]["state"].get(opt_index, {})
+        # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
+        states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
+                       (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
+    updater.load_stepped(values, states if load_optimizer_states else None,
+                         options if load_optimizer_states else None, scaler)
+
+
+def _per_element(value: Any) -> bool:
+    """Adam's moments, SGD's momentum: one value per element (Adam's `step` is a 0-dim tensor)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _stepped(build: _Assembler, plan: Plan, pieces: list[tuple], stepped: torch.Tensor, key: str) -> torch.Tensor:
+    """A tensor shaped like `stepped` (fp32, on the CPU) holding the saved `key` of each piece; padding 0."""
+    out = torch.zeros(stepped.numel(), dtype=torch.float32)
+    for name, lo, hi, dst in pieces:
+        out[dst:dst + hi - lo] = build.local(name, plan.tp_rank, plan.tp_size, plan.module[name][2], lo, hi, key)
+    return out.view(stepped.shape)
