@@ -13,6 +13,7 @@ or this rank's stage under a schedule). It holds the `ParallelMesh` the run was 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,11 +23,13 @@ from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.config.resolved import EngineConfig
 from shardwise.engine_api import DeepSpeedEngineAPI
-from shardwise.errors import UserError
+from shardwise.errors import NonFiniteError, UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
 from shardwise.topology import Axis, ParallelMesh
+
+logger = logging.getLogger(__name__)
 
 
 class _ActivationMeter:
@@ -69,7 +72,8 @@ class Engine(DeepSpeedEngineAPI):
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, updater: Updater,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor):
+                 device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor,
+                 sequence_check: Any = None, watchdog: Any = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         self.module = module
@@ -88,6 +92,12 @@ class Engine(DeepSpeedEngineAPI):
         self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
         self.device = device
         self.compute_dtype = compute_dtype
+        self.sequence_check = sequence_check
+        """`comm.sequence.SequenceCheck`: all ranks ran the same collectives, verified as each step opens."""
+        self.watchdog = watchdog
+        """`comm.watchdog.HangWatchdog`: the report of a collective that outlived communication.timeout_minutes."""
+        self.consecutive_skips = 0
+        self._last_loss: torch.Tensor | None = None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -154,7 +164,7 @@ class Engine(DeepSpeedEngineAPI):
         if not (self.module.training and torch.is_grad_enabled()):
             return self.module(*inputs, **kwargs)
         if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps() == 0:
-            self.ledger.begin_step(self.global_steps)
+            self.open_step()
         self._activations.reset(list(self.module.parameters()))
         with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack), \
                 self.monitor.forward(self):
@@ -176,11 +186,28 @@ class Engine(DeepSpeedEngineAPI):
         with self.monitor.timed(BACKWARD):
             self.dp_runtime.begin_backward(boundary)
             with self.monitor.timed(BACKWARD_INNER):
-                scaled.backward()
+                scaled.backward(self._backward_seed(scaled))
             with self.monitor.timed(BACKWARD_ALLREDUCE):
                 self.dp_runtime.end_backward(boundary)
         self.monitor.observe_loss(loss)
+        self._last_loss = loss.detach()
         return loss
+
+    def _backward_seed(self, scaled: torch.Tensor) -> torch.Tensor | None:
+        """1 for a finite loss, nan for an inf/nan one, without a host sync: an inf loss can have finite
+        gradients (cross-entropy of a -inf logit), and this makes every such micro-batch's gradients nan, so the
+        overflow verdict all holders agree on skips the step on every replica (the all-reduce spreads the nan).
+        None (torch's own seed) when such steps are not skipped."""
+        if not self.config.skips_nonfinite_steps:
+            return None
+        return torch.ones_like(scaled) + scaled.detach() * 0.0
+
+    def open_step(self) -> None:
+        """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
+        recording it, and the ranks check they ran the same collectives so far (`comm.sequence`)."""
+        self.ledger.begin_step(self.global_steps)
+        if self.sequence_check is not None:
+            self.sequence_check.verify(self.global_steps)
 
     def step(self) -> None:
         self._refuse_inside_no_sync("engine.step()")
@@ -189,10 +216,13 @@ class Engine(DeepSpeedEngineAPI):
                 applied = self.updater.step()
                 self._step_applied = applied
                 if applied:
+                    self.consecutive_skips = 0
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
                 else:
                     self.skipped_steps += 1
+                    self.consecutive_skips += 1
+                    self._report_skip()
                 self.dp_runtime.zero_grad()
                 self.updater.zero_master_grads()
             self.global_steps += 1
@@ -200,6 +230,22 @@ class Engine(DeepSpeedEngineAPI):
             self._last_report_step = self.global_steps - 1
             self.monitor.after_step(self)
         self.micro_steps += 1
+
+    def _report_skip(self) -> None:
+        """One line per skipped step (global rank 0), and the end of the run after too many in a row. Every rank
+        counts the same skips (the overflow verdict is agreed), so every rank raises together."""
+        limit = self.config.max_consecutive_skips
+        loss = float(self._last_loss) if self._last_loss is not None else None
+        lr = self.get_lr()[0] if self.optimizer.param_groups else float("nan")
+        what = (f"step {self.global_steps} skipped: inf/nan gradients" + (f" (loss {loss:g})" if loss is not None else "")
+                + f", lr {lr:g}, loss scale {self.loss_scale:g}; {self.consecutive_skips} in a row")
+        if self.mesh.global_rank == 0:
+            logger.warning("shardwise: %s", what)
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{what}: training has diverged or the data holds inf/nan. Lower the learning rate (optimizer.params.lr,"
+                f" scheduler warmup_max_lr), keep gradient_clipping on, or check the data; the limit is "
+                f"nonfinite.max_consecutive_skips = {self.config.nonfinite.max_consecutive_skips} (0 = never stop)")
 
     def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
         """For a `Pipeline` that ran a whole global batch's forwards and backwards itself (a schedule): count its
@@ -297,6 +343,8 @@ class Engine(DeepSpeedEngineAPI):
         return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.dp_runtime.close()
         self.pipeline.close()
         self.monitor.close()
