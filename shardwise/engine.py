@@ -222,13 +222,16 @@ class Engine(DeepSpeedEngineAPI):
                 else:
                     self.skipped_steps += 1
                     self.consecutive_skips += 1
-                    self._report_skip()
                 self.dp_runtime.zero_grad()
                 self.updater.zero_master_grads()
             self.global_steps += 1
             self.global_samples += self.config.batch.train_batch_size
             self._last_report_step = self.global_steps - 1
             self.monitor.after_step(self)
+            self.micro_steps += 1
+            if not self._step_applied:
+                self._report_skip()
+            return
         self.micro_steps += 1
 
     def _report_skip(self) -> None:
@@ -237,7 +240,7 @@ class Engine(DeepSpeedEngineAPI):
         limit = self.config.max_consecutive_skips
         loss = float(self._last_loss) if self._last_loss is not None else None
         lr = self.get_lr()[0] if self.optimizer.param_groups else float("nan")
-        what = (f"step {self.global_steps} skipped: inf/nan gradients" + (f" (loss {loss:g})" if loss is not None else "")
+        what = (f"step {self.global_steps - 1} skipped: inf/nan gradients" + (f" (rank {self.mesh.global_rank}'s loss {loss:g})" if loss is not None else "")
                 + f", lr {lr:g}, loss scale {self.loss_scale:g}; {self.consecutive_skips} in a row")
         if self.mesh.global_rank == 0:
             logger.warning("shardwise: %s", what)

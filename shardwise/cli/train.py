@@ -106,6 +106,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "measured per-stage timeline of the last step, and print its bubble fraction")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint to RUN_DIR/checkpoints every N steps and at the end (0: never)")
+    p.add_argument("--timeout", type=float, default=None, metavar="MIN",
+                   help="minutes a collective may wait for the other ranks before every rank reports where it is "
+                        "and the run ends naming the ranks that did not arrive (default: the config's "
+                        "communication.timeout_minutes, else 5)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="number of nodes, one `shardwise train` per node (default: 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default: 0)")
@@ -165,6 +169,10 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     _check_flags(args)
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
+    if getattr(args, "timeout", None) is not None:     # the flag wins over the config, in the config the ranks get
+        communication = raw_config.get("communication")
+        raw_config["communication"] = {**(communication if isinstance(communication, dict) else {}),
+                                       "timeout_minutes": args.timeout}
     engine_config = _check_config(raw_config, args.config, world_size)
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
@@ -199,6 +207,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag, value in {"--seed": args.seed, "--save-every": args.save_every}.items():
         if value < 0:
             raise UserError(f"{flag} {value}: must be 0 or more.")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < 1e6:
+        raise UserError(f"--timeout {timeout}: must be a positive number of minutes (e.g. 5, or 0.5 for 30 s).")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise UserError(f"--peak-tflops {args.peak_tflops}: must be a positive number of TFLOP/s per rank "
                         f"(or leave it out to measure it).")

@@ -107,6 +107,7 @@ class HangWatchdog:
         self._reported = False
         self._verdict: str | None = None
         self._raised = False
+        self._reporter = False
         self._thread = threading.Thread(target=self._run, name="shardwise-hang-watchdog", daemon=True)
 
     @classmethod
@@ -143,6 +144,7 @@ class HangWatchdog:
                     if age >= self.timeout_s or self.store.check([f"{self.prefix}/declared"]):
                         if self._report(ledger) == 1:
                             declared_at = now
+                            self._reporter = True
                 if declared_at is not None and now - declared_at >= self.grace:
                     self._verdict = verdict(self._collect(), self.timeout_s)
                     self.store.set(f"{self.prefix}/verdict", self._verdict)
@@ -177,8 +179,10 @@ class HangWatchdog:
         return out
 
     def _print_unraised(self, declared_at: float | None) -> None:
-        # The main thread raises the verdict when its backend gives up; NCCL may abort the process instead.
-        if not self._raised and declared_at is not None and time.monotonic() - declared_at > self.grace + 4.0:
+        # The main thread raises the verdict when its backend gives up (grace + 5 s after the declaration); NCCL
+        # may abort the process instead. Then the reporter alone prints it, so the run still ends with the line.
+        if (self._reporter and not self._raised and declared_at is not None
+                and time.monotonic() - declared_at > self.grace + 8.0):
             self._raised = True
             print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
 
