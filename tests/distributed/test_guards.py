@@ -142,19 +142,27 @@ def _stall() -> str:
     engine = _engine(_config(communication={"timeout_minutes": 0.05}))    # 3 s
     batches = _data(3)
     rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
 
     def loop() -> None:
         for i, (x, y) in enumerate(batches):
             if i == 2 and rank == 1:
-                time.sleep(13)      # longer than the backend's own timeout (3 s + grace + margin)
+                # Stalled outside any collective until rank 0 has given up (whatever the machine's load), at
+                # most a minute; then its next collective finds rank 0 gone.
+                deadline = time.monotonic() + 60
+                while not store.check(["test/rank0_gave_up"]) and time.monotonic() < deadline:
+                    time.sleep(0.2)
             loss = engine((x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
             engine.backward(loss)
             engine.step()
-    return _error(loop)
+    message = _error(loop)
+    if rank == 0:
+        store.set("test/rank0_gave_up", "1")
+    return message
 
 
 def test_a_stalled_rank_is_named_by_every_rank(one_thread, capfd: pytest.CaptureFixture) -> None:
-    results = run_distributed(_stall, world_size=WORLD, timeout=120)
+    results = run_distributed(_stall, world_size=WORLD, timeout=240)
     for message in results:
         assert message.startswith("CollectiveTimeout: collective timeout at steps [1, 2] after 3 s"), message
         assert "rank(s) 1 did not arrive (rank 1: step 1, outside any collective, last completed" in message, message
