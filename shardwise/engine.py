@@ -13,7 +13,6 @@ or this rank's stage under a schedule). It holds the `ParallelMesh` the run was 
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,13 +22,12 @@ from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.config.resolved import EngineConfig
 from shardwise.engine_api import DeepSpeedEngineAPI
-from shardwise.errors import NonFiniteError, UserError
+from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
+from shardwise.skips import SkipGuard
 from shardwise.topology import Axis, ParallelMesh
-
-logger = logging.getLogger(__name__)
 
 
 class _ActivationMeter:
@@ -96,8 +94,8 @@ class Engine(DeepSpeedEngineAPI):
         """`comm.sequence.SequenceCheck`: all ranks ran the same collectives, verified as each step opens."""
         self.watchdog = watchdog
         """`comm.watchdog.HangWatchdog`: the report of a collective that outlived communication.timeout_minutes."""
-        self.consecutive_skips = 0
-        self._last_loss: torch.Tensor | None = None
+        self.skips = SkipGuard(config, mesh.global_rank)
+        """Steps skipped for inf/nan: the backward seed, one line per skip, the end after too many in a row."""
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -186,21 +184,11 @@ class Engine(DeepSpeedEngineAPI):
         with self.monitor.timed(BACKWARD):
             self.dp_runtime.begin_backward(boundary)
             with self.monitor.timed(BACKWARD_INNER):
-                scaled.backward(self._backward_seed(scaled))
+                scaled.backward(self.skips.seed(scaled, loss))
             with self.monitor.timed(BACKWARD_ALLREDUCE):
                 self.dp_runtime.end_backward(boundary)
         self.monitor.observe_loss(loss)
-        self._last_loss = loss.detach()
         return loss
-
-    def _backward_seed(self, scaled: torch.Tensor) -> torch.Tensor | None:
-        """1 for a finite loss, nan for an inf/nan one, without a host sync: an inf loss can have finite
-        gradients (cross-entropy of a -inf logit), and this makes every such micro-batch's gradients nan, so the
-        overflow verdict all holders agree on skips the step on every replica (the all-reduce spreads the nan).
-        None (torch's own seed) when such steps are not skipped."""
-        if not self.config.skips_nonfinite_steps:
-            return None
-        return torch.ones_like(scaled) + scaled.detach() * 0.0
 
     def open_step(self) -> None:
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
@@ -216,12 +204,10 @@ class Engine(DeepSpeedEngineAPI):
                 applied = self.updater.step()
                 self._step_applied = applied
                 if applied:
-                    self.consecutive_skips = 0
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
                 else:
                     self.skipped_steps += 1
-                    self.consecutive_skips += 1
                 self.dp_runtime.zero_grad()
                 self.updater.zero_master_grads()
             self.global_steps += 1
@@ -229,26 +215,10 @@ class Engine(DeepSpeedEngineAPI):
             self._last_report_step = self.global_steps - 1
             self.monitor.after_step(self)
             self.micro_steps += 1
-            if not self._step_applied:
-                self._report_skip()
+            self.skips.after_step(self._step_applied, step=self.global_steps - 1, lr=self.get_lr()[0],
+                                  loss_scale=self.loss_scale)
             return
         self.micro_steps += 1
-
-    def _report_skip(self) -> None:
-        """One line per skipped step (global rank 0), and the end of the run after too many in a row. Every rank
-        counts the same skips (the overflow verdict is agreed), so every rank raises together."""
-        limit = self.config.max_consecutive_skips
-        loss = float(self._last_loss) if self._last_loss is not None else None
-        lr = self.get_lr()[0] if self.optimizer.param_groups else float("nan")
-        what = (f"step {self.global_steps - 1} skipped: inf/nan gradients" + (f" (rank {self.mesh.global_rank}'s loss {loss:g})" if loss is not None else "")
-                + f", lr {lr:g}, loss scale {self.loss_scale:g}; {self.consecutive_skips} in a row")
-        if self.mesh.global_rank == 0:
-            logger.warning("shardwise: %s", what)
-        if limit and self.consecutive_skips >= limit:
-            raise NonFiniteError(
-                f"{what}: training has diverged or the data holds inf/nan. Lower the learning rate (optimizer.params.lr,"
-                f" scheduler warmup_max_lr), keep gradient_clipping on, or check the data; the limit is "
-                f"nonfinite.max_consecutive_skips = {self.config.nonfinite.max_consecutive_skips} (0 = never stop)")
 
     def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
         """For a `Pipeline` that ran a whole global batch's forwards and backwards itself (a schedule): count its

@@ -34,6 +34,7 @@ from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
 from shardwise.parallel.zero.build import build_zero
 from shardwise.precision import make_loss_scaler
+from shardwise.skips import skips_nonfinite_steps
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.topology import Axis, MeshShape, ParallelMesh
 from shardwise.utils import link_params
@@ -138,7 +139,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
                           scaler=make_loss_scaler(cfg.precision), clip=cfg.gradient_clipping,
-                          check_overflow=cfg.skips_nonfinite_steps, dtype=dtype,
+                          check_overflow=skips_nonfinite_steps(cfg), dtype=dtype,
                           compute_norm=cfg.zero.compute_grad_norm)
     norms = GradNormReducer.from_mesh(mesh, ledger)
     dp_comm = mesh.comm(Axis.DP, ledger, name="dp")

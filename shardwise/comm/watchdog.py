@@ -12,7 +12,7 @@ FileStore), never over the hung communicator. Per rank, one daemon thread:
   operation it completed (a stalled rank), or what it waits on (a rank that arrived late);
 - the reporter waits `grace_s` for everyone's report, then writes the verdict line under `<prefix>/verdict`.
 
-The backend's own timeout is set `grace_s` + a margin later (`backend_timeout_s`), so a rank blocked in gloo
+The backend's own timeout is set `grace_s` + a margin (1-5 s) later (`backend_timeout_s`), so a rank blocked in gloo
 raises after the verdict exists; `Comm` hands that failure to `explain`, which raises `CollectiveTimeout` with
 the verdict instead. A verdict nobody raised within that margin (NCCL aborts the process itself) is printed.
 """
@@ -42,9 +42,13 @@ def cadence(timeout_s: float) -> tuple[float, float, float]:
     return tick, idle_poll, idle_poll + 2 * tick + 1.0
 
 
+def _margin(timeout_s: float) -> float:
+    return min(5.0, max(1.0, timeout_s / 10))
+
+
 def backend_timeout_s(timeout_s: float) -> float:
     """What the process groups are given: after the watchdog's verdict (grace), plus a margin for the report."""
-    return timeout_s + cadence(timeout_s)[2] + 5.0
+    return timeout_s + cadence(timeout_s)[2] + _margin(timeout_s)
 
 
 def _default_store() -> Any | None:
@@ -179,10 +183,10 @@ class HangWatchdog:
         return out
 
     def _print_unraised(self, declared_at: float | None) -> None:
-        # The main thread raises the verdict when its backend gives up (grace + 5 s after the declaration); NCCL
-        # may abort the process instead. Then the reporter alone prints it, so the run still ends with the line.
+        # The main thread raises the verdict when its backend gives up (grace + margin after the declaration);
+        # NCCL may abort the process instead. Then the reporter alone prints it, so the run still ends with the line.
         if (self._reporter and not self._raised and declared_at is not None
-                and time.monotonic() - declared_at > self.grace + 8.0):
+                and time.monotonic() - declared_at > self.grace + _margin(self.timeout_s) + 3.0):
             self._raised = True
             print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
 

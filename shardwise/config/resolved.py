@@ -369,21 +369,6 @@ class EngineConfig:
                                   data_type=self.communication.data_type, prescale=self.prescale_gradients,
                                   predivide_factor=self.gradient_predivide_factor)
 
-    @property
-    def skips_nonfinite_steps(self) -> bool:
-        """Whether a step with inf/nan gradients is skipped: fp16 always, bf16 with bf16.check_grad_overflow,
-        fp32 with nonfinite.skip_step."""
-        return self.precision.checks_overflow or (self.precision.dtype is DType.FP32 and self.nonfinite.skip_step)
-
-    @property
-    def max_consecutive_skips(self) -> int:
-        """Skipped steps in a row that end the run (0: never). Dynamic fp16 scaling first needs up to hysteresis
-        overflows per halving to bring its initial scale down to 1: those are allowed on top."""
-        limit = self.nonfinite.max_consecutive_skips
-        if limit and self.precision.dynamic_loss_scale:
-            limit += self.precision.hysteresis * max(self.precision.initial_scale_power, 0)
-        return limit
-
     def describe(self) -> dict[str, Any]:
         """Everything but `raw`, as plain JSON-ready values, for printing."""
         out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "raw"}

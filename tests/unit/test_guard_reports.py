@@ -15,6 +15,7 @@ from shardwise.comm.sequence import END, TRAIN_STEP, describe_desync
 from shardwise.comm.watchdog import backend_timeout_s, cadence, verdict
 from shardwise.config import load_config
 from shardwise.errors import UserError
+from shardwise.skips import consecutive_limit, skips_nonfinite_steps
 
 
 def _run(ledger: CommLedger, ops: list[tuple[str, str, str]]) -> None:
@@ -97,14 +98,14 @@ def test_desync_lines_name_the_steps_or_the_first_differing_operation() -> None:
 def test_skip_limits_and_defaults() -> None:
     base = {"train_batch_size": 2}
     cfg = load_config(base, dp_size=1)
-    assert cfg.skips_nonfinite_steps and cfg.max_consecutive_skips == 10
+    assert skips_nonfinite_steps(cfg) and consecutive_limit(cfg) == 10
     assert cfg.communication.timeout_minutes == 5.0 and cfg.communication.desync_check
-    assert not load_config({**base, "nonfinite": {"skip_step": False}}, dp_size=1).skips_nonfinite_steps
+    assert not skips_nonfinite_steps(load_config({**base, "nonfinite": {"skip_step": False}}, dp_size=1))
     fp16 = load_config({**base, "fp16": {"enabled": True}}, dp_size=1)
-    assert fp16.max_consecutive_skips == 10 + 2 * 16          # the loss-scale search is not divergence
-    assert load_config({**base, "nonfinite": {"max_consecutive_skips": 0}}, dp_size=1).max_consecutive_skips == 0
+    assert consecutive_limit(fp16) == 10 + 2 * 16          # the loss-scale search is not divergence
+    assert consecutive_limit(load_config({**base, "nonfinite": {"max_consecutive_skips": 0}}, dp_size=1)) == 0
     bf16_unchecked = load_config({**base, "bf16": {"enabled": True, "check_grad_overflow": False}}, dp_size=1)
-    assert not bf16_unchecked.skips_nonfinite_steps
+    assert not skips_nonfinite_steps(bf16_unchecked)
 
 
 def _train_args(tmp_path, *extra: str) -> argparse.Namespace:
