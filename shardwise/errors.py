@@ -16,9 +16,13 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read into this run (missing, damaged, or written for another layout)."""
 
 
-class CollectiveTimeout(UserError):
-    """A collective waited longer than communication.timeout_minutes; the message names the ranks that did not
-    arrive and what every rank waited on (`shardwise.comm.watchdog`)."""
+class CollectiveFailed(UserError):
+    """A collective failed (a peer gone); the message names the ranks that did not arrive and what every rank
+    waited on (`shardwise.comm.watchdog`)."""
+
+
+class CollectiveTimeout(CollectiveFailed):
+    """A collective waited longer than communication.timeout_minutes (the message as `CollectiveFailed`'s)."""
 
 
 class DesyncError(UserError):

@@ -28,7 +28,7 @@ import weakref
 from typing import Any
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import CollectiveTimeout
+from shardwise.errors import CollectiveFailed, CollectiveTimeout
 
 _instances = itertools.count()
 """Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
@@ -76,8 +76,9 @@ def describe(report: dict[str, Any]) -> str:
     return f"{where}, outside any collective{done}"
 
 
-def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
-    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
+def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float, cause: str | None = None) -> str:
+    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on. `cause`:
+    the backend's error when a collective failed before the timeout (a peer gone)."""
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
     idle = [r for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
@@ -94,8 +95,9 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
         parts.append(f'rank(s) {_ranks(ranks)} wait in {op} on "{group}" #{seq}')
     steps = sorted({rep["step"] for rep in reports.values() if rep is not None})
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-    return (f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes): "
-            + "; ".join(parts))
+    head = (f"collective failed at {at} ({cause})" if cause is not None
+            else f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes)")
+    return f"{head}: " + "; ".join(parts)
 
 
 class HangWatchdog:
@@ -112,6 +114,7 @@ class HangWatchdog:
         self._verdict: str | None = None
         self._raised = False
         self._reporter = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="shardwise-hang-watchdog", daemon=True)
 
     @classmethod
@@ -149,9 +152,8 @@ class HangWatchdog:
                         if self._report(ledger) == 1:
                             declared_at = now
                             self._reporter = True
-                if declared_at is not None and now - declared_at >= self.grace:
-                    self._verdict = verdict(self._collect(), self.timeout_s)
-                    self.store.set(f"{self.prefix}/verdict", self._verdict)
+                if declared_at is not None and now - declared_at >= self.grace and self._verdict is None:
+                    self._publish_verdict(None)
                 elif self._reported and self.store.check([f"{self.prefix}/verdict"]):
                     self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
                     declared_at = now
@@ -161,7 +163,11 @@ class HangWatchdog:
                 del ledger
 
     def _report(self, ledger: CommLedger) -> int:
-        """Post this rank's report; returns the declaration count (1: this rank is the reporter)."""
+        """Post this rank's report (once); returns the declaration count (1: this rank is the reporter)."""
+        with self._lock:
+            if self._reported:
+                return 0
+            self._reported = True
         waiting = ledger.waiting()
         report: dict[str, Any] = {"step": ledger.step}
         if waiting:
@@ -171,9 +177,12 @@ class HangWatchdog:
             d = ledger.last_done
             report["last"] = {"op": d.op, "group": d.group, "seq": d.seq}
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
-        self._reported = True
         print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
+
+    def _publish_verdict(self, cause: str | None) -> None:
+        self._verdict = verdict(self._collect(), self.timeout_s, cause)
+        self.store.set(f"{self.prefix}/verdict", self._verdict)
 
     def _collect(self) -> dict[int, dict[str, Any] | None]:
         out: dict[int, dict[str, Any] | None] = {}
@@ -192,13 +201,21 @@ class HangWatchdog:
 
     # -- the main thread -------------------------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:
-        """A backend failure as the verdict, once there is one (waited for up to the grace period)."""
+        """A backend failure as the verdict. Before any timeout (a peer gone) this rank declares the failure
+        itself: the live ranks report within the grace period and the first declarer words the line."""
+        ledger = self._ledger()
         try:
-            if self._verdict is None and not self.store.check([f"{self.prefix}/declared"]):
-                return error            # no timeout declared: e.g. a peer died, which is not a hang
-        except Exception:   # noqa: BLE001
+            if self._verdict is None and ledger is not None and not self.store.check([f"{self.prefix}/declared"]):
+                if self._report(ledger) == 1:
+                    self._reporter = True
+                    time.sleep(self.grace)
+                    self._publish_verdict(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+                                          if str(error).strip() else type(error).__name__)
+        except Exception:   # noqa: BLE001 - the store is gone too: the backend's error is all there is
             return error
-        deadline = time.monotonic() + self.grace + 2 * self.tick
+        finally:
+            del ledger
+        deadline = time.monotonic() + self.grace + 1.0 + 2 * self.tick
         while self._verdict is None and time.monotonic() < deadline:
             try:
                 if self.store.check([f"{self.prefix}/verdict"]):
@@ -206,10 +223,8 @@ class HangWatchdog:
                     break
             except Exception:   # noqa: BLE001
                 break
-            if not self._reported and not self._thread.is_alive():
-                break
             time.sleep(self.tick)
         if self._verdict is None:
             return error
         self._raised = True
-        return CollectiveTimeout(self._verdict)
+        return (CollectiveTimeout if self._verdict.startswith("collective timeout") else CollectiveFailed)(self._verdict)
