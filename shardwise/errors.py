@@ -31,4 +31,5 @@ class DesyncError(UserError):
 
 
 class NonFiniteError(UserError):
-    """Too many optimizer steps in a row were skipped for inf/nan loss or gradients (nonfinite.max_consecutive_skips)."""
+    """Too many optimizer steps in a row were skipped for inf/nan loss or gradients
+    (nonfinite.max_consecutive_skips)."""

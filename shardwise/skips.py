@@ -68,6 +68,6 @@ class SkipGuard:
             logger.warning("shardwise: %s", what)
         if self.limit and self.consecutive >= self.limit:
             raise NonFiniteError(
-                f"{what}: training has diverged or the data holds inf/nan. Lower the learning rate (optimizer.params.lr,"
-                f" scheduler warmup_max_lr), keep gradient_clipping on, or check the data; the limit is "
-                f"nonfinite.max_consecutive_skips = {self.configured} (0 = never stop)")
+                f"{what}: training has diverged or the data holds inf/nan. Lower the learning rate "
+                f"(optimizer.params.lr, scheduler warmup_max_lr), keep gradient_clipping on, or check the data; the "
+                f"limit is nonfinite.max_consecutive_skips = {self.configured} (0 = never stop)")

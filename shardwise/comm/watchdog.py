@@ -227,4 +227,5 @@ class HangWatchdog:
         if self._verdict is None:
             return error
         self._raised = True
-        return (CollectiveTimeout if self._verdict.startswith("collective timeout") else CollectiveFailed)(self._verdict)
+        timed_out = self._verdict.startswith("collective timeout")
+        return (CollectiveTimeout if timed_out else CollectiveFailed)(self._verdict)

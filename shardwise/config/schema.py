@@ -1,7 +1,7 @@
 """Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19's
 `runtime/config.py`, `constants.py`, `precision_config.py`, `activation_checkpointing/config.py`)
-plus shardwise's own blocks ("communication", "nonfinite", "tensor_parallel", "pipeline"); DeepSpeed's other top-level keys
-are in `deepspeed_blocks.py`.
+plus shardwise's own blocks ("communication", "nonfinite", "tensor_parallel", "pipeline"); DeepSpeed's other
+top-level keys are in `deepspeed_blocks.py`.
 
 These models only mirror and validate the JSON; `load.py` turns them into the frozen sections of
 `resolved.py`. Unknown keys inside a block are errors (with a suggestion), as in DeepSpeed; unknown top-level
