@@ -122,3 +122,24 @@ def test_cli_timeout_goes_into_the_ranks_config(tmp_path) -> None:
     for bad in ("0", "-1", "nan"):
         with pytest.raises(UserError, match="--timeout"):
             train_cli.prepare(_train_args(tmp_path, "--timeout", bad))
+
+
+def test_the_backward_seed_turns_an_inf_loss_with_finite_gradients_into_a_skipped_step() -> None:
+    import torch
+
+    from shardwise.skips import SkipGuard
+    cfg = load_config({"train_batch_size": 2}, dp_size=1)
+
+    def grads(seeded: bool, logits: list[float]) -> torch.Tensor:
+        w = torch.nn.Parameter(torch.tensor(logits))
+        loss = torch.nn.functional.cross_entropy((w * 1.0)[None], torch.tensor([0]))
+        seed = SkipGuard(cfg, global_rank=0).seed(loss, loss) if seeded else None
+        loss.backward(seed)
+        return w.grad
+    # the label's logit is -inf: the loss is inf, torch's gradients are finite (softmax - one-hot)
+    assert torch.isfinite(grads(False, [float("-inf"), 0.0, 1.0])).all()
+    assert torch.isnan(grads(True, [float("-inf"), 0.0, 1.0])).all()
+    # a finite loss: the seed is exactly torch's own, the gradients bitwise equal
+    assert torch.equal(grads(True, [0.5, 0.0, 1.0]), grads(False, [0.5, 0.0, 1.0]))
+    off = load_config({"train_batch_size": 2, "nonfinite": {"skip_step": False}}, dp_size=1)
+    assert SkipGuard(off, global_rank=0).seed(torch.tensor(1.0), torch.tensor(1.0)) is None
