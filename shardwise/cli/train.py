@@ -101,15 +101,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+    p.add_argument("--timeout", type=float, default=None, metavar="MIN",
+                   help="minutes a collective may wait for the other ranks before every rank reports where it is "
+                        "and the run ends naming the ranks that did not arrive (default: the config's "
+                        "communication.timeout_minutes, else 5)")
     p.add_argument("--pipeline-trace", action="store_true",
                    help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
                         "measured per-stage timeline of the last step, and print its bubble fraction")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint to RUN_DIR/checkpoints every N steps and at the end (0: never)")
-    p.add_argument("--timeout", type=float, default=None, metavar="MIN",
-                   help="minutes a collective may wait for the other ranks before every rank reports where it is "
-                        "and the run ends naming the ranks that did not arrive (default: the config's "
-                        "communication.timeout_minutes, else 5)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="number of nodes, one `shardwise train` per node (default: 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1 (default: 0)")
