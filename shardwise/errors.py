@@ -16,13 +16,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read into this run (missing, damaged, or written for another layout)."""
 
 
-class CollectiveFailed(UserError):
-    """A collective failed (a peer gone); the message names the ranks that did not arrive and what every rank
-    waited on (`shardwise.comm.watchdog`)."""
-
-
-class CollectiveTimeout(CollectiveFailed):
-    """A collective waited longer than communication.timeout_minutes (the message as `CollectiveFailed`'s)."""
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than communication.timeout_minutes; the message names the ranks that did not
+    arrive and what every rank waited on (`shardwise.comm.watchdog`). Not a `UserError`: a stalled node or a bug,
+    reported by the CLI as a rank's failure, with this line."""
 
 
 class DesyncError(UserError):

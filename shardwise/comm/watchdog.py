@@ -28,7 +28,7 @@ import weakref
 from typing import Any
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import CollectiveFailed, CollectiveTimeout
+from shardwise.errors import CollectiveTimeout
 
 _instances = itertools.count()
 """Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
@@ -76,9 +76,8 @@ def describe(report: dict[str, Any]) -> str:
     return f"{where}, outside any collective{done}"
 
 
-def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float, cause: str | None = None) -> str:
-    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on. `cause`:
-    the backend's error when a collective failed before the timeout (a peer gone)."""
+def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
+    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
     idle = [r for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
@@ -95,9 +94,8 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float, cause: 
         parts.append(f'rank(s) {_ranks(ranks)} wait in {op} on "{group}" #{seq}')
     steps = sorted({rep["step"] for rep in reports.values() if rep is not None})
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-    head = (f"collective failed at {at} ({cause})" if cause is not None
-            else f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes)")
-    return f"{head}: " + "; ".join(parts)
+    return (f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes): "
+            + "; ".join(parts))
 
 
 class HangWatchdog:
@@ -153,7 +151,7 @@ class HangWatchdog:
                             declared_at = now
                             self._reporter = True
                 if declared_at is not None and now - declared_at >= self.grace and self._verdict is None:
-                    self._publish_verdict(None)
+                    self._publish_verdict()
                 elif self._reported and self.store.check([f"{self.prefix}/verdict"]):
                     self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
                     declared_at = now
@@ -180,8 +178,8 @@ class HangWatchdog:
         print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
 
-    def _publish_verdict(self, cause: str | None) -> None:
-        self._verdict = verdict(self._collect(), self.timeout_s, cause)
+    def _publish_verdict(self) -> None:
+        self._verdict = verdict(self._collect(), self.timeout_s)
         self.store.set(f"{self.prefix}/verdict", self._verdict)
 
     def _collect(self) -> dict[int, dict[str, Any] | None]:
@@ -201,20 +199,14 @@ class HangWatchdog:
 
     # -- the main thread -------------------------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:
-        """A backend failure as the verdict. Before any timeout (a peer gone) this rank declares the failure
-        itself: the live ranks report within the grace period and the first declarer words the line."""
-        ledger = self._ledger()
+        """A backend failure as the verdict, once there is one (waited for up to the grace period). A failure
+        with no timeout declared (a peer process gone) is left as the backend raised it: that is a crash, which
+        the launcher reports, not a hang."""
         try:
-            if self._verdict is None and ledger is not None and not self.store.check([f"{self.prefix}/declared"]):
-                if self._report(ledger) == 1:
-                    self._reporter = True
-                    time.sleep(self.grace)
-                    self._publish_verdict(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
-                                          if str(error).strip() else type(error).__name__)
+            if self._verdict is None and not self.store.check([f"{self.prefix}/declared"]):
+                return error
         except Exception:   # noqa: BLE001 - the store is gone too: the backend's error is all there is
             return error
-        finally:
-            del ledger
         deadline = time.monotonic() + self.grace + 1.0 + 2 * self.tick
         while self._verdict is None and time.monotonic() < deadline:
             try:
@@ -227,5 +219,4 @@ class HangWatchdog:
         if self._verdict is None:
             return error
         self._raised = True
-        timed_out = self._verdict.startswith("collective timeout")
-        return (CollectiveTimeout if timed_out else CollectiveFailed)(self._verdict)
+        return CollectiveTimeout(self._verdict)

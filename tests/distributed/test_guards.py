@@ -2,8 +2,7 @@
 
 - a NaN micro-batch in fp32 skips the step on every replica (weights finite, identical, equal to a reference
   that skipped it); steps skipped in a row end the run (fp32 NaN data, bf16 with a huge lr);
-- a rank calling backward without step, or running one step fewer, ends in a DesyncError naming the ranks; a rank
-  whose process ends is named by the survivors' CollectiveFailed;
+- a rank calling backward without step, or running one step fewer, ends in a DesyncError naming the ranks;
 - a rank stalling outside collectives ends in a CollectiveTimeout naming it as not arrived.
 """
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.errors import CollectiveFailed, DesyncError, NonFiniteError
+from shardwise.errors import CollectiveTimeout, DesyncError, NonFiniteError
 from shardwise.testing import run_distributed
 
 WORLD = 2
@@ -77,7 +76,7 @@ def _train(engine, batches, *, skip_step_at: int | None = None, skip_iteration_a
 def _error(fn) -> str:
     try:
         fn()
-    except (DesyncError, NonFiniteError, CollectiveFailed) as e:
+    except (DesyncError, NonFiniteError, CollectiveTimeout) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -103,10 +102,6 @@ def _skips_and_desync() -> dict:
     # rank 1 runs one iteration fewer: the ranks' last checks disagree (rank 1 is at engine.destroy)
     engine = _engine(_config())
     out["one_step_fewer"] = _error(lambda: (_train(engine, _data(4), skip_iteration_at=1), engine.destroy()))
-    # rank 1 leaves without a word (its process ends): rank 0's next collective fails, and says who is missing
-    engine = _engine(_config(communication={"timeout_minutes": 0.05}))
-    if dist.get_rank() == 0:
-        out["rank_gone"] = _error(lambda: _train(engine, _data(1)))
     return out
 
 
@@ -140,10 +135,6 @@ def test_nonfinite_steps_are_skipped_everywhere_and_drift_between_ranks_is_an_er
         assert "rank(s) 0 start step 2; rank(s) 1 start step 1" in got["backward_without_step"], got
         assert ("rank(s) 0 start step 3; rank(s) 1 ended training after step 3 (engine.destroy)"
                 in got["one_step_fewer"]), got
-    gone = results[0]["rank_gone"]
-    assert gone.startswith("CollectiveFailed: collective failed at step 0 (") and \
-        "rank(s) 1 did not arrive (rank 1: no report (process gone or frozen))" in gone and \
-        'rank(s) 0 wait in all_reduce on "world:check"' in gone, gone
 
 
 def _stall() -> str:
