@@ -130,6 +130,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages),
                               timeout_s=backend_timeout_s(timeout_s))
     watchdog = HangWatchdog.attach(ledger, rank=dist.get_rank(), world=world, timeout_s=timeout_s)
+    check = (SequenceCheck.build(ledger, stage=mesh.rank(Axis.PP), stages=mesh.size(Axis.PP),
+                                 wait_s=min(timeout_s, 60.0)) if cfg.communication.desync_check else None)
     device, dtype = _device_for(dist.get_backend()), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
@@ -156,8 +158,6 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     monitor = TrainingMonitor(cfg.monitors, module=model, ledger=ledger, device=device, global_rank=dist.get_rank(),
                               world_size=world, dp_size=dp_comm.size, mp_size=world // dp_comm.size,
                               micro_batch=cfg.batch.micro_batch, scales_loss=cfg.precision.dtype is DType.FP16)
-    check = (SequenceCheck.build(ledger, stage=mesh.rank(Axis.PP), stages=mesh.size(Axis.PP),
-                                 wait_s=min(timeout_s, 60.0)) if cfg.communication.desync_check else None)
     engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
                     sequence_check=check, watchdog=watchdog)
