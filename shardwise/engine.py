@@ -26,6 +26,7 @@ from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
+from shardwise.skips import SkipGuard
 from shardwise.topology import Axis, ParallelMesh
 
 
@@ -69,7 +70,8 @@ class Engine(DeepSpeedEngineAPI):
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, updater: Updater,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
-                 device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor):
+                 device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor,
+                 sequence_check: Any = None, watchdog: Any = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         self.module = module
@@ -88,6 +90,12 @@ class Engine(DeepSpeedEngineAPI):
         self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
         self.device = device
         self.compute_dtype = compute_dtype
+        self.sequence_check = sequence_check
+        """`comm.sequence.SequenceCheck`: all ranks ran the same collectives, verified as each step opens."""
+        self.watchdog = watchdog
+        """`comm.watchdog.HangWatchdog`: the report of a collective that outlived communication.timeout_minutes."""
+        self.skips = SkipGuard(config, mesh.global_rank)
+        """Steps skipped for inf/nan: the backward seed, one line per skip, the end after too many in a row."""
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -154,7 +162,7 @@ class Engine(DeepSpeedEngineAPI):
         if not (self.module.training and torch.is_grad_enabled()):
             return self.module(*inputs, **kwargs)
         if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps() == 0:
-            self.ledger.begin_step(self.global_steps)
+            self.open_step()
         self._activations.reset(list(self.module.parameters()))
         with torch.autograd.graph.saved_tensors_hooks(self._activations.pack, self._activations.unpack), \
                 self.monitor.forward(self):
@@ -176,11 +184,18 @@ class Engine(DeepSpeedEngineAPI):
         with self.monitor.timed(BACKWARD):
             self.dp_runtime.begin_backward(boundary)
             with self.monitor.timed(BACKWARD_INNER):
-                scaled.backward()
+                scaled.backward(self.skips.seed(scaled, loss))
             with self.monitor.timed(BACKWARD_ALLREDUCE):
                 self.dp_runtime.end_backward(boundary)
         self.monitor.observe_loss(loss)
         return loss
+
+    def open_step(self) -> None:
+        """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
+        recording it, and the ranks check they ran the same collectives so far (`comm.sequence`)."""
+        self.ledger.begin_step(self.global_steps)
+        if self.sequence_check is not None:
+            self.sequence_check.verify(self.global_steps)
 
     def step(self) -> None:
         self._refuse_inside_no_sync("engine.step()")
@@ -199,6 +214,10 @@ class Engine(DeepSpeedEngineAPI):
             self.global_samples += self.config.batch.train_batch_size
             self._last_report_step = self.global_steps - 1
             self.monitor.after_step(self)
+            self.micro_steps += 1
+            self.skips.after_step(self._step_applied, step=self.global_steps - 1, lr=self.get_lr()[0],
+                                  loss_scale=self.loss_scale)
+            return
         self.micro_steps += 1
 
     def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
@@ -297,6 +316,8 @@ class Engine(DeepSpeedEngineAPI):
         return engine_checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.dp_runtime.close()
         self.pipeline.close()
         self.monitor.close()

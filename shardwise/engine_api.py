@@ -135,5 +135,9 @@ class DeepSpeedEngineAPI:
         self.dp_runtime.release_gathered()
 
     def destroy(self) -> None:
-        """Release the engine's hooks and helpers (DeepSpeed's destroy); the engine cannot train afterwards."""
+        """Release the engine's hooks and helpers (DeepSpeed's destroy); the engine cannot train afterwards.
+        Collective with the desync check on: a rank that ran fewer steps than the others is named here."""
+        if self.sequence_check is not None:
+            from shardwise.comm.sequence import END
+            self.sequence_check.verify(self.global_steps, kind=END)
         self.close()   # Engine's

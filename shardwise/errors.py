@@ -14,3 +14,19 @@ class UserError(Exception):
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be read into this run (missing, damaged, or written for another layout)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than communication.timeout_minutes; the message names the ranks that did not
+    arrive and what every rank waited on (`shardwise.comm.watchdog`). Not a `UserError`: a stalled node or a bug,
+    reported by the CLI as a rank's failure, with this line."""
+
+
+class DesyncError(UserError):
+    """The ranks ran different sequences of collectives (`shardwise.comm.sequence`); the message names the first
+    operation that differs and the ranks on each side."""
+
+
+class NonFiniteError(UserError):
+    """Too many optimizer steps in a row were skipped for inf/nan loss or gradients
+    (nonfinite.max_consecutive_skips)."""

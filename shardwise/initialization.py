@@ -9,6 +9,7 @@ data-parallel runtime) -> scheduler -> engine.
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from typing import Any, Callable, Iterable, NoReturn
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
+from shardwise.comm.sequence import SequenceCheck
+from shardwise.comm.watchdog import HangWatchdog, backend_timeout_s
 from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
 from shardwise.engine import Engine
@@ -31,6 +34,7 @@ from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
 from shardwise.parallel.zero.build import build_zero
 from shardwise.precision import make_loss_scaler
+from shardwise.skips import skips_nonfinite_steps
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.topology import Axis, MeshShape, ParallelMesh
 from shardwise.utils import link_params
@@ -112,7 +116,10 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
     what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
     config = _config_source(model, config, config_params, args)
-    init_distributed()
+    timeout_s = _timeout_minutes(config) * 60.0
+    init_distributed(timeout_s=backend_timeout_s(timeout_s))
+    # A group made before (by the caller, or torchrun scripts' own init) gets the configured timeout too.
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=backend_timeout_s(timeout_s)))
     if hasattr(args, "local_rank"):      # DeepSpeed aligns a script's --local_rank with the launcher's
         args.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     ledger = CommLedger()
@@ -120,7 +127,11 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     known = (auto or AutoValues()).merged(AutoValues(hidden_size=hidden_size_of(model),
                                                      micro_batch=_loader_batch_size(training_data)))
     cfg = load_config_for_world(config, world_size=world, auto=known)     # batch rule with dp = world / (tp * pp)
-    mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages))
+    mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages),
+                              timeout_s=backend_timeout_s(timeout_s))
+    watchdog = HangWatchdog.attach(ledger, rank=dist.get_rank(), world=world, timeout_s=timeout_s)
+    check = (SequenceCheck.build(ledger, stage=mesh.rank(Axis.PP), stages=mesh.size(Axis.PP),
+                                 wait_s=min(timeout_s, 60.0)) if cfg.communication.desync_check else None)
     device, dtype = _device_for(dist.get_backend()), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
@@ -130,7 +141,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                              else model.parameters())
     recipe = UpdateRecipe(make_optimizer=lambda g: _make_optimizer(optimizer, cfg, g),
                           scaler=make_loss_scaler(cfg.precision), clip=cfg.gradient_clipping,
-                          check_overflow=cfg.precision.checks_overflow, dtype=dtype,
+                          check_overflow=skips_nonfinite_steps(cfg), dtype=dtype,
                           compute_norm=cfg.zero.compute_grad_norm)
     norms = GradNormReducer.from_mesh(mesh, ledger)
     dp_comm = mesh.comm(Axis.DP, ledger, name="dp")
@@ -154,7 +165,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                               pipeline_stage=(mesh.rank(Axis.PP), stages) if stages > 1 else None,
                               module_names=model.module_names() if stages > 1 else None)
     engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
-                    lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor)
+                    lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
+                    sequence_check=check, watchdog=watchdog)
     loader = None
     if training_data is not None:
         from torch.utils.data import DataLoader
@@ -193,6 +205,16 @@ def _config_source(model: torch.nn.Module, config: Any, config_params: dict | No
         from shardwise.config.load import read_config
         config = model.pipeline_block(read_config(config))   # shardwise.pipe.PipelineModule(num_stages=...)
     return config
+
+
+def _timeout_minutes(config: Any) -> float:
+    """communication.timeout_minutes, read before the process group exists (the config is validated after: the
+    batch rule needs the world size); the default when absent or not a positive number (then refused later)."""
+    from shardwise.config.load import read_config
+    from shardwise.config.resolved import CommConfig
+    value = (read_config(config).get("communication") or {}).get("timeout_minutes")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e7
+    return float(value) if ok else CommConfig().timeout_minutes
 
 
 def hidden_size_of(model: torch.nn.Module) -> int | None:

@@ -131,8 +131,11 @@ class ParallelMesh:
         self._same_tp: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, shape: MeshShape) -> "ParallelMesh":
-        """Create the groups of `shape` (collective: every rank of the default group must call it)."""
+    def build(cls, shape: MeshShape, *, timeout_s: float | None = None) -> "ParallelMesh":
+        """Create the groups of `shape` (collective: every rank of the default group must call it), each with
+        the backend timeout `timeout_s` (None: torch's default)."""
+        import datetime
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         world, rank = dist.get_world_size(), dist.get_rank()
         if shape.world_size != world:
             raise TopologyError(f"the parallel layout {shape} needs {shape.world_size} processes, "
@@ -144,13 +147,13 @@ class ParallelMesh:
                 groups[axis] = None
             elif size > 1:
                 for ranks in shape.groups(axis):
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         groups[axis] = group
         mesh = cls(shape, rank, groups)
         if shape.tp > 1 and shape.pp * shape.dp > 1:     # pp x dp of one TP coordinate (3D, and ZeRO under PP)
             for ranks in shape.groups_sharing(Axis.TP):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mesh._same_tp = group
         return mesh

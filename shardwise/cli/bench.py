@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
+"""`shardwise bench {dp,allreduce,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
 side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",
     "pipeline_engines": "shardwise engine.train_batch vs DeepSpeed's PipelineEngine (1F1B): step time",
+    "guards": "the per-step desync check and the fp32 non-finite skip: step time with and without them",
     "recompute": "activation recomputation policies (none, selective, full, every_n): stored bytes, step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
 }

@@ -93,8 +93,19 @@ def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tup
         ("tensor parallel", f"{tp.size}" + (" + sequence parallel" if tp.sequence_parallel else "")),
         ("pipeline", f"{pp.stages} stage(s), {pp.schedule.value}, {pp.virtual_stages} virtual, {pp.partition.value}"),
         ("recompute", cfg.activation_checkpointing.policy.value),
+        ("run guards", _guards(cfg)),
         ("monitoring", _monitoring(cfg)),
     ]
+
+
+def _guards(cfg: EngineConfig) -> str:
+    """Collective timeout, desync check, and what happens to inf/nan steps."""
+    from shardwise.skips import consecutive_limit, skips_nonfinite_steps
+    c, limit = cfg.communication, consecutive_limit(cfg)
+    skips = "inf/nan steps skipped" if skips_nonfinite_steps(cfg) else "inf/nan steps applied (not skipped)"
+    stop = f", the run stops after {limit} in a row" if limit else ", never stops for them"
+    return (f"collective timeout {c.timeout_minutes:g} min, desync check {'on' if c.desync_check else 'off'}, "
+            f"{skips}{stop}")
 
 
 def _monitoring(cfg: EngineConfig) -> str:

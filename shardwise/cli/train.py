@@ -106,6 +106,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+    p.add_argument("--timeout", type=float, default=None, metavar="MIN",
+                   help="minutes a collective may wait for the other ranks before every rank reports where it is "
+                        "and the run ends naming the ranks that did not arrive (default: the config's "
+                        "communication.timeout_minutes, else 5)")
     p.add_argument("--pipeline-trace", action="store_true",
                    help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
                         "measured per-stage timeline of the last step, and print its bubble fraction")
@@ -183,6 +187,10 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     _check_flags(args)
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
+    if getattr(args, "timeout", None) is not None:     # the flag wins over the config, in the config the ranks get
+        communication = raw_config.get("communication")
+        raw_config["communication"] = {**(communication if isinstance(communication, dict) else {}),
+                                       "timeout_minutes": args.timeout}
     engine_config = _check_config(raw_config, args.config, world_size)
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
@@ -230,6 +238,9 @@ def _check_flags(args: argparse.Namespace) -> None:
                         "--max-restarts": args.max_restarts}.items():
         if value < 0:
             raise UserError(f"{flag} {value}: must be 0 or more.")
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < 1e6:
+        raise UserError(f"--timeout {timeout}: must be a positive number of minutes (e.g. 5, or 0.5 for 30 s).")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise UserError(f"--peak-tflops {args.peak_tflops}: must be a positive number of TFLOP/s per rank "
                         f"(or leave it out to measure it).")

@@ -81,18 +81,30 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     # -- bookkeeping ------------------------------------------------------------------------------
+    def _explained(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """`fn` whose backend failure (a timeout, a peer gone) is re-raised as the ledger's explanation."""
+        def run() -> object:
+            try:
+                return fn()
+            except RuntimeError as e:
+                explained = self.ledger.explain(e) if self.ledger.explain is not None else e
+                if explained is e:
+                    raise
+                raise explained from e
+        return run
+
     def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
              payload: int | None = None) -> Handle:
-        token = self.ledger.start(op, self.name)
-        size = self.size
         dtype = str(tensor.dtype).removeprefix("torch.")
+        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}")
+        size = self.size
         amount = nbytes(tensor) if payload is None else payload
 
         def on_done() -> None:
             self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
 
-        work = launch()
-        handle = Handle(work.wait if work is not None else (lambda: None), on_done)
+        work = self._explained(launch)()
+        handle = Handle(self._explained(work.wait) if work is not None else (lambda: None), on_done)
         if not async_op:
             handle.wait()
         return handle
@@ -204,7 +216,7 @@ class Comm:
     def barrier(self) -> None:
         if self.size > 1:
             token = self.ledger.start("barrier", self.name)
-            dist.barrier(group=self.group)
+            self._explained(lambda: dist.barrier(group=self.group))()
             self.ledger.finish(token, op="barrier", group=self.name, group_size=self.size, nbytes=0,
                                dtype="none")
 
@@ -228,7 +240,8 @@ class Comm:
             return []
         ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.global_rank(p), group=self.group)
                for op, t, p in items]
-        tokens = [self.ledger.start(op, self.name) for op, _, _ in items]
+        tokens = [self.ledger.start(op, self.name, f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+                  for op, t, _ in items]
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         size = self.size
         handles = []
@@ -240,7 +253,7 @@ class Comm:
                         dtype: str = str(t.dtype).removeprefix("torch.")) -> None:
                 self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
 
-            handles.append(Handle(lambda ws=mine: _wait_all(ws), on_done,
+            handles.append(Handle(self._explained(lambda ws=mine: _wait_all(ws)), on_done,
                                   lambda ws=mine: all(w.is_completed() for w in ws)))
         return handles
 

@@ -3,10 +3,17 @@ validation and of hang diagnostics.
 
 A ledger is an ordinary object owned by the engine (no module global). Each `Comm` handle writes one
 `CommRecord` per operation it launches; the engine opens a new step with `begin_step()`.
+
+For hang and desync diagnostics it also numbers the operations of each group (`seq`: the same on every member
+while the ranks are in step), keeps what is in flight, and folds each operation's signature (op, shape, dtype)
+into a running hash per group. Per group, not one hash for all: a communication thread (gradient buckets) and
+the autograd thread (TP) may interleave differently on each rank, but within one group the order is fixed, as
+the backends need it to be.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +30,21 @@ class CommRecord:
     dtype: str
     duration_s: float  # launch to completion, as seen by this rank (includes waiting for peers)
     step: int
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """An operation launched and not yet completed, as the hang report shows it."""
+
+    op: str
+    group: str
+    seq: int           # 1-based count of this group's operations on this rank
+    step: int
+    started: float     # time.perf_counter() at launch
+
+
+def _chained(previous: bytes, text: str) -> bytes:
+    return hashlib.blake2b(previous + text.encode(), digest_size=8).digest()
 
 
 @dataclass
@@ -42,12 +64,21 @@ class CommLedger:
 
     step: int = 0
     records: list[CommRecord] = field(default_factory=list)
-    in_flight: dict[int, tuple[str, str, float]] = field(default_factory=dict)
+    in_flight: dict[int, InFlight] = field(default_factory=dict)
     keep_steps: int = 2
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _next_id: int = 0
+    seq: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Operations launched per group name since the ledger was made."""
+    last_done: InFlight | None = None
+    """The operation completed last (what a rank outside any collective did last)."""
+    _hashes: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _since_check: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list), repr=False)
     listeners: list[Callable[[CommRecord], None]] = field(default_factory=list)
     """Called with every record as it is made (the comms logger); on whichever thread completed the op."""
+    explain: Callable[[BaseException], BaseException] | None = None
+    """Turns a backend's failure of a collective (a timeout, a peer gone) into the run's own report (the hang
+    watchdog's verdict); None: the failure stands as raised."""
 
     def begin_step(self, step: int) -> None:
         """Start recording for `step`; keep only the last `keep_steps` steps so memory stays bounded."""
@@ -55,19 +86,27 @@ class CommLedger:
             self.step = step
             self.records = [r for r in self.records if r.step > step - self.keep_steps]
 
-    def start(self, op: str, group: str) -> int:
-        """Mark an operation as launched (read by hang diagnostics); returns a token for `finish`."""
+    def start(self, op: str, group: str, signature: str = "") -> int:
+        """Mark an operation as launched (read by hang diagnostics); returns a token for `finish`.
+        `signature` ("float32[1024]") goes into the group's running hash with `op`."""
         with self._lock:
             token = self._next_id
             self._next_id += 1
-            self.in_flight[token] = (op, group, time.perf_counter())
+            self.seq[group] += 1
+            self.in_flight[token] = InFlight(op, group, self.seq[group], self.step, time.perf_counter())
+            text = f"{op} {signature}"
+            self._hashes[group] = _chained(self._hashes.get(group, b""), text)
+            self._since_check[group].append(text)
             return token
 
     def finish(self, token: int, *, op: str, group: str, group_size: int, nbytes: int, dtype: str) -> None:
         with self._lock:
-            _, _, t0 = self.in_flight.pop(token, (op, group, time.perf_counter()))
+            started = self.in_flight.pop(token, None)
+            t0 = started.started if started is not None else time.perf_counter()
             record = CommRecord(op, group, group_size, nbytes, dtype, time.perf_counter() - t0, self.step)
             self.records.append(record)
+            if started is not None:
+                self.last_done = started
         for listener in self.listeners:
             listener(record)
 
@@ -75,7 +114,28 @@ class CommLedger:
         """Operations launched and not finished: (op, group, seconds waiting)."""
         now = time.perf_counter()
         with self._lock:
-            return [(op, g, now - t0) for op, g, t0 in self.in_flight.values()]
+            return [(f.op, f.group, now - f.started) for f in self.in_flight.values()]
+
+    def waiting(self) -> list[InFlight]:
+        """Operations launched and not finished, the oldest first."""
+        with self._lock:
+            return sorted(self.in_flight.values(), key=lambda f: f.started)
+
+    def fingerprint(self) -> int:
+        """A 62-bit hash of every group's sequence of (op, signature) so far: equal on ranks that ran the same
+        operations on each group, in each group's order. 62 bits: it and its negation fit an int64 max-reduce."""
+        with self._lock:
+            total = 0
+            for group, h in self._hashes.items():
+                total ^= int.from_bytes(hashlib.blake2b(group.encode() + h, digest_size=8).digest(), "little")
+            return total >> 2
+
+    def take_sequence(self) -> dict[str, list[str]]:
+        """The operations of each group since the last call ("op signature" strings), for a desync report."""
+        with self._lock:
+            out = {g: list(ops) for g, ops in self._since_check.items()}
+            self._since_check.clear()
+            return out
 
     def summary(self, step: int | None = None) -> list[OpSummary]:
         """Collectives of one step (the current one by default), grouped by (op, group, dtype)."""

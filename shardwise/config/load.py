@@ -25,12 +25,13 @@ from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning, p
 from shardwise.config.ignored import ignored_settings
 from shardwise.config.resolved import (
     ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
-    OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
+    NonFiniteConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
     PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
 )
 from shardwise.config.resolved import (
     CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
 )
+from shardwise.config.sanity import screen_structure, value_problems
 from shardwise.config.schema import ConfigModel
 from shardwise.config.top_level import screen_top_level
 from shardwise.config.unsupported import refuse_unimplemented
@@ -55,8 +56,11 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_config(config: ConfigSource) -> dict[str, Any]:
     """The config as a fresh plain dict: a dict is deep-copied; a path is read as DeepSpeed reads it, with
     hjson (JSON plus comments, trailing commas and unquoted keys), duplicate keys refused; a string that is
-    no file but URL-safe base64 of a config object is decoded, as DeepSpeed does (its launcher passes them)."""
+    no file but URL-safe base64 of a config object is decoded, as DeepSpeed does (its launcher passes them).
+    Whatever the input (binary, another encoding, absurd nesting or numbers), the outcome is the dict or one
+    `ConfigError`."""
     if isinstance(config, dict):
+        screen_structure(config, "config")        # before deepcopy, which would recurse
         return copy.deepcopy(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a path to a JSON file or a dict, got {type(config).__name__}")
@@ -66,28 +70,61 @@ def read_config(config: ConfigSource) -> dict[str, Any]:
         if inline is not None:
             return inline
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = _decoded(f.read(), path)
     except OSError as e:
         raise ConfigError(f'cannot read config file "{path}": {e.strerror or e}') from None
-    try:
-        data = _plain(hjson.loads(text, object_pairs_hook=_no_duplicate_keys))
-    except hjson.HjsonDecodeError as e:
-        raise ConfigError(f'config file "{path}" is not valid JSON: line {e.lineno} column {e.colno}: '
-                          f'{e.msg}') from None
-    except ConfigError as e:
-        raise ConfigError(f'config file "{path}": {e}', key=e.key) from None
+    data = _parsed(text, f'config file "{path}"')
     if not isinstance(data, dict):
         raise ConfigError(f'config file "{path}" must hold a JSON object {{...}}, got {type(data).__name__}')
     return data
+
+
+# Byte-order marks of the encodings a UTF-8 reader cannot take. DeepSpeed opens the file as UTF-8 and fails on
+# them with a decode error; refusing them (instead of reading them) keeps a config that works here working there.
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+               (b"\xfe\xff", "UTF-16"))
+
+
+def _decoded(raw: bytes, path: str) -> str:
+    for bom, name in _OTHER_BOMS:
+        if raw.startswith(bom):
+            raise ConfigError(f'config file "{path}" is {name} text (it starts with a {name} byte-order mark); '
+                              f'DeepSpeed and shardwise read UTF-8: save it as UTF-8 (e.g. iconv -f {name} -t UTF-8)')
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f'config file "{path}" is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}): '
+                          f'is it a binary file? give the JSON config') from None
+
+
+def _parsed(text: str, source: str) -> Any:
+    """hjson's reading of `text`, screened (`sanity.screen_structure`); every failure a `ConfigError`."""
+    try:
+        data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except hjson.HjsonDecodeError as e:
+        raise ConfigError(f'{source} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}') from None
+    except ConfigError as e:
+        raise ConfigError(f'{source}: {e}', key=e.key) from None
+    except RecursionError:
+        raise ConfigError(f'{source} nests objects or lists too deeply to read (a DeepSpeed config nests a few '
+                          f'levels): check what wrote it') from None
+    except (ValueError, OverflowError) as e:     # a number of more than 4300 digits, or beyond a float (1e999)
+        raise ConfigError(f'{source} holds a number out of range ({str(e).split(";")[0]}): give the intended '
+                          f'value') from None
+    screen_structure(data, source)
+    return _plain(data)
 
 
 def _from_base64(text: str) -> dict[str, Any] | None:
     """The config object encoded in `text`, or None when `text` is not base64 of one (then it is a path)."""
     try:
         decoded = base64.b64decode(text, altchars=b"-_", validate=True).decode("utf-8")
-        data = _plain(hjson.loads(decoded, object_pairs_hook=_no_duplicate_keys))
-    except (ValueError, UnicodeDecodeError, hjson.HjsonDecodeError):
+    except (ValueError, UnicodeDecodeError):
+        return None
+    try:
+        data = _parsed(decoded, "the base64 config")
+    except ConfigError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -235,7 +272,9 @@ def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Eng
         zero=_zero(model.zero_optimization),
         communication=CommConfig(
             all_reduce=AllReduceImpl(model.communication.all_reduce),
-            data_type=DType(model.communication_data_type) if model.communication_data_type else None),
+            data_type=DType(model.communication_data_type) if model.communication_data_type else None,
+            timeout_minutes=model.communication.timeout_minutes, desync_check=model.communication.desync_check),
+        nonfinite=NonFiniteConfig(**model.nonfinite.model_dump()),
         tensor_parallel=TensorParallelConfig(size=model.tensor_parallel.size,
                                              sequence_parallel=model.tensor_parallel.sequence_parallel),
         pipeline=PipelineConfig(stages=pipe.stages, schedule=PipelineSchedule(pipe.schedule),
@@ -264,7 +303,7 @@ def _later_problems(model: ConfigModel, dp_size: int, *, check_batch: bool) -> t
                                   grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
         except ConfigError as e:
             problems += e.problems
-    return batch, problems + refuse_unimplemented(model)
+    return batch, problems + value_problems(model) + refuse_unimplemented(model)
 
 
 def _load(parsed: _Parsed, dp_size_of: Callable[[ConfigModel], int]) -> EngineConfig:

@@ -210,6 +210,24 @@ class CommConfig:
     all_reduce: AllReduceImpl = AllReduceImpl.BACKEND
     data_type: DType | None = None
     """communication_data_type: dtype of reduced gradients; None = the gradients' own dtype."""
+    timeout_minutes: float = 5.0
+    """A collective waiting longer than this is reported (every rank's ledger) and ends the run."""
+    desync_check: bool = True
+    """Compare the ranks' sequences of collectives once per step."""
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_minutes * 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteConfig:
+    """What a step with inf/nan loss or gradients does (shardwise's "nonfinite" block)."""
+
+    skip_step: bool = True
+    """fp32: skip such a step (fp16 always does; bf16 with bf16.check_grad_overflow)."""
+    max_consecutive_skips: int = 10
+    """End the run after this many skipped steps in a row; 0 = never."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +348,7 @@ class EngineConfig:
     scheduler: SchedulerSpec | None = None
     zero: ZeroConfig = ZeroConfig()
     communication: CommConfig = CommConfig()
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()

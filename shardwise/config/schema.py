@@ -1,7 +1,7 @@
 """Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19's
 `runtime/config.py`, `constants.py`, `precision_config.py`, `activation_checkpointing/config.py`)
-plus shardwise's own blocks ("communication", "tensor_parallel", "pipeline"); DeepSpeed's other top-level keys
-are in `deepspeed_blocks.py`.
+plus shardwise's own blocks ("communication", "nonfinite", "tensor_parallel", "pipeline"); DeepSpeed's other
+top-level keys are in `deepspeed_blocks.py`.
 
 These models only mirror and validate the JSON; `load.py` turns them into the frozen sections of
 `resolved.py`. Unknown keys inside a block are errors (with a suggestion), as in DeepSpeed; unknown top-level
@@ -133,6 +133,24 @@ class CommunicationSection(Section):
     """Data-parallel gradient all-reduce: "backend" calls the process group's all_reduce (NCCL/gloo);
     "ring" runs shardwise's own ring algorithm (reduce-scatter then all-gather over point-to-point
     sends), bit-for-bit comparable and instrumented, mainly for study and tests."""
+    timeout_minutes: Float = Field(5.0, gt=0)
+    """How long a collective may wait for its peers before every rank reports what it waits on and the run ends
+    naming the ranks that did not arrive (torch's default is 30 minutes). Fractions are fine (0.05 = 3 s)."""
+    desync_check: Bool = True
+    """Compare, once per step, the sequence of collectives every rank ran (one tiny all-reduce of a running
+    hash): ranks that drift apart (a skipped step, backward without step) stop with an error naming the first
+    differing operation instead of pairing collectives of different steps."""
+
+
+class NonFiniteSection(Section):
+    """shardwise: what happens to a step whose loss or gradients are inf/nan."""
+
+    skip_step: Bool = True
+    """fp32: skip the optimizer step (as fp16/bf16 skip an overflowing one) instead of writing inf/nan into the
+    weights. bf16 follows bf16.check_grad_overflow; fp16 always skips."""
+    max_consecutive_skips: NonNegativeInt = 10
+    """End the run after this many optimizer steps in a row were skipped (0 = never). Under dynamic fp16 loss
+    scaling the steps the scale needs to come down from its initial value are added on top."""
 
 
 class TensorParallelSection(Section):
@@ -226,6 +244,7 @@ class ConfigModel(DeepSpeedOnlyKeys):
     zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
     activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
     communication: CommunicationSection = Field(default_factory=CommunicationSection)
+    nonfinite: NonFiniteSection = Field(default_factory=NonFiniteSection)
     tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
     tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)

@@ -39,6 +39,11 @@ def test_inf_nan_detection():
     assert grads_have_inf_or_nan([torch.ones(3), torch.tensor([float("inf")])])
     assert grads_have_inf_or_nan([torch.tensor([float("nan")])])
     assert not grads_have_inf_or_nan([])
+    assert grads_have_inf_or_nan([torch.tensor([float("inf"), float("-inf")])])      # inf - inf is nan: still found
+    assert not grads_have_inf_or_nan([torch.full((1000,), 3e38)])                    # large but finite: not flagged
+    for dtype in (torch.bfloat16, torch.float16):
+        assert grads_have_inf_or_nan([torch.ones(4, dtype=dtype), torch.tensor([float("nan")], dtype=dtype)])
+        assert not grads_have_inf_or_nan([torch.full((8,), 60000.0, dtype=dtype)])
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -101,7 +101,7 @@ class PipelineRunner:
         """One global batch through the pipeline and one optimizer step; the mean loss on every rank."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
-        engine.ledger.begin_step(engine.global_steps)
+        engine.open_step()
         engine.module.train()
         with engine.monitor.stage_forwards(engine) as around_forward:
             result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale,

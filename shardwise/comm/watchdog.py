@@ -1,0 +1,222 @@
+"""Hang reports: when a collective waits longer than communication.timeout_minutes, every rank says from its
+ledger where it is, and the run ends with one line naming the ranks that did not arrive.
+
+The reports travel over the store the process group was built on (torchrun's TCPStore, the test harness's
+FileStore), never over the hung communicator. Per rank, one daemon thread:
+
+- while an operation of this rank's ledger has waited >= `timeout_s`, it posts its report (step, op, group, the
+  group's sequence number, how long) under `<prefix>/report/<rank>` and bumps `<prefix>/declared`; the first
+  to bump it is the reporter;
+- otherwise it looks at `<prefix>/declared` every `idle_poll_s` (at most every 5 s: a store read, nothing on the
+  communicators) and, once a timeout is declared, posts its own report too: outside any collective, the last
+  operation it completed (a stalled rank), or what it waits on (a rank that arrived late);
+- the reporter waits `grace_s` for everyone's report, then writes the verdict line under `<prefix>/verdict`.
+
+The backend's own timeout is set `grace_s` + a margin (1-5 s) later (`backend_timeout_s`), so a rank blocked in gloo
+raises after the verdict exists; `Comm` hands that failure to `explain`, which raises `CollectiveTimeout` with
+the verdict instead. A verdict nobody raised within that margin (NCCL aborts the process itself) is printed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from shardwise.comm.ledger import CommLedger
+from shardwise.errors import CollectiveTimeout
+
+_instances = itertools.count()
+"""Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
+
+
+def cadence(timeout_s: float) -> tuple[float, float, float]:
+    """(tick, idle poll, grace) in seconds for a timeout: how often the thread looks at the ledger, how often an
+    idle rank reads the store, and how long the reporter waits for the other reports."""
+    tick = min(max(timeout_s / 20, 0.05), 1.0)
+    idle_poll = min(max(timeout_s / 4, tick), 5.0)
+    return tick, idle_poll, idle_poll + 2 * tick + 1.0
+
+
+def _margin(timeout_s: float) -> float:
+    return min(5.0, max(1.0, timeout_s / 10))
+
+
+def backend_timeout_s(timeout_s: float) -> float:
+    """What the process groups are given: after the watchdog's verdict (grace), plus a margin for the report."""
+    return timeout_s + cadence(timeout_s)[2] + _margin(timeout_s)
+
+
+def _default_store() -> Any | None:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
+def describe(report: dict[str, Any]) -> str:
+    """One rank's report as words: 'step 3, waiting 4.1 s in all_reduce on "dp" #18'."""
+    where = f"step {report['step']}"
+    if report.get("op"):
+        return f'{where}, waiting {report["age"]:.1f} s in {report["op"]} on "{report["group"]}" #{report["seq"]}'
+    last = report.get("last")
+    done = f', last completed {last["op"]} on "{last["group"]}" #{last["seq"]}' if last else ""
+    return f"{where}, outside any collective{done}"
+
+
+def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
+    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
+    absent = [r for r, rep in sorted(reports.items()) if rep is None]
+    idle = [r for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
+    waits: dict[tuple[str, str, int], list[int]] = {}
+    for r, rep in sorted(reports.items()):
+        if rep is not None and rep.get("op"):
+            waits.setdefault((rep["op"], rep["group"], rep["seq"]), []).append(r)
+    parts = []
+    late = absent + idle
+    if late:
+        detail = "; ".join([f"rank {r}: {describe(reports[r])}" for r in idle[:4]]
+                           + [f"rank {r}: no report (process gone or frozen)" for r in absent[:4]])
+        parts.append(f"rank(s) {_ranks(sorted(late))} did not arrive ({detail})")
+    for (op, group, seq), ranks in waits.items():
+        parts.append(f'rank(s) {_ranks(ranks)} wait in {op} on "{group}" #{seq}')
+    steps = sorted({rep["step"] for rep in reports.values() if rep is not None})
+    at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+    return (f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes): "
+            + "; ".join(parts))
+
+
+class HangWatchdog:
+    """One per engine on every rank of a world > 1 (`start` launches the thread). Holds its ledger weakly: the
+    thread ends with the engine, or at `stop()`."""
+
+    def __init__(self, ledger: CommLedger, *, store: Any, rank: int, world: int, timeout_s: float):
+        self._ledger = weakref.ref(ledger)
+        self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
+        self.tick, self.idle_poll, self.grace = cadence(timeout_s)
+        self.prefix = f"shardwise/hang/{next(_instances)}"
+        self._stop = threading.Event()
+        self._reported = False
+        self._verdict: str | None = None
+        self._raised = False
+        self._reporter = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="shardwise-hang-watchdog", daemon=True)
+
+    @classmethod
+    def attach(cls, ledger: CommLedger, *, rank: int, world: int, timeout_s: float) -> "HangWatchdog | None":
+        """A started watchdog explaining `ledger`'s failures, or None in a world of one (or without a store)."""
+        store = _default_store()
+        if store is None:
+            return None
+        dog = cls(ledger, store=store, rank=rank, world=world, timeout_s=timeout_s)
+        ledger.explain = dog.explain
+        dog._thread.start()
+        return dog
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_poll = time.monotonic()
+        declared_at: float | None = None
+        while not self._stop.wait(self.tick):
+            ledger = self._ledger()
+            if ledger is None:
+                return
+            try:
+                if self._verdict is not None:
+                    self._print_unraised(declared_at)
+                    continue
+                waiting = ledger.waiting()
+                age = time.perf_counter() - waiting[0].started if waiting else 0.0
+                now = time.monotonic()
+                if not self._reported and (age >= self.timeout_s or now - last_poll >= self.idle_poll):
+                    last_poll = now
+                    if age >= self.timeout_s or self.store.check([f"{self.prefix}/declared"]):
+                        if self._report(ledger) == 1:
+                            declared_at = now
+                            self._reporter = True
+                if declared_at is not None and now - declared_at >= self.grace and self._verdict is None:
+                    self._publish_verdict()
+                elif self._reported and self.store.check([f"{self.prefix}/verdict"]):
+                    self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
+                    declared_at = now
+            except Exception:   # noqa: BLE001 - a store gone with the job: nothing left to report to
+                return
+            finally:
+                del ledger
+
+    def _report(self, ledger: CommLedger) -> int:
+        """Post this rank's report (once); returns the declaration count (1: this rank is the reporter)."""
+        with self._lock:
+            if self._reported:
+                return 0
+            self._reported = True
+        waiting = ledger.waiting()
+        report: dict[str, Any] = {"step": ledger.step}
+        if waiting:
+            w = waiting[0]
+            report.update(op=w.op, group=w.group, seq=w.seq, age=time.perf_counter() - w.started, step=w.step)
+        elif ledger.last_done is not None:
+            d = ledger.last_done
+            report["last"] = {"op": d.op, "group": d.group, "seq": d.seq}
+        self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
+        print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
+        return int(self.store.add(f"{self.prefix}/declared", 1))
+
+    def _publish_verdict(self) -> None:
+        self._verdict = verdict(self._collect(), self.timeout_s)
+        self.store.set(f"{self.prefix}/verdict", self._verdict)
+
+    def _collect(self) -> dict[int, dict[str, Any] | None]:
+        out: dict[int, dict[str, Any] | None] = {}
+        for r in range(self.world):
+            key = f"{self.prefix}/report/{r}"
+            out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return out
+
+    def _print_unraised(self, declared_at: float | None) -> None:
+        # The main thread raises the verdict when its backend gives up (grace + margin after the declaration);
+        # NCCL may abort the process instead. Then the reporter alone prints it, so the run still ends with the line.
+        if (self._reporter and not self._raised and declared_at is not None
+                and time.monotonic() - declared_at > self.grace + _margin(self.timeout_s) + 3.0):
+            self._raised = True
+            print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
+
+    # -- the main thread -------------------------------------------------------------------------------
+    def explain(self, error: BaseException) -> BaseException:
+        """A backend failure as the verdict, once there is one (waited for up to the grace period). A failure
+        with no timeout declared (a peer process gone) is left as the backend raised it: that is a crash, which
+        the launcher reports, not a hang."""
+        try:
+            if self._verdict is None and not self.store.check([f"{self.prefix}/declared"]):
+                return error
+        except Exception:   # noqa: BLE001 - the store is gone too: the backend's error is all there is
+            return error
+        deadline = time.monotonic() + self.grace + 1.0 + 2 * self.tick
+        while self._verdict is None and time.monotonic() < deadline:
+            try:
+                if self.store.check([f"{self.prefix}/verdict"]):
+                    self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
+                    break
+            except Exception:   # noqa: BLE001
+                break
+            time.sleep(self.tick)
+        if self._verdict is None:
+            return error
+        self._raised = True
+        return CollectiveTimeout(self._verdict)
