@@ -166,9 +166,34 @@ def _state_dict_round_trip() -> dict:
         seq_len=SEQ, seed=5))}
 
 
+def _refusals() -> list[str]:
+    """One line each, naming the argument and the fix."""
+    import shardwise
+    from shardwise.errors import UserError
+    model = tiny_gpt(seq_len=SEQ)
+    attempts = [
+        lambda: shardwise.fully_shard(model.blocks[0], reshard_after_forward=2),
+        lambda: shardwise.fully_shard(model.blocks[0], mp_policy={"param_dtype": torch.bfloat16}),
+        lambda: (shardwise.fully_shard(model), shardwise.fully_shard(model.blocks[1])),
+        lambda: shardwise.fully_shard(model),
+        lambda: model.clip_grad_norm_(1.0, norm_type=1),
+        lambda: shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), all_reduce="tree"),
+        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), sharding_strategy="NO_SHARD"),
+        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), auto_wrap_policy=3),
+    ]
+    out = []
+    for attempt in attempts:
+        try:
+            attempt()
+            out.append("accepted")
+        except UserError as e:
+            out.append(str(e))
+    return out
+
+
 def _two_ranks() -> dict:
     torch.set_num_threads(1)
-    out = {"state_dicts": _state_dict_round_trip()}
+    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals()}
     for case in CASES:
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
@@ -203,6 +228,11 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
     assert r0["sgd"]["ddp"]["buckets"] > 3
+    expected = ["reshard_after_forward = 2", "mp_policy = {", "a module above it is already wrapped",
+                "GPT is already wrapped", "norm_type = 1", "all_reduce = 'tree'", "sharding_strategy = NO_SHARD",
+                "auto_wrap_policy = 3"]
+    for message, start in zip(r0["refusals"], expected):
+        assert start in message and "\n" not in message, (start, message)
     sd = r0["state_dicts"]
     for name in ("full", "again", "third"):
         assert_state_close(sd[name], sd["unwrapped"], what=f"state dict {name}", rtol=0, atol=0)
@@ -215,3 +245,55 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
             # fp32 masters after n AdamW steps of lr 3e-3: within one bf16 ulp of the weights' scale
             torch.testing.assert_close(ours["state"][k], v, rtol=BF16_EPS, atol=BF16_EPS * 3e-3 * 5,
                                        msg=lambda m, k=k: f"bf16 {k}: {m}")
+
+
+def _tp_fully_shard() -> dict:
+    """Tensor parallelism first (our GPT plan over the mesh's tp axis), then fully_shard over its dp axis."""
+    import shardwise
+    from shardwise.comm.ledger import CommLedger
+    from shardwise.parallel.tensor_parallel import gather_full_state_dict
+    from shardwise.parallel.tensor_parallel.model_plans import parallelize_gpt
+    from shardwise.topology import Axis, MeshShape, ParallelMesh
+    spec, gas, clip = CASES["adamw_accum_clip"]
+    mesh = ParallelMesh.build(MeshShape(dp=2, tp=2))
+    tp_comm = mesh.comm(Axis.TP, CommLedger())
+    model = tiny_gpt(seq_len=SEQ)
+    parallelize_gpt(model, tp_comm)
+    for block in model.blocks:
+        shardwise.fully_shard(block, mesh=mesh)
+    shardwise.fully_shard(model, mesh=mesh)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=2, dp_rank=mesh.rank(Axis.DP), clip=lambda: model.clip_grad_norm_(clip),
+                       no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": gather_full_state_dict(model, tp_comm, model.full_state_dict())}
+
+
+def _offload_kept() -> dict:
+    """CPU offload of the shards (the optimizer steps on the host), blocks kept gathered from forward to backward."""
+    import shardwise
+    spec, gas, clip = CASES["adamw_accum_clip"]
+    model = tiny_gpt(seq_len=SEQ)
+    for block in model.blocks:
+        shardwise.fully_shard(block, reshard_after_forward=False, offload_policy=shardwise.CPUOffloadPolicy())
+    shardwise.fully_shard(model, offload_policy=shardwise.CPUOffloadPolicy())
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=lambda: model.clip_grad_norm_(clip), no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": model.full_state_dict()}
+
+
+def _four_ranks() -> dict:
+    torch.set_num_threads(1)
+    case = "adamw_accum_clip"
+    return {case: {"fully_shard": _ours_fully_shard(case), "ddp": _ours_ddp(case, "backend"),
+                   "tp_x_fully_shard": _tp_fully_shard(), "offload_kept": _offload_kept()}}
+
+
+def test_wrappers_four_ranks_and_tensor_parallel_equal_single_process():
+    results = run_distributed(_four_ranks, 4, timeout=400)
+    ref_losses, ref_state = reference("adamw_accum_clip")
+    for rank, r in enumerate(results):
+        for name, run in r["adamw_accum_clip"].items():
+            what = f"4 ranks, {name}, rank {rank}"
+            assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
+            assert_state_close(run["state"], ref_state, what=what, adam=True)
