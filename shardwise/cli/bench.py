@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
+"""`shardwise bench {dp,allreduce,fsdp,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
 side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "pipeline_engines": "shardwise engine.train_batch vs DeepSpeed's PipelineEngine (1F1B): step time",
     "recompute": "activation recomputation policies (none, selective, full, every_n): stored bytes, step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
+    "fsdp": "shardwise fully_shard / DistributedDataParallel vs torch FSDP2 / DDP, plain loops: step time, memory",
 }
 
 
