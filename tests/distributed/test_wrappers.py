@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -90,7 +89,11 @@ def _ours_fully_shard(case: str, mp=None) -> dict:
 def _ours_fsdp1(case: str) -> dict:
     import shardwise
     spec, gas, clip = CASES[case]
-    model = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), mixed_precision=shardwise.MixedPrecision())
+    from shardwise.models.gpt import MLP, Attention, Block
+    # SGD: nested units (attention and MLP inside each block's unit), as torch's class-set policies give
+    policy = {Attention, MLP, Block} if case == "sgd" else None
+    model = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), mixed_precision=shardwise.MixedPrecision(),
+                                               auto_wrap_policy=policy)
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
                        clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=model.no_sync)

@@ -25,30 +25,37 @@ _RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
 def wrap_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
-    """The modules to wrap below `model`, outermost first. `policy`: None (the transformer blocks), a set of
-    module classes, or torch's auto-wrap callables (`ModuleWrapPolicy`, `transformer_auto_wrap_policy` bound with
-    functools.partial, any `policy(module=, recurse=, nonwrapped_numel=) -> bool`)."""
+    """The modules to wrap below `model`, inner ones first (the order `fully_shard` needs). `policy`: None (the
+    transformer blocks), a set of module classes, or torch's auto-wrap callables (`ModuleWrapPolicy`,
+    `transformer_auto_wrap_policy` / `size_based_auto_wrap_policy` bound with functools.partial, any
+    `policy(module=, recurse=, nonwrapped_numel=) -> bool`), walked as torch's FSDP1 walks them: children before
+    their parent, which is asked with the parameters its wrapped children left. Containers without a forward of
+    their own (ModuleList, ModuleDict) are never wrapped: their hooks would never run."""
     if policy is None:
         return [m for _, m in default_unit_modules(model)]
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = tuple(policy)
-        decide: Callable[[nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
+        decide: Callable[..., bool] = lambda module, recurse, nonwrapped_numel: (  # noqa: E731
+            recurse or isinstance(module, classes))
     elif callable(policy):
-        def decide(m: nn.Module) -> bool:
-            numel = sum(p.numel() for p in m.parameters())
-            return bool(policy(module=m, recurse=False, nonwrapped_numel=numel))
+        decide = policy
     else:
         raise UserError(f"auto_wrap_policy = {policy!r}: give None (the transformer blocks), a set of module "
                         f"classes, or a torch auto-wrap policy")
     chosen: list[nn.Module] = []
 
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if decide(child):
-                chosen.append(child)       # its own children stay in its unit
-            else:
-                visit(child)
-    visit(model)
+    def visit(m: nn.Module, *, is_root: bool) -> int:
+        """Wrap below and maybe m; returns the parameters m's subtree put in wrapped modules."""
+        numel = sum(p.numel() for p in m.parameters())
+        if not decide(module=m, recurse=True, nonwrapped_numel=numel):
+            return 0
+        wrapped = sum(visit(child, is_root=False) for child in m.children())
+        container = isinstance(m, (nn.ModuleList, nn.ModuleDict))
+        if not is_root and not container and decide(module=m, recurse=False, nonwrapped_numel=numel - wrapped):
+            chosen.append(m)
+            return numel
+        return wrapped
+    visit(model, is_root=True)
     return chosen
 
 

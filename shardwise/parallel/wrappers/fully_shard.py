@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
@@ -32,6 +31,9 @@ from shardwise.parallel.wrappers.policies import (
 )
 from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+SHARDED_ATTR = "_shardwise_sharded"
+"""Set on every parameter a `fully_shard` call has sharded."""
 
 STATE_ATTR = "_shardwise_fully_shard"
 """Attribute of every wrapped module: its `ShardedGroup` (the one of the outermost wrapped module above it)."""
@@ -81,6 +83,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     each block, then to the root. Returns the module itself, its class now also a `FSDPModule`."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise UserError(f"fully_shard({type(module).__name__}): a container has no forward to gather around; "
+                        f"apply it to each of its modules")
     if hasattr(module, STATE_ATTR):
         raise UserError(f"fully_shard: {type(module).__name__} is already wrapped; apply it once per module")
     inside = set(map(id, module.modules()))
@@ -89,6 +94,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if id(g.root) not in inside:
             raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
                             f"fully_shard to the blocks first and to the root last")
+    below_params = {id(p) for g in below.values() for f in g.runtime.partition.flats for p in f.params}
+    if any(getattr(p, SHARDED_ATTR, False) and id(p) not in below_params for p in module.parameters()):
+        raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
+                        f"fully_shard to the blocks first and to the root last")
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     groups = groups_of(mesh, ledger=ledger)
     for g in below.values():
@@ -157,6 +166,7 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
         for f in unit.flats:
             for i, p in enumerate(f.params):
                 f.take(i, p.detach())
+                setattr(p, SHARDED_ATTR, True)
             if isinstance(offload, CPUOffloadPolicy):
                 pin = offload.pin_memory and torch.cuda.is_available()
                 f.offload(torch.device("cpu"), pin_memory=pin)
