@@ -90,8 +90,43 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--rtol", type=positive_float(), default=None, help="largest relative difference of the "
                    "warm-up losses within a pair (default: 1e-5, or 1e-2 with --bf16)")
+    p.add_argument("--memory-only", choices=[w.value for w in Wrapper], default=None, metavar="TRAINER",
+                   help="build only TRAINER, run --warmup + --steps steps, report each rank's peak RSS above what it "
+                   "held before building the model (one launch per trainer: their peaks then do not mix)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
     return p
+
+
+def _rss_now() -> int:
+    """This process's resident set size now, in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def run_memory_only(args: argparse.Namespace) -> dict[str, Any]:
+    """One trainer alone: peak RSS per rank above the rank's RSS before the model was built (the imports, the
+    process group and the batches), after --warmup + --steps steps; its model states from its own tensors."""
+    import resource
+    from shardwise.models import gpt_config
+    w = Wrapper(args.memory_only)
+    data = batches(args, args.seq_len, gpt_config(args.model).vocab_size)
+    base = _rss_now()
+    trainer = BUILDERS[w](args, data)
+    for _ in range(args.warmup + args.steps):
+        trainer.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    states = trainer.memory()
+    growth = torch.tensor([peak - base], dtype=torch.int64)
+    gathered = [torch.zeros_like(growth) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, growth)
+    out = {"trainer": w.value, "peak_rss_growth_bytes_per_rank": [int(t) for t in gathered], "model_states": states}
+    if dist.get_rank() == 0:
+        print(f"{w.value}: peak RSS above the pre-model baseline per rank: "
+              f"{', '.join(f'{int(t) / MIB:.1f} MiB' for t in gathered)}; model states "
+              f"{sum(v for v in states.values()) / MIB:.2f} MiB")
+        if args.json is not None:
+            write_json(args.json, dict(out, config=args_meta(args)))
+    return out
 
 
 def _check_warmup(trainers: dict[Wrapper, Built], warmup: int, rtol: float) -> dict[str, Any]:
@@ -191,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: run this module under the launcher: python -m torch.distributed.run --nproc-per-node 2 "
               "-m benchmarks.fsdp (or `shardwise bench fsdp --nproc 2`)", file=sys.stderr)
         return 2
-    return run_in_gloo_group(run, args)
+    return run_in_gloo_group(run_memory_only if args.memory_only else run, args)
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:
