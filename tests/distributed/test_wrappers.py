@@ -288,8 +288,9 @@ def _offload_kept() -> dict:
 def _four_ranks() -> dict:
     torch.set_num_threads(1)
     case = "adamw_accum_clip"
-    return {case: {"fully_shard": _ours_fully_shard(case), "ddp": _ours_ddp(case, "backend"),
-                   "tp_x_fully_shard": _tp_fully_shard(), "offload_kept": _offload_kept()}}
+    return {case: {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
+                   "ddp": _ours_ddp(case, "backend"), "tp_x_fully_shard": _tp_fully_shard(),
+                   "offload_kept": _offload_kept()}}
 
 
 def test_wrappers_four_ranks_and_tensor_parallel_equal_single_process():

@@ -41,13 +41,12 @@ STATE_ATTR = "_shardwise_fully_shard"
 
 @dataclass(eq=False)
 class ShardedGroup:
-    """One runtime and what it drives: the outermost module wrapped so far (`root`) and, per wrapped module, its
-    unit (None for a module all of whose parameters belong to modules wrapped below it)."""
+    """One runtime and what it drives: the outermost module wrapped so far (`root`); every wrapped module below
+    it holds this same object. `ledger` records the collectives of its groups."""
 
     root: nn.Module
     runtime: ZeroParamRuntime
     groups: DataParallelGroups
-    units: dict[int, Unit | None]
     ledger: CommLedger
 
 
@@ -134,11 +133,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
                                max_live_numel=1 << 62)
-    unit_of = {id(u.module): u for u in units}
-    group = ShardedGroup(module, runtime, groups, {}, ledger)
+    group = ShardedGroup(module, runtime, groups, ledger)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
-            group.units[id(m)] = unit_of.get(id(m))
             setattr(m, STATE_ATTR, group)
     wrap_class(module)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
