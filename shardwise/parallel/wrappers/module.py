@@ -98,8 +98,9 @@ class FSDPModule:
         wanted = set(named) | {n for n, _ in self.named_buffers()}  # type: ignore[attr-defined]
         missing = sorted(wanted - state_dict.keys())
         if missing:
-            raise UserError(f"load_full_state_dict: the state dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}"
-                            f"; give the full state dict of this model (full_state_dict() or the unwrapped model's)")
+            more = " ..." if len(missing) > 4 else ""
+            raise UserError(f"load_full_state_dict: the state dict lacks {missing[:4]}{more}; give the full state "
+                            f"dict of this model (full_state_dict() or the unwrapped model's)")
         for name, p in named.items():
             flat, i = where[id(p)]
             value = state_dict[name]
