@@ -231,7 +231,7 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
     assert r0["sgd"]["ddp"]["buckets"] > 3
-    expected = ["reshard_after_forward = 2", "mp_policy = {", "a module above it is already wrapped",
+    expected = ["reshard_after_forward = 2", "mp_policy = {", "already sharded by a module above it",
                 "GPT is already wrapped", "norm_type = 1", "all_reduce = 'tree'", "sharding_strategy = NO_SHARD",
                 "auto_wrap_policy = 3"]
     for message, start in zip(r0["refusals"], expected):

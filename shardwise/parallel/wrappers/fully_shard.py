@@ -95,8 +95,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                             f"fully_shard to the blocks first and to the root last")
     below_params = {id(p) for g in below.values() for f in g.runtime.partition.flats for p in f.params}
     if any(getattr(p, SHARDED_ATTR, False) and id(p) not in below_params for p in module.parameters()):
-        raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
-                        f"fully_shard to the blocks first and to the root last")
+        raise UserError(f"fully_shard({type(module).__name__}): some of its parameters are already sharded by a "
+                        f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
+                        f"root last (a parameter shared by two blocks belongs to their common parent's call)")
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     groups = groups_of(mesh, ledger=ledger)
     for g in below.values():
