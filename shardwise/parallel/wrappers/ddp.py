@@ -8,7 +8,8 @@ The runtime is the engine's stage-0 `BucketedAllReduce` (`parallel/data_parallel
 slot of a flat bucket [numel_k], buckets fill in reverse registration order and launch from
 post-accumulate-grad hooks in index order while backward runs. What a plain loop lacks is the engine's calls
 around backward: the forward arms the buckets (off inside `no_sync()`), and the first gradient of a backward
-queues autograd's final callback, which waits for every bucket and divides the sums by the dp size.
+queues autograd's final callback, which waits for every bucket (each divided by the dp size as it launched,
+as torch DDP divides).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class DistributedDataParallel(nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
                 self.groups.dp.broadcast(t)
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
-        self.reducer = BucketedAllReduce(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl)
+        # prescale: each bucket is divided by the dp size as it launches (torch DDP's arithmetic), so the division
+        # overlaps backward instead of following it
+        self.reducer = BucketedAllReduce(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl,
+                                         prescale=True)
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
