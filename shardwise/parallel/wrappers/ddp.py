@@ -32,7 +32,9 @@ MIB = 1 << 20
 
 class DistributedDataParallel(nn.Module):
     """torch DDP's behaviour: every rank starts from rank 0's parameters and buffers; gradients are averaged over
-    the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation."""
+    the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation.
+    torch's `device_ids`, `output_device`, `dim`, `find_unused_parameters` and `gradient_as_bucket_view` are
+    accepted: gradients are always bucket views, and a parameter without a gradient in a backward adds zeros."""
 
     def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: float = 25.0,
