@@ -194,9 +194,38 @@ def _refusals() -> list[str]:
     return out
 
 
+class _Scaled(torch.nn.Module):
+    """A linear layer times a buffer, noting the dtype its input arrives in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.seen: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return self.lin(x) * self.scale
+
+
+def _policy_casts() -> dict:
+    """param_dtype casts the gathered weights and the inputs, buffer_dtype the buffers once, output_dtype the
+    outputs; the parameters the optimizer sees stay fp32 pieces."""
+    import shardwise
+    net = _Scaled()
+    shardwise.fully_shard(net, mp_policy=shardwise.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32, buffer_dtype=torch.bfloat16))
+    out = net(torch.ones(2, 4))
+    out.sum().backward()              # the root stays gathered from forward to backward, as FSDP2's does
+    params = list(net.parameters())
+    return {"buffer": net.scale.dtype, "input": net.seen, "output": out.dtype,
+            "params": sorted({str(t.dtype) for p in params for t in (p, p.grad)}),
+            "numel": sum(p.numel() for p in params)}
+
+
 def _two_ranks() -> dict:
     torch.set_num_threads(1)
-    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals()}
+    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts()}
     for case in CASES:
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
@@ -236,6 +265,9 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
                 "auto_wrap_policy = 3"]
     for message, start in zip(r0["refusals"], expected):
         assert start in message and "\n" not in message, (start, message)
+    casts = r0["casts"]
+    assert (casts["buffer"], casts["input"], casts["output"]) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert casts["params"] == ["torch.float32"] and casts["numel"] == 10          # 20 parameters over 2 ranks
     sd = r0["state_dicts"]
     for name in ("full", "again", "third"):
         assert_state_close(sd[name], sd["unwrapped"], what=f"state dict {name}", rtol=0, atol=0)
