@@ -15,6 +15,10 @@ DeepSpeed's other names scripts use: `shardwise.add_config_arguments`, `shardwis
 `shardwise.zero` (Init, GatheredParameters), `shardwise.ops.adam` (FusedAdam, DeepSpeedCPUAdam) and
 `shardwise.utils` (safe_get_full_fp32_param, safe_get_full_grad).
 
+The torch-native way in, for a plain optimizer and loop: `shardwise.fully_shard(block)` per block then on the
+model (FSDP2's shape, `MixedPrecisionPolicy`, `CPUOffloadPolicy`), `shardwise.FullyShardedDataParallel(model,
+mixed_precision=shardwise.MixedPrecision(...))` (FSDP1's) and `shardwise.DistributedDataParallel(model)`.
+
 Names are resolved lazily so that torch-free parts (the planner) can be imported without torch.
 """
 
@@ -35,6 +39,16 @@ _EXPORTS = {
     "AutoValues": "shardwise.config",
     "UserError": "shardwise.errors",
     "add_config_arguments": "shardwise.arguments",
+    # the torch-native way in: module wrappers over the same strategies
+    "fully_shard": "shardwise.parallel.wrappers",
+    "FSDPModule": "shardwise.parallel.wrappers",
+    "FullyShardedDataParallel": "shardwise.parallel.wrappers",
+    "DistributedDataParallel": "shardwise.parallel.wrappers",
+    "MixedPrecisionPolicy": "shardwise.parallel.wrappers",
+    "MixedPrecision": "shardwise.parallel.wrappers",
+    "CPUOffloadPolicy": "shardwise.parallel.wrappers",
+    "CPUOffload": "shardwise.parallel.wrappers",
+    "OffloadPolicy": "shardwise.parallel.wrappers",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
+"""`shardwise bench {dp,allreduce,fsdp,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
 side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
@@ -26,6 +26,7 @@ BENCHMARKS = {
     "guards": "the per-step desync check and the fp32 non-finite skip: step time with and without them",
     "recompute": "activation recomputation policies (none, selective, full, every_n): stored bytes, step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
+    "fsdp": "shardwise fully_shard / DistributedDataParallel vs torch FSDP2 / DDP, plain loops: step time, memory",
 }
 
 

@@ -156,6 +156,18 @@ class BucketedAllReduce(OrderedLauncher):
                 if p.grad is not view:
                     p.grad = view
 
+    @torch.no_grad()
+    def reclaim_grads(self) -> None:
+        """Before a plain loop's backward: a .grad the user set to None (optimizer.zero_grad's default) gets its
+        slot back zeroed, one the user replaced is copied into its slot, so backward accumulates in place."""
+        for bucket in self.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is not view:
+                    view.copy_(p.grad)
+                p.grad = view
+
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()

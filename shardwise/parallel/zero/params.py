@@ -77,6 +77,14 @@ class FlatShard:
     # ZeRO-Offload of parameters: the shard lives on the CPU between uses and is copied to this device
     # (non-blocking from pinned memory) for each all-gather. None: the shard's own device.
     compute_device: torch.device | None = None
+    # Mixed precision with the shard as the master (the module wrappers): the shard keeps key.dtype (fp32), the
+    # gathered buffer is compute_dtype (bf16), gradients are reduced in reduce_dtype. None: key.dtype.
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    # The module wrappers: while free, parameter i views its piece of the shard [hi - lo] (and its .grad its
+    # piece of grad_shard), so an optimizer built on the module's parameters steps the shard in place.
+    rest_on_shard: bool = False
+    grads_held: bool = False                  # grad_shard holds gradients the free parameters show as .grad
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
@@ -115,24 +123,61 @@ class FlatShard:
 
     def launch_gather(self, comm: Comm) -> Handle:
         device = self.compute_device or self.shard.device
+        dtype = self.compute_dtype or self.key.dtype
         if self.full is None:
-            self.full = torch.empty(self.layout.padded_numel, dtype=self.key.dtype, device=device)
+            self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
             self.views = [self.full[o:o + n].view(s)
                           for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
         else:
             _resize(self.full, self.layout.padded_numel)
-        send = self.shard if device == self.shard.device else self.shard.to(device, non_blocking=True)
+        send = self.shard
+        if device != send.device or dtype != send.dtype:     # a transient [S] copy: H2D and/or cast
+            send = send.to(device, dtype, non_blocking=True)
         return comm.all_gather_into_tensor(self.full, send, async_op=True)
 
     def attach(self) -> None:
+        if self.rest_on_shard:
+            self._take_back_grads()
         for p, v in zip(self.params, self.views):
             p.data = v
 
     def release(self) -> None:
-        for p in self.params:
-            p.data = self.empty
+        if self.rest_on_shard:
+            pieces, grads = self.resting_views()
+            for p, v in zip(self.params, pieces):
+                p.data = v
+            if self.grads_held:
+                for p, g in zip(self.params, grads):
+                    p.grad = g
+        else:
+            for p in self.params:
+                p.data = self.empty
         if self.full is not None:
             _resize(self.full, 0)
+
+    def resting_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per parameter: its piece of the shard [hi - lo] ([0] when none is on this rank), and of grad_shard."""
+        pieces, grads = [], []
+        for i in range(len(self.params)):
+            lo, hi, dst = self.pieces.get(i, (0, 0, 0))
+            pieces.append(self.shard[dst:dst + hi - lo])
+            grads.append(None if self.grad_shard is None else self.grad_shard[dst:dst + hi - lo])
+        return pieces, grads
+
+    @torch.no_grad()
+    def _take_back_grads(self) -> None:
+        """Before a gather: what the user did to the shown gradients goes into grad_shard (a .grad set to None,
+        optimizer.zero_grad's default, zeroes its piece; a replaced one is copied in); then .grad is cleared so
+        that autograd accumulates this backward's full-shape gradient afresh."""
+        if self.grads_held:
+            _, grads = self.resting_views()
+            for p, g in zip(self.params, grads):
+                if p.grad is None:
+                    g.zero_()
+                elif p.grad.data_ptr() != g.data_ptr() or p.grad.shape != g.shape:
+                    g.copy_(p.grad)
+        for p in self.params:
+            p.grad = None
 
 
 @dataclass(eq=False)
@@ -142,6 +187,7 @@ class Unit:
     module: nn.Module
     flats: list[FlatShard]
     is_root: bool = False
+    reshard_after_forward: bool = True        # False: stays gathered from its training forward to its backward
     state: UnitState = UnitState.FREE
     handles: list[Handle] = field(default_factory=list)
 
@@ -328,11 +374,16 @@ def load_full_tensors(partition: Partition, named: dict[str, nn.Parameter], stat
             continue
         flat, i = where[id(p)]
         value = state_dict[name]
+        if flat.rest_on_shard and value.shape == p.shape:
+            continue                            # this rank's piece (a wrapper's sharded state dict): loaded as is
         if value.numel() == flat.layout.sizes[i] and value.numel() > 0:
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise ValueError(f'state_dict["{name}"] has shape {tuple(value.shape)}, the parameter '
                                  f'{tuple(flat.shapes[i])}')
             flat.take(i, value.to(flat.shard.device))
+            if flat.rest_on_shard:              # the piece now holds the value: load_state_dict copies it onto itself
+                state_dict[name] = flat.resting_views()[0][i]
+                continue
         elif value.numel() == 0:
             placeholders.append(name)
         else:

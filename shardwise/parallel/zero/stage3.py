@@ -71,6 +71,9 @@ class ZeroParamRuntime:
         self.live_numel = 0                     # elements of the units gathered or being gathered
         self.peak_live_numel = 0
         self.loaded_placeholders = False        # the last load_state_dict got ZeRO-3 placeholders
+        # False (the wrappers' set_requires_gradient_sync(False)): gradients accumulate in each flat's [padded]
+        # buffer across backwards, nothing is reduce-scattered until a backward with it True.
+        self.reduce_grads = True
         # Debugging aid (tests): fill a unit's buffer with NaN before freeing it, so that a computation reading
         # parameters after their unit was freed (memory the allocator has not reused yet) shows up as NaN.
         self.poison_freed = False
@@ -206,13 +209,16 @@ class ZeroParamRuntime:
             self._expect_backward = True
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, u),
                                                           mode="any")
+            if not u.reshard_after_forward and module.training:
+                return                          # kept gathered for its backward (FSDP2's reshard_after_forward=False)
         self._free(u)
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
         self._orders[id(module)] = self._running
         self._position.update({id(u): (id(module), i) for i, u in enumerate(self._running)})
+        kept = {id(u) for u in self._running if not u.reshard_after_forward and module.training}
         for u in self.units:                    # prefetched but not run (the forward took another path)
-            if not u.is_root:
+            if not u.is_root and id(u) not in kept:
                 self._free(u)
         tensors = _grad_tensors(output)
         if tensors:
@@ -257,21 +263,24 @@ class ZeroParamRuntime:
         if flat.grad_full is None:
             flat.grad_full = _zeros_full(flat)
         off, n = flat.layout.offsets[i], flat.layout.sizes[i]
-        flat.grad_full[off:off + n].copy_(p.grad.reshape(-1))
+        # added, not copied: without reduce_grads the buffer holds the earlier backwards' sum (cast to reduce dtype)
+        flat.grad_full[off:off + n].add_(p.grad.reshape(-1))
         p.grad = None                           # the full gradient is not kept: stage 2/3's saving
         flat.ready += 1
         if flat.ready == len(flat.params):
-            self._launch_reduce(flat)
+            if self.reduce_grads:
+                self._launch_reduce(flat)
             u = self.units[flat.unit]
-            if all(f.launched for f in u.flats if f.group is not None):
+            if all(f.ready == len(f.params) for f in u.flats if f.group is not None):
                 self._free(u)
 
     def _launch_reduce(self, flat: FlatShard) -> None:
         self._drain(self.max_reduce_in_flight - 1)
         if flat.grad_full is None:              # no parameter of it got a gradient in this backward
             flat.grad_full = _zeros_full(flat)
-        # A separate [S] output: the input must not alias it.
-        flat.received = torch.empty_like(flat.grad_shard)
+        # A separate [S] output in the reduce dtype, on the gradients' device: the input must not alias it.
+        flat.received = flat.grad_full.new_empty(flat.grad_shard.shape)
+        flat.grads_held = True
         flat.handle = self.comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)],
                                                    async_op=True)
         flat.launched = True
@@ -284,7 +293,8 @@ class ZeroParamRuntime:
             flat.handle.wait()
             flat.handle = None
             flat.received.div_(self.comm.size)
-            flat.grad_shard.add_(flat.received)
+            # a wrapper's CPU offload keeps grad_shard on the host: a blocking copy, ordered after the reduction
+            flat.grad_shard.add_(flat.received.to(flat.grad_shard.device))
             flat.received = None
             flat.grad_full = None
 
@@ -295,7 +305,7 @@ class ZeroParamRuntime:
         self._expect_backward = False
         for u in self.units:                    # unit order: the same on every rank
             for f in u.flats:
-                if f.group is not None and not f.launched:
+                if f.group is not None and not f.launched and self.reduce_grads:
                     self._launch_reduce(f)
         self._drain(0)
         for u in self.units:
@@ -344,4 +354,5 @@ class ZeroParamRuntime:
 def _zeros_full(flat: FlatShard) -> torch.Tensor:
     """The [padded] full gradient of a flat, where its gradients are computed and reduce-scattered: the compute
     device, also when offload_param keeps the parameter shard on the CPU (NCCL takes device tensors only)."""
-    return torch.zeros(flat.layout.padded_numel, dtype=flat.key.dtype, device=flat.compute_device or flat.shard.device)
+    return torch.zeros(flat.layout.padded_numel, dtype=flat.reduce_dtype or flat.key.dtype,
+                       device=flat.compute_device or flat.shard.device)

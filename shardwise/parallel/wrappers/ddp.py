@@ -1,0 +1,113 @@
+"""`DistributedDataParallel`: torch DDP's wrapper on shardwise's bucketed, overlapped all-reduce.
+
+    model = DistributedDataParallel(model, bucket_cap_mb=25)        # all_reduce="ring": shardwise's ring
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model(ids, labels); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+The runtime is the engine's stage-0 `BucketedAllReduce` (`parallel/data_parallel.py`): each `.grad` views a
+slot of a flat bucket [numel_k], buckets fill in reverse registration order and launch from
+post-accumulate-grad hooks in index order while backward runs. What a plain loop lacks is the engine's calls
+around backward: the forward arms the buckets (off inside `no_sync()`), and the first gradient of a backward
+queues autograd's final callback, which waits for every bucket (each divided by the dp size as it launched,
+as torch DDP divides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from shardwise.comm.ledger import CommLedger
+from shardwise.config.resolved import AllReduceImpl
+from shardwise.errors import UserError
+from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.parallel.wrappers.module import clip_sharded_
+from shardwise.parallel.wrappers.policies import groups_of
+
+MIB = 1 << 20
+
+
+class DistributedDataParallel(nn.Module):
+    """torch DDP's behaviour: every rank starts from rank 0's parameters and buffers; gradients are averaged over
+    the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation.
+    torch's `device_ids`, `output_device`, `dim`, `find_unused_parameters` and `gradient_as_bucket_view` are
+    accepted: gradients are always bucket views, and a parameter without a gradient in a backward adds zeros."""
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, *,
+                 device_mesh: Any = None, all_reduce: str = "backend"):
+        super().__init__()
+        try:
+            impl = AllReduceImpl(all_reduce)
+        except ValueError:
+            raise UserError(f"all_reduce = {all_reduce!r}: give 'backend' (the process group's all_reduce) or "
+                            f"'ring' (shardwise's ring)") from None
+        if not bucket_cap_mb > 0:
+            raise UserError(f"bucket_cap_mb = {bucket_cap_mb}: give a positive size in MiB, e.g. 25")
+        if device_ids and torch.cuda.is_available():
+            torch.cuda.set_device(device_ids[0])
+        self.module = module
+        self.ledger = CommLedger()
+        self.groups = groups_of(device_mesh if device_mesh is not None else process_group, ledger=self.ledger)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_sync = True
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise UserError("DistributedDataParallel: the module has no parameter that requires grad")
+        with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
+            for t in [*module.parameters(), *module.buffers()]:
+                self.groups.dp.broadcast(t)
+        numel = int(bucket_cap_mb * MIB) // params[0].element_size()
+        # prescale: each bucket is divided by the dp size as it launches (torch DDP's arithmetic), so the division
+        # overlaps backward instead of following it
+        self.reducer = BucketedAllReduce(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl,
+                                         prescale=True)
+        self._callback_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.reducer.reclaim_grads()     # slots of .grads the optimizer set to None are zeroed
+            self.reducer.begin_backward(self.require_sync)
+            if self.broadcast_buffers and self.require_sync:
+                with torch.no_grad():
+                    for b in self.module.buffers():
+                        self.groups.dp.broadcast(b)
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, _p: torch.Tensor) -> None:
+        """Runs after the reducer's own hook on each gradient: queue the end of backward once."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.reducer.end_backward(self.reducer.enabled)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards (and their backwards) inside accumulate gradients locally; the next backward outside
+        all-reduces the sum."""
+        before, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's clip_grad_norm_ on the replicas (equal on every rank); over TP slices when the mesh has TP."""
+        if float(norm_type) != 2.0:
+            raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
+        return clip_sharded_(list(self.module.parameters()), max_norm, self.groups, dp_sharded=False)
+
+    def close(self) -> None:
+        """Remove the hooks (the module keeps its parameters and gradients)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.reducer.close()

@@ -1,0 +1,178 @@
+"""`fully_shard`: FSDP2's composable shape on shardwise's ZeRO-3 units and hooks.
+
+    for block in model.blocks:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard(model)                              # the outermost call last: one runtime for the whole model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)    # steps this rank's shards
+
+Each call shards at once: the module's parameters not already wrapped below it become one ZeRO-3 unit
+(`parallel/zero/params.py`, one padded flat buffer per dtype, split over the dp group), and the units wrapped
+below are adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers,
+frees, prefetches and reduce-scatters exactly as the engine's stage 3 does. What differs from the engine is only
+where the optimizer steps: here each parameter, while its unit is free, views its piece of the shard
+(`FlatShard.rest_on_shard`, a 1-D tensor of the elements of that parameter this rank holds) and its `.grad` its
+piece of the gradient shard, so any `torch.optim` optimizer built afterwards steps the shards in place (element-
+wise optimizers give exactly the single-process result; the pieces are not dim-0 rows as FSDP2's are).
+`model.state_dict()` is this rank's pieces (the sharded state dict); `full_state_dict()` gathers the whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.comm.ledger import CommLedger
+from shardwise.errors import UserError
+from shardwise.parallel.wrappers.policies import (
+    CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
+)
+from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+SHARDED_ATTR = "_shardwise_sharded"
+"""Set on every parameter a `fully_shard` call has sharded."""
+
+STATE_ATTR = "_shardwise_fully_shard"
+"""Attribute of every wrapped module: its `ShardedGroup` (the one of the outermost wrapped module above it)."""
+
+
+@dataclass(eq=False)
+class ShardedGroup:
+    """One runtime and what it drives: the outermost module wrapped so far (`root`); every wrapped module below
+    it holds this same object. `ledger` records the collectives of its groups."""
+
+    root: nn.Module
+    runtime: ZeroParamRuntime
+    groups: DataParallelGroups
+    ledger: CommLedger
+
+
+def _same_group(a: DataParallelGroups, b: DataParallelGroups) -> bool:
+    import torch.distributed as dist
+    ranks = [dist.get_process_group_ranks(g.dp.group or dist.group.WORLD) if g.dp.size > 1 else [g.dp.rank]
+             for g in (a, b)]
+    return ranks[0] == ranks[1]
+
+
+def _compute_device(groups: DataParallelGroups, params: list[nn.Parameter]) -> torch.device:
+    """Where forward runs: the current CUDA device under NCCL, else where the parameters are."""
+    if groups.dp.size > 1 and groups.dp.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return params[0].device if params else torch.device("cpu")
+
+
+def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> None:
+    if not isinstance(reshard_after_forward, bool):
+        raise UserError(f"reshard_after_forward = {reshard_after_forward!r}: give True (free after forward) or "
+                        f"False (keep gathered until backward); resharding to a smaller group is not supported")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise UserError(f"mp_policy = {mp_policy!r}: give shardwise.MixedPrecisionPolicy(param_dtype=..., "
+                        f"reduce_dtype=...)")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise UserError(f"offload_policy = {offload_policy!r}: give shardwise.CPUOffloadPolicy() or None")
+
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy | None = None) -> nn.Module:
+    """Shard `module`'s parameters over the data-parallel group of `mesh` (see `policies.groups_of`); apply it to
+    each block, then to the root. Returns the module itself, its class now also a `FSDPModule`."""
+    from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
+    _check_policies(reshard_after_forward, mp_policy, offload_policy)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise UserError(f"fully_shard({type(module).__name__}): a container has no forward to gather around; "
+                        f"apply it to each of its modules")
+    if hasattr(module, STATE_ATTR):
+        raise UserError(f"fully_shard: {type(module).__name__} is already wrapped; apply it once per module")
+    inside = set(map(id, module.modules()))
+    below = {id(g): g for m in module.modules() if (g := getattr(m, STATE_ATTR, None)) is not None}
+    for g in below.values():
+        if id(g.root) not in inside:
+            raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
+                            f"fully_shard to the blocks first and to the root last")
+    below_params = {id(p) for g in below.values() for f in g.runtime.partition.flats for p in f.params}
+    if any(getattr(p, SHARDED_ATTR, False) and id(p) not in below_params for p in module.parameters()):
+        raise UserError(f"fully_shard({type(module).__name__}): some of its parameters are already sharded by a "
+                        f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
+                        f"root last (a parameter shared by two blocks belongs to their common parent's call)")
+    ledger = next(iter(below.values())).ledger if below else CommLedger()
+    groups = groups_of(mesh, ledger=ledger)
+    for g in below.values():
+        if not _same_group(g.groups, groups):
+            raise UserError(f"fully_shard({type(module).__name__}): its blocks were wrapped over another group of "
+                            f"ranks; pass the same mesh to every fully_shard call")
+        g.runtime.close()
+    order = {id(m): k for k, m in enumerate(module.modules())}
+    adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
+    owned = {id(p) for u in adopted for f in u.flats for p in f.params}
+    params = [p for p in module.parameters() if id(p) not in owned]
+    device = _compute_device(groups, params)
+    done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(device)
+        for m in module.modules():
+            for name, b in m._buffers.items():
+                if b is not None and id(m) not in done:     # buffers of wrapped blocks were handled then
+                    dtype = mp_policy.buffer_dtype if b.is_floating_point() and mp_policy.buffer_dtype else b.dtype
+                    m._buffers[name] = b.to(device, dtype)
+    units = list(adopted)
+    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, reshard_after_forward)
+    if mine is not None:
+        units.append(mine)
+    names = {id(m): n for n, m in module.named_modules()}
+    for k, u in enumerate(units):
+        u.index, u.is_root = k, u is mine
+        u.name = names.get(id(u.module)) or "<root>"
+        for f in u.flats:
+            f.unit = k
+    partition = Partition(units, [], groups.dp.size, groups.dp.rank, 0, 0)
+    largest = max((u.padded_numel for u in units if not u.is_root), default=1)
+    # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
+    runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
+                               max_live_numel=1 << 62)
+    group = ShardedGroup(module, runtime, groups, ledger)
+    for m in module.modules():
+        if m is module or hasattr(m, STATE_ATTR):
+            setattr(m, STATE_ATTR, group)
+    wrap_class(module)
+    if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
+        dtype = mp_policy.param_dtype
+        module.register_forward_pre_hook(lambda _m, args, kwargs: (cast_floating(args, dtype),
+                                                                   cast_floating(kwargs, dtype)), with_kwargs=True)
+    if mp_policy.output_dtype is not None:
+        out = mp_policy.output_dtype
+        module.register_forward_hook(lambda _m, _args, output: cast_floating(output, out))
+    assert isinstance(module, FSDPModule)
+    return module
+
+
+def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,
+              mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool) -> Unit | None:
+    """The unit of `module`'s own parameters (those no wrapped module below holds), sharded and resting on its
+    shard; None when there are none."""
+    if not params:
+        return None
+    key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
+    (unit,) = build_units([UnitPlan(type(module).__name__, module, params, is_root=True)], key_of=key_of,
+                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device)
+    unit.reshard_after_forward = reshard_after_forward
+    with torch.no_grad():
+        for f in unit.flats:
+            for i, p in enumerate(f.params):
+                f.take(i, p.detach())
+                setattr(p, SHARDED_ATTR, True)
+            if isinstance(offload, CPUOffloadPolicy):
+                pin = offload.pin_memory and torch.cuda.is_available()
+                f.offload(torch.device("cpu"), pin_memory=pin)
+                if f.grad_shard is not None:    # the optimizer steps on the host: gradients live there too
+                    f.grad_shard = torch.zeros(f.grad_shard.shape, dtype=f.grad_shard.dtype, pin_memory=pin)
+            f.compute_dtype = mp.param_dtype if mp.param_dtype is not None and f.key.dtype.is_floating_point \
+                else None
+            f.reduce_dtype = mp.reduce_dtype or f.compute_dtype
+            f.rest_on_shard = True
+            f.release()
+    return unit

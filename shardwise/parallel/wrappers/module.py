@@ -1,0 +1,138 @@
+"""What a module wrapped by `fully_shard` can do beyond its own class (FSDP2's `FSDPModule` methods): gradient
+sync on/off, resharding, the gradient norm over the shards, and full / sharded state dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from shardwise.errors import UserError
+from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
+from shardwise.parallel.zero.params import FlatShard
+from shardwise.topology import SoloComm
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor of a nest of args / kwargs / outputs cast to `dtype`; the rest as it is."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def wrap_class(module: nn.Module) -> None:
+    """Make `module` an instance of FSDP<its class> (also its class: isinstance checks keep working)."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _CLASSES[cls]
+
+
+class FSDPModule:
+    """Mixed into the class of every module `fully_shard` wrapped. Collective methods say so: every rank of the
+    data-parallel group must call them in the same order."""
+
+    def _sharded_group(self):
+        from shardwise.parallel.wrappers.fully_shard import STATE_ATTR
+        return getattr(self, STATE_ATTR)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: the following backwards accumulate full gradients locally without communicating (gradient
+        accumulation); the first backward with True reduce-scatters the sum. Applies to the whole model the
+        outermost wrapper drives."""
+        self._sharded_group().runtime.reduce_grads = bool(requires_gradient_sync)
+
+    def reshard(self) -> None:
+        """Free every gathered unit now (the next forward gathers what it needs)."""
+        self._sharded_group().runtime.release_gathered()
+
+    def _my_flats(self) -> list[FlatShard]:
+        mine = {id(p) for p in self.parameters()}  # type: ignore[attr-defined]
+        return [f for u in self._sharded_group().runtime.units for f in u.flats
+                if any(id(p) in mine for p in f.params)]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient shard so the whole model's gradient norm is at most `max_norm`; returns that norm
+        (computed before clipping), as torch's clip_grad_norm_ does on one process. Collective over dp (and tp).
+        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's pieces only."""
+        if float(norm_type) != 2.0:
+            raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
+        return clip_sharded_(list(self.parameters()), max_norm,  # type: ignore[attr-defined]
+                             self._sharded_group().groups, dp_sharded=True)
+
+    @torch.no_grad()
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The whole state dict, parameters in their sharded dtype, on the CPU; with `rank0_only` the other
+        ranks get None. Collective: gathers one flat at a time."""
+        group = self._sharded_group()
+        comm = group.groups.dp
+        keep = not rank0_only or comm.rank == 0
+        values: dict[int, torch.Tensor] = {}
+        for f in self._my_flats():
+            full = gather_exact(f, comm)
+            if keep:
+                for p, off, n, shape in zip(f.params, f.layout.offsets, f.layout.sizes, f.shapes):
+                    values[id(p)] = full[off:off + n].view(shape).to("cpu", copy=True)
+        if not keep:
+            return None
+        state = {k: v.detach().to("cpu", copy=True)
+                 for k, v in self.state_dict().items()}  # type: ignore[attr-defined]
+        for name, p in self.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
+            if id(p) in values and name in state:
+                state[name] = values[id(p)]
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (a `full_state_dict()`, or the unwrapped model's state dict): each rank keeps its
+        pieces. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
+        group = self._sharded_group()
+        group.runtime.release_gathered()
+        named = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
+        where = group.runtime.partition.where()
+        wanted = set(named) | {n for n, _ in self.named_buffers()}  # type: ignore[attr-defined]
+        missing = sorted(wanted - state_dict.keys())
+        if missing:
+            more = " ..." if len(missing) > 4 else ""
+            raise UserError(f"load_full_state_dict: the state dict lacks {missing[:4]}{more}; give the full state "
+                            f"dict of this model (full_state_dict() or the unwrapped model's)")
+        for name, p in named.items():
+            flat, i = where[id(p)]
+            value = state_dict[name]
+            if tuple(value.shape) != tuple(flat.shapes[i]):
+                raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
+                                f'{tuple(flat.shapes[i])}')
+            flat.take(i, value.to(flat.shard.device))
+        for name, b in self.named_buffers():  # type: ignore[attr-defined]
+            b.copy_(state_dict[name])
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's pieces of every parameter (1-D) and the buffers: what `state_dict()` gives. Load it back with
+        `load_state_dict` on the same number of ranks and the same wrapping."""
+        return self.state_dict()  # type: ignore[attr-defined]
+
+
+def gather_exact(flat: FlatShard, comm) -> torch.Tensor:
+    """A flat's [padded] buffer gathered in the shard's own dtype (fp32 under mixed precision, unlike the compute
+    gathers), on the compute device. Collective."""
+    device = flat.compute_device or flat.shard.device
+    full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=device)
+    comm.all_gather_into_tensor(full, flat.shard.to(device, copy=True))
+    return full
+
+
+def clip_sharded_(params: list[torch.Tensor], max_norm: float, groups, *, dp_sharded: bool) -> torch.Tensor:
+    """clip_grad_norm_ over parameters that are pieces of one model spread over the dp group (`dp_sharded`) or
+    replicas on it, each maybe a TP slice: the engine's `GradNormReducer` (float64 partial sums, one all-reduce
+    over dp, one over tp)."""
+    with_grads = [p for p in params if p.grad is not None]
+    solo = SoloComm(None, groups.dp.ledger, name="pp")
+    # replicas (DDP) hold equal gradients: only TP slices add up; shards add up over dp too
+    norms = GradNormReducer(stage_comm=solo, model_comm=groups.dp,
+                            tp_comm=groups.tp).for_tensors(whole_tensor_layout(with_grads), dp_sharded=dp_sharded)
+    return torch.tensor(norms.clip_(with_grads, float(max_norm)))

@@ -1,0 +1,335 @@
+"""The module wrappers with the seed's plain loop (`optimizer.zero_grad(); loss = model(**batch); loss.backward();
+optimizer.step()`) equal a single-process run and torch's own DDP / FSDP2 on the same model and data.
+
+One launch per world size runs every case on the same ranks: fp32 at rtol 1e-5 (AdamW with clipping and
+gradient accumulation through set_requires_gradient_sync / no_sync, SGD with momentum), bf16 parameters with
+fp32 reduction against FSDP2 with the same policy, and at 4 ranks tensor parallelism x fully_shard on a 2 x 2
+mesh against the single process."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from test_dp_parity import SEQ, global_batches
+from shardwise.testing import (
+    assert_close_growing, assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, micro_steps,
+    reference_train, run_distributed, shard_global_batch, state_copy, tiny_gpt,
+)
+
+ADAMW = ("adamw", dict(lr=3e-3, weight_decay=0.1))
+SGD = ("sgd", dict(lr=0.05, momentum=0.9))
+CASES = {          # name: (optimizer, gradient accumulation, clip)
+    "adamw_accum_clip": (ADAMW, 2, 0.5),
+    "sgd": (SGD, 1, None),
+}
+BF16_EPS = 2.0 ** -7        # bf16's machine epsilon
+
+
+def _optimizer(spec: tuple, params) -> torch.optim.Optimizer:
+    name, kw = spec
+    return torch.optim.AdamW(params, **kw) if name == "adamw" else torch.optim.SGD(params, **kw)
+
+
+def reference(case: str) -> tuple[list[float], dict]:
+    spec, gas, clip = CASES[case]
+    model = tiny_gpt(seq_len=SEQ)
+    losses = reference_train(model, _optimizer(spec, model.parameters()),
+                             micro_steps(global_batches(), grad_accum=gas), loss_fn=lambda m, mb: m(*mb), clip=clip)
+    return losses, state_copy(model)
+
+
+def seed_loop(model, optimizer, *, gas: int, dp: int, dp_rank: int, clip=None, no_sync=None) -> list[float]:
+    """The seed's loop over this rank's micro-batches: the last micro-batch of a step synchronises."""
+    losses = []
+    for b in global_batches():
+        optimizer.zero_grad()
+        total = 0.0
+        for k, rows in enumerate(shard_global_batch(b, dp_size=dp, dp_rank=dp_rank, grad_accum=gas)):
+            ids, labels = lm_pair(rows)
+            batch = {"input_ids": ids, "labels": labels}
+            with no_sync() if no_sync is not None and k < gas - 1 else contextlib.nullcontext():
+                loss = model(**batch)
+                (loss / gas).backward()
+            total += float(loss.detach())
+        if clip is not None:
+            clip()
+        optimizer.step()
+        losses.append(mean_over_ranks(total / gas))
+    return losses
+
+
+def _grad_sync_off(model):
+    @contextlib.contextmanager
+    def ctx():
+        model.set_requires_gradient_sync(False)
+        yield
+        model.set_requires_gradient_sync(True)
+    return ctx
+
+
+def _ours_fully_shard(case: str, mp=None) -> dict:
+    import shardwise
+    spec, gas, clip = CASES[case]
+    model = tiny_gpt(seq_len=SEQ)
+    policy = mp or shardwise.MixedPrecisionPolicy()
+    for block in model.blocks:
+        shardwise.fully_shard(block, mp_policy=policy)
+    shardwise.fully_shard(model, mp_policy=policy)
+    opt = _optimizer(spec, model.parameters())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = seed_loop(model, opt, gas=gas, dp=world, dp_rank=rank,
+                       clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": model.full_state_dict(), "sharded": model.sharded_state_dict(),
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
+def _ours_fsdp1(case: str) -> dict:
+    import shardwise
+    spec, gas, clip = CASES[case]
+    from shardwise.models.gpt import MLP, Attention, Block
+    # SGD: nested units (attention and MLP inside each block's unit), as torch's class-set policies give
+    policy = {Attention, MLP, Block} if case == "sgd" else None
+    model = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), mixed_precision=shardwise.MixedPrecision(),
+                                               auto_wrap_policy=policy)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=model.no_sync)
+    return {"losses": losses, "state": model.full_state_dict()}
+
+
+def _ours_ddp(case: str, all_reduce: str) -> dict:
+    import shardwise
+    spec, gas, clip = CASES[case]
+    # a different seed on ranks > 0: the wrapper must start every rank from rank 0's weights
+    model = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ, seed=1234 + 7 * dist.get_rank()),
+                                              bucket_cap_mb=0.01, all_reduce=all_reduce)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=model.no_sync)
+    return {"losses": losses, "state": state_copy(model.module), "buckets": len(model.reducer.buckets)}
+
+
+def _torch_ddp(case: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    spec, gas, clip = CASES[case]
+    model = DDP(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None,
+                       no_sync=model.no_sync)
+    return {"losses": losses, "state": state_copy(model.module)}
+
+
+def _torch_fsdp2(case: str, mp=None) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    spec, gas, clip = CASES[case]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_gpt(seq_len=SEQ)
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None,
+                       no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _bf16_pair() -> dict:
+    """bf16 parameters, fp32 reduction: ours and FSDP2 with the same policy, AdamW, accumulation, clipping."""
+    import shardwise
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    ours = _ours_fully_shard("adamw_accum_clip", shardwise.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                                 reduce_dtype=torch.float32))
+    theirs = _torch_fsdp2("adamw_accum_clip", TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    return {"ours": ours, "fsdp2": theirs}
+
+
+def _state_dict_round_trip() -> dict:
+    """full_state_dict -> a fresh wrapped model; the sharded state dict -> load_state_dict."""
+    import shardwise
+    model = tiny_gpt(seq_len=SEQ, seed=5)
+    shardwise.fully_shard(model.blocks[0])
+    shardwise.fully_shard(model)
+    full = model.full_state_dict()
+    other = tiny_gpt(seq_len=SEQ, seed=6)
+    shardwise.FullyShardedDataParallel(other)
+    other.load_full_state_dict(full)
+    again = other.full_state_dict()
+    third = tiny_gpt(seq_len=SEQ, seed=7)
+    shardwise.fully_shard(third.blocks[0])
+    shardwise.fully_shard(third)
+    third.load_state_dict(model.sharded_state_dict())
+    return {"full": full, "again": again, "third": third.full_state_dict(), "unwrapped": state_copy(tiny_gpt(
+        seq_len=SEQ, seed=5))}
+
+
+def _refusals() -> list[str]:
+    """One line each, naming the argument and the fix."""
+    import shardwise
+    from shardwise.errors import UserError
+    model = tiny_gpt(seq_len=SEQ)
+    attempts = [
+        lambda: shardwise.fully_shard(model.blocks[0], reshard_after_forward=2),
+        lambda: shardwise.fully_shard(model.blocks[0], mp_policy={"param_dtype": torch.bfloat16}),
+        lambda: (shardwise.fully_shard(model), shardwise.fully_shard(model.blocks[1])),
+        lambda: shardwise.fully_shard(model),
+        lambda: model.clip_grad_norm_(1.0, norm_type=1),
+        lambda: shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), all_reduce="tree"),
+        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), sharding_strategy="NO_SHARD"),
+        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), auto_wrap_policy=3),
+    ]
+    out = []
+    for attempt in attempts:
+        try:
+            attempt()
+            out.append("accepted")
+        except UserError as e:
+            out.append(str(e))
+    return out
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer times a buffer, noting the dtype its input arrives in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self.seen: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x.dtype
+        return self.lin(x) * self.scale
+
+
+def _policy_casts() -> dict:
+    """param_dtype casts the gathered weights and the inputs, buffer_dtype the buffers once, output_dtype the
+    outputs; the parameters the optimizer sees stay fp32 pieces."""
+    import shardwise
+    net = _Scaled()
+    shardwise.fully_shard(net, mp_policy=shardwise.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32, buffer_dtype=torch.bfloat16))
+    out = net(torch.ones(2, 4))
+    out.sum().backward()              # the root stays gathered from forward to backward, as FSDP2's does
+    params = list(net.parameters())
+    return {"buffer": net.scale.dtype, "input": net.seen, "output": out.dtype,
+            "params": sorted({str(t.dtype) for p in params for t in (p, p.grad)}),
+            "numel": sum(p.numel() for p in params)}
+
+
+def _two_ranks() -> dict:
+    torch.set_num_threads(1)
+    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts()}
+    for case in CASES:
+        out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
+                     "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
+                     "torch_ddp": _torch_ddp(case), "torch_fsdp2": _torch_fsdp2(case)}
+    out["bf16"] = _bf16_pair()
+    return out
+
+
+def _check_fp32(results: list[dict], world: int) -> None:
+    for case in CASES:
+        ref_losses, ref_state = reference(case)
+        adam = CASES[case][0] is ADAMW
+        for rank, r in enumerate(results):
+            runs = r[case]
+            for name, run in runs.items():
+                what = f"{world} ranks, {case}, {name}, rank {rank}"
+                assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
+                assert_state_close(run["state"], ref_state, what=what, adam=adam)
+            for ours, peer in (("fully_shard", "torch_fsdp2"), ("fsdp1", "torch_fsdp2"), ("ddp", "torch_ddp")):
+                if peer in runs:
+                    assert_close_lists(runs[ours]["losses"], runs[peer]["losses"], rtol=1e-5,
+                                       what=f"{case} {ours} vs {peer}")
+                    assert_state_close(runs[ours]["state"], runs[peer]["state"], what=f"{case} {ours} vs {peer}",
+                                       adam=adam)
+
+
+def test_wrappers_two_ranks_equal_single_process_and_torch():
+    results = run_distributed(_two_ranks, 2, timeout=400)
+    _check_fp32(results, 2)
+    r0 = results[0]
+    total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
+    # every rank holds about half the parameters (padding aside), and several DDP buckets were used
+    assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
+    assert r0["sgd"]["ddp"]["buckets"] > 3
+    expected = ["reshard_after_forward = 2", "mp_policy = {", "already sharded by a module above it",
+                "GPT is already wrapped", "norm_type = 1", "all_reduce = 'tree'", "sharding_strategy = NO_SHARD",
+                "auto_wrap_policy = 3"]
+    for message, start in zip(r0["refusals"], expected):
+        assert start in message and "\n" not in message, (start, message)
+    casts = r0["casts"]
+    assert (casts["buffer"], casts["input"], casts["output"]) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert casts["params"] == ["torch.float32"] and casts["numel"] == 10          # 20 parameters over 2 ranks
+    sd = r0["state_dicts"]
+    for name in ("full", "again", "third"):
+        assert_state_close(sd[name], sd["unwrapped"], what=f"state dict {name}", rtol=0, atol=0)
+    # bf16 compute, fp32 reduce: the first step's loss is bitwise FSDP2's, later ones within n * eps / 64
+    for rank, r in enumerate(results):
+        ours, theirs = r["bf16"]["ours"], r["bf16"]["fsdp2"]
+        assert_close_growing(ours["losses"], theirs["losses"], rtol_per_step=BF16_EPS / 64,
+                             steps=list(range(len(theirs["losses"]))), what=f"bf16 losses rank {rank}")
+        for k, v in theirs["state"].items():
+            # fp32 masters after n AdamW steps of lr 3e-3: within one bf16 ulp of the weights' scale
+            torch.testing.assert_close(ours["state"][k], v, rtol=BF16_EPS, atol=BF16_EPS * 3e-3 * 5,
+                                       msg=lambda m, k=k: f"bf16 {k}: {m}")
+
+
+def _tp_fully_shard() -> dict:
+    """Tensor parallelism first (our GPT plan over the mesh's tp axis), then fully_shard over its dp axis."""
+    import shardwise
+    from shardwise.comm.ledger import CommLedger
+    from shardwise.parallel.tensor_parallel import gather_full_state_dict
+    from shardwise.parallel.tensor_parallel.model_plans import parallelize_gpt
+    from shardwise.topology import Axis, MeshShape, ParallelMesh
+    spec, gas, clip = CASES["adamw_accum_clip"]
+    mesh = ParallelMesh.build(MeshShape(dp=2, tp=2))
+    tp_comm = mesh.comm(Axis.TP, CommLedger())
+    model = tiny_gpt(seq_len=SEQ)
+    parallelize_gpt(model, tp_comm)
+    for block in model.blocks:
+        shardwise.fully_shard(block, mesh=mesh)
+    shardwise.fully_shard(model, mesh=mesh)
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=2, dp_rank=mesh.rank(Axis.DP), clip=lambda: model.clip_grad_norm_(clip),
+                       no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": gather_full_state_dict(model, tp_comm, model.full_state_dict())}
+
+
+def _offload_kept() -> dict:
+    """CPU offload of the shards (the optimizer steps on the host), blocks kept gathered from forward to backward."""
+    import shardwise
+    spec, gas, clip = CASES["adamw_accum_clip"]
+    model = tiny_gpt(seq_len=SEQ)
+    for block in model.blocks:
+        shardwise.fully_shard(block, reshard_after_forward=False, offload_policy=shardwise.CPUOffloadPolicy())
+    shardwise.fully_shard(model, offload_policy=shardwise.CPUOffloadPolicy())
+    opt = _optimizer(spec, model.parameters())
+    losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
+                       clip=lambda: model.clip_grad_norm_(clip), no_sync=_grad_sync_off(model))
+    return {"losses": losses, "state": model.full_state_dict()}
+
+
+def _four_ranks() -> dict:
+    torch.set_num_threads(1)
+    case = "adamw_accum_clip"
+    return {case: {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
+                   "ddp": _ours_ddp(case, "backend"), "tp_x_fully_shard": _tp_fully_shard(),
+                   "offload_kept": _offload_kept()}}
+
+
+def test_wrappers_four_ranks_and_tensor_parallel_equal_single_process():
+    results = run_distributed(_four_ranks, 4, timeout=400)
+    ref_losses, ref_state = reference("adamw_accum_clip")
+    for rank, r in enumerate(results):
+        for name, run in r["adamw_accum_clip"].items():
+            what = f"4 ranks, {name}, rank {rank}"
+            assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
+            assert_state_close(run["state"], ref_state, what=what, adam=True)
