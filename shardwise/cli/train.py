@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, meet_other_nodes
 from shardwise.errors import UserError
 
 DEFAULT_SEED = 0
@@ -113,6 +114,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=None,
                    help=f"port of the rendezvous store on node 0 (default: {DEFAULT_MASTER_PORT} with "
                         "--nnodes > 1, a free port on one node)")
+    p.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_TIMEOUT_S, metavar="SECONDS",
+                   help="with --nnodes > 1: how long the nodes wait for each other before giving up "
+                        f"(default: {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
     p.set_defaults(func=run)
     return p
 
@@ -127,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
     print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
           f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
+    meet_other_nodes(args, DEFAULT_MASTER_PORT)
     proc = subprocess.Popen(cmd, env=env)
     try:
         return proc.wait()
@@ -205,6 +210,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank {args.node_rank}: must be in 0..{args.nnodes - 1} "
                         f"for --nnodes {args.nnodes}.")
+    if not args.rendezvous_timeout > 0:
+        raise UserError(f"--rendezvous-timeout {args.rendezvous_timeout}: must be a positive number of seconds.")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port {args.master_port}: must be a TCP port in 1..65535.")
     if args.nnodes > 1 and args.master_addr is None:

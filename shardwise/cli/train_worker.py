@@ -25,6 +25,7 @@ from shardwise.data import CorpusError, TokenLoader, load_corpus
 from shardwise.errors import UserError
 from shardwise.models import GPT, gpt_config
 from shardwise.topology import Axis
+from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, resolve_peak
 from shardwise.telemetry import (
     MetricsWriter,
@@ -118,6 +119,8 @@ def train(args: WorkerArgs) -> None:
         print(f"peak: {rank_peak.describe()}", flush=True)
 
     writer = MetricsWriter(out / METRICS_FILE, fresh=True) if is_main else None
+    place = RankPlace.from_env(rank)
+    node_log = NodeLog(out, place, gather(place), steps_per_print=args.steps_per_print)
     with TrainProgress(args.steps, enabled=is_main, steps_per_print=args.steps_per_print) as progress:
         start = time.perf_counter()
         for step in range(1, args.steps + 1):
@@ -125,6 +128,7 @@ def train(args: WorkerArgs) -> None:
             t0 = time.perf_counter()
             loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
             step_time = time.perf_counter() - t0
+            node_log.step(step, args.steps, loss, step_time)
             if is_main:
                 peak_flops = guard.bound(tokens_per_step * flops_per_token / step_time, step)
                 assert writer is not None
@@ -144,6 +148,7 @@ def train(args: WorkerArgs) -> None:
     if args.pipeline_trace:
         _write_pipeline_trace(engine, out, is_main)
     memory = gather(engine.memory_report())      # every rank's bytes, for the per-rank table
+    node_log.finish(memory)
     if is_main:
         summary = summarize_run(read_metrics(out / METRICS_FILE), world_size=dist.get_world_size(),
                                 flops_per_token=flops_per_token, peak_flops=peak_flops,

@@ -61,3 +61,29 @@ def test_tp2_pp2_trace_then_a_zero2_run_reuses_the_cached_peak(tmp_path: Path) -
     for proc in (first, second):
         noisy = [line for line in proc.stderr.splitlines() if any(n in line for n in NOISE)]
         assert not noisy, noisy
+
+
+def test_a_missing_node_is_named_and_the_wait_times_out(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout",
+              "2", "--steps", "1", "--seq-len", "32", "--peak-tflops", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    host = subprocess.run(TRAIN + common + ["--node-rank", "0", "--out", str(tmp_path / "a")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    # node 1 never came: node 0 said what it waited for, then gave up with one line
+    assert host.returncode == 2, host.stderr
+    assert f"node 0: waiting for 1 more node at 127.0.0.1:{port} (timeout 2 s)" in host.stdout
+    assert host.stderr.strip().splitlines() == [
+        f"shardwise: error: rendezvous timed out after 2 s: 1 more node of 1 did not join at 127.0.0.1:{port}; "
+        f"start them with --nnodes 2 --node-rank K --master-addr 127.0.0.1 --master-port {port}, or raise "
+        f"--rendezvous-timeout."]
+    # node 1 alone: nobody listens at the port; one line too, no C++ stack trace from the store's retries
+    joiner = subprocess.run(TRAIN + common + ["--node-rank", "1", "--out", str(tmp_path / "b")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert joiner.returncode == 2
+    lines = joiner.stderr.strip().splitlines()
+    assert len(lines) == 1 and "node 1 could not meet node 0" in lines[0], joiner.stderr
