@@ -116,7 +116,8 @@ def train(args: WorkerArgs) -> None:
     flops_per_token = float(model.flops_per_token())
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
     if is_main:
-        print(f"peak: {rank_peak.describe()}", flush=True)
+        print(f"peak: {rank_peak.describe()}" + (f"; kept in {peak_cache.path}" if rank_peak.cache_key else ""),
+              flush=True)
 
     writer = MetricsWriter(out / METRICS_FILE, fresh=True) if is_main else None
     place = RankPlace.from_env(rank)
