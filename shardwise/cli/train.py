@@ -101,7 +101,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seed of the model init and the data order (default: 0)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+                   help="peak TFLOP/s of one rank for MFU (default: a matmul measured once per machine and "
+                        "dtype, kept in ~/.cache/shardwise or $SHARDWISE_CACHE_DIR)")
     p.add_argument("--pipeline-trace", action="store_true",
                    help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
                         "measured per-stage timeline of the last step, and print its bubble fraction")
