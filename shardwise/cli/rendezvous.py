@@ -11,7 +11,8 @@ key-value store hosted by node 0 on `--master-port` (torch's TCPStore, the same 
              waits for "go", acknowledges, disconnects.
 
 Then every node starts torchrun on the same port; node 0's torchrun binds it again (TCPStore listens with
-SO_REUSEADDR), and the other nodes' torchrun clients retry until it does.
+SO_REUSEADDR), and the other nodes' torchrun clients retry until it does. The other nodes start theirs a
+moment (`_HANDOVER_S`) after node 0 has seen their acknowledgement, by when node 0 has closed this store.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from shardwise.errors import UserError
 
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 _POLL_S = 0.2
+_ACK_POLL_S = 0.02
+# Node k starts its torchrun this long after acknowledging, so that node 0 (polling every _ACK_POLL_S) has
+# closed this store first: a torchrun client must meet node 0's torchrun store on the port, not this one.
+_HANDOVER_S = 1.0
 _JOINED, _GO, _ACKED = "shardwise/joined", "shardwise/go", "shardwise/acked"
 
 
@@ -64,7 +69,7 @@ def host_rendezvous(addr: str, port: int, nnodes: int, timeout_s: float,
         while store.add(_ACKED, 0) < nnodes - 1:
             if time.monotonic() > deadline + timeout_s:
                 raise UserError(f"rendezvous at {addr}:{port}: a node joined, then stopped answering.")
-            time.sleep(_POLL_S)
+            time.sleep(_ACK_POLL_S)
     finally:
         del store
 
@@ -96,11 +101,12 @@ def join_rendezvous(addr: str, port: int, node_rank: int, timeout_s: float,
         say(f"shardwise train: node {node_rank}: joined {addr}:{port}; waiting for the other nodes")
         store.wait([_GO], timeout)
         store.add(_ACKED, 1)
+        del store
+        time.sleep(_HANDOVER_S)
     except (ConnectionError, RuntimeError):   # nobody listens; DistStoreError: not all nodes came in time
         raise UserError(f"rendezvous timed out after {timeout_s:g} s: node {node_rank} could not meet node 0 and "
                         f"the other nodes at {addr}:{port}; start node 0 (--node-rank 0) with the same "
                         f"--master-addr/--master-port, or raise --rendezvous-timeout.") from None
-    del store
 
 
 def meet_other_nodes(args: argparse.Namespace, default_port: int) -> None:

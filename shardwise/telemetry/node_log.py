@@ -71,8 +71,7 @@ class NodeLog:
         self._times: list[float] = []
         self._loss = float("nan")
         self._start = time.perf_counter()
-        if self.enabled:
-            self.log_path.write_text("", encoding="utf-8")      # one file per run: an earlier run's is replaced
+        if self.enabled:                # appended: a resumed run continues its node's log
             ranks = [p.global_rank for p in self.mine]
             self.write(f"node {me.node_rank} of {me.nnodes} on {me.host}: global ranks {_spans(ranks)} "
                        f"(local 0-{len(ranks) - 1})")

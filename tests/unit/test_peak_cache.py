@@ -116,3 +116,32 @@ def test_progress_line_shows_gradient_norm_loss_scale_and_skips() -> None:
     assert len(lines) == 2                 # step 1, and step 2 because it skipped; step 3 is not due
     assert "gnorm 1.83 | scale 65536 | skipped 0 |" in lines[0]
     assert lines[1].startswith("step 2/10") and "gnorm inf | scale 32768 | skipped 1 (this step)" in lines[1]
+
+
+def test_node_log_names_the_node_its_ranks_and_appends(tmp_path, monkeypatch, capsys) -> None:
+    from shardwise.telemetry.node_log import NodeLog, RankPlace, _spans
+
+    assert _spans([5, 0, 1, 2]) == "0-2, 5" and _spans([3]) == "3"
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
+    me = RankPlace.from_env(2)
+    assert (me.node_rank, me.nnodes, me.local_rank) == (1, 2, 0)
+    places = [RankPlace(r, r // 2, 2, r % 2, "h") for r in range(4)]
+    for attempt in range(2):                              # a resumed run appends to the node's log
+        log = NodeLog(tmp_path, me, places, steps_per_print=2)
+        for step, t in ((1, 0.5), (2, 0.2), (3, 0.4)):
+            log.step(step, 3, 4.0 - step / 10, t)
+        log.finish([{"peak_rss": 100 * (r + 1)} for r in range(4)])
+    row = json.loads((tmp_path / "node1.json").read_text())
+    assert (row["global_ranks"], row["local_ranks"], row["steps"], row["peak_rss_bytes"]) == ([2, 3], [0, 1], 3,
+                                                                                               [300, 400])
+    assert row["final_loss"] == pytest.approx(3.7) and row["mean_step_time_s"] == pytest.approx(0.3)
+    text = (tmp_path / "node1.log").read_text()
+    assert text.count("node 1 of 2 on ") == 2 and text.count("step 2/3") == 2 and "step 1/3" in text
+    assert "node 1 (" in capsys.readouterr().out
+    other = NodeLog(tmp_path / "x", RankPlace(3, 1, 2, 1, "h"), places, steps_per_print=1)   # local rank 1
+    other.finish([{}] * 4)
+    assert not (tmp_path / "x").exists()
