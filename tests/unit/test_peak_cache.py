@@ -72,8 +72,9 @@ def test_cache_dir_follows_the_environment_and_survives_a_corrupt_file(tmp_path,
 def test_measured_peak_is_the_faster_layout_in_the_training_dtype(monkeypatch) -> None:
     seen = []
 
-    def fake(*, dtype, device, seconds, transposed):
+    def fake(*, dtype, device, size, seconds, transposed):
         seen.append((dtype, transposed))
+        assert size == 1024
         return 4e9 if transposed else 4e8      # CPU fp16: a @ b.T has a fast kernel, a @ b a generic one
 
     monkeypatch.setattr(pc, "measure_matmul_peak_flops", fake)
