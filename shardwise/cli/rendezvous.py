@@ -113,7 +113,9 @@ def meet_other_nodes(args: argparse.Namespace, default_port: int) -> None:
     """`shardwise train`'s parsed flags: meet the other nodes (nothing to do on one node)."""
     if args.nnodes == 1:
         return
-    say = lambda line: print(line, flush=True)      # noqa: E731 (the launcher's output follows right after)
+    def say(line: str) -> None:
+        print(line, flush=True)          # before the launcher's own output, which follows right after
+
     addr, port = args.master_addr or "127.0.0.1", args.master_port or default_port
     if args.node_rank == 0:
         host_rendezvous(addr, port, args.nnodes, args.rendezvous_timeout, say)
