@@ -65,6 +65,9 @@ def run_under_launcher(module: str, nproc: int, argv: Sequence[str], *, threads_
     env = {**os.environ, "PYTHONPATH": _with_checkout(os.environ.get("PYTHONPATH", ""))}
     if threads_per_rank is not None:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    elif nproc > 1:
+        # torchrun would set the same 1 thread per rank itself, after printing a starred banner saying so.
+        env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(cmd, check=False, env=env).returncode
 
 

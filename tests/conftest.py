@@ -19,3 +19,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_peak_cache(tmp_path_factory):
+    """Runs started by the tests (and their spawned ranks, which inherit the environment) keep their
+    measured peak FLOP/s in a temporary cache, never in the user's."""
+    import os
+
+    from shardwise.telemetry.peak_cache import CACHE_ENV
+
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("peak_cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before

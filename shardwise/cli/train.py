@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.cli import run_dir
+from shardwise.cli.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, meet_other_nodes
 from shardwise.errors import UserError
 
 DEFAULT_SEED = 0
@@ -105,7 +106,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seed of the model init and the data order (default: 0)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s of one rank for MFU (default: measured with a matmul on each rank)")
+                   help="peak TFLOP/s of one rank for MFU (default: a matmul measured once per machine and "
+                        "dtype, kept in ~/.cache/shardwise or $SHARDWISE_CACHE_DIR)")
     p.add_argument("--timeout", type=float, default=None, metavar="MIN",
                    help="minutes a collective may wait for the other ranks before every rank reports where it is "
                         "and the run ends naming the ranks that did not arrive (default: the config's "
@@ -131,6 +133,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=None,
                    help=f"port of the rendezvous store on node 0 (default: {DEFAULT_MASTER_PORT} with "
                         "--nnodes > 1, a free port on one node)")
+    p.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_RENDEZVOUS_TIMEOUT_S, metavar="SECONDS",
+                   help="with --nnodes > 1: how long the nodes wait for each other before giving up "
+                        f"(default: {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})")
     p.set_defaults(func=run)
     return p
 
@@ -148,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         from shardwise.cli.launch import launch
         from shardwise.cli.train_worker import reports_folder
 
+        meet_other_nodes(args, DEFAULT_MASTER_PORT)
         return launch(launcher_command(args, args_path)[3:], reports=reports_folder(worker_args),
                       run_dir=Path(worker_args.out))
     finally:
@@ -247,6 +253,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank {args.node_rank}: must be in 0..{args.nnodes - 1} "
                         f"for --nnodes {args.nnodes}.")
+    if not args.rendezvous_timeout > 0:
+        raise UserError(f"--rendezvous-timeout {args.rendezvous_timeout}: must be a positive number of seconds.")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port {args.master_port}: must be a TCP port in 1..65535.")
     if args.max_restarts > 0 and args.nnodes > 1:

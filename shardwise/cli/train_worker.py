@@ -36,13 +36,15 @@ from shardwise.cli.train import WorkerArgs
 from shardwise.comm.collectives import Comm
 from shardwise.data import TokenLoader, load_corpus
 from shardwise.models import GPT, gpt_config
+from shardwise.topology import Axis
+from shardwise.telemetry.node_log import NodeLog, RankPlace
+from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, resolve_peak
 from shardwise.telemetry import (
     MetricsWriter,
     StepMetrics,
     TrainProgress,
     current_rss_bytes,
     final_history,
-    measure_matmul_peak_flops,
     plot_loss_curve,
     print_summary,
     read_metrics,
@@ -63,15 +65,15 @@ class Stopped:
     checkpoint: str
 
 
-def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype) -> float:
-    """This rank's peak FLOP/s: --peak-tflops if given, else a matmul measured now in the training dtype.
+def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype, device: torch.device,
+                    cache: PeakCache) -> PeakFlops:
+    """This rank's peak FLOP/s: --peak-tflops if given, else the cached figure of this machine, else a
+    matmul measured now in the training dtype (and cached).
 
-    Every rank measures at the same time (they have just synchronised in `initialize`), so the
-    figure includes the contention of ranks sharing cores and memory bandwidth, as training does.
+    Every rank that measures does so at the same time (they have just synchronised in `initialize`), so
+    the figure includes the contention of ranks sharing cores and memory bandwidth, as training does.
     """
-    if args.peak_tflops is not None:
-        return args.peak_tflops * 1e12
-    return measure_matmul_peak_flops(dtype=compute_dtype)
+    return resolve_peak(device=device, dtype=compute_dtype, given_tflops=args.peak_tflops, cache=cache)
 
 
 def gather(value: object) -> list[object]:
@@ -83,18 +85,21 @@ def gather(value: object) -> list[object]:
 
 def _write_pipeline_trace(engine, out: Path, is_main: bool) -> None:
     """The last step's per-action timings of data-parallel replica 0's stages, as a picture and JSON.
+    One rank per stage records: the tensor-parallel ranks of a stage run the same actions at the same
+    time, and counting each of them would put tp copies of every action on the stage's row.
     Times share one clock on one host (CLOCK_MONOTONIC); across hosts each stage keeps its own offsets."""
     from shardwise.parallel.pipeline.simulate import Timeline
     from shardwise.parallel.pipeline.timeline import draw_timeline
     last = engine.pipeline.last
-    mine = [(r.stage, str(r.action), r.start, r.end) for r in last.records] if engine.dp_rank == 0 else []
+    records_here = engine.dp_rank == 0 and engine.mesh.rank(Axis.TP) == 0
+    mine = [(r.stage, str(r.action), r.start, r.end) for r in last.records] if records_here else []
     records = [r for rank in gather(mine) for r in rank]
     if not is_main:
         return
     t0 = min(r[2] for r in records)
     records = [(stage, action, (start - t0) * 1e3, (end - t0) * 1e3) for stage, action, start, end in records]
-    timeline = Timeline.from_records(records)
     cfg = engine.config.pipeline
+    timeline = Timeline.from_records(records, num_stages=cfg.stages)
     draw_timeline(timeline, out / "pipeline_timeline.png", time_unit="ms",
                   title=f"measured {cfg.schedule.value}: P={cfg.stages}, M={engine.gradient_accumulation_steps()}, "
                         f"V={cfg.virtual_stages}, bubble {timeline.bubble_fraction:.1%}")
@@ -148,9 +153,16 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         print(f"shardwise: {again}resumed from {resumed.path} at step {done}{streams}", flush=True)
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
-    peak_flops = sum(float(p) for p in gather(rank_peak_flops(args, compute_dtype)))   # all ranks together
+    peak_cache = PeakCache()
+    rank_peak = rank_peak_flops(args, compute_dtype, engine.device, peak_cache)
+    peak_flops = sum(float(p) for p in gather(rank_peak.flops))   # all ranks together
+    guard = PeakGuard(peak_flops, rank_peak, cache=peak_cache if is_main else None)
     flops_per_token = float(model.flops_per_token())
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
+    if is_main:
+        print(f"peak: {rank_peak.describe()}" + (f"; kept in {peak_cache.path}" if rank_peak.cache_key else ""),
+              flush=True)
+
     world = Comm(None, engine.ledger, name="world:stop")
 
     def save(step: int) -> str:
@@ -161,6 +173,8 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
     # Appends: a resumed run continues the file (the parent refused or cleared another run's).
     writer = MetricsWriter(out / METRICS_FILE) if is_main else None
     stopped: Stopped | None = None
+    place = RankPlace.from_env(rank)
+    node_log = NodeLog(out, place, gather(place), steps_per_print=args.steps_per_print)
     with TrainProgress(args.steps, enabled=is_main, steps_per_print=args.steps_per_print, done=done) as progress:
         start = time.perf_counter()
         for step in range(done + 1, args.steps + 1):
@@ -168,13 +182,16 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
             t0 = time.perf_counter()
             loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
             step_time = time.perf_counter() - t0
+            node_log.step(step, args.steps, loss, step_time)
             if is_main:
+                peak_flops = guard.bound(tokens_per_step * flops_per_token / step_time, step)
                 assert writer is not None
                 m = StepMetrics.build(step=step, loss=loss, lr=lr, tokens=tokens_per_step,
                                       step_time_s=step_time, elapsed_s=clock + time.perf_counter() - start,
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
-                                      loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps)
+                                      loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps,
+                                      skipped=not engine.was_step_applied())
                 writer.write(m)
                 progress.update(m)
             saved = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
@@ -198,6 +215,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
     if args.pipeline_trace:
         _write_pipeline_trace(engine, out, is_main)
     memory = gather(engine.memory_report())      # every rank's bytes, for the per-rank table
+    node_log.finish(memory)
     if is_main:
         summary = summarize_run(final_history(read_metrics(out / METRICS_FILE)), world_size=dist.get_world_size(),
                                 flops_per_token=flops_per_token, peak_flops=peak_flops,

@@ -16,6 +16,11 @@ import torch.distributed as dist
 
 from shardwise.comm.ledger import CommLedger
 
+# torch 2.13 renamed the flat-tensor collectives (`*_single`) and made the old names warn FutureWarning on
+# every call, i.e. once per rank per run. Same arguments, same semantics; older torch has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -167,7 +172,7 @@ class Comm:
             output.copy_(shard.reshape(output.shape))
             return _Done()
         return self._run("all_gather", output,
-                         lambda: dist.all_gather_into_tensor(output, shard, group=self.group, async_op=True),
+                         lambda: _all_gather_flat(output, shard, group=self.group, async_op=True),
                          async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor,
@@ -178,8 +183,8 @@ class Comm:
             output.copy_(full.reshape(output.shape))
             return _Done()
         return self._run("reduce_scatter", full,
-                         lambda: dist.reduce_scatter_tensor(output, full, op=op, group=self.group,
-                                                            async_op=True), async_op)
+                         lambda: _reduce_scatter_flat(output, full, op=op, group=self.group,
+                                                             async_op=True), async_op)
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor, *, tag: int,
                            async_op: bool = False) -> Handle:

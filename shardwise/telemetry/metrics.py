@@ -4,11 +4,12 @@ One line of `metrics.jsonl` per optimizer step, written by global rank 0:
 
     {"step": 3, "loss": 4.91, "lr": 0.0003, "tokens": 1024, "tokens_per_s": 8211.5, "mfu": 0.031,
      "step_time_s": 0.1247, "elapsed_s": 0.52, "rss_bytes": 412712960, "grad_norm": 1.83,
-     "loss_scale": 65536.0, "skipped_steps": 0}
+     "loss_scale": 65536.0, "skipped_steps": 0, "skipped": false}
 
 `grad_norm` is the whole model's gradient norm before clipping (`engine.updater.last_grad_norm`: Infinity
 for a step skipped on inf/nan gradients, null when gradient_clipping is 0 and no norm is taken);
-`loss_scale` is the scale after the step (1.0 unless fp16); `skipped_steps` counts the steps skipped so far.
+`loss_scale` is the scale after the step (1.0 unless fp16); `skipped_steps` counts the steps skipped so far and
+`skipped` says whether this step's update was skipped (fp16 overflow: the parameters did not move).
 
 `tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so MFU divides by the peak
 of all ranks together. Non-finite losses are written as JSON `NaN`/`Infinity` (Python reads them back).
@@ -51,18 +52,19 @@ class StepMetrics:
     grad_norm: float | None = None   # the whole model's gradient norm before clipping
     loss_scale: float = 1.0          # the fp16 loss scale after the step
     skipped_steps: int = 0           # steps skipped so far (inf/nan gradients)
+    skipped: bool = False            # this step's update was skipped
 
     @classmethod
     def build(cls, *, step: int, loss: float, lr: float, tokens: int, step_time_s: float, elapsed_s: float,
               flops_per_token: float, peak_flops: float, rss_bytes: int, grad_norm: float | None = None,
-              loss_scale: float = 1.0, skipped_steps: int = 0) -> "StepMetrics":
+              loss_scale: float = 1.0, skipped_steps: int = 0, skipped: bool = False) -> "StepMetrics":
         """Derive tokens/s and MFU from the raw counts of one step."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         return cls(step=step, loss=float(loss), lr=float(lr), tokens=tokens, tokens_per_s=tokens_per_s,
                    mfu=model_flops_utilization(tokens_per_s, flops_per_token, peak_flops),
                    step_time_s=step_time_s, elapsed_s=elapsed_s, rss_bytes=rss_bytes,
                    grad_norm=None if grad_norm is None else float(grad_norm), loss_scale=float(loss_scale),
-                   skipped_steps=int(skipped_steps))
+                   skipped_steps=int(skipped_steps), skipped=bool(skipped))
 
 
 class MetricsWriter:

@@ -28,7 +28,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_matmul_peak_flops(*, dtype: torch.dtype = torch.float32, size: int = 1024,
-                              seconds: float = 0.5, device: torch.device | str | None = None) -> float:
+                              seconds: float = 0.5, device: torch.device | str | None = None,
+                              transposed: bool = False) -> float:
     """FLOP/s of a `size` x `size` matmul in `dtype` with the current thread count (or on the GPU).
 
     Warm-up calls first (thread-pool start-up, page faults on the output, clock ramp-up, cuBLAS
@@ -38,7 +39,8 @@ def measure_matmul_peak_flops(*, dtype: torch.dtype = torch.float32, size: int =
     would fold other tenants' load into the denominator and flatter the MFU.
 
     `device=None` uses CUDA when available, else the CPU. A square matmul costs 2 * size**3 FLOPs
-    (one multiply and one add per term of each of the size**2 dot products).
+    (one multiply and one add per term of each of the size**2 dot products). `transposed=True` times
+    a @ b.T, the layout of nn.Linear's forward; some CPU kernels differ tenfold between the two (fp16).
     """
     if size < 1 or seconds <= 0:
         raise ValueError(f"size must be >= 1 and seconds > 0, got size={size}, seconds={seconds}")
@@ -47,6 +49,7 @@ def measure_matmul_peak_flops(*, dtype: torch.dtype = torch.float32, size: int =
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=dev, dtype=dtype)   # [size, size]
     b = torch.randn(size, size, generator=gen).to(device=dev, dtype=dtype)   # [size, size]
+    rhs = b.t() if transposed else b                                          # [size, size], a view
     out = torch.empty(size, size, device=dev, dtype=dtype)
     flops_per_call = 2.0 * size ** 3
 
@@ -54,7 +57,7 @@ def measure_matmul_peak_flops(*, dtype: torch.dtype = torch.float32, size: int =
         _synchronize(dev)
         t0 = time.perf_counter()
         for _ in range(calls):
-            torch.mm(a, b, out=out)
+            torch.mm(a, rhs, out=out)
         _synchronize(dev)
         return time.perf_counter() - t0
 

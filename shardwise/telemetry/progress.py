@@ -31,8 +31,16 @@ def format_mfu(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
 
+def format_update(m: StepMetrics) -> str:
+    """Gradient norm, loss scale and skips of one step: 'gnorm 1.83 | scale 65536 | skipped 2 (this step)'."""
+    gnorm = "-" if m.grad_norm is None else f"{m.grad_norm:.3g}"
+    skips = f"skipped {m.skipped_steps}" + (" (this step)" if m.skipped else "")
+    return f"gnorm {gnorm} | scale {m.loss_scale:g} | {skips}"
+
+
 class TrainProgress:
-    """Progress of `total_steps` optimizer steps: step/total, loss, tokens/s, MFU and ETA.
+    """Progress of `total_steps` optimizer steps: step/total, loss, gradient norm, loss scale, skipped steps,
+    tokens/s, MFU and ETA.
 
     Use as a context manager and call `update(metrics)` once per step:
 
@@ -65,6 +73,7 @@ class TrainProgress:
             self._progress = Progress(
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"),
+                TextColumn("{task.fields[update]}"),
                 TextColumn("{task.fields[rate]} tok/s"),
                 TextColumn("MFU {task.fields[mfu]}"),
                 TextColumn("ETA {task.fields[eta]}"),
@@ -72,7 +81,7 @@ class TrainProgress:
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total_steps, completed=self.done, loss="-",
-                                                 rate="-", mfu="-", eta=format_eta(None))
+                                                 rate="-", mfu="-", eta=format_eta(None), update="")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -95,10 +104,11 @@ class TrainProgress:
         eta = format_eta(self.eta_s())
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}",
-                                  rate=format_rate(m.tokens_per_s), mfu=format_mfu(m.mfu), eta=eta)
-        elif self._should_print(m.step):
+                                  rate=format_rate(m.tokens_per_s), mfu=format_mfu(m.mfu), eta=eta,
+                                  update=format_update(m))
+        elif self._should_print(m.step) or m.skipped:     # a skipped update is never silent
             self.console.print(
-                f"step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | "
+                f"step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | {format_update(m)} | "
                 f"{format_rate(m.tokens_per_s)} tok/s | MFU {format_mfu(m.mfu)} | "
                 f"{m.step_time_s:.3f} s/step | ETA {eta}",
                 markup=False, highlight=False, soft_wrap=True,

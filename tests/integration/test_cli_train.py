@@ -104,6 +104,16 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     assert {"train_args.node0.json", "train_args.node1.json"} <= {f.name for f in (tmp_path / "run").iterdir()}
     assert (tmp_path / "run" / "checkpoints").is_dir()
     assert "Training summary" in outputs[1][0] and "Training summary" not in outputs[0][0]   # global rank 0
+    # Node 0 said what it waited for; each node wrote its own log and summary row and printed the row.
+    assert f"waiting for 1 more node at 127.0.0.1:{port}" in outputs[1][0]
+    for node, (stdout, _) in zip((1, 0), outputs):
+        row = json.loads((tmp_path / "run" / f"node{node}.json").read_text())
+        assert (row["node_rank"], row["nnodes"], row["global_ranks"], row["local_ranks"], row["steps"]) == \
+            (node, 2, [node], [0], 3)
+        assert row["final_loss"] == pytest.approx(summary["final_loss"]) and row["peak_rss_bytes"][0] > 0
+        log = (tmp_path / "run" / f"node{node}.log").read_text()
+        assert f"node {node} of 2" in log and "step 3/3" in log
+        assert f"node {node} (" in stdout and f"node{node}.json" in stdout
 
 
 # -- user errors: one line, exit 2, nothing launched ------------------------------------------------
