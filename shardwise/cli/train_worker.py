@@ -153,7 +153,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         print(f"shardwise: {again}resumed from {resumed.path} at step {done}{streams}", flush=True)
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
-    peak_cache = PeakCache()
+    peak_cache = PeakCache(writer=int(os.environ.get("LOCAL_RANK", "0")) == 0)   # one writer per node
     rank_peak = rank_peak_flops(args, compute_dtype, engine.device, peak_cache)
     peak_flops = sum(float(p) for p in gather(rank_peak.flops))   # all ranks together
     guard = PeakGuard(peak_flops, rank_peak, cache=peak_cache if is_main else None)

@@ -106,10 +106,13 @@ class PeakCache:
     """`{key: {"flops": float, "measured_at": "..."}}` in one JSON file, replaced atomically on write.
 
     A file that cannot be read or parsed is treated as empty (it is a cache; the next write repairs it).
+    Only a `writer` changes the file: the ranks of one node measure at once, and a rank that wrote first would
+    make a slower rank read its figure back as "cached" in the same run.
     """
 
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, *, writer: bool = True):
         self.path = path if path is not None else cache_dir() / CACHE_FILE
+        self.writer = writer
 
     def _load(self) -> dict[str, dict]:
         try:
@@ -134,11 +137,15 @@ class PeakCache:
             print(f"shardwise: could not write the peak FLOP/s cache {self.path}: {e.strerror}", file=sys.stderr)
 
     def put(self, key: str, flops: float) -> None:
+        if not self.writer:
+            return
         data = self._load()
         data[key] = {"flops": flops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self._store(data)
 
     def drop(self, key: str) -> None:
+        if not self.writer:
+            return
         data = self._load()
         if data.pop(key, None) is not None:
             self._store(data)
