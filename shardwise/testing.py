@@ -34,6 +34,9 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, fn: Callab
             kwargs: dict, results: "mp.Queue", threads: int) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
+    # gloo ranks compute on the CPU, also on a GPU machine, unless the caller chose CUDA (SHARDWISE_DEVICE=cuda:
+    # gloo with CUDA tensors); NCCL ranks on their GPUs.
+    os.environ.setdefault("SHARDWISE_DEVICE", "cpu" if backend == "gloo" else "cuda")
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
