@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.comm.ring import batches_steps
 from shardwise.config.resolved import AllReduceImpl
+from shardwise.device import device_guard
 
 
 @dataclass
@@ -190,8 +192,14 @@ class BucketedAllReduce(OrderedLauncher):
         wire = bucket.buffer
         if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
             bucket.staged = wire = wire.to(self.comm_dtype)
-        if self.impl is AllReduceImpl.RING:
-            # Ring all-reduce is built from blocking p2p calls; a single worker thread keeps buckets in
+        if self.impl is AllReduceImpl.RING and batches_steps(wire):
+            # A device buffer: one batched exchange per step, launched here on the thread that runs backward
+            # for this device (NCCL p2p from a worker thread would run on GPU 0's context); the waits only order
+            # streams, so backward goes on while the ring's kernels run.
+            with device_guard(wire.device):
+                bucket.handle = self.comm.ring_all_reduce(wire, async_op=True)
+        elif self.impl is AllReduceImpl.RING:
+            # On gloo the ring is built from blocking p2p calls; a single worker thread keeps buckets in
             # launch order on every rank while the main thread carries on with backward.
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
