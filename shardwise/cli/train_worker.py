@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
+from shardwise.telemetry.peak import device_peak_flops
 from shardwise.cli.train import WorkerArgs
 from shardwise.data import CorpusError, TokenLoader, load_corpus
 from shardwise.errors import UserError
@@ -29,7 +30,6 @@ from shardwise.telemetry import (
     StepMetrics,
     TrainProgress,
     current_rss_bytes,
-    measure_matmul_peak_flops,
     plot_loss_curve,
     print_summary,
     read_metrics,
@@ -43,14 +43,16 @@ CHECKPOINT_DIR = "checkpoints"
 
 
 def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype) -> float:
-    """This rank's peak FLOP/s: --peak-tflops if given, else a matmul measured now in the training dtype.
+    """This rank's peak FLOP/s: --peak-tflops if given, else a known GPU's datasheet peak for the training dtype,
+    else a matmul measured now in the training dtype.
 
     Every rank measures at the same time (they have just synchronised in `initialize`), so the
     figure includes the contention of ranks sharing cores and memory bandwidth, as training does.
     """
     if args.peak_tflops is not None:
         return args.peak_tflops * 1e12
-    return measure_matmul_peak_flops(dtype=compute_dtype)
+    from shardwise.device import select_device
+    return device_peak_flops(select_device(), compute_dtype)[0]
 
 
 def gather(value: object) -> list[object]:

@@ -83,7 +83,7 @@ class Comm:
     # -- bookkeeping ------------------------------------------------------------------------------
     def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
              payload: int | None = None) -> Handle:
-        token = self.ledger.start(op, self.name)
+        token = self.ledger.start(op, self.name, tensor.device)
         size = self.size
         dtype = str(tensor.dtype).removeprefix("torch.")
         amount = nbytes(tensor) if payload is None else payload
@@ -222,7 +222,7 @@ class Comm:
             return []
         ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.global_rank(p), group=self.group)
                for op, t, p in items]
-        tokens = [self.ledger.start(op, self.name) for op, _, _ in items]
+        tokens = [self.ledger.start(op, self.name, t.device) for op, t, _ in items]
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         size = self.size
         handles = []
