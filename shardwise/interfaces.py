@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
+    from shardwise.parallel.grad_norm import Riders
     from shardwise.parallel.zero.build import ShardingUnits
     from shardwise.precision import LossScaler
 
@@ -62,8 +63,9 @@ class Updater(Protocol):
     model_params: list[torch.nn.Parameter]
     """The model's parameters this updater trains (what `shardwise.utils` reads values of)."""
 
-    def step(self) -> bool:
-        """The update; False when an overflow skipped it (on every rank alike)."""
+    def step(self, riders: Riders | None = None) -> bool:
+        """The update; False when an overflow skipped it (on every rank alike). `riders`: device metrics (the
+        train_batch loss) summed over their group and read with the step's one host read."""
         ...
 
     def zero_master_grads(self) -> None: ...

@@ -17,7 +17,7 @@ import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.errors import CheckpointError
-from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.grad_norm import GradNormReducer, Riders
 from shardwise.parallel.update import Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.fused import prefer_fused_adam
@@ -172,8 +172,8 @@ class Stage3Update(ShardedUpdate):
         self.flats = flats
         self.persistent = persistent
 
-    def step(self) -> bool:
-        applied = super().step()
+    def step(self, riders: Riders | None = None) -> bool:
+        applied = super().step(riders)
         if applied:
             self._gather_persistent()
         return applied
