@@ -24,7 +24,7 @@ import torch
 
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
-from shardwise.config.resolved import AllReduceImpl
+from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, AllReduceImpl
 from shardwise.device import device_guard
 
 
@@ -112,7 +112,7 @@ class OrderedLauncher:
 class BucketedAllReduce(OrderedLauncher):
     """The data-parallel runtime of plain data parallelism (ZeRO stage 0): gradient all-reduce."""
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int | None,
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False):
         self.comm = comm
@@ -140,11 +140,13 @@ class BucketedAllReduce(OrderedLauncher):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     @staticmethod
-    def _group_by_dtype(order: list[torch.nn.Parameter], bucket_numel: int) -> list[list[torch.nn.Parameter]]:
+    def _group_by_dtype(order: list[torch.nn.Parameter], bucket_numel: int | None) -> list[list[torch.nn.Parameter]]:
+        """Buckets of one dtype each, of `bucket_numel` elements (None: `DEFAULT_BUCKET_BYTES` of that dtype)."""
         groups: list[list[torch.nn.Parameter]] = []
         for dtype in dict.fromkeys(p.dtype for p in order):  # first-seen order
             same = [p for p in order if p.dtype == dtype]
-            groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], bucket_numel)]
+            limit = bucket_numel or DEFAULT_BUCKET_BYTES // same[0].element_size()
+            groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], limit)]
         return groups
 
     # -- gradient storage ---------------------------------------------------------------------------
