@@ -64,7 +64,7 @@ def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
     """Make every rank start from dp rank 0's parameters and buffers (one flat broadcast per dtype)."""
-    if comm.size == 1:
+    if comm.local:
         return
     tensors = [t for t in list(module.parameters()) + list(module.buffers())]
     for dtype in dict.fromkeys(t.dtype for t in tensors):

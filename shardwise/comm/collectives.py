@@ -7,7 +7,9 @@ Asynchronous operations return a `Handle` whose `wait()` records the duration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +17,15 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm.ledger import CommLedger
+
+
+COLLECTIVES_AT_ONE_ENV = "SHARDWISE_COLLECTIVES_AT_WORLD_1"
+"""Test-only: "1" makes a world of one process run every collective through its backend (a `Comm` of size 1 is
+otherwise a no-op), so one GPU exercises NCCL's kernels and the ledger records what a larger world would."""
+
+
+def collectives_at_world_one() -> bool:
+    return os.environ.get(COLLECTIVES_AT_ONE_ENV, "") == "1"
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -54,12 +65,19 @@ class Comm:
     """A process group plus the ledger that records what goes over it.
 
     `group=None` means the default (world) group. A Comm of size 1 performs no communication and
-    records nothing, so single-process runs pay nothing.
+    records nothing, so single-process runs pay nothing (except under the test switch `force_collectives`).
     """
 
     group: dist.ProcessGroup | None
     ledger: CommLedger
     name: str = "world"
+    force_collectives: bool = dataclasses.field(default_factory=lambda: collectives_at_world_one())
+    """The test switch (`COLLECTIVES_AT_ONE_ENV`): run and record the collectives of a group of one too."""
+
+    @property
+    def local(self) -> bool:
+        """Nothing to communicate: a group of one (unless the test switch asks for its collectives anyway)."""
+        return self.size == 1 and not self.force_collectives
 
     @property
     def size(self) -> int:
@@ -113,7 +131,7 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle:
-        if self.size == 1:
+        if self.local:
             return _Done()
         staged = self._staged(tensor)
         if staged is not None:          # synchronous: the result is copied back into the host tensor
@@ -132,7 +150,7 @@ class Comm:
         The ring runs in the calling thread and is complete when this returns, so the handle of
         `async_op=True` only records the entry on `wait()`; overlap comes from calling it on a
         communication thread."""
-        if self.size == 1:
+        if self.local:
             return _Done()
         from shardwise.comm.ring import ring_all_reduce
 
@@ -142,7 +160,7 @@ class Comm:
         return self._run("ring_all_reduce", tensor, launch, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
-        if self.size == 1:
+        if self.local:
             return _Done()
         src = self.global_rank(src_group_rank)
         staged = self._staged(tensor)
@@ -157,7 +175,7 @@ class Comm:
     def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor,
                                async_op: bool = False) -> Handle:
         """output: [size * shard.numel()] gathered in group-rank order. Recorded bytes: the output."""
-        if self.size == 1:
+        if self.local:
             output.copy_(shard.reshape(output.shape))
             return _Done()
         return self._run("all_gather", output,
@@ -168,7 +186,7 @@ class Comm:
                               op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
         """full: [size * output.numel()]; this rank receives the reduced chunk of its group rank.
         Recorded bytes: the input (the full tensor every rank contributes)."""
-        if self.size == 1:
+        if self.local:
             output.copy_(full.reshape(output.shape))
             return _Done()
         return self._run("reduce_scatter", full,
@@ -196,7 +214,7 @@ class Comm:
         return float(t.item())
 
     def barrier(self) -> None:
-        if self.size > 1:
+        if not self.local:
             token = self.ledger.start("barrier", self.name)
             dist.barrier(group=self.group)
             self.ledger.finish(token, op="barrier", group=self.name, group_size=self.size, nbytes=0,

@@ -211,7 +211,7 @@ class BucketedAllReduce(OrderedLauncher):
 
     def begin_backward(self, boundary: bool) -> None:
         """Communicate only for the backward of the last micro-batch of a global batch."""
-        self.enabled = boundary and self.comm.size > 1
+        self.enabled = boundary and not self.comm.local
 
     def end_backward(self, boundary: bool) -> None:
         if boundary:
@@ -220,7 +220,7 @@ class BucketedAllReduce(OrderedLauncher):
     def finish(self) -> None:
         """After backward on a boundary micro-batch: launch what is left (parameters that got no
         gradient keep zeros), wait for every bucket, and turn sums into means."""
-        if self.comm.size > 1:
+        if not self.comm.local:
             self._launch_ready(force=True)
         for bucket in self.buckets:
             if isinstance(bucket.handle, Future):
@@ -230,7 +230,7 @@ class BucketedAllReduce(OrderedLauncher):
             if bucket.staged is not None:
                 bucket.buffer.copy_(bucket.staged)
                 bucket.staged = None
-            if self.comm.size > 1 and not self.prescale:
+            if not self.comm.local and not self.prescale:
                 if self.predivide_factor != 1.0:
                     bucket.buffer.mul_(self.predivide_factor / self.comm.size)
                 else:
