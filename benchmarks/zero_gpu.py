@@ -326,7 +326,9 @@ def print_report(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shardwise.models import gpt_flops_per_token, gpt_num_params
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    from shardwise.device import select_device
+    os.environ.setdefault("SHARDWISE_DEVICE", args.device)
+    device = select_device()
     cfg = model_config(args.model)
     params = gpt_num_params(cfg)
     data = [tuple(t.to(device) for t in b)
@@ -365,8 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"python, or --nproc-per-node 1", file=sys.stderr)
         return 2
     from shardwise.initialization import init_distributed
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    os.environ["SHARDWISE_DEVICE"] = args.device       # the engine trains where --device says (shardwise.device)
     created = not dist.is_initialized()
     # Not under torchrun: a world of one on an in-memory store (no port, nothing left behind).
     init_distributed("nccl" if args.device == "cuda" else "gloo")
