@@ -164,7 +164,9 @@ def phase_d(device: torch.device, checks: Checks) -> None:
         got = [r[name] for r in results]
         errors = [g for g in got if isinstance(g, str)]
         if errors:
-            checks.add(f"D.{name}", FAIL, None, "runs", errors[0])
+            # gloo implements some collectives for host tensors only: that is the backend's limit, not a bug here
+            unsupported = device.type == "cuda" and any(w in errors[0].lower() for w in ("not supported", "unsupported"))
+            checks.add(f"D.{name}", SKIP if unsupported else FAIL, None, "runs", errors[0])
             continue
         ref = results[0]["reference"]
         worst = max(abs(a - b) / abs(b) for losses in got for a, b in zip(losses, ref))
