@@ -16,9 +16,9 @@ import torch
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
-    from shardwise.parallel.grad_norm import Riders
     from shardwise.parallel.zero.build import ShardingUnits
     from shardwise.precision import LossScaler
+    from shardwise.parallel.grad_norm import Riders
 
 
 class DataParallelRuntime(Protocol):

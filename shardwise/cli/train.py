@@ -163,6 +163,7 @@ def launcher_command(args: argparse.Namespace, args_path: Path) -> list[str]:
 def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     """Check every user input, create RUN_DIR and write the worker arguments; UserError on a mistake."""
     _check_flags(args)
+    _check_gpus(args.nproc)
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
     engine_config = _check_config(raw_config, args.config, world_size)
@@ -207,7 +208,6 @@ def _check_flags(args: argparse.Namespace) -> None:
                         f"for --nnodes {args.nnodes}.")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise UserError(f"--master-port {args.master_port}: must be a TCP port in 1..65535.")
-    _check_gpus(args.nproc)
     if args.nnodes > 1 and args.master_addr is None:
         raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
                         f"--node-rank 0 (127.0.0.1 when every node runs on this host).")

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.telemetry.peak import device_peak_flops
 from shardwise.cli.train import WorkerArgs
 from shardwise.data import CorpusError, TokenLoader, load_corpus
 from shardwise.errors import UserError
@@ -30,6 +29,7 @@ from shardwise.telemetry import (
     StepMetrics,
     TrainProgress,
     current_rss_bytes,
+    measure_matmul_peak_flops,
     plot_loss_curve,
     print_summary,
     read_metrics,
@@ -52,7 +52,11 @@ def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype) -> float:
     if args.peak_tflops is not None:
         return args.peak_tflops * 1e12
     from shardwise.device import select_device
-    return device_peak_flops(select_device(), compute_dtype)[0]
+    device = select_device()
+    if device.type == "cpu":
+        return measure_matmul_peak_flops(dtype=compute_dtype)
+    from shardwise.telemetry.peak import device_peak_flops
+    return device_peak_flops(device, compute_dtype)[0]
 
 
 def gather(value: object) -> list[object]:

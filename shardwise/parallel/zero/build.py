@@ -57,7 +57,7 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
     separate = recipe.dtype != torch.float32 or section.offloads_optimizer
     optimizer, masters, bound = _shard_optimizer(buckets, groups, section, recipe, norms, separate=separate)
     update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
-                           recipe=recipe, norms=bound, offloaded=section.offloads_optimizer)
+                           recipe=recipe, norms=bound)
     return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
 
 

@@ -13,17 +13,25 @@ them) and all-gathers only its persistent buckets.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.errors import CheckpointError
-from shardwise.parallel.grad_norm import GradNormReducer, Riders
+from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.update import Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.copies import CopyStream, pinned_like, wait_host
 from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.parallel.zero.params import FlatShard
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+if TYPE_CHECKING:
+    from shardwise.parallel.grad_norm import Riders
+
+OFFLOADED_ATTR = "_shardwise_offloaded_master"
+"""Set on a master that offload_optimizer keeps on the host (`make_shard_masters`)."""
 
 
 def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
@@ -39,6 +47,7 @@ def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separat
             host = torch.empty(shard.shape, dtype=torch.float32, device=offload_device,
                                pin_memory=pin_memory and torch.cuda.is_available())
             masters.append(torch.nn.Parameter(host.copy_(shard)))
+            setattr(masters[-1], OFFLOADED_ATTR, True)
         else:                     # on the compute device, also for a stage-3 shard offloaded to the CPU
             device = getattr(b, "compute_device", None) or shard.device
             masters.append(torch.nn.Parameter(shard.to(device, torch.float32, copy=True) if separate else shard))
@@ -63,7 +72,7 @@ class ShardedUpdate(Update):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, buckets: list[ZeroBucket],
                  masters: list[torch.nn.Parameter], separate_masters: bool, comm: Comm, recipe: UpdateRecipe,
-                 norms: GradNormReducer, gather_after_step: bool = True, offloaded: bool = False):
+                 norms: GradNormReducer, gather_after_step: bool = True):
         super().__init__(optimizer, stepped=masters, masters=masters, separate_masters=separate_masters,
                          recipe=recipe, norms=norms)
         # ZeRO-3 (False): parameters stay sharded after the step; only separate masters are written back.
@@ -85,9 +94,9 @@ class ShardedUpdate(Update):
         self._host_lp: list[torch.Tensor | None] = [None] * len(masters)
         self._h2d_events: list = [None] * len(masters)
         self._copies = None
-        # (`offloaded`: the masters were put on the host by offload_optimizer; on a CPU-only run that is the
-        # device itself, and these paths run with synchronous copies.)
-        if offloaded and gather_after_step:
+        # (Marked by make_shard_masters: the masters were put on the host by offload_optimizer; on a CPU-only run
+        # that is the compute device itself, and these paths run with synchronous copies.)
+        if gather_after_step and any(getattr(m, OFFLOADED_ATTR, False) for m in masters):
             self._copies = CopyStream(buckets[0].param_flat.device)
             for b in buckets:
                 b.host_grad = pinned_like(b.grad_shard)
