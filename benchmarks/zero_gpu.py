@@ -13,9 +13,10 @@ and 2 is a step time at most 1.05x stage 0's: sharding that saves nothing at wor
 nothing. A row that fails (OOM, error) records its error and the run goes on.
 
 The bandwidth section times, on [N] buffers (N: the fp32 gradient shard, i.e. every parameter at world size 1), a
-plain pinned copy (fp32 device <-> pinned fp32 host) against the copies ZeRO-Offload makes (parallel/zero/optimizer.py):
-the bf16 device grad shard into the fp32 host gradient buffer kept across steps (`ShardedUpdate._load_grads`) and the
-fp32 master back to the device as bf16 (`_gather_params`). The JSON is rewritten after every row and section.
+plain pinned copy (fp32 device <-> pinned fp32 host) against the copies ZeRO-Offload makes (parallel/zero/copies.py):
+the bf16 device grad shard into a pinned bf16 host buffer, cast on the host into the fp32 gradient buffer kept across
+steps, and the fp32 master cast on the host into pinned bf16, copied to the device. The JSON is rewritten after every
+row and section.
 """
 
 from __future__ import annotations
@@ -257,8 +258,8 @@ def _median_s(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 def bandwidth(numel: int, device: torch.device, reps: int) -> dict[str, Any]:
     """Plain pinned copies against the copies ZeRO-Offload makes, on [numel] buffers. Each figure: median seconds
-    over `reps` and GB/s of the fp32 side (4 * numel bytes: the casts run on the device, so that is what
-    crosses the bus). On CPU "device" tensors are host tensors too and nothing is pinned: plain memcpy."""
+    over `reps` and GB/s of the fp32 side (4 * numel bytes; ZeRO-Offload moves bf16 over the bus and casts on the
+    host, so its figure counts the host cast too). On CPU "device" tensors are host tensors too and nothing is pinned: plain memcpy."""
     pin = device.type == "cuda"
     dev32 = torch.randn(numel, device=device)                      # [N] fp32 on the device
     dev16 = dev32.to(torch.bfloat16)                               # [N] the bf16 grad shard
@@ -266,16 +267,28 @@ def bandwidth(numel: int, device: torch.device, reps: int) -> dict[str, Any]:
     master = torch.nn.Parameter(torch.empty(numel, pin_memory=pin).copy_(dev32))   # make_shard_masters' master
     # ShardedUpdate._load_grads's host gradient buffer: allocated once, pinned like the master, kept across steps
     grad_buf = torch.empty(master.shape, dtype=master.dtype, pin_memory=master.is_pinned())
+    # The pinned bf16 buffers of parallel/zero/copies.py: the gradient shard's landing place, the master's cast
+    host16_grad = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pin)
+    host16_param = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pin)
+
+    def d2h_then_host_cast() -> None:
+        host16_grad.copy_(dev16, non_blocking=True)
+        _sync(device)                              # the step waits for the bucket's event, then casts on the host
+        grad_buf.copy_(host16_grad)
+
+    def host_cast_then_h2d() -> torch.Tensor:
+        host16_param.copy_(master.detach())        # fp32 -> bf16 on the host
+        return host16_param.to(device, non_blocking=True, copy=True)
+
     out: dict[str, Any] = {"numel": numel, "bytes_fp32": 4 * numel, "reps": reps, "host_pinned": host32.is_pinned(),
                            "master_pinned": master.is_pinned(), "grad_buffer_pinned": grad_buf.is_pinned()}
     cases: dict[str, Callable[[], Any]] = {
         "plain_d2h": lambda: host32.copy_(dev32, non_blocking=True),
         "plain_h2d": lambda: dev32.copy_(host32, non_blocking=True),
-        # ShardedUpdate._load_grads: the bf16 device grad shard cast into the kept fp32 host buffer (then a sync)
-        "zero_offload_d2h": lambda: grad_buf.copy_(dev16, non_blocking=True),
-        # ShardedUpdate._gather_params: the fp32 master to the device as bf16
-        "zero_offload_h2d": lambda: master.detach().to(device=device, dtype=torch.bfloat16, non_blocking=True,
-                                                       copy=True),
+        # the bf16 grad shard to a pinned bf16 host buffer (during backward), cast on the host into the fp32 buffer
+        "zero_offload_d2h": d2h_then_host_cast,
+        # ShardedUpdate._host_to_device: the fp32 master cast on the host into pinned bf16, then to the device
+        "zero_offload_h2d": host_cast_then_h2d,
     }
     for name, fn in cases.items():
         out[name] = {"median_s": (sec := _median_s(fn, device, reps)), "gb_per_s": 4 * numel / sec / 1e9}
@@ -326,7 +339,9 @@ def print_report(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shardwise.models import gpt_flops_per_token, gpt_num_params
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    from shardwise.device import select_device
+    os.environ.setdefault("SHARDWISE_DEVICE", args.device)
+    device = select_device()
     cfg = model_config(args.model)
     params = gpt_num_params(cfg)
     data = [tuple(t.to(device) for t in b)
@@ -365,8 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"python, or --nproc-per-node 1", file=sys.stderr)
         return 2
     from shardwise.initialization import init_distributed
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    os.environ["SHARDWISE_DEVICE"] = args.device       # the engine trains where --device says (shardwise.device)
     created = not dist.is_initialized()
     # Not under torchrun: a world of one on an in-memory store (no port, nothing left behind).
     init_distributed("nccl" if args.device == "cuda" else "gloo")

@@ -24,6 +24,7 @@ from shardwise.config.resolved import EngineConfig
 from shardwise.engine_api import DeepSpeedEngineAPI
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
+from shardwise.parallel.grad_norm import Riders
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
 from shardwise.skips import SkipGuard
@@ -198,10 +199,25 @@ class Engine(DeepSpeedEngineAPI):
             self.sequence_check.verify(self.global_steps)
 
     def step(self) -> None:
+        self._step(None)
+
+    def step_agreeing_loss(self, loss_mean: torch.Tensor) -> float:
+        """The boundary step of a global batch whose micro-batch losses average to `loss_mean` (a device scalar) on
+        this rank: the loss is summed over data-parallel ranks in the step's own all-reduce when the groups match,
+        and read with its one host read. Returns the mean over micro-batches and ranks, the same on every rank."""
+        riders = Riders(loss_mean.detach().float().reshape(1), self.metrics_comm)
+        self._step(riders)
+        if riders.values is None:         # not a boundary (inside no_sync): agree on the loss by itself
+            total = riders.tensor.to(torch.float64)
+            self.metrics_comm.all_reduce(total)
+            riders.values = total.tolist()
+        return riders.values[0] / self.metrics_comm.size
+
+    def _step(self, riders: Riders | None) -> None:
         self._refuse_inside_no_sync("engine.step()")
         if self.is_gradient_accumulation_boundary():
             with self.monitor.timed(STEP):
-                applied = self.updater.step()
+                applied = self.updater.step(riders)
                 self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:

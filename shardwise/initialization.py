@@ -23,6 +23,7 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.comm.watchdog import HangWatchdog, backend_timeout_s
 from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
+from shardwise.device import select_device, uses_cuda
 from shardwise.engine import Engine
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
@@ -41,36 +42,32 @@ from shardwise.utils import link_params
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
-    """Initialise the default process group: NCCL when CUDA is available, else gloo.
+    """Initialise the default process group: NCCL when this rank trains on a GPU (`shardwise.device`), else gloo.
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) joins the job; as a plain single
-    process creates a world of one with an in-memory store (no port needed). Idempotent.
+    process creates a world of one with an in-memory store (no port needed). Idempotent. On a GPU the rank's
+    device (LOCAL_RANK mod the GPU count) is made current first and passed as `device_id`, so NCCL binds its
+    communicator to that GPU (not GPU 0) and creates it eagerly.
     """
     if dist.is_initialized():
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = uses_cuda()
+    backend = dist_backend or ("nccl" if cuda else "gloo")
     kwargs: dict[str, Any] = {}
     if timeout_s is not None:
-        import datetime
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if cuda and "nccl" in backend:
+        kwargs["device_id"] = select_device()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, **kwargs)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
 
 
-def _device_for(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
     """Make every rank start from dp rank 0's parameters and buffers (one flat broadcast per dtype)."""
-    if comm.size == 1:
+    if comm.local:
         return
     tensors = [t for t in list(module.parameters()) + list(module.buffers())]
     for dtype in dict.fromkeys(t.dtype for t in tensors):
@@ -132,7 +129,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     watchdog = HangWatchdog.attach(ledger, rank=dist.get_rank(), world=world, timeout_s=timeout_s)
     check = (SequenceCheck.build(ledger, stage=mesh.rank(Axis.PP), stages=mesh.size(Axis.PP),
                                  wait_s=min(timeout_s, 60.0)) if cfg.communication.desync_check else None)
-    device, dtype = _device_for(dist.get_backend()), cfg.precision.dtype.torch_dtype
+    device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
     model, pipeline = _pipeline(model, cfg, mesh, ledger, device)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from shardwise.parallel.update import Piece
     from shardwise.parallel.zero.build import ShardingUnits
     from shardwise.precision import LossScaler
+    from shardwise.parallel.grad_norm import Riders
 
 
 class DataParallelRuntime(Protocol):
@@ -66,8 +67,9 @@ class Updater(Protocol):
     stepped: list[torch.nn.Parameter]
     """What the optimizer steps: the model's parameters, or fp32 masters (whole, or ZeRO shards)."""
 
-    def step(self) -> bool:
-        """The update; False when an overflow skipped it (on every rank alike)."""
+    def step(self, riders: Riders | None = None) -> bool:
+        """The update; False when an overflow skipped it (on every rank alike). `riders`: device metrics (the
+        train_batch loss) summed over their group and read with the step's one host read."""
         ...
 
     def zero_master_grads(self) -> None: ...

@@ -15,7 +15,7 @@ from shardwise.config.resolved import DType, PrecisionConfig
 from shardwise.errors import UserError
 
 __all__ = ["DType", "DynamicLossScaler", "LossScaleAtMinimum", "LossScaler", "grads_have_inf_or_nan",
-           "make_loss_scaler"]
+           "make_loss_scaler", "nonfinite_flag"]
 
 
 class LossScaleAtMinimum(UserError):
@@ -108,6 +108,14 @@ def grads_have_inf_or_nan(grads: list[torch.Tensor]) -> bool:
         return False
     sums = torch.stack([g.sum(dtype=torch.float64) for g in grads])
     return not bool(sums.isfinite().all())
+
+
+def nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-dim float64 on `device`: 1 if any gradient holds inf/nan, else 0; computed there, never read here."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    flags = torch.stack([torch.logical_not(torch.isfinite(g).all()).to(device) for g in grads])
+    return flags.any().to(torch.float64)
 
 
 def make_loss_scaler(precision: PrecisionConfig) -> LossScaler:

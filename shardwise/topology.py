@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from shardwise.comm.collectives import Comm
+from shardwise.comm.collectives import Comm, collectives_at_world_one
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
 
@@ -119,6 +119,10 @@ class SoloComm(Comm):
     def rank(self) -> int:
         return 0
 
+    @property
+    def local(self) -> bool:
+        return True      # its group is no group: never communicate (the test switch needs a world of one)
+
 
 class ParallelMesh:
     """The process groups of one run, one per axis for this rank. An axis spanning every rank uses the
@@ -161,9 +165,14 @@ class ParallelMesh:
     def comm_sharing_tp(self, ledger: CommLedger, name: str) -> Comm:
         """A `Comm` over the ranks with this rank's TP coordinate (every pp x dp rank): where one TP slice of the
         whole model's gradients lives, so its norm and overflow flags are reduced there."""
-        if self.shape.pp * self.shape.dp == 1:
+        if self.shape.pp * self.shape.dp == 1 and not self._world_of_one_communicates():
             return SoloComm(None, ledger, name=name)
         return Comm(self._same_tp if self.shape.tp > 1 else None, ledger, name=name)
+
+    def _world_of_one_communicates(self) -> bool:
+        """The test switch (`collectives_at_world_one`) at world size 1: every axis is the world group, whose
+        collectives then run for real."""
+        return self.shape.world_size == 1 and collectives_at_world_one()
 
     def size(self, axis: Axis) -> int:
         return self.shape.size(axis)
@@ -181,7 +190,7 @@ class ParallelMesh:
     def comm(self, axis: Axis, ledger: CommLedger, name: str | None = None) -> Comm:
         """A `Comm` over this rank's `axis` group, recording into `ledger` under `name` (default: the axis)."""
         name = name or Axis(axis).value
-        if self.size(axis) == 1:
+        if self.size(axis) == 1 and not self._world_of_one_communicates():
             return SoloComm(None, ledger, name=name)
         return Comm(self.group(axis), ledger, name=name)
 

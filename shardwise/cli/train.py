@@ -191,6 +191,7 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     """Check every user input, decide how RUN_DIR is used (start, resume, refuse: `run_dir.decide`), create it
     and write the worker arguments; UserError on a mistake."""
     _check_flags(args)
+    _check_gpus(args.nproc)
     world_size = args.nproc * args.nnodes
     raw_config = _read_config(args.config, args.steps)
     if getattr(args, "timeout", None) is not None:     # the flag wins over the config, in the config the ranks get
@@ -264,6 +265,22 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.nnodes > 1 and args.master_addr is None:
         raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
                         f"--node-rank 0 (127.0.0.1 when every node runs on this host).")
+
+
+def _check_gpus(nproc: int) -> None:
+    """On a GPU node every local rank needs a GPU of its own: more ranks than GPUs would share them (NCCL refuses two
+    ranks of one communicator on one GPU). SHARDWISE_DEVICE=cpu runs the ranks on the CPU instead."""
+    import torch
+
+    from shardwise.device import DEVICE_ENV, uses_cuda
+
+    if not uses_cuda():
+        return
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise UserError(f"--nproc {nproc}: this node has {gpus} visible GPU(s) and each rank needs its own; use "
+                        f"--nproc {gpus} or fewer, make more GPUs visible (CUDA_VISIBLE_DEVICES), or set "
+                        f"{DEVICE_ENV}=cpu to train on the CPU.")
 
 
 def _read_config(path: str | None, steps: int) -> dict[str, Any]:

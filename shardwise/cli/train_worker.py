@@ -38,7 +38,8 @@ from shardwise.data import TokenLoader, load_corpus
 from shardwise.models import GPT, gpt_config
 from shardwise.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
-from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, resolve_peak
+from shardwise.telemetry.peak import device_peak_flops
+from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, measured_peak, resolve_peak
 from shardwise.telemetry import (
     MetricsWriter,
     StepMetrics,
@@ -67,13 +68,18 @@ class Stopped:
 
 def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype, device: torch.device,
                     cache: PeakCache) -> PeakFlops:
-    """This rank's peak FLOP/s: --peak-tflops if given, else the cached figure of this machine, else a
-    matmul measured now in the training dtype (and cached).
+    """This rank's peak FLOP/s: --peak-tflops if given, else a known GPU's datasheet peak for the training dtype,
+    else the cached figure of this machine, else a matmul measured now in the training dtype (and cached).
 
     Every rank that measures does so at the same time (they have just synchronised in `initialize`), so
     the figure includes the contention of ranks sharing cores and memory bandwidth, as training does.
     """
-    return resolve_peak(device=device, dtype=compute_dtype, given_tflops=args.peak_tflops, cache=cache)
+    def source(d: torch.device, t: torch.dtype) -> tuple[float, str]:
+        # A known GPU's datasheet peak (never cached); otherwise the measured one.
+        return device_peak_flops(d, t) if d.type == "cuda" else measured_peak(d, t)
+
+    return resolve_peak(device=device, dtype=compute_dtype, given_tflops=args.peak_tflops, cache=cache,
+                        source=source)
 
 
 def gather(value: object) -> list[object]:

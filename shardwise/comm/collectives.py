@@ -7,7 +7,9 @@ Asynchronous operations return a `Handle` whose `wait()` records the duration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,6 +22,15 @@ from shardwise.comm.ledger import CommLedger
 # every call, i.e. once per rank per run. Same arguments, same semantics; older torch has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+COLLECTIVES_AT_ONE_ENV = "SHARDWISE_COLLECTIVES_AT_WORLD_1"
+"""Test-only: "1" makes a world of one process run every collective through its backend (a `Comm` of size 1 is
+otherwise a no-op), so one GPU exercises NCCL's kernels and the ledger records what a larger world would."""
+
+
+def collectives_at_world_one() -> bool:
+    return os.environ.get(COLLECTIVES_AT_ONE_ENV, "") == "1"
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -59,12 +70,19 @@ class Comm:
     """A process group plus the ledger that records what goes over it.
 
     `group=None` means the default (world) group. A Comm of size 1 performs no communication and
-    records nothing, so single-process runs pay nothing.
+    records nothing, so single-process runs pay nothing (except under the test switch `force_collectives`).
     """
 
     group: dist.ProcessGroup | None
     ledger: CommLedger
     name: str = "world"
+    force_collectives: bool = dataclasses.field(default_factory=lambda: collectives_at_world_one())
+    """The test switch (`COLLECTIVES_AT_ONE_ENV`): run and record the collectives of a group of one too."""
+
+    @property
+    def local(self) -> bool:
+        """Nothing to communicate: a group of one (unless the test switch asks for its collectives anyway)."""
+        return self.size == 1 and not self.force_collectives
 
     @property
     def size(self) -> int:
@@ -101,7 +119,7 @@ class Comm:
     def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
              payload: int | None = None) -> Handle:
         dtype = str(tensor.dtype).removeprefix("torch.")
-        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}")
+        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}", tensor.device)
         size = self.size
         amount = nbytes(tensor) if payload is None else payload
 
@@ -115,16 +133,22 @@ class Comm:
         return handle
 
     # -- collectives ------------------------------------------------------------------------------
+    @functools.cached_property
+    def carries_host_tensors(self) -> bool:
+        """Whether the group has a CPU backend (gloo, or gloo beside NCCL): host tensors then go as they are."""
+        from shardwise.device import has_cpu_backend
+        return has_cpu_backend(self.group)
+
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A device copy of a host tensor when the group's backend cannot take host tensors (NCCL): the
-        engine's few-byte metrics (norms, overflow flags, losses) are host tensors. None: use `tensor`."""
-        if tensor.device.type != "cpu" or self.backend != "nccl":
+        """A device copy of a host tensor when the group has no CPU backend (NCCL alone), on this rank's current
+        GPU (`shardwise.device.select_device` set it). None: use `tensor` as it is."""
+        if tensor.device.type != "cpu" or self.carries_host_tensors:
             return None
         return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle:
-        if self.size == 1:
+        if self.local:
             return _Done()
         staged = self._staged(tensor)
         if staged is not None:          # synchronous: the result is copied back into the host tensor
@@ -143,7 +167,7 @@ class Comm:
         The ring runs in the calling thread and is complete when this returns, so the handle of
         `async_op=True` only records the entry on `wait()`; overlap comes from calling it on a
         communication thread."""
-        if self.size == 1:
+        if self.local:
             return _Done()
         from shardwise.comm.ring import ring_all_reduce
 
@@ -153,7 +177,7 @@ class Comm:
         return self._run("ring_all_reduce", tensor, launch, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
-        if self.size == 1:
+        if self.local:
             return _Done()
         src = self.global_rank(src_group_rank)
         staged = self._staged(tensor)
@@ -168,7 +192,7 @@ class Comm:
     def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor,
                                async_op: bool = False) -> Handle:
         """output: [size * shard.numel()] gathered in group-rank order. Recorded bytes: the output."""
-        if self.size == 1:
+        if self.local:
             output.copy_(shard.reshape(output.shape))
             return _Done()
         return self._run("all_gather", output,
@@ -179,7 +203,7 @@ class Comm:
                               op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
         """full: [size * output.numel()]; this rank receives the reduced chunk of its group rank.
         Recorded bytes: the input (the full tensor every rank contributes)."""
-        if self.size == 1:
+        if self.local:
             output.copy_(full.reshape(output.shape))
             return _Done()
         return self._run("reduce_scatter", full,
@@ -219,7 +243,7 @@ class Comm:
         return out
 
     def barrier(self) -> None:
-        if self.size > 1:
+        if not self.local:
             token = self.ledger.start("barrier", self.name)
             self._explained(lambda: dist.barrier(group=self.group))()
             self.ledger.finish(token, op="barrier", group=self.name, group_size=self.size, nbytes=0,
@@ -245,8 +269,8 @@ class Comm:
             return []
         ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.global_rank(p), group=self.group)
                for op, t, p in items]
-        tokens = [self.ledger.start(op, self.name, f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
-                  for op, t, _ in items]
+        tokens = [self.ledger.start(op, self.name, f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}",
+                                    t.device) for op, t, _ in items]
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         size = self.size
         handles = []

@@ -9,16 +9,27 @@ while the ranks are in step), keeps what is in flight, and folds each operation'
 into a running hash per group. Per group, not one hash for all: a communication thread (gradient buckets) and
 the autograd thread (TP) may interleave differently on each rank, but within one group the order is fixed, as
 the backends need it to be.
+
+[Note: timing on a GPU]
+On NCCL `wait()` returns as soon as the current stream has been told to wait for the collective, so host clocks
+around it read ~0. An operation on a CUDA tensor is timed with two CUDA events on the current stream: one
+recorded before the launch (the collective's stream waits for the work queued before it), one after `wait()`
+(queued behind the collective). Reading an event pair before the GPU reached the second would block the host,
+so such a record is kept aside and becomes a `CommRecord` (and reaches the listeners) once its end event has
+completed: checked without blocking at `begin_step`, waited for by `summary` and `flush` (reports only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -79,16 +90,26 @@ class CommLedger:
     explain: Callable[[BaseException], BaseException] | None = None
     """Turns a backend's failure of a collective (a timeout, a peer gone) into the run's own report (the hang
     watchdog's verdict); None: the failure stands as raised."""
+    _events: dict[int, Any] = field(default_factory=dict, repr=False)
+    """token -> the CUDA start event of an operation on a device tensor (see [Note: timing on a GPU])."""
+    _unresolved: list[tuple[CommRecord, Any, Any]] = field(default_factory=list, repr=False)
+    """(record with duration 0, start event, end event), in completion order, waiting for the end event."""
 
     def begin_step(self, step: int) -> None:
         """Start recording for `step`; keep only the last `keep_steps` steps so memory stays bounded."""
+        self.flush(block=False)
         with self._lock:
             self.step = step
             self.records = [r for r in self.records if r.step > step - self.keep_steps]
 
-    def start(self, op: str, group: str, signature: str = "") -> int:
+    def start(self, op: str, group: str, signature: str = "", device: torch.device | None = None) -> int:
         """Mark an operation as launched (read by hang diagnostics); returns a token for `finish`.
-        `signature` ("float32[1024]") goes into the group's running hash with `op`."""
+        `signature` ("float32[1024]") goes into the group's running hash with `op`. Call it before the launch;
+        on a CUDA `device` a start event is recorded on its current stream."""
+        event = None
+        if device is not None and device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
         with self._lock:
             token = self._next_id
             self._next_id += 1
@@ -97,18 +118,46 @@ class CommLedger:
             text = f"{op} {signature}"
             self._hashes[group] = _chained(self._hashes.get(group, b""), text)
             self._since_check[group].append(text)
+            if event is not None:
+                self._events[token] = event
             return token
 
     def finish(self, token: int, *, op: str, group: str, group_size: int, nbytes: int, dtype: str) -> None:
         with self._lock:
             started = self.in_flight.pop(token, None)
             t0 = started.started if started is not None else time.perf_counter()
-            record = CommRecord(op, group, group_size, nbytes, dtype, time.perf_counter() - t0, self.step)
-            self.records.append(record)
             if started is not None:
                 self.last_done = started
+            event = self._events.pop(token, None)
+            if event is not None:     # after wait(): queued behind the collective on the current stream
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record()
+                self._unresolved.append((CommRecord(op, group, group_size, nbytes, dtype, 0.0, self.step),
+                                         event, ended))
+                return
+            record = CommRecord(op, group, group_size, nbytes, dtype, time.perf_counter() - t0, self.step)
+            self.records.append(record)
         for listener in self.listeners:
             listener(record)
+
+    def flush(self, block: bool = True) -> None:
+        """Turn event-timed operations into records, in order: those whose end event has completed, or (block)
+        all of them, waiting for the GPU."""
+        done: list[CommRecord] = []
+        with self._lock:
+            while self._unresolved:
+                record, started, ended = self._unresolved[0]
+                if block:
+                    ended.synchronize()
+                elif not ended.query():
+                    break
+                self._unresolved.pop(0)
+                seconds = started.elapsed_time(ended) / 1e3       # elapsed_time: milliseconds
+                done.append(dataclasses.replace(record, duration_s=seconds))
+            self.records.extend(done)
+        for record in done:
+            for listener in self.listeners:
+                listener(record)
 
     def pending(self) -> list[tuple[str, str, float]]:
         """Operations launched and not finished: (op, group, seconds waiting)."""
@@ -139,6 +188,7 @@ class CommLedger:
 
     def summary(self, step: int | None = None) -> list[OpSummary]:
         """Collectives of one step (the current one by default), grouped by (op, group, dtype)."""
+        self.flush()
         step = self.step if step is None else step
         out: dict[tuple[str, str, int, str], OpSummary] = {}
         with self._lock:

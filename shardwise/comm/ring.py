@@ -27,6 +27,18 @@ fixed price that 1 MiB segments (gloo's own choice) pay too often; 4 MiB segment
 flight measured best for 16-256 MiB tensors on 2 ranks (benchmarks/allreduce.py sweeps both knobs:
 --segment-kb, --in-flight). A chunk smaller than a segment goes as one message per step.
 
+[Note: device tensors: one batched exchange per step]
+The pipelined walk above suits gloo, where every isend/irecv is an independent message. NCCL is different:
+point-to-point calls outside a batch are each a blocking rendezvous on one stream per peer pair, so the walk
+(several receives posted before the first send) deadlocks at 2 ranks, and at 3+ the lazily created
+communicator with the left neighbour waits on a rank that is itself waiting. So a tensor on a device takes
+`_run_batched`: at each step j ONE `batch_isend_irecv([send chunk (r - j) to the right, receive chunk
+(r - j - 1) from the left])`, one NCCL group launch in which every rank's send and receive progress together,
+then (reduce-scatter steps) the add. Every rank of the group takes part in every step, which NCCL requires of
+the first batched call. `wait()` on NCCL only makes the current stream wait, so the host does not block; the
+caller runs it on the thread that owns the device (not a worker thread, whose current CUDA device is 0), under
+`torch.cuda.device(tensor.device)`. gloo runs the same batched walk too (tests check it there).
+
 Nothing here is global: the function can run on a background thread (the data-parallel engine runs it
 on a communication thread while backward continues). Two ring all-reduces must not run at the same
 time on the same process group: they would use the same tags.
@@ -119,9 +131,15 @@ class RingPlan:
         return step < self.size - 1
 
 
+def batches_steps(tensor: torch.Tensor) -> bool:
+    """Whether the ring takes one batched exchange per step for `tensor` (on a device: see the notes) rather than
+    the pipelined walk of independent messages (host tensors through gloo)."""
+    return tensor.device.type != "cpu"
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     op: dist.ReduceOp = dist.ReduceOp.SUM, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                    in_flight: int = DEFAULT_IN_FLIGHT) -> torch.Tensor:
+                    in_flight: int = DEFAULT_IN_FLIGHT, batched: bool | None = None) -> torch.Tensor:
     """All-reduce `tensor` in place over `group` (default: the world) with our ring; returns it.
 
     Every rank must call it with a tensor of the same shape and dtype. The result equals
@@ -130,6 +148,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     contiguous copy that is written back. A group of one rank and an empty tensor are no-ops.
 
     `segment_bytes` bounds one message; `in_flight` is how many receives run ahead of the reduction.
+    `batched` (default: `batches_steps(tensor)`, True on a device) takes one `batch_isend_irecv` per step instead.
     """
     if segment_bytes < 1 or in_flight < 1:
         raise ValueError(f"ring_all_reduce: segment_bytes={segment_bytes} and in_flight={in_flight} must "
@@ -149,9 +168,12 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     def to_global(group_rank: int) -> int:
         return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
+    right, left = to_global((rank + 1) % size), to_global((rank - 1) % size)
     with torch.no_grad():   # in-place adds on a parameter or a leaf that requires grad, like dist.all_reduce
-        _run(flat, plan, rank, to_global((rank + 1) % size), to_global((rank - 1) % size), group, reduce,
-             in_flight)
+        if batches_steps(tensor) if batched is None else batched:
+            _run_batched(flat, plan, rank, right, left, group, reduce)
+        else:
+            _run(flat, plan, rank, right, left, group, reduce, in_flight)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
     return tensor
@@ -209,3 +231,28 @@ def _run(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
     for work in sends:
         if work is not None:
             work.wait()
+
+
+def _run_batched(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
+                 group: dist.ProcessGroup | None, reduce: Reducer) -> None:
+    """One `batch_isend_irecv([send right, recv left])` per step, whole chunks (see [Note: device tensors])."""
+    # scratch: [largest chunk], the incoming chunk of a reduce-scatter step before it is added.
+    scratch = torch.empty(plan.chunk_bounds(0)[1], dtype=flat.dtype, device=flat.device)
+    for step in range(plan.num_steps):
+        send_start, send_len = plan.chunk_bounds(plan.send_chunk(rank, step))
+        recv_start, recv_len = plan.chunk_bounds(plan.recv_chunk(rank, step))
+        reducing = plan.is_reduce_step(step)
+        target = scratch[:recv_len] if reducing else flat[recv_start:recv_start + recv_len]
+        ops = []
+        # The peer's chunk has the same length as this rank's (same chunk index): both sides skip empty ones.
+        if send_len:
+            ops.append(dist.P2POp(dist.isend, flat[send_start:send_start + send_len], right, group, tag=step))
+        if recv_len:
+            ops.append(dist.P2POp(dist.irecv, target, left, group, tag=step))
+        if not ops:
+            continue
+        for work in dist.batch_isend_irecv(ops):
+            if work is not None:
+                work.wait()
+        if reducing and recv_len:
+            reduce(flat[recv_start:recv_start + recv_len], target)

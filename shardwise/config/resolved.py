@@ -230,12 +230,19 @@ class NonFiniteConfig:
     """End the run after this many skipped steps in a row; 0 = never."""
 
 
+DEFAULT_BUCKET_BYTES = 25 << 20
+"""Stage 0's gradient bucket when reduce_bucket_size is not set: torch DDP's bucket_cap_mb = 25."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataParallelConfig:
     """What stage 0's bucketed gradient all-reduce reads: the "communication" block, DeepSpeed's
     prescale_gradients / gradient_predivide_factor and zero_optimization.reduce_bucket_size."""
 
-    bucket_numel: int
+    bucket_numel: int | None
+    """Elements per gradient bucket: zero_optimization.reduce_bucket_size when the config sets it, else None:
+    `DEFAULT_BUCKET_BYTES` in the gradients' dtype (DeepSpeed's default 5e8 elements leaves a 1B model ~3
+    buckets, so the all-reduce hardly overlaps backward)."""
     all_reduce: AllReduceImpl = AllReduceImpl.BACKEND
     data_type: DType | None = None
     prescale: bool = False
@@ -365,7 +372,9 @@ class EngineConfig:
     @property
     def data_parallel(self) -> DataParallelConfig:
         """Stage 0's section (the other stages refuse its non-default values: `config/unsupported.py`)."""
-        return DataParallelConfig(bucket_numel=self.zero.reduce_bucket_size, all_reduce=self.communication.all_reduce,
+        given = "reduce_bucket_size" in (self.raw.get("zero_optimization") or {})
+        return DataParallelConfig(bucket_numel=self.zero.reduce_bucket_size if given else None,
+                                  all_reduce=self.communication.all_reduce,
                                   data_type=self.communication.data_type, prescale=self.prescale_gradients,
                                   predivide_factor=self.gradient_predivide_factor)
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.comm.collectives import Comm, Handle
-from shardwise.config.resolved import AllReduceImpl
+from shardwise.comm.ring import batches_steps
+from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, AllReduceImpl
+from shardwise.device import device_guard
 
 
 @dataclass
@@ -110,7 +112,7 @@ class OrderedLauncher:
 class BucketedAllReduce(OrderedLauncher):
     """The data-parallel runtime of plain data parallelism (ZeRO stage 0): gradient all-reduce."""
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int,
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int | None,
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False):
         self.comm = comm
@@ -138,11 +140,13 @@ class BucketedAllReduce(OrderedLauncher):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     @staticmethod
-    def _group_by_dtype(order: list[torch.nn.Parameter], bucket_numel: int) -> list[list[torch.nn.Parameter]]:
+    def _group_by_dtype(order: list[torch.nn.Parameter], bucket_numel: int | None) -> list[list[torch.nn.Parameter]]:
+        """Buckets of one dtype each, of `bucket_numel` elements (None: `DEFAULT_BUCKET_BYTES` of that dtype)."""
         groups: list[list[torch.nn.Parameter]] = []
         for dtype in dict.fromkeys(p.dtype for p in order):  # first-seen order
             same = [p for p in order if p.dtype == dtype]
-            groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], bucket_numel)]
+            limit = bucket_numel or DEFAULT_BUCKET_BYTES // same[0].element_size()
+            groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], limit)]
         return groups
 
     # -- gradient storage ---------------------------------------------------------------------------
@@ -202,8 +206,14 @@ class BucketedAllReduce(OrderedLauncher):
         wire = bucket.buffer
         if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
             bucket.staged = wire = wire.to(self.comm_dtype)
-        if self.impl is AllReduceImpl.RING:
-            # Ring all-reduce is built from blocking p2p calls; a single worker thread keeps buckets in
+        if self.impl is AllReduceImpl.RING and batches_steps(wire):
+            # A device buffer: one batched exchange per step, launched here on the thread that runs backward
+            # for this device (NCCL p2p from a worker thread would run on GPU 0's context); the waits only order
+            # streams, so backward goes on while the ring's kernels run.
+            with device_guard(wire.device):
+                bucket.handle = self.comm.ring_all_reduce(wire, async_op=True)
+        elif self.impl is AllReduceImpl.RING:
+            # On gloo the ring is built from blocking p2p calls; a single worker thread keeps buckets in
             # launch order on every rank while the main thread carries on with backward.
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
@@ -213,7 +223,7 @@ class BucketedAllReduce(OrderedLauncher):
 
     def begin_backward(self, boundary: bool) -> None:
         """Communicate only for the backward of the last micro-batch of a global batch."""
-        self.enabled = boundary and self.comm.size > 1
+        self.enabled = boundary and not self.comm.local
 
     def end_backward(self, boundary: bool) -> None:
         if boundary:
@@ -222,7 +232,7 @@ class BucketedAllReduce(OrderedLauncher):
     def finish(self) -> None:
         """After backward on a boundary micro-batch: launch what is left (parameters that got no
         gradient keep zeros), wait for every bucket, and turn sums into means."""
-        if self.comm.size > 1:
+        if not self.comm.local:
             self._launch_ready(force=True)
         for bucket in self.buckets:
             if isinstance(bucket.handle, Future):
@@ -232,7 +242,7 @@ class BucketedAllReduce(OrderedLauncher):
             if bucket.staged is not None:
                 bucket.buffer.copy_(bucket.staged)
                 bucket.staged = None
-            if self.comm.size > 1 and not self.prescale:
+            if not self.comm.local and not self.prescale:
                 if self.predivide_factor != 1.0:
                     bucket.buffer.mul_(self.predivide_factor / self.comm.size)
                 else:

@@ -13,13 +13,19 @@ the other dp ranks' shards. Call those ranks the holders (pp ranks for stage 0, 
 Per step: one all-reduce of float64 [sliced, replicated] over the holders (16 bytes) and one of the sliced
 part over TP (8 bytes). The overflow flag is the max over the same two groups, so every rank that holds part of
 one model skips a step together.
+
+[Note: one host read per step]
+`agree` computes the step's verdict on the gradients' device without reading it: the squares, a count of
+ranks that saw inf/nan (summed: > 0 iff any did, so it rides in the same SUM all-reduce as the squares), and
+metrics the caller adds (`Riders`: train_batch's loss) in one float64 vector per group. Clipping then
+scales by a device coefficient, and `StepVerdict.read` is the step's one device-to-host read.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -27,6 +33,7 @@ from torch import Tensor
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.parallel.tensor_parallel.layers import is_tensor_parallel_shard
+from shardwise.precision import nonfinite_flag
 from shardwise.topology import Axis, ParallelMesh
 
 Ranges = tuple[tuple[int, int], ...]
@@ -44,6 +51,44 @@ def shard_layout(buckets: Sequence) -> list[Ranges]:
     return [tuple((dst, dst + hi - lo) for i, lo, hi, dst in b.layout.pieces_in_shard(b.rank)
                   if not is_tensor_parallel_shard(b.params[i]))
             for b in buckets]
+
+
+@dataclass
+class Riders:
+    """Device metrics summed over `comm` alongside the step's verdict (fused into its all-reduce when `comm` is the
+    holders' group) and read with its one host read; `values` holds the sums after the step."""
+
+    tensor: Tensor
+    """float [k], on the compute device."""
+    comm: Comm
+    values: list[float] | None = field(default=None, init=False)
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What the holders agreed on, still on the device (see [Note: one host read per step])."""
+
+    overflow: Tensor | None
+    """0-dim float64: how many ranks saw inf/nan (None: not checked)."""
+    norm: Tensor | None
+    """0-dim: the whole model's gradient norm (None: not wanted)."""
+    riders: Tensor | None
+    """[k] float64: the riders' sums."""
+
+    def read(self) -> tuple[bool, float | None, list[float]]:
+        """(overflow, norm, rider sums) as Python values: the parts on a device go to the host in ONE copy (parts
+        on the host, e.g. the norm of offloaded gradients, in one more that waits for nothing)."""
+        parts = [(name, t.reshape(-1).to(torch.float64)) for name, t in
+                 (("overflow", self.overflow), ("norm", self.norm), ("riders", self.riders)) if t is not None]
+        fetched: dict[bool, Iterator[float]] = {}
+        for on_host in (False, True):
+            mine = [t for _, t in parts if (t.device.type == "cpu") == on_host]
+            if mine:
+                fetched[on_host] = iter(torch.cat([t.to(mine[0].device) for t in mine]).tolist())
+        values = {name: [next(fetched[t.device.type == "cpu"]) for _ in range(t.numel())] for name, t in parts}
+        overflow = "overflow" in values and values["overflow"][0] > 0
+        norm = values["norm"][0] if "norm" in values else None
+        return overflow, norm, values.get("riders", [])
 
 
 @dataclass(frozen=True)
@@ -86,6 +131,55 @@ class GradNormReducer:
     def alone(self) -> bool:
         """No other rank holds a part of this rank's gradients."""
         return self.holders.size == 1 and self.tp_comm.size == 1 and not self.uncounted
+
+    def agree(self, params: Sequence[Tensor], *, check_overflow: bool, want_norm: bool,
+              riders: Riders | None = None) -> StepVerdict:
+        """The step's verdict on the `p.grad`s of `params`, agreed by the holders and the TP group, without a host
+        read. Alone, the norm is torch's `get_total_norm` (bitwise the reference's clip_grad_norm_)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = nonfinite_flag(grads, device) if check_overflow else None
+        rider = riders.tensor.reshape(-1).to(torch.float64) if riders is not None else None
+        fuse = rider is not None and riders.comm.size > 1 and riders.comm.group is self.holders.group \
+            and not self.alone
+        if rider is not None and not fuse:
+            riders.comm.all_reduce(rider)
+        if self.alone:
+            norm = torch.nn.utils.get_total_norm(grads) if want_norm and grads else None
+            if want_norm and not grads:
+                norm = torch.zeros((), dtype=torch.float64)
+            return StepVerdict(flag, norm, rider)
+        # holders: float64 [sliced, replicated]? [flag]? [riders]?  then TP: [sliced]? [flag]?
+        pieces = ([self._local_squares(params)] if want_norm else []) \
+            + ([flag.reshape(1).to(device)] if flag is not None else [])
+        if fuse:
+            pieces.append(rider.to(device))
+        vec = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
+        if vec.numel():
+            self.holders.all_reduce(vec)
+        at = 2 if want_norm else 0
+        tp_pieces = ([vec[:1]] if want_norm else []) + ([vec[at:at + 1]] if flag is not None else [])
+        tp_vec = torch.cat(tp_pieces) if tp_pieces else vec[:0]
+        if tp_vec.numel():
+            self.tp_comm.all_reduce(tp_vec)
+        norm = torch.sqrt(tp_vec[0].clamp_min(0.0) + vec[1]) if want_norm else None
+        overflow = tp_vec[-1] if flag is not None else None
+        if fuse:
+            rider = vec[vec.numel() - rider.numel():]
+        return StepVerdict(overflow, norm, rider)
+
+    def clip_with_norm_(self, params: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:
+        """Scale every `p.grad` by min(1, max_norm / (norm + 1e-6)) on the device (no host read); alone, torch's
+        `clip_grads_with_norm_` (bitwise the reference)."""
+        if self.alone:
+            torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, norm)
+            return
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)      # float64, 0-dim
+        grads = [p.grad for p in params if p.grad is not None]
+        for dtype, device in dict.fromkeys((g.dtype, g.device) for g in grads):
+            # The factor in the gradients' dtype, as a Python float would be rounded: x * float32(coef).
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype and g.device == device],
+                                coef.to(device=device, dtype=dtype))
 
     def overflow(self, local: bool) -> bool:
         """True on every rank if any holder or TP peer saw inf/nan (each checks only what it steps)."""

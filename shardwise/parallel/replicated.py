@@ -16,6 +16,7 @@ from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
 from shardwise.parallel.tied import TiedParams, TiedSlot, uncounted
 from shardwise.parallel.update import Piece, Update, UpdateRecipe
+from shardwise.parallel.zero.fused import prefer_fused_adam
 
 
 class ReplicatedUpdate(Update):
@@ -29,17 +30,27 @@ class ReplicatedUpdate(Update):
                          norms=norms, tied=tied)
         self.model_params = model_params
         self._index = {id(p): i for i, p in enumerate(model_params)}
+        self._numels = [m.numel() for m in self.masters]
+        self._master_numel = sum(self._numels)
+        # The same fused Adam/AdamW kernel as ZeRO's masters when the user left the implementation to torch.
+        prefer_fused_adam(optimizer)
 
     def _load_grads(self) -> None:
-        for p, m in zip(self.model_params, self.masters):
-            if m.grad is None:
-                m.grad = torch.empty_like(m)
-            m.grad.copy_(p.grad)      # [shape] low precision -> fp32
+        if not self.masters:
+            return
+        # One fp32 [sum of numels] allocation per step, freed after it (zero_master_grads drops .grad), so it
+        # never coexists with the next forward's activations; each master's .grad is a view of it.
+        flat = torch.empty(self._master_numel, dtype=torch.float32, device=self.masters[0].device)
+        grads = [g.view(m.shape) for g, m in zip(flat.split(self._numels), self.masters)]
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        # Low precision -> fp32 in one multi-tensor kernel launch (a per-parameter copy is a launch each).
+        torch._foreach_copy_(grads, [p.grad for p in self.model_params])
 
     @torch.no_grad()
     def _publish(self) -> None:
-        for p, m in zip(self.model_params, self.masters):
-            p.copy_(m)                # fp32 -> low precision
+        if self.masters:
+            torch._foreach_copy_(self.model_params, self.masters)      # fp32 -> low precision
 
     def param_bytes(self) -> int:
         """Model parameters held by this rank (all of them: stage 0 replicates)."""
@@ -48,8 +59,8 @@ class ReplicatedUpdate(Update):
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
         """After loading module weights only: restart the fp32 masters from them."""
-        for p, m in zip(self.model_params, self.masters):
-            m.copy_(p)
+        if self.masters:
+            torch._foreach_copy_(self.masters, self.model_params)
 
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         self._load_common(state, load_optimizer_states)

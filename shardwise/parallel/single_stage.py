@@ -47,31 +47,35 @@ class SingleStage:
             raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
                             "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
         count = engine.gradient_accumulation_steps()
-        total = torch.zeros((), dtype=torch.float32)
-        for _ in range(count):
+        total: torch.Tensor | None = None        # [] float32 on the compute device: no host read per micro-batch
+        for i in range(count):
             loss = engine(next(data_iter))
             engine.backward(loss)
-            engine.step()
-            total += loss.detach().float().cpu()
-        return self._dp_mean(total, count)
+            part = loss.detach().float()
+            total = part if total is None else total + part
+            if i + 1 < count:
+                engine.step()
+        assert total is not None
+        return engine.step_agreeing_loss(total / count)
 
     def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, count: int) -> float:
         if data_iter is None:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
-        total = torch.zeros((), dtype=torch.float32)
+        total: torch.Tensor | None = None        # on the compute device until the one read below
         for _ in range(count):
             loss = engine(next(data_iter))
             if not torch.is_tensor(loss) or loss.dim() != 0:
                 raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
-            total += loss.float().cpu()
+            total = loss.float() if total is None else total + loss.float()
+        assert total is not None
         return self._dp_mean(total, count)
 
     def _dp_mean(self, total: torch.Tensor, count: int) -> float:
         """``total`` (the sum of this rank's ``count`` micro-batch losses) as the mean over micro-batches and
-        data-parallel ranks: one all-reduce; the same value on every rank."""
-        total /= count
-        self.metrics_comm.all_reduce(total)
-        return float(total) / self.metrics_comm.size
+        data-parallel ranks: one all-reduce, one host read; the same value on every rank."""
+        mean = (total / count).to(torch.float64).reshape(1)
+        self.metrics_comm.all_reduce(mean)
+        return mean.tolist()[0] / self.metrics_comm.size
 
     def refuse_manual_step(self, what: str) -> None:
         """Every call is allowed without a pipeline."""

@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from shardwise.parallel.grad_norm import GradNormReducer
+from shardwise.parallel.grad_norm import GradNormReducer, Riders
 from shardwise.parallel.tied import TiedSlot, sum_tied_grads
-from shardwise.precision import LossScaler, grads_have_inf_or_nan
+from shardwise.precision import LossScaler
 
 
 @dataclass(frozen=True)
@@ -90,22 +90,32 @@ class Update:
         self.compute_norm = recipe.compute_norm
         self.last_grad_norm: float | None = None
 
-    def step(self) -> bool:
-        """One update; False when it was skipped because some holder's gradients overflowed."""
+    def step(self, riders: Riders | None = None) -> bool:
+        """One update; False when it was skipped because some holder's gradients overflowed. `riders`: metrics
+        summed over their group with the verdict and read with it (`grad_norm.py`, [Note: one host read per step]).
+
+        Everything up to the verdict's read stays on the device: unscale, the overflow count and the norm (one
+        all-reduce per group), clipping by a device coefficient (harmless when the step is then skipped: the
+        gradients are zeroed after it). The read is the step's one host sync."""
         self._load_grads()
         sum_tied_grads(self.stepped, self.tied)
         grads = [p.grad for p in self.stepped if p.grad is not None]
-        if self.check_overflow and self.norms.overflow(grads_have_inf_or_nan(grads)):
-            self.scaler.update(overflow=True)
-            self.last_grad_norm = float("inf") if self.compute_norm or self.clip > 0 else None
-            return False
         scale = self.scaler.loss_scale
-        if scale != 1.0:
+        if scale != 1.0:             # inf/nan stay inf/nan: the overflow verdict is unchanged by unscaling first
             torch._foreach_mul_(grads, 1.0 / scale)
-        if self.clip > 0:
-            self.last_grad_norm = self.norms.clip_(self.stepped, self.clip)
-        elif self.compute_norm:      # DeepSpeed reports the norm without clipping too (get_global_grad_norm)
-            self.last_grad_norm = self.norms.total_norm(self.stepped)
+        want_norm = self.clip > 0 or self.compute_norm     # DeepSpeed reports the norm without clipping too
+        verdict = self.norms.agree(self.stepped, check_overflow=self.check_overflow, want_norm=want_norm,
+                                   riders=riders)
+        if self.clip > 0 and verdict.norm is not None:
+            self.norms.clip_with_norm_(self.stepped, self.clip, verdict.norm)
+        overflow, norm, rider_sums = verdict.read()
+        if riders is not None:
+            riders.values = rider_sums
+        if overflow:
+            self.scaler.update(overflow=True)
+            self.last_grad_norm = float("inf") if want_norm else None
+            return False
+        self.last_grad_norm = norm
         self.optimizer.step()
         self._publish()
         self.scaler.update(overflow=False)

@@ -82,6 +82,7 @@ class CommsLogger:
         self._out = out
         self._lock = threading.Lock()
         self._rows: dict[tuple[str, str | None, int, int], CommRow] = {}
+        self._ledger = ledger
         ledger.listeners.append(self._record)
 
     def _record(self, record: CommRecord) -> None:
@@ -126,6 +127,7 @@ class CommsLogger:
 
     def log_summary(self, steps: int) -> None:
         """Print the rows of the last `steps` steps on global rank 0 (and start over on every rank)."""
+        self._ledger.flush()       # GPU-timed operations still in flight: wait for their end events (printing)
         rows = self.take()
         if self.global_rank == 0 and rows:
             for line in self.summary_lines(rows, steps):

@@ -1,7 +1,7 @@
 """Peaks of this process: the matmul FLOP/s the hardware delivers (the MFU denominator) and memory.
 
 MFU (model FLOPs utilisation) is achieved model FLOP/s over the FLOP/s the hardware could deliver.
-Accelerators publish the denominator; a CPU does not, and its real figure depends on the thread count,
+Accelerators publish the denominator (`SPEC_PEAK_TFLOPS_BF16`, used for known GPUs); a CPU does not, and its real figure depends on the thread count,
 the vector units and whoever else shares the cores. So on CPU we measure it: the best rate of a
 square matmul with this process's threads, the same kernel that dominates a transformer step.
 """
@@ -72,6 +72,46 @@ def measure_matmul_peak_flops(*, dtype: torch.dtype = torch.float32, size: int =
         best = min(best, timed(calls) / calls)
         samples += 1
     return flops_per_call / best
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, TFLOP/s: the MFU denominator the
+# papers use. Matched against torch.cuda.get_device_name in order: the first key contained in the name wins, so
+# the more specific names come first (an "H100 PCIe" is not an SXM part).
+SPEC_PEAK_TFLOPS_BF16: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("H100 PCIE", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),          # SXM / HBM3
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+)
+_LARGE_MATMUL = 8192          # an accelerator reaches its matmul peak only on large tiles
+
+
+def spec_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet dense peak FLOP/s of a known GPU for bf16/fp16 matmuls; None for an unknown GPU or another
+    dtype (fp32 runs on other units at other rates: it is measured)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = device_name.upper()
+    for key, tflops in SPEC_PEAK_TFLOPS_BF16:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def device_peak_flops(device: torch.device | str, dtype: torch.dtype, *, seconds: float = 0.5) -> tuple[float, str]:
+    """The MFU denominator for `device` and the training dtype, with where it came from: the datasheet peak of a
+    known GPU ("spec"), else a matmul measured now ("measured": 8192^2 on a GPU, 1024^2 on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        spec = spec_peak_flops(torch.cuda.get_device_name(device), dtype)
+        if spec is not None:
+            return spec, "spec"
+        return measure_matmul_peak_flops(dtype=dtype, size=_LARGE_MATMUL, seconds=seconds, device=device), "measured"
+    return measure_matmul_peak_flops(dtype=dtype, seconds=seconds, device=device), "measured"
 
 
 def peak_rss_bytes() -> int:

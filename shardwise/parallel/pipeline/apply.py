@@ -150,7 +150,9 @@ class PipelineRunner:
 
     def gather_stages(self, local: dict[str, Tensor]) -> dict[str, Tensor] | None:
         names = self.stage.full_names()
-        mine = {names[k]: v for k, v in local.items()}
+        # Host copies: gather_object pickles tensors with their device, and rank 0 would rebuild another rank's
+        # CUDA tensors on that rank's GPU index (or fail where it is not visible).
+        mine = {names[k]: v.detach().cpu() if torch.is_tensor(v) else v for k, v in local.items()}
         gathered: list | None = [None] * self.pp_comm.size if self.pp_comm.rank == 0 else None
         dist.gather_object(mine, gathered, dst=self.pp_comm.global_rank(0), group=self.pp_comm.group)
         return {k: v for part in gathered for k, v in part.items()} if gathered is not None else None

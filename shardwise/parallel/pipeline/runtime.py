@@ -19,7 +19,9 @@ B(m, v): backward from the saved output with the received gradient (from the los
 the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
 over the micro-batches; the engine's data-parallel runtime's `begin_backward(boundary)` / `end_backward(boundary)`
 bracket every
-backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it.
+backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it; the boundary's
+`end_backward` (the wait for every bucket) runs after the step's last exchange, so the input gradient goes
+upstream first.
 
 `evaluate` (engine.eval_batch) runs the schedule's forwards alone (`forward_only`), under no_grad: the last
 chunk returns each micro-batch's loss, nothing is kept for a backward, and shapes are agreed afresh on a wire
@@ -182,6 +184,11 @@ class PipelineRuntime:
                 self._backward(i, inputs, dp_runtime)
 
         records = self._run(self.train_plan, self.wire, compute, self._grad_metas)
+        if dp_runtime is not None:
+            # The boundary backward's data-parallel finish (waiting for every gradient bucket) comes only now,
+            # after the exchanges that sent its input gradient upstream: the previous stage's backward need not
+            # wait for this stage's gradient all-reduce.
+            dp_runtime.end_backward(True)
         if self._slots or self._local or self._outbox:
             raise PipelineError(f"stage {self.stage.stage}: micro-batches left without backward after the step: "
                                 f"{sorted(self._slots)}")
@@ -355,7 +362,7 @@ class PipelineRuntime:
         elif slot.outputs:
             assert grads is not None and len(grads) == len(slot.outputs)
             torch.autograd.backward(slot.outputs, grads)
-        if dp_runtime is not None:
+        if dp_runtime is not None and not boundary:      # the boundary's end_backward: after the step's sends
             dp_runtime.end_backward(boundary)
         if t.send is None:
             return

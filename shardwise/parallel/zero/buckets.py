@@ -32,6 +32,12 @@ class ZeroBucket:
     ready: set[int] = field(default_factory=set)
     handle: object | None = None
     received: torch.Tensor | None = None        # stage 2: [S] reduce-scatter output of one micro-batch
+    # ZeRO-Offload (set by the updater): the boundary's final grad_shard goes to `host_grad` [S] (pinned, model
+    # dtype) on `copies`' side stream as soon as the bucket is reduced; `host_event` marks that copy done.
+    host_grad: torch.Tensor | None = None
+    copies: object | None = None
+    host_event: object | None = None
+    host_pending: bool = False
 
     @property
     def shard(self) -> slice:

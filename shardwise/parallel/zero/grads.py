@@ -30,6 +30,7 @@ class ZeroGradReducer(OrderedLauncher):
         self.partition_grads = partition_grads
         self.max_in_flight = max_in_flight
         self.enabled = False
+        self._boundary = False
         self._in_flight: list[ZeroBucket] = []
         self._reset_launches()
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -51,6 +52,7 @@ class ZeroGradReducer(OrderedLauncher):
     # -- engine interface ---------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self.enabled = self.partition_grads or boundary
+        self._boundary = boundary
 
     def end_backward(self, boundary: bool) -> None:
         if self.enabled:
@@ -65,6 +67,7 @@ class ZeroGradReducer(OrderedLauncher):
         for b in self.buckets:
             (b.grad_shard if self.partition_grads else b.grad_buffer).zero_()
             b.ready.clear()
+            b.host_pending, b.host_event = False, None      # a shard sent to the host is stale now
         if not self.partition_grads:
             self._attach_grads()
         self.launch_log = []
@@ -122,3 +125,8 @@ class ZeroGradReducer(OrderedLauncher):
             else:                                     # sum / N straight into the shard: one pass
                 torch.div(received, self.comm.size, out=bucket.grad_shard)
             bucket.received = None
+            if bucket.host_grad is not None and self._boundary:
+                # Offloaded masters: the final shard leaves for the host now, on a side stream, while backward
+                # goes on with the next buckets (the step then waits for this bucket's event only).
+                bucket.host_event = bucket.copies.to_host(bucket.host_grad, bucket.grad_shard)
+                bucket.host_pending = True

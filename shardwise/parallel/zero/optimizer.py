@@ -13,6 +13,8 @@ them) and all-gathers only its persistent buckets.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shardwise.comm.collectives import Comm
@@ -21,9 +23,16 @@ from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.tied import TiedSlot
 from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
+from shardwise.parallel.zero.copies import CopyStream, pinned_like, wait_host
 from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.parallel.zero.params import FlatShard
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+if TYPE_CHECKING:
+    from shardwise.parallel.grad_norm import Riders
+
+OFFLOADED_ATTR = "_shardwise_offloaded_master"
+"""Set on a master that offload_optimizer keeps on the host (`make_shard_masters`)."""
 
 
 def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separate: bool,
@@ -39,12 +48,22 @@ def make_shard_masters(buckets: list[ZeroBucket], groups: list[dict], *, separat
             host = torch.empty(shard.shape, dtype=torch.float32, device=offload_device,
                                pin_memory=pin_memory and torch.cuda.is_available())
             masters.append(torch.nn.Parameter(host.copy_(shard)))
+            setattr(masters[-1], OFFLOADED_ATTR, True)
         else:                     # on the compute device, also for a stage-3 shard offloaded to the CPU
             device = getattr(b, "compute_device", None) or shard.device
             masters.append(torch.nn.Parameter(shard.to(device, torch.float32, copy=True) if separate else shard))
     out = [dict({k: v for k, v in g.items() if k != "params"},
                 params=[m for b, m in zip(buckets, masters) if b.group == gi]) for gi, g in enumerate(groups)]
     return [g for g in out if g["params"]], masters
+
+
+def _event_after_copy(device: torch.device) -> object | None:
+    """An event on the current stream after a copy queued there (None on the CPU, where it is done)."""
+    if device.type != "cuda":
+        return None
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return done
 
 
 class ShardedUpdate(Update):
@@ -70,11 +89,33 @@ class ShardedUpdate(Update):
         # done with every copy queued from or to them: one stream sync per step when any master is off-device.
         self._sync_host = any(m.device != b.grad_shard.device and b.grad_shard.is_cuda
                               for b, m in zip(buckets, masters))
+        # Offloaded masters in stages 1-2: each bucket's gradient shard is sent to a pinned host buffer of the model
+        # dtype by the reducer as soon as it is final (`copies.py`); the host casts it. The updated master is cast
+        # on the host into a pinned buffer of the model dtype before its host-to-device copy.
+        self._host_lp: list[torch.Tensor | None] = [None] * len(masters)
+        self._h2d_events: list = [None] * len(masters)
+        self._copies = None
+        # (Marked by make_shard_masters: the masters were put on the host by offload_optimizer; on a CPU-only run
+        # that is the compute device itself, and these paths run with synchronous copies.)
+        if gather_after_step and any(getattr(m, OFFLOADED_ATTR, False) for m in masters):
+            self._copies = CopyStream(buckets[0].param_flat.device)
+            for b in buckets:
+                b.host_grad = pinned_like(b.grad_shard)
+                b.copies = self._copies
         prefer_fused_adam(optimizer)      # one flat fp32 shard per bucket: the fused kernel's best case
 
     def _load_grads(self) -> None:
+        queued = [getattr(b, "host_pending", False) for b in self.buckets]
         for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
             g = b.grad_shard
+            if queued[i]:                 # sent during backward: wait for this bucket's copy, cast on the host
+                wait_host(b.host_event)
+                b.host_pending, b.host_event = False, None
+                buf = self._host_grads[i]
+                if buf is None:
+                    buf = self._host_grads[i] = pinned_like(m, dtype=m.dtype, pin=m.is_pinned())
+                m.grad = buf.copy_(b.host_grad)       # [S] model dtype -> fp32, on the host
+                continue
             if g.dtype == m.dtype and g.device == m.device:
                 m.grad = g                # fp32 on the master's device: the shard itself, no copy (zeroed after step)
                 continue
@@ -87,7 +128,8 @@ class ShardedUpdate(Update):
                                                         pin_memory=m.is_pinned())
             # Offloaded masters: device -> pinned host copies queue up without blocking; one sync below.
             m.grad = buf.copy_(g, non_blocking=True)
-        if self._sync_host:
+        if self._sync_host and not all(q for q, b, m in zip(queued, self.buckets, self.masters)
+                                       if m.device != b.grad_shard.device):
             torch.cuda.current_stream().synchronize()
 
     @torch.no_grad()
@@ -103,13 +145,28 @@ class ShardedUpdate(Update):
     @torch.no_grad()
     def _gather_params(self) -> None:
         handles = []
-        for b, m in zip(self.buckets, self.masters):
-            # A separate send buffer: the input of all_gather must not alias its output.
-            send = m.detach().to(device=b.param_flat.device, dtype=b.param_flat.dtype, non_blocking=True,
-                                 copy=True)
+        for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
+            if self._copies is not None:
+                send = self._host_to_device(i, b, m)
+            else:
+                # A separate send buffer: the input of all_gather must not alias its output.
+                send = m.detach().to(device=b.param_flat.device, dtype=b.param_flat.dtype, non_blocking=True,
+                                     copy=True)
             handles.append(self.comm.all_gather_into_tensor(b.param_flat, send, async_op=True))
         for h in handles:
             h.wait()
+
+    def _host_to_device(self, i: int, b: ZeroBucket, m: torch.Tensor) -> torch.Tensor:
+        """The offloaded master i in the model dtype on the device: cast on the host into a pinned buffer (whose
+        previous copy must be done first), then one asynchronous copy of half the bytes."""
+        lp = self._host_lp[i]
+        if lp is None:
+            lp = self._host_lp[i] = pinned_like(m, dtype=b.param_flat.dtype)
+        wait_host(self._h2d_events[i])
+        lp.copy_(m.detach())                           # [S] fp32 -> model dtype, on the host
+        send = lp.to(b.param_flat.device, non_blocking=True, copy=True)
+        self._h2d_events[i] = _event_after_copy(b.param_flat.device)     # guards lp until the copy is done
+        return send
 
     def param_bytes(self) -> int:
         return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets)
@@ -178,8 +235,8 @@ class Stage3Update(ShardedUpdate):
         self.flats = flats
         self.persistent = persistent
 
-    def step(self) -> bool:
-        applied = super().step()
+    def step(self, riders: Riders | None = None) -> bool:
+        applied = super().step(riders)
         if applied:
             self._gather_persistent()
         return applied

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.zero.copies import CopyStream, wait_stream
 from shardwise.parallel.zero.partition import FlatLayout
 
 
@@ -121,7 +122,10 @@ class FlatShard:
                            pin_memory=pin_memory and torch.cuda.is_available())
         self.shard = host.copy_(self.shard)
 
-    def launch_gather(self, comm: Comm) -> Handle:
+    def launch_gather(self, comm: Comm, copies: CopyStream | None = None) -> Handle:
+        """All-gather the unit's buffer. An offloaded shard is copied to the device and gathered on `copies`' side
+        stream (after the work queued so far), so a prefetch overlaps the compute queued after it; waiting on the
+        handle makes the current stream wait for both."""
         device = self.compute_device or self.shard.device
         dtype = self.compute_dtype or self.key.dtype
         if self.full is None:
@@ -131,9 +135,21 @@ class FlatShard:
         else:
             _resize(self.full, self.layout.padded_numel)
         send = self.shard
-        if device != send.device or dtype != send.dtype:     # a transient [S] copy: H2D and/or cast
-            send = send.to(device, dtype, non_blocking=True)
-        return comm.all_gather_into_tensor(self.full, send, async_op=True)
+        if device == send.device and dtype == send.dtype:
+            return comm.all_gather_into_tensor(self.full, send, async_op=True)
+        if copies is None or copies.stream is None or device == send.device:
+            # a transient [S] copy on the compute stream: a cast on the device, or H2D without a copy stream
+            return comm.all_gather_into_tensor(self.full, send.to(device, dtype, non_blocking=True), async_op=True)
+        with copies.stream_context():
+            send = send.to(device, dtype, non_blocking=True)          # pinned host -> device, async
+            inner = comm.all_gather_into_tensor(self.full, send, async_op=True)
+            done = copies.join()
+
+        def wait() -> None:
+            inner.wait()
+            wait_stream(done, device)         # also a world-1 local copy made on the side stream
+
+        return Handle(wait, lambda: None)
 
     def attach(self) -> None:
         if self.rest_on_shard:
@@ -195,9 +211,9 @@ class Unit:
     def padded_numel(self) -> int:
         return sum(f.layout.padded_numel for f in self.flats)
 
-    def launch_gather(self, comm: Comm) -> None:
+    def launch_gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
         if self.state is UnitState.FREE:
-            self.handles = [f.launch_gather(comm) for f in self.flats]
+            self.handles = [f.launch_gather(comm, copies) for f in self.flats]
             self.state = UnitState.GATHERING
 
     def wait(self) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm.collectives import Comm
+from shardwise.parallel.zero.copies import CopyStream
 from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.params import FlatShard, Partition, Unit, UnitState, load_full_tensors
 
@@ -81,6 +82,9 @@ class ZeroParamRuntime:
         # model chunks one at a time, so each chunk is a root with its own unit order.
         self._roots = list(roots) if roots is not None else [module]
         self._orders: dict[int, list[Unit]] = {}   # root id -> its units in the order its last forward ran them
+        # offload_param on a GPU: host shards are copied and gathered on a side stream, so prefetches overlap.
+        offloaded = [f for f in partition.flats if f.compute_device is not None and f.compute_device.type == "cuda"]
+        self._copies = CopyStream(offloaded[0].compute_device) if offloaded else None
         self._position: dict[int, tuple[int, int]] = {}   # unit id -> (root id, index in that order)
         self._current = id(module)
         self._running: list[Unit] = []
@@ -153,7 +157,7 @@ class ZeroParamRuntime:
     # -- gather / free ------------------------------------------------------------------------------
     def _launch(self, u: Unit) -> None:
         if u.state is UnitState.FREE:
-            u.launch_gather(self.comm)
+            u.launch_gather(self.comm, self._copies)
             self.live_numel += u.padded_numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
