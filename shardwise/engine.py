@@ -195,8 +195,8 @@ class Engine(DeepSpeedEngineAPI):
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
         recording it, and the ranks check they ran the same collectives so far (`comm.sequence`)."""
         self.ledger.begin_step(self.global_steps)
-        if self.sequence_check is not None:
-            self.sequence_check.verify(self.global_steps)
+        if self.sequence_check is not None:      # judged with the step's verdict (`_step`), or when the next opens
+            self.sequence_check.launch(self.global_steps)
 
     def step(self) -> None:
         self._step(None)
@@ -216,8 +216,15 @@ class Engine(DeepSpeedEngineAPI):
     def _step(self, riders: Riders | None) -> None:
         self._refuse_inside_no_sync("engine.step()")
         if self.is_gradient_accumulation_boundary():
+            check = self.sequence_check
+            if check is not None and check.pending is not None:     # its result rides in the verdict's read
+                if riders is None:
+                    riders = Riders(check.pending.new_zeros(0, dtype=torch.float32), self.metrics_comm)
+                riders.carry = check.pending
             with self.monitor.timed(STEP):
                 applied = self.updater.step(riders)
+                if riders is not None and riders.carry is not None:
+                    self._settle_check(riders)
                 self._step_applied = applied
                 if applied:
                     if self.lr_scheduler is not None:
@@ -235,6 +242,12 @@ class Engine(DeepSpeedEngineAPI):
                                   loss_scale=self.loss_scale)
             return
         self.micro_steps += 1
+
+    def _settle_check(self, riders: Riders) -> None:
+        """Judge the desync check from the values that rode after the riders' own sums (or read it alone)."""
+        ours = riders.tensor.numel()
+        values, riders.values = riders.values, (riders.values[:ours] if riders.values is not None else None)
+        self.sequence_check.settle(values[ours:] if values is not None else None)
 
     def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
         """For a `Pipeline` that ran a whole global batch's forwards and backwards itself (a schedule): count its

@@ -119,7 +119,7 @@ class Comm:
     def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
              payload: int | None = None) -> Handle:
         dtype = str(tensor.dtype).removeprefix("torch.")
-        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}", tensor.device)
+        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}", device=tensor.device)
         size = self.size
         amount = nbytes(tensor) if payload is None else payload
 
@@ -270,7 +270,7 @@ class Comm:
         ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, self.global_rank(p), group=self.group)
                for op, t, p in items]
         tokens = [self.ledger.start(op, self.name, f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}",
-                                    t.device) for op, t, _ in items]
+                                    device=t.device) for op, t, _ in items]
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         size = self.size
         handles = []

@@ -102,7 +102,7 @@ class CommLedger:
             self.step = step
             self.records = [r for r in self.records if r.step > step - self.keep_steps]
 
-    def start(self, op: str, group: str, signature: str = "", device: torch.device | None = None) -> int:
+    def start(self, op: str, group: str, signature: str = "", *, device: torch.device | None = None) -> int:
         """Mark an operation as launched (read by hang diagnostics); returns a token for `finish`.
         `signature` ("float32[1024]") goes into the group's running hash with `op`. Call it before the launch;
         on a CUDA `device` a start event is recorded on its current stream."""

@@ -59,8 +59,10 @@ class Riders:
     holders' group) and read with its one host read; `values` holds the sums after the step."""
 
     tensor: Tensor
-    """float [k], on the compute device."""
+    """float [k], on the compute device (k may be 0: only `carry` rides)."""
     comm: Comm
+    carry: Tensor | None = None
+    """[c] values already agreed elsewhere (the desync check's), read in the same copy, after the sums."""
     values: list[float] | None = field(default=None, init=False)
 
 
@@ -89,6 +91,14 @@ class StepVerdict:
         overflow = "overflow" in values and values["overflow"][0] > 0
         norm = values["norm"][0] if "norm" in values else None
         return overflow, norm, values.get("riders", [])
+
+
+def _with_carry(rider: Tensor | None, carry: Tensor | None) -> Tensor | None:
+    """The riders' sums followed by the carried values, float64 on the riders' device: one part of the read."""
+    if carry is None:
+        return rider
+    carry = carry.reshape(-1).to(torch.float64)
+    return carry if rider is None else torch.cat([rider, carry.to(rider.device)])
 
 
 @dataclass(frozen=True)
@@ -140,15 +150,18 @@ class GradNormReducer:
         device = grads[0].device if grads else torch.device("cpu")
         flag = nonfinite_flag(grads, device) if check_overflow else None
         rider = riders.tensor.reshape(-1).to(torch.float64) if riders is not None else None
+        if rider is not None and rider.numel() == 0:
+            rider = None
         fuse = rider is not None and riders.comm.size > 1 and riders.comm.group is self.holders.group \
             and not self.alone
         if rider is not None and not fuse:
             riders.comm.all_reduce(rider)
+        carry = riders.carry if riders is not None else None
         if self.alone:
             norm = torch.nn.utils.get_total_norm(grads) if want_norm and grads else None
             if want_norm and not grads:
                 norm = torch.zeros((), dtype=torch.float64)
-            return StepVerdict(flag, norm, rider)
+            return StepVerdict(flag, norm, _with_carry(rider, carry))
         # holders: float64 [sliced, replicated]? [flag]? [riders]?  then TP: [sliced]? [flag]?
         pieces = ([self._local_squares(params)] if want_norm else []) \
             + ([flag.reshape(1).to(device)] if flag is not None else [])
@@ -166,7 +179,7 @@ class GradNormReducer:
         overflow = tp_vec[-1] if flag is not None else None
         if fuse:
             rider = vec[vec.numel() - rider.numel():]
-        return StepVerdict(overflow, norm, rider)
+        return StepVerdict(overflow, norm, _with_carry(rider, carry))
 
     def clip_with_norm_(self, params: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:
         """Scale every `p.grad` by min(1, max_norm / (norm + 1e-6)) on the device (no host read); alone, torch's

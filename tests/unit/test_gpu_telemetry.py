@@ -53,10 +53,10 @@ def test_device_ops_are_timed_by_events_and_recorded_once_complete(fake_cuda: No
     heard: list[CommRecord] = []
     ledger.listeners.append(heard.append)
     cuda = torch.device("cuda", 0)
-    a = ledger.start("all_reduce", "dp", cuda)
+    a = ledger.start("all_reduce", "dp", device=cuda)
     FakeEvent.clock = 0.25                      # the collective ran 250 ms on the GPU
     _finish(ledger, a)
-    b = ledger.start("all_gather", "dp", cuda)
+    b = ledger.start("all_gather", "dp", device=cuda)
     FakeEvent.clock = 0.5
     _finish(ledger, b, "all_gather")
     assert ledger.records == [] and heard == []         # nothing read from the GPU yet: no host wait
@@ -73,7 +73,7 @@ def test_device_ops_are_timed_by_events_and_recorded_once_complete(fake_cuda: No
 
 def test_host_ops_keep_the_host_clock(fake_cuda: None) -> None:
     ledger = CommLedger()
-    _finish(ledger, ledger.start("all_reduce", "dp", torch.device("cpu")))
+    _finish(ledger, ledger.start("all_reduce", "dp", device=torch.device("cpu")))
     assert len(ledger.records) == 1 and FakeEvent.log == []
 
 
