@@ -9,6 +9,7 @@ a failure here is a bug or an environment problem, not a typo.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import sys
@@ -21,9 +22,10 @@ import torch.distributed as dist
 
 import shardwise
 from shardwise.cli.train import WorkerArgs
-from shardwise.data import CorpusError, TokenLoader, load_corpus
+from shardwise.cli.train_model import RunData, build_run_model
+from shardwise.data import CorpusError, load_corpus
 from shardwise.errors import UserError
-from shardwise.models import GPT, gpt_config
+from shardwise.models.registry import flops_per_token as model_flops_per_token
 from shardwise.telemetry import (
     MetricsWriter,
     StepMetrics,
@@ -94,18 +96,17 @@ def train(args: WorkerArgs) -> None:
     # measurement runs on all ranks at once and step 1 does not include a slower rank's loading.
     tokens = load_corpus(args.data)
     torch.manual_seed(args.seed)       # same init on every rank (initialize also broadcasts rank 0's)
-    model = GPT(gpt_config(args.model, seq_len=args.seq_len))
+    choice, model = build_run_model(args)
+    flops_per_token = model_flops_per_token(choice, model)      # of the whole model, before any slicing
     with warnings.catch_warnings():
         # The parent printed the config's warnings once before launching; every rank would repeat them.
         warnings.simplefilter("ignore", shardwise.ConfigWarning)
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
     batch = engine.config.batch
-    loader = TokenLoader(tokens, seq_len=args.seq_len, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-                         dp_size=engine.dp_size, dp_rank=engine.dp_rank, seed=args.seed)
+    data = RunData.build(tokens, args, choice, engine)     # with --eval-every, the held-out split is cut off
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
     peak_flops = sum(float(p) for p in gather(rank_peak_flops(args, compute_dtype)))   # all ranks together
-    flops_per_token = float(model.flops_per_token())
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
 
     writer = MetricsWriter(out / METRICS_FILE, fresh=True) if is_main else None
@@ -114,8 +115,9 @@ def train(args: WorkerArgs) -> None:
         for step in range(1, args.steps + 1):
             lr = engine.get_lr()[0]                # the rate this step's update uses (read before it)
             t0 = time.perf_counter()
-            loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
+            loss = float(engine.train_batch(data.train_batches))   # mean over micro-batches and dp ranks
             step_time = time.perf_counter() - t0
+            evaluated = data.evaluate(engine, step, args.steps)   # collective; {} on steps without evaluation
             if is_main:
                 assert writer is not None
                 m = StepMetrics.build(step=step, loss=loss, lr=lr, tokens=tokens_per_step,
@@ -123,8 +125,11 @@ def train(args: WorkerArgs) -> None:
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
                                       loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps)
-                writer.write(m)
+                writer.write({**dataclasses.asdict(m), **evaluated})
                 progress.update(m)
+                if evaluated:
+                    progress.console.print(f"step {step}: eval loss {evaluated['eval_loss']:.4f}, perplexity "
+                                           f"{evaluated['eval_perplexity']:.2f}", markup=False, highlight=False)
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 engine.save_checkpoint(str(out / CHECKPOINT_DIR))
     if writer is not None:

@@ -12,6 +12,7 @@ import torch
 
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
+from shardwise.parallel.outputs import loss_of
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -44,7 +45,7 @@ class SingleStage:
         count = engine.gradient_accumulation_steps()
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(count):
-            loss = engine(next(data_iter))
+            loss = loss_of(engine(next(data_iter)))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float().cpu()
@@ -55,9 +56,10 @@ class SingleStage:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(count):
-            loss = engine(next(data_iter))
+            loss = loss_of(engine(next(data_iter)))
             if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
+                raise UserError("engine.eval_batch needs the model to return a scalar loss tensor (or an output "
+                                "with .loss, as Hugging Face models return when given labels)")
             total += loss.float().cpu()
         return self._dp_mean(total, count)
 
