@@ -38,6 +38,8 @@ def _check_out(path: Path) -> None:
 
 
 def _write_hf(trained: Any, tmp: Path) -> None:
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()          # one line per export is enough
     if trained.choice.is_hf:
         trained.model.save_pretrained(str(tmp))
         return

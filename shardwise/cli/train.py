@@ -271,7 +271,7 @@ def _check_model(name: str, seq_len: int | None, vocab_size: int | None = None) 
 def _check_corpus(spec: str, seq_len: int, vocab_size: int) -> None:
     """The corpus exists, is readable and has at least one window of seq_len + 1 tokens, all < vocab_size.
 
-    Byte-level corpora read from a tree (stdlib, directories) are checked on a prefix just long enough
+    Byte-level corpora read from a tree (stdlib, directories, globs) are checked on a prefix just long enough
     for one window: their ids are bytes, so the vocab check needs no pass over the data, and the
     ranks read the whole tree anyway. Files and memmaps are checked whole (memmaps are not read into RAM).
     """
@@ -279,10 +279,11 @@ def _check_corpus(spec: str, seq_len: int, vocab_size: int) -> None:
 
     try:
         kind = parse_spec(spec).kind
-        if kind in (CorpusKind.STDLIB, CorpusKind.DIRECTORY, CorpusKind.TEXT_FILE):
+        if kind in (CorpusKind.STDLIB, CorpusKind.DIRECTORY, CorpusKind.TEXT_FILE, CorpusKind.GLOB):
             if vocab_size < ByteTokenizer.vocab_size:
                 raise CorpusError(f"corpus {spec!r} is byte-level text (ids 0..255) but the model's vocab_size "
-                                  f"is {vocab_size}; use a preset with vocab_size >= 256.")
+                                  f"is {vocab_size}; use --vocab-size 256 (or more), or a preset with "
+                                  f"vocab_size >= 256.")
             prefix = seq_len + 1 if kind is not CorpusKind.TEXT_FILE else None
             tokens = load_corpus(spec, max_bytes=prefix)
         else:

@@ -35,6 +35,8 @@ class Trained:
 
 def model_choice(args: argparse.Namespace) -> tuple[Any, Path | None]:
     from shardwise.models.registry import ModelChoice, find_model_file, resolve_model
+    if not Path(args.checkpoint).expanduser().exists():
+        raise UserError(f"{args.checkpoint!r}: no such run directory or checkpoint")
     if args.model is not None:
         return resolve_model(args.model, seq_len=args.seq_len, vocab_size=args.vocab_size), None
     found = find_model_file(Path(args.checkpoint).expanduser().resolve())
