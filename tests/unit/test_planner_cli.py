@@ -131,4 +131,3 @@ def test_calibrate_flag_saves_and_plans(capsys, tmp_path, monkeypatch) -> None:
     out = _json(capsys, *TINY, "--calibrate", str(path))
     assert out["cluster"]["name"] == "calibrated:test" and load_cluster(path) == measured
     assert os.path.exists(path)
-
