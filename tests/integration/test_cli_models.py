@@ -1,8 +1,9 @@
 """The whole workflow through the command line: `shardwise train` a Llama-style preset at TP 2 with a held-out
-evaluation -> `shardwise eval` -> `generate` -> `export --to hf` -> transformers loads it and gives the same
-logits, the same loss and the same greedy continuation; then `train --model hf:EXPORT` continues from those
-weights under ZeRO-3 (learning rate 0: the weights must come back unchanged through a ZeRO-3 checkpoint), and
-`export --to safetensors` writes our names. Two launches of 2 ranks, the rest in this process."""
+evaluation -> `shardwise eval` (on one process: the loss the run's last evaluation logged) -> `generate` ->
+`export --to hf` -> transformers loads it and gives the same loss and the same greedy continuation; then
+`train --model hf:EXPORT` continues from those weights under ZeRO-3 (learning rate 0: the weights must come back
+unchanged through a ZeRO-3 checkpoint), and `export --to safetensors` writes our names. Two launches of 2 ranks,
+the rest in this process."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def test_train_eval_generate_export_and_load_in_transformers(tmp_path: Path, cap
     # eval: the held-out split by default (the corpus's last 5%), or any corpus
     held = json.loads(_out(capsys, "eval", str(run), "--json", "--max-windows", "8"))
     assert held["data"].endswith("(held-out split)") and held["windows"] == 8 and held["tokens"] == 8 * SEQ
+    # the 8 windows the run's last evaluation read (2 batches of 4, dp 1), now on one process from TP slices
+    assert held["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
     mine = json.loads(_out(capsys, "eval", str(run / "checkpoints"), "--data", str(corpus), "--max-windows", "3",
                            "--json"))
     greedy = _out(capsys, "generate", str(run), "--prompt", "line 7", "--max-new-tokens", "12", "--temperature", "0")
