@@ -2,8 +2,9 @@
 process (any layout it was saved at).
 
 The corpus is read as `shardwise train` reads it and cut into consecutive, non-overlapping windows of the model's
-sequence length (the first --max-windows of them); every next-token prediction counts once. Without --data: the held-out split of the run's own
-corpus (the last 5% its `--eval-every` evaluation used, never trained on).
+sequence length (the first --max-windows of them); every next-token prediction counts once. Without --data: the
+held-out split of the run's own corpus (the last 5%, never trained on), whose first windows are the ones the run's
+`--eval-every` evaluations read.
 """
 
 from __future__ import annotations

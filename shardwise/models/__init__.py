@@ -20,7 +20,8 @@ from shardwise.models.presets import (
 _TORCH_EXPORTS = ("GPT", "IGNORE_INDEX", "Attention", "Block", "Embedding", "Head", "MLP")
 
 __all__ = [
-    "GPT", "GPTConfig", "PRESETS", "Positions", "Norm", "MLPKind", "gpt_config", "gpt_num_params", "gpt_flops_per_token",
+    "GPT", "GPTConfig", "PRESETS", "Positions", "Norm", "MLPKind", "gpt_config", "gpt_num_params",
+    "gpt_flops_per_token",
     "Attention", "Block", "Embedding", "Head", "MLP", "IGNORE_INDEX",
 ]
 
