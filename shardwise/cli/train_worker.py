@@ -104,7 +104,6 @@ def train(args: WorkerArgs) -> None:
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
     batch = engine.config.batch
     data = RunData.build(tokens, args, choice, engine)     # with --eval-every, the held-out split is cut off
-    loader = data.loader                                   # the training loader: its state_dict is the data position
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
     peak_flops = sum(float(p) for p in gather(rank_peak_flops(args, compute_dtype)))   # all ranks together
