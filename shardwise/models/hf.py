@@ -41,7 +41,7 @@ def hf_config_dict(cfg: GPTConfig) -> dict[str, Any]:
                 "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
                 "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-                "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1}
+                "bos_token_id": None, "eos_token_id": None}
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
