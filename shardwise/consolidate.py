@@ -9,7 +9,8 @@ stage, TP rank), MM = stage * tp + tp_rank, its module states under the full mod
 whole (TP-sliced) weights there. ZeRO-3 keeps empty placeholders there and the weights in the per-rank optimizer
 files as the fp32 master shards of each unit's flat buffer, in unit order; the unit plan is rebuilt from the
 reference model with the run's persistence thresholds (`plan_units`, the code ZeRO-3 partitions with) and checked
-against the flat sizes the files record before any value is used.
+against the flat sizes the files record before any value is used. Under tensor parallelism (our GPT's plan) the unit
+plan is made on a meta copy with one TP rank's slice shapes, per TP rank, and the ranks' slices are then joined.
 
 Only this module knows the file layout of a consolidation; a layout-independent index, when checkpoints carry
 one, replaces the three readers below without changing the callers.
@@ -58,11 +59,12 @@ def consolidated_state_dict(path: str | Path, *, reference: nn.Module) -> dict[s
     full = reference.state_dict(keep_vars=True)
     per_tp = [_merge_stages(tag, tp_rank, tp, pp) for tp_rank in range(tp)]
     if any(t.numel() == 0 and full[k].numel() > 0 for k, t in per_tp[0].items() if k in full):
-        if tp > 1 or pp > 1:
+        sliced = _tp_slice_shapes(reference, tp) if pp == 1 else None
+        if sliced is None:
             raise CheckpointError(f"{tag}: a ZeRO-3 checkpoint written with tensor_parallel.size = {tp}, "
-                                  f"pipeline.stages = {pp}: consolidating it needs the ranks that wrote it; "
-                                  f"call engine.save_16bit_model at that layout")
-        per_tp = [_fill_zero3(tag, head, per_tp[0], reference)]
+                                  f"pipeline.stages = {pp} (of a {type(reference).__name__}): consolidating it "
+                                  f"needs the ranks that wrote it; call engine.save_16bit_model at that layout")
+        per_tp = [_fill_zero3(tag, head, per_tp[r], sliced, tp_rank=r) for r in range(tp)]
     missing, unexpected = sorted(set(full) - set(per_tp[0])), sorted(set(per_tp[0]) - set(full))
     if missing or unexpected:
         example = f"no weights for {missing[0]}" if missing else f"weights for {unexpected[0]}, not in the model"
@@ -102,15 +104,48 @@ def _zero3_thresholds(head: dict, world: int) -> tuple[int, int]:
     return cfg.zero.stage3_param_persistence_threshold, cfg.zero.stage3_model_persistence_threshold
 
 
+def _tp_slice_shapes(reference: nn.Module, tp: int) -> nn.Module | None:
+    """A meta copy of `reference` whose parameters have one TP rank's slice shapes (what ZeRO-3 partitioned after
+    tensor parallelism cut the model), shared parameters still shared; the reference itself at tp 1. Only our
+    GPT's plan is known here (None otherwise): column-parallel weights and biases and vocabulary tables are cut
+    along dim 0, row-parallel weights along dim 1."""
+    if tp == 1:
+        return reference
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.tensor_parallel.model_plans import gpt_tp_plan
+    from shardwise.parallel.tensor_parallel.plan import COLWISE_STYLES, ROWWISE_STYLES, VOCAB_STYLES, resolve_plan
+    if not isinstance(reference, GPT):
+        return None
+    plan = gpt_tp_plan(learned_positions=reference.cfg.positions == "learned", swiglu=reference.cfg.mlp == "swiglu")
+    styles = resolve_plan((n for n, _ in reference.named_modules()), plan, strict=False)
+    sliced = copy.deepcopy(reference).to("meta")
+    made: dict[int, nn.Parameter] = {}
+    for name, module in sliced.named_modules():
+        style = styles.get(name)
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            dim = (0 if style in COLWISE_STYLES | VOCAB_STYLES else
+                   1 if style in ROWWISE_STYLES and p_name == "weight" else None)
+            if dim is None:
+                continue
+            if id(p) not in made:
+                shape = list(p.shape)
+                shape[dim] //= tp
+                made[id(p)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=p.requires_grad)
+            setattr(module, p_name, made[id(p)])
+    return sliced
+
+
 @torch.no_grad()
-def _fill_zero3(tag: Path, head: dict, module: dict[str, Tensor], reference: nn.Module) -> dict[str, Tensor]:
-    """ZeRO-3 (one pipeline stage, no TP): the placeholders of `module` filled from the dp ranks' master shards."""
+def _fill_zero3(tag: Path, head: dict, module: dict[str, Tensor], reference: nn.Module, *,
+                tp_rank: int = 0) -> dict[str, Tensor]:
+    """ZeRO-3 (one pipeline stage): the placeholders of TP rank `tp_rank`'s `module` states filled from its dp
+    ranks' master shards; `reference` has that rank's slice shapes."""
     from shardwise.parallel.zero.params import plan_units
     from shardwise.parallel.zero.partition import FlatLayout
     dp = int(head.get("dp_world_size", 1))
-    threshold, model_threshold = _zero3_thresholds(head, dp)
+    threshold, model_threshold = _zero3_thresholds(head, dp * int(head.get("mp_world_size", 1)))
     plans, _ = plan_units(reference, persistence_threshold=threshold, model_persistence_threshold=model_threshold)
-    shards = [ckpt.read_optim_states(tag, r, 0)["optimizer_state_dict"] for r in range(dp)]
+    shards = [ckpt.read_optim_states(tag, r, tp_rank)["optimizer_state_dict"] for r in range(dp)]
     sizes = [[p.numel() for p in plan.params] for plan in plans]
     recorded = shards[0].get("flat_numels", [])
     if shards[0].get("zero_stage") != 3 or recorded[:len(sizes)] != [sum(s) for s in sizes] \

@@ -1,6 +1,7 @@
 """A checkpoint of any layout, consolidated on one process from its files alone (`shardwise.consolidate`), equals
 what the ranks that wrote it assemble with `engine.save_16bit_model`: ZeRO-3 over 2 ranks (every parameter
-sharded, and the small ones kept whole), TP 2 and a 2-stage pipeline of our Llama-style model, ZeRO-2 in bf16.
+sharded, and the small ones kept whole; with TP 2 and tied embeddings), TP 2 and a 2-stage pipeline of our
+Llama-style model, ZeRO-2 in bf16.
 One launch of 2 ranks trains each layout for two steps and writes both; the test process compares them exactly."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ LAYOUTS = {
     "zero3_persistent_norms": ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40}},
                                dict(LLAMA)),
     "tp2": ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"size": 2}}, dict(LLAMA)),
+    "zero3_tp2_tied": ({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                        "tensor_parallel": {"size": 2}}, dict(tie_embeddings=True)),
     "pp2": ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, dict(LLAMA)),
     "zero2_bf16": ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, dict(tie_embeddings=True)),
 }
