@@ -22,7 +22,8 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/shardwise train --nproc 2 --model tiny --data stdlib --steps $(DEMO_STEPS) --out runs/demo
+	$(VENV)/bin/shardwise train --nproc 2 --model tiny --data stdlib --steps $(DEMO_STEPS) --eval-every 50 \
+		--save-every $(DEMO_STEPS) --out runs/demo
 
 test: $(VENV)/.dev-installed
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests

@@ -25,6 +25,7 @@ from shardwise.engine_api import DeepSpeedEngineAPI
 from shardwise.errors import UserError
 from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
 from shardwise.parallel.grad_norm import Riders
+from shardwise.parallel.outputs import loss_of
 from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
 from shardwise.skips import SkipGuard
@@ -172,6 +173,7 @@ class Engine(DeepSpeedEngineAPI):
         return out
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        loss = loss_of(loss)       # a Hugging Face ModelOutput carries its loss
         if not torch.is_tensor(loss) or loss.dim() != 0:
             raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
         self.pipeline.refuse_manual_step("engine.backward(loss)")

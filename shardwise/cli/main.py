@@ -16,12 +16,15 @@ from types import ModuleType
 from typing import Sequence
 
 import shardwise
-from shardwise.cli import bench, check_config, plan, schedule, train
+from shardwise.cli import bench, check_config, evaluate, export, generate, plan, schedule, train
 from shardwise.errors import UserError
 
 # ----- the subcommands, in the order `shardwise --help` lists them -----
 SUBCOMMANDS: list[ModuleType] = [
     train,
+    evaluate,
+    generate,
+    export,
     check_config,
     bench,
     plan,

@@ -224,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
             console = Console(width=160)
         render(analysis, console)
         if written is not None:
-            console.print(f"Wrote {args.write_config}: run it with `shardwise train {args.write_config} --nproc "
-                          f"{chosen.plan.world_size}` (or across nodes with --nnodes)")
+            from shardwise.cli.plan_command import run_it_line
+            console.print(run_it_line(args, args.write_config, chosen.plan, cluster), markup=False, highlight=False)
         if args.plot:
             console.print(f"Wrote {args.plot}")
     return 0

@@ -71,6 +71,9 @@ class WorkerArgs:
     steps_per_print: int
     pipeline_trace: bool = False  # draw the last step's measured pipeline timeline (needs pipeline.stages > 1)
     launch: str = ""              # this command's name for RUN_DIR/logs/LAUNCH, where failed ranks report
+    vocab_size: int | None = None  # --vocab-size (the resolved model is RUN_DIR/model.json)
+    eval_every: int = 0           # evaluate on the held-out split every N steps (0: never)
+    eval_batches: int = 0         # micro-batches per rank of each evaluation
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
@@ -87,16 +90,24 @@ class WorkerArgs:
 # -- argument parsing -------------------------------------------------------------------------------
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train", help="train a GPT preset on a corpus with N ranks (torchrun under the hood)",
-        description="Train a GPT preset with the shardwise engine. Validates the config, model and corpus, "
+        "train", help="train a model preset or a Hugging Face model on a corpus with N ranks (torchrun under the hood)",
+        description="Train a model with the shardwise engine. Validates the config, model and corpus, "
                     "then launches the ranks with torch's elastic launcher. Writes RUN_DIR/metrics.jsonl "
-                    "(one line per step), RUN_DIR/summary.json and RUN_DIR/loss.png.")
+                    "(one line per step), RUN_DIR/summary.json, RUN_DIR/loss.png and RUN_DIR/model.json.")
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG.json",
                    help="DeepSpeed-style JSON config; without it: micro-batch 8, no accumulation, AdamW lr 1e-3 "
                         "with WarmupLR, gradient clipping 1.0")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this node (default: 1)")
     p.add_argument("--model", default="tiny",
-                   help="GPT preset, e.g. tiny, small, gpt2-124m; a wrong name lists them all (default: tiny)")
+                   help="a preset (tiny, small, gpt2-124m, gpt3-1.3b, llama-tiny, llama-7b, ...; a wrong name lists "
+                        "them all) or hf:PATH, a Hugging Face config.json or save_pretrained directory (default: tiny)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the vocabulary of token-id data (.npy, memmap): ids must be below it (default: the model's)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps, evaluate on a held-out split (the corpus's last 5%%, never trained on) and "
+                        "log eval loss and perplexity (0: no evaluation, the whole corpus trains)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="micro-batches per rank in each evaluation (default: 4)")
     p.add_argument("--data", default="stdlib",
                    help="corpus spec: 'stdlib', a text file, a directory, 'memmap:PATH:uint16' or a .npy file "
                         "(default: stdlib)")
@@ -202,10 +213,15 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
-    model_cfg = _check_model(args.model, args.seq_len)
+    model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
+    if model_cfg.is_hf and engine_config.pipeline.stages > 1:
+        raise UserError(f"--model {args.model}: pipeline.stages = {engine_config.pipeline.stages} needs a model "
+                        f"shardwise can split into stages (a preset such as llama-tiny, or a PipelineModule); "
+                        f"train a Hugging Face model with data, ZeRO and tensor parallelism")
 
-    out = Path(args.out) if args.out else Path("runs") / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    label = Path(args.model.removeprefix("hf:")).name if model_cfg.is_hf else args.model
+    out = Path(args.out) if args.out else Path("runs") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} exists and is not a directory; choose another run directory.")
     steps_per_print = engine_config.steps_per_print or DEFAULT_STEPS_PER_PRINT   # DeepSpeed's default: None
@@ -213,6 +229,8 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                              steps=args.steps, seed=args.seed, out=str(out.resolve()),
                              peak_tflops=args.peak_tflops, save_every=args.save_every,
                              steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace,
+                             vocab_size=args.vocab_size, eval_every=args.eval_every,
+                             eval_batches=args.eval_batches,
                              launch=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
 
@@ -231,6 +249,8 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     decision = decision or decide()
     if decision.message:
         print(f"shardwise train: {decision.message}", flush=True)
+    from shardwise.models.registry import MODEL_FILE
+    model_cfg.write(out / MODEL_FILE)
     return worker_args, worker_args.write(out / name)
 
 
@@ -241,7 +261,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value < 1:
             raise UserError(f"{flag} {value}: must be at least 1.")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise UserError(f"--vocab-size {args.vocab_size}: must be at least 1 (the number of token ids).")
+    if args.eval_every and args.eval_batches < 1:
+        raise UserError(f"--eval-batches {args.eval_batches}: must be at least 1 with --eval-every.")
     for flag, value in {"--seed": args.seed, "--save-every": args.save_every,
+                        "--eval-every": args.eval_every,
                         "--max-restarts": args.max_restarts}.items():
         if value < 0:
             raise UserError(f"{flag} {value}: must be 0 or more.")
@@ -307,19 +332,17 @@ def _check_config(raw: dict[str, Any], path: str | None, world_size: int) -> Any
             from None
 
 
-def _check_model(name: str, seq_len: int | None) -> Any:
-    from shardwise.models import gpt_config
+def _check_model(name: str, seq_len: int | None, vocab_size: int | None = None) -> Any:
+    """The resolved `--model` (a `ModelChoice`: preset or Hugging Face), or a one-line UserError."""
+    from shardwise.models.registry import resolve_model
 
-    try:
-        return gpt_config(name) if seq_len is None else gpt_config(name, seq_len=seq_len)
-    except ValueError as e:
-        raise UserError(f"--model {name!r}: {_one_line(e)}") from None
+    return resolve_model(name, seq_len=seq_len, vocab_size=vocab_size)
 
 
 def _check_corpus(spec: str, seq_len: int, vocab_size: int) -> None:
     """The corpus exists, is readable and has at least one window of seq_len + 1 tokens, all < vocab_size.
 
-    Byte-level corpora read from a tree (stdlib, directories) are checked on a prefix just long enough
+    Byte-level corpora read from a tree (stdlib, directories, globs) are checked on a prefix just long enough
     for one window: their ids are bytes, so the vocab check needs no pass over the data, and the
     ranks read the whole tree anyway. Files and memmaps are checked whole (memmaps are not read into RAM).
     """
@@ -327,10 +350,11 @@ def _check_corpus(spec: str, seq_len: int, vocab_size: int) -> None:
 
     try:
         kind = parse_spec(spec).kind
-        if kind in (CorpusKind.STDLIB, CorpusKind.DIRECTORY, CorpusKind.TEXT_FILE):
+        if kind in (CorpusKind.STDLIB, CorpusKind.DIRECTORY, CorpusKind.TEXT_FILE, CorpusKind.GLOB):
             if vocab_size < ByteTokenizer.vocab_size:
                 raise CorpusError(f"corpus {spec!r} is byte-level text (ids 0..255) but the model's vocab_size "
-                                  f"is {vocab_size}; use a preset with vocab_size >= 256.")
+                                  f"is {vocab_size}; use --vocab-size 256 (or more), or a preset with "
+                                  f"vocab_size >= 256.")
             prefix = seq_len + 1 if kind is not CorpusKind.TEXT_FILE else None
             tokens = load_corpus(spec, max_bytes=prefix)
         else:

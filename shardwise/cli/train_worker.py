@@ -14,6 +14,7 @@ save that step and leave.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -33,9 +34,11 @@ from shardwise.cli.resume import client_state, resume
 from shardwise.cli.run_dir import CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE
 from shardwise.cli.stop import StopRequest
 from shardwise.cli.train import WorkerArgs
+from shardwise.cli.train_model import RunData, build_run_model
 from shardwise.comm.collectives import Comm
-from shardwise.data import TokenLoader, load_corpus
-from shardwise.models import GPT, gpt_config
+from shardwise.data import CorpusError, load_corpus
+from shardwise.errors import UserError
+from shardwise.models.registry import flops_per_token as model_flops_per_token
 from shardwise.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak import device_peak_flops
@@ -142,14 +145,15 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
     # measurement runs on all ranks at once and step 1 does not include a slower rank's loading.
     tokens = load_corpus(args.data)
     torch.manual_seed(args.seed)       # same init on every rank (initialize also broadcasts rank 0's)
-    model = GPT(gpt_config(args.model, seq_len=args.seq_len))
+    choice, model = build_run_model(args)
+    flops_per_token = model_flops_per_token(choice, model)      # of the whole model, before any slicing
     with warnings.catch_warnings():
         # The parent printed the config's warnings once before launching; every rank would repeat them.
         warnings.simplefilter("ignore", shardwise.ConfigWarning)
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
     batch = engine.config.batch
-    loader = TokenLoader(tokens, seq_len=args.seq_len, micro_batch=batch.micro_batch, grad_accum=batch.grad_accum,
-                         dp_size=engine.dp_size, dp_rank=engine.dp_rank, seed=args.seed)
+    data = RunData.build(tokens, args, choice, engine)     # with --eval-every, the held-out split is cut off
+    loader = data.loader
     checkpoints = out / CHECKPOINT_DIR
     resumed = resume(engine, loader, checkpoints)
     done, clock = (resumed.step, resumed.elapsed_s) if resumed is not None else (0, 0.0)
@@ -163,7 +167,6 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
     rank_peak = rank_peak_flops(args, compute_dtype, engine.device, peak_cache)
     peak_flops = sum(float(p) for p in gather(rank_peak.flops))   # all ranks together
     guard = PeakGuard(peak_flops, rank_peak, cache=peak_cache if is_main else None)
-    flops_per_token = float(model.flops_per_token())
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
     if is_main:
         print(f"peak: {rank_peak.describe()}" + (f"; kept in {peak_cache.path}" if rank_peak.cache_key else ""),
@@ -186,8 +189,9 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         for step in range(done + 1, args.steps + 1):
             lr = engine.get_lr()[0]                # the rate this step's update uses (read before it)
             t0 = time.perf_counter()
-            loss = float(engine.train_batch(loader))   # mean over micro-batches and data-parallel ranks
+            loss = float(engine.train_batch(data.train_batches))   # mean over micro-batches and dp ranks
             step_time = time.perf_counter() - t0
+            evaluated = data.evaluate(engine, step, args.steps)   # collective; {} on steps without evaluation
             node_log.step(step, args.steps, loss, step_time)
             if is_main:
                 peak_flops = guard.bound(tokens_per_step * flops_per_token / step_time, step)
@@ -198,8 +202,11 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
                                       loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps,
                                       skipped=not engine.was_step_applied())
-                writer.write(m)
+                writer.write({**dataclasses.asdict(m), **evaluated})
                 progress.update(m)
+                if evaluated:
+                    progress.console.print(f"step {step}: eval loss {evaluated['eval_loss']:.4f}, perplexity "
+                                           f"{evaluated['eval_perplexity']:.2f}", markup=False, highlight=False)
             saved = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
             if saved:
                 save(step)

@@ -1,35 +1,42 @@
-"""Offline corpora as flat token arrays: the Python standard library, text files, directories of
+"""Offline corpora as flat token arrays: the Python standard library, text files, directories and globs of
 text, and pre-tokenized memmaps.
 
     load_corpus("stdlib")                      the installed stdlib's .py files, bytes as tokens
-    load_corpus("notes.txt")                   one UTF-8 text file
+    load_corpus("notes.txt")                   one file, every byte a token (any encoding, any bytes)
     load_corpus("docs/")                       every text file under a directory, sorted
-    load_corpus("memmap:train.bin:uint16")     raw token ids on disk (also uint32); not read into RAM
+    load_corpus("books/*.txt")                 the files a glob matches (`**` recurses), sorted
+    load_corpus("memmap:train.bin:uint16")     raw token ids on disk, any integer dtype; not read into RAM
     load_corpus("train.npy")                   a 1-D integer .npy file, memory-mapped
 
-Text is tokenized by bytes (`ByteTokenizer`), so text corpora are uint16 ids < 256. Every failure is
-a `CorpusError` naming the spec, what is wrong and what to do.
+Text is tokenized by bytes (`ByteTokenizer`): byte-level needs no decoding, so a file in any encoding (or none)
+is read whole, and text corpora are uint16 ids < 256. In directories and globs, files that look binary (a NUL
+byte in their first 8 KiB, git's rule) are skipped. Every failure is a `CorpusError` naming the spec, what is
+wrong and what to do.
 """
 
 from __future__ import annotations
 
-import codecs
 import enum
+import glob
 import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
 DEFAULT_STDLIB_MAX_BYTES = 16 * 2**20
 """Default cap for the "stdlib" spec (the stdlib without tests is ~12 MiB, so this takes all of it)."""
 
-MEMMAP_DTYPES: dict[str, type[np.unsignedinteger]] = {"uint16": np.uint16, "uint32": np.uint32}
+MEMMAP_DTYPES: dict[str, type[np.integer]] = {np.dtype(t).name: t for t in (
+    np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64)}
+"""Integer dtypes a token file may hold (ids must still be >= 0 and below the model's vocab_size)."""
+_BINARY_SNIFF = 8192
 
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-_SPEC_HELP = ("valid specs: 'stdlib', a text file, a directory of text files, 'memmap:PATH:uint16', "
-              "'memmap:PATH:uint32', or a 1-D integer .npy file")
+_SPEC_HELP = ("valid specs: 'stdlib', a text file, a directory of text files, a glob such as 'docs/**/*.md', "
+              "'memmap:PATH:DTYPE' (DTYPE: uint16, uint32, int32, ...), or a 1-D integer .npy file")
 
 
 class CorpusError(ValueError):
@@ -40,6 +47,7 @@ class CorpusKind(enum.Enum):
     STDLIB = "stdlib"
     TEXT_FILE = "text file"
     DIRECTORY = "directory"
+    GLOB = "glob"
     MEMMAP = "memmap"
     NPY = "npy"
 
@@ -49,7 +57,8 @@ class CorpusSpec:
     """A parsed corpus spec string."""
     kind: CorpusKind
     path: Path | None = None
-    dtype: type[np.unsignedinteger] | None = None   # MEMMAP only
+    dtype: type[np.integer] | None = None   # MEMMAP only
+    pattern: str | None = None              # GLOB only
 
 
 def parse_spec(spec: str) -> CorpusSpec:
@@ -63,8 +72,14 @@ def parse_spec(spec: str) -> CorpusSpec:
                               f"'memmap:train.bin:uint16'; {_SPEC_HELP}.")
         if dtype_name not in MEMMAP_DTYPES:
             raise CorpusError(f"corpus spec {spec!r}: memmap dtype {dtype_name!r} is not one of "
-                              f"{list(MEMMAP_DTYPES)}; write the token file as uint16 (vocab <= 65536) or uint32.")
+                              f"{list(MEMMAP_DTYPES)}; name the integer dtype the token file was written with.")
         return CorpusSpec(CorpusKind.MEMMAP, _existing(spec, path_str), MEMMAP_DTYPES[dtype_name])
+    if glob.has_magic(spec) and not Path(spec).exists():
+        matches = _glob_files(spec)
+        if not matches:
+            raise CorpusError(f"corpus spec {spec!r}: the glob matches no file; {_SPEC_HELP}.")
+        return CorpusSpec(CorpusKind.GLOB, Path(os.path.commonpath([str(m.parent) for m in matches])),
+                          pattern=spec)
     path = _existing(spec, spec)
     if path.is_dir():
         return CorpusSpec(CorpusKind.DIRECTORY, path)
@@ -90,6 +105,9 @@ def load_corpus(spec: str, *, max_bytes: int | None = None, vocab_size: int | No
         tokens = _bytes_to_tokens(_read_text_tree(parsed.path, limit, suffix=".py", skip_dirs=_STDLIB_SKIP_DIRS))
     elif parsed.kind is CorpusKind.DIRECTORY:
         tokens = _bytes_to_tokens(_read_text_tree(parsed.path, max_bytes, suffix=None, skip_dirs=frozenset()))
+    elif parsed.kind is CorpusKind.GLOB:
+        assert parsed.pattern is not None
+        tokens = _bytes_to_tokens(_read_files(_glob_files(parsed.pattern), max_bytes))
     elif parsed.kind is CorpusKind.TEXT_FILE:
         tokens = _bytes_to_tokens(_read_text_file(spec, parsed.path, max_bytes))
     elif parsed.kind is CorpusKind.MEMMAP:
@@ -123,8 +141,8 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, *, spec: str = "tokens") ->
     hi, lo = int(tokens.max()), int(tokens.min())
     if hi >= vocab_size:
         raise CorpusError(f"corpus {spec!r} contains token id {hi}, but the model's vocab_size is {vocab_size} "
-                          f"(ids must be < vocab_size); use the tokenizer the corpus was made with and a "
-                          f"vocab_size above {hi}.")
+                          f"(ids must be < vocab_size); declare the tokenizer's vocabulary: --vocab-size "
+                          f"{hi + 1} or more (shardwise train), vocab_size > {hi} in the model config.")
     if lo < 0:
         raise CorpusError(f"corpus {spec!r} contains negative token id {lo}; ids must be >= 0.")
 
@@ -147,62 +165,66 @@ def _bytes_to_tokens(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
 
-def _is_text(data: bytes, *, truncated: bool = False) -> bool:
-    """UTF-8 without NUL bytes. If `truncated` (cut at max_bytes), an incomplete character at the
-    very end is allowed."""
-    if b"\x00" in data:
-        return False
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(data, final=not truncated)
-    except UnicodeDecodeError:
-        return False
-    return True
+def _looks_binary(data: bytes) -> bool:
+    """A NUL byte near the start (git's rule): images, archives, token files. Text in any encoding has none."""
+    return b"\x00" in data[:_BINARY_SNIFF]
 
 
 def _read_text_file(spec: str, path: Path, max_bytes: int | None) -> bytes:
+    """The file's bytes, whatever they are: a byte-level tokenizer has a token for every byte, so nothing is
+    decoded and nothing stops at a byte that is not UTF-8."""
     with open(path, "rb") as f:
-        data = f.read() if max_bytes is None else f.read(max_bytes)
-    if not _is_text(data, truncated=max_bytes is not None and len(data) == max_bytes):
-        raise CorpusError(f"corpus {spec!r}: {str(path)!r} is not UTF-8 text (binary or another encoding); "
-                          f"for pre-tokenized ids use 'memmap:{path}:uint16' (or uint32) or a .npy file.")
-    return data
+        return f.read() if max_bytes is None else f.read(max_bytes)
+
+
+def _glob_files(pattern: str) -> list[Path]:
+    """The regular files a glob matches (`**` recursive), sorted, hidden names skipped."""
+    found = glob.glob(os.path.expanduser(pattern), recursive=True)
+    return sorted(Path(p) for p in found if os.path.isfile(p) and not os.path.basename(p).startswith("."))
+
+
+def _read_files(paths: Iterable[Path], max_bytes: int | None) -> bytes:
+    """Concatenate files in the given order, a newline between files, stopping at max_bytes; unreadable and
+    binary-looking files are skipped."""
+    parts: list[bytes] = []
+    total = 0
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:   # unreadable or vanished (e.g. a broken symlink): not part of the corpus
+            continue
+        if not data or _looks_binary(data):
+            continue
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        parts.append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            return b"".join(parts)[:max_bytes]
+    return b"".join(parts)
 
 
 def _read_text_tree(root: Path, max_bytes: int | None, *, suffix: str | None, skip_dirs: frozenset[str]) -> bytes:
     """Concatenate the text files under root in sorted walk order, a newline between files, stopping
-    at max_bytes. Hidden entries, `skip_dirs`, binary and non-UTF-8 files are skipped."""
-    parts: list[bytes] = []
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Sorting in place fixes the walk order (os.walk follows dirnames), hence the corpus bytes.
-        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
-        for name in sorted(filenames):
-            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
-                continue
-            try:
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    data = f.read()
-            except OSError:   # unreadable or vanished (e.g. a broken symlink): not part of the corpus
-                continue
-            if not data or not _is_text(data):
-                continue
-            if not data.endswith(b"\n"):
-                data += b"\n"
-            parts.append(data)
-            total += len(data)
-            if max_bytes is not None and total >= max_bytes:
-                return b"".join(parts)[:max_bytes]
-    return b"".join(parts)
+    at max_bytes. Hidden entries, `skip_dirs` and binary-looking files are skipped."""
+    def paths() -> Iterator[Path]:    # lazily: reading stops at max_bytes, so does the walk
+        for dirpath, dirnames, filenames in os.walk(root):
+            # Sorting in place fixes the walk order (os.walk follows dirnames), hence the corpus bytes.
+            dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
+            yield from (Path(dirpath, name) for name in sorted(filenames)
+                        if not name.startswith(".") and (suffix is None or name.endswith(suffix)))
+    return _read_files(paths(), max_bytes)
 
 
-def _open_memmap(spec: str, path: Path, dtype: type[np.unsignedinteger]) -> np.ndarray:
+def _open_memmap(spec: str, path: Path, dtype: type[np.integer]) -> np.ndarray:
     if not path.is_file():
         raise CorpusError(f"corpus {spec!r}: {str(path)!r} is not a file.")
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
     if size % itemsize:
         raise CorpusError(f"corpus {spec!r}: file size {size} bytes is not a multiple of {itemsize} "
                           f"({np.dtype(dtype).name}); is the dtype right? uint16 files have even sizes, "
-                          f"uint32 sizes divisible by 4.")
+                          f"uint32/int32 sizes divisible by 4.")
     if size == 0:   # np.memmap refuses empty files
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

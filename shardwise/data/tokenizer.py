@@ -1,4 +1,5 @@
-"""Byte-level tokenizer: a token is one UTF-8 byte, so the vocabulary is 256 and nothing is unknown."""
+"""Byte-level tokenizer: a token is one byte, so the vocabulary is 256 and nothing is unknown. Text is encoded
+as UTF-8; raw bytes (any encoding, or none) are tokens as they are, with no decoding."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        """Every byte is its own token: nothing is decoded, so no byte sequence is an error."""
+        return list(data)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Bulk form of `encode`: a uint16 array (the corpus dtype), without a Python int per byte."""

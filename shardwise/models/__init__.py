@@ -2,6 +2,7 @@
 
     from shardwise.models import GPT, gpt_config
     model = GPT(gpt_config("tiny", positions="rotary"))
+    llama = GPT(gpt_config("llama-tiny"))        # RMSNorm, SwiGLU, rotary, grouped-query attention
 
 The config, presets and pure counts (`presets.py`) import without torch; the torch modules (`gpt.py`)
 are loaded on first use, so the planner can size our GPT without importing torch.
@@ -12,12 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardwise.models.presets import PRESETS, GPTConfig, Positions, gpt_config, gpt_flops_per_token, gpt_num_params
+from shardwise.models.presets import (
+    PRESETS, GPTConfig, MLPKind, Norm, Positions, gpt_config, gpt_flops_per_token, gpt_num_params,
+)
 
 _TORCH_EXPORTS = ("GPT", "IGNORE_INDEX", "Attention", "Block", "Embedding", "Head", "MLP")
 
 __all__ = [
-    "GPT", "GPTConfig", "PRESETS", "Positions", "gpt_config", "gpt_num_params", "gpt_flops_per_token",
+    "GPT", "GPTConfig", "PRESETS", "Positions", "Norm", "MLPKind", "gpt_config", "gpt_num_params",
+    "gpt_flops_per_token",
     "Attention", "Block", "Embedding", "Head", "MLP", "IGNORE_INDEX",
 ]
 

@@ -1,4 +1,5 @@
-"""Reference decoder-only GPT: pre-norm blocks, causal SDPA attention, GELU MLP.
+"""Reference decoder-only GPT: pre-norm blocks, causal SDPA attention, GELU MLP; with `norm="rmsnorm"`,
+`mlp="swiglu"` and rotary positions the same code is a Llama (`llama_layers.py`).
 
 The model is written to be cut apart by the parallelism functions, never to know about them:
 
@@ -7,7 +8,7 @@ The model is written to be cut apart by the parallelism functions, never to know
     model.head     final LayerNorm + lm-head Linear              x [b, s, d]  -> logits [b, s, vocab]
 
 Pipeline parallelism hands contiguous slices of `blocks` to stages; tensor parallelism swaps
-`attn.q_proj/k_proj/v_proj` and `mlp.fc_in` for column-parallel and `attn.o_proj`, `mlp.fc_out` for
+`attn.q_proj/k_proj/v_proj` and `mlp.fc_in` (and `mlp.fc_gate`) for column-parallel and `attn.o_proj`, `mlp.fc_out` for
 row-parallel layers. Attention reads the number of (local) heads from the projection outputs, so a
 module holding n_head / tp heads runs unchanged.
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.models.llama_layers import RMSNorm, SwiGLU, make_norm
 from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
 
 IGNORE_INDEX = -100
@@ -139,10 +141,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -150,11 +152,11 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the lm-head projection to vocabulary logits (no bias)."""
+    """Final norm and the lm-head projection to vocabulary logits (no bias)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -218,6 +220,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:

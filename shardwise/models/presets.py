@@ -18,6 +18,16 @@ rotary: queries and keys are rotated per position inside attention (RoPE); no pa
 
 _POSITIONS: tuple[str, ...] = get_args(Positions)
 
+Norm = Literal["layernorm", "rmsnorm"]
+"""layernorm: (x - mean) / std * weight (+ bias) (GPT-2). rmsnorm: x / rms(x) * weight, no bias (Llama)."""
+
+MLPKind = Literal["gelu", "swiglu"]
+"""gelu: fc_out(gelu(fc_in(x))), d_ff = 4 d (GPT-2). swiglu: fc_out(silu(fc_gate(x)) * fc_in(x)), three
+matrices, d_ff = Llama's round_up(8 d / 3, 256)."""
+
+_NORMS: tuple[str, ...] = get_args(Norm)
+_MLPS: tuple[str, ...] = get_args(MLPKind)
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -32,7 +42,7 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     d_ff: int | None = None
-    """Hidden width of the MLP; None means 4 * d_model."""
+    """Hidden width of the MLP; None means 4 * d_model (gelu) or round_up(8 * d_model / 3, 256) (swiglu)."""
     n_kv_head: int | None = None
     """Key/value heads; fewer than n_head is grouped-query attention. None means n_head."""
     positions: Positions = "learned"
@@ -47,12 +57,15 @@ class GPTConfig:
     """Std of the normal init; residual output projections use init_std / sqrt(2 * n_layer)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (only read when positions == "rotary")."""
+    norm: Norm = "layernorm"
+    mlp: MLPKind = "gelu"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             _require_positive_int(name, getattr(self, name))
         if self.d_ff is None:
-            object.__setattr__(self, "d_ff", 4 * self.d_model)
+            d_ff = 4 * self.d_model if self.mlp == "gelu" else 256 * -(-8 * self.d_model // (3 * 256))
+            object.__setattr__(self, "d_ff", d_ff)
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
         _require_positive_int("d_ff", self.d_ff)
@@ -64,6 +77,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
                              f"each key/value head serves an equal group of query heads. "
                              f"Choose n_kv_head dividing n_head (n_kv_head=n_head is plain multi-head attention).")
+        if self.norm not in _NORMS:
+            raise ValueError(f"GPTConfig: norm={self.norm!r} is not one of {list(_NORMS)}.")
+        if self.mlp not in _MLPS:
+            raise ValueError(f"GPTConfig: mlp={self.mlp!r} is not one of {list(_MLPS)}.")
         if self.positions not in _POSITIONS:
             raise ValueError(f"GPTConfig: positions={self.positions!r} is not one of {list(_POSITIONS)}.")
         if self.positions == "rotary" and self.head_dim % 2:
@@ -95,8 +112,16 @@ def _require_positive_int(name: str, value: Any) -> None:
 # -- presets ---------------------------------------------------------------------------------------
 
 # Kept as keyword dicts so that `gpt_config(name, d_model=...)` re-derives d_ff from the new width
-# instead of inheriting the preset's resolved 4 * d_model.
+# instead of inheriting the preset's resolved 4 * d_model. This is the one table of named models: `shardwise
+# train --model NAME` builds them and the planner (`shardwise plan --model NAME`) sizes them.
 _GPT2_FAMILY = dict(vocab_size=50257, positions="learned", tie_embeddings=True)
+# GPT-3 (Brown et al. 2020, arXiv:2005.14165, Table 2.1): GPT-2's vocabulary and tied embeddings, context
+# 2048, dropout 0.1 as GPT-2. Head counts follow d_head = 128 where the table's are inconsistent with it.
+_GPT3 = dict(_GPT2_FAMILY, seq_len=2048, dropout=0.1)
+# The Llama architecture (Touvron et al. 2023): RMSNorm, SwiGLU MLP, rotary positions, no biases, an untied
+# head, Llama's 32000-token vocabulary.
+_LLAMA = dict(vocab_size=32000, positions="rotary", norm="rmsnorm", mlp="swiglu", bias=False,
+              tie_embeddings=False)
 _PRESET_KWARGS: dict[str, dict[str, Any]] = {
     # ~1.9M params, byte-level: trains in seconds on one CPU core; the default for tests and the demo.
     "tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=6, d_model=192),
@@ -108,6 +133,24 @@ _PRESET_KWARGS: dict[str, dict[str, Any]] = {
     "350m": dict(_GPT2_FAMILY, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
     # GPT-3 XL shape (24 layers, 2048 wide, 2048 context): ~1.32B params.
     "1.3b": dict(_GPT2_FAMILY, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+    "gpt3-125m": dict(_GPT3, n_layer=12, n_head=12, d_model=768),
+    "gpt3-350m": dict(_GPT3, n_layer=24, n_head=16, d_model=1024),
+    "gpt3-760m": dict(_GPT3, n_layer=24, n_head=16, d_model=1536),
+    "gpt3-1.3b": dict(_GPT3, n_layer=24, n_head=16, d_model=2048),
+    "gpt3-2.7b": dict(_GPT3, n_layer=32, n_head=32, d_model=2560),
+    "gpt3-6.7b": dict(_GPT3, n_layer=32, n_head=32, d_model=4096),
+    "gpt3-13b": dict(_GPT3, n_layer=40, n_head=40, d_model=5120),
+    # 96 layers, 12288 wide, 96 heads: 174.6e9 parameters (Table D.1's N).
+    "gpt3-175b": dict(_GPT3, n_layer=96, n_head=96, d_model=12288),
+    # Llama-style and byte-level, small enough for CPU: grouped-query attention (6 query heads, 2 kv heads).
+    "llama-tiny": dict(_LLAMA, vocab_size=256, seq_len=128, n_layer=4, n_head=6, n_kv_head=2, d_model=192),
+    "llama-small": dict(_LLAMA, vocab_size=256, seq_len=256, n_layer=6, n_head=6, n_kv_head=2, d_model=384),
+    # LLaMA 7B (arXiv:2302.13971): 32 x 4096, 32 heads, SwiGLU 11008, context 2048: 6,738,415,616 params.
+    "llama-7b": dict(_LLAMA, seq_len=2048, n_layer=32, n_head=32, d_model=4096, d_ff=11008, norm_eps=1e-6),
+    # Llama 2 13B (arXiv:2307.09288): 40 x 5120, 40 heads, SwiGLU 13824, context 4096.
+    "llama-13b": dict(_LLAMA, seq_len=4096, n_layer=40, n_head=40, d_model=5120, d_ff=13824),
+    # Llama 2 70B: 80 x 8192, 64 query heads sharing 8 kv heads, SwiGLU 28672, context 4096: 68,976,648,192.
+    "llama-70b": dict(_LLAMA, seq_len=4096, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672),
 }
 
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _PRESET_KWARGS.items()}
@@ -145,9 +188,10 @@ def gpt_num_params(cfg: GPTConfig, *, exclude_embeddings: bool = False) -> int:
     goes with it."""
     d, f, kv, b = cfg.d_model, cfg.d_ff, cfg.kv_dim, int(cfg.bias)
     assert f is not None
-    norm = d * (1 + b)                                   # LayerNorm weight (+ bias)
+    norm = d * (1 + b) if cfg.norm == "layernorm" else d   # LayerNorm weight (+ bias); RMSNorm weight
     attn = (d * d + d * b) * 2 + (d * kv + kv * b) * 2   # q_proj, o_proj: d -> d; k_proj, v_proj: d -> kv
-    mlp = (d * f + f * b) + (f * d + d * b)              # fc_in, fc_out
+    mlp_in = 2 if cfg.mlp == "swiglu" else 1             # SwiGLU: fc_gate and fc_in
+    mlp = mlp_in * (d * f + f * b) + (f * d + d * b)     # fc_in (+ fc_gate), fc_out
     blocks = cfg.n_layer * (2 * norm + attn + mlp)
     token_table = cfg.vocab_size * d
     position_table = cfg.seq_len * d if cfg.positions == "learned" else 0

@@ -13,6 +13,7 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
 from shardwise.parallel.tied import TiedParams
+from shardwise.parallel.outputs import loss_of
 
 if TYPE_CHECKING:
     from shardwise.engine import Engine
@@ -49,7 +50,7 @@ class SingleStage:
         count = engine.gradient_accumulation_steps()
         total: torch.Tensor | None = None        # [] float32 on the compute device: no host read per micro-batch
         for i in range(count):
-            loss = engine(next(data_iter))
+            loss = loss_of(engine(next(data_iter)))
             engine.backward(loss)
             part = loss.detach().float()
             total = part if total is None else total + part
@@ -63,9 +64,10 @@ class SingleStage:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         total: torch.Tensor | None = None        # on the compute device until the one read below
         for _ in range(count):
-            loss = engine(next(data_iter))
+            loss = loss_of(engine(next(data_iter)))
             if not torch.is_tensor(loss) or loss.dim() != 0:
-                raise UserError("engine.eval_batch needs the model to return a scalar loss tensor")
+                raise UserError("engine.eval_batch needs the model to return a scalar loss tensor (or an output "
+                                "with .loss, as Hugging Face models return when given labels)")
             total = loss.float() if total is None else total + loss.float()
         assert total is not None
         return self._dp_mean(total, count)

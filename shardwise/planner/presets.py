@@ -1,7 +1,7 @@
 """Named models and clusters.
 
-Models: published shapes (GPT-3, LLaMA) and our own GPT presets, taken from `shardwise.models.presets`
-(torch-free) so that the planner's parameter count of our GPT is exactly the built model's.
+Models: every preset of `shardwise.models.presets` (torch-free): our GPT presets and the published shapes
+(GPT-3, LLaMA), so that the planner's parameter count is exactly the built model's.
 
 Clusters: one DGX-style node per preset (8 GPUs, each with its own network port); `--gpus N` scales it.
 Figures are the vendors' published ones: dense (no sparsity) peak matmul FLOP/s, HBM size and bandwidth,
@@ -14,30 +14,12 @@ import difflib
 from typing import Any
 
 from shardwise.models.presets import PRESETS as GPT_PRESETS
-from shardwise.planner.specs import FFN, ClusterSpec, ModelSpec, Norm, PlannerError, PositionKind
+from shardwise.planner.specs import ClusterSpec, ModelSpec, PlannerError
 
-_PUBLISHED_MODELS: dict[str, ModelSpec] = {
-    # Brown et al. 2020 (arXiv:2005.14165) Table 2.1: 96 layers, d_model 12288, 96 heads, context 2048;
-    # GPT-2's BPE vocabulary of 50257 and tied embeddings. 174.6e9 parameters (Table D.1's N).
-    "gpt3-175b": ModelSpec(name="gpt3-175b", n_layer=96, d_model=12288, n_head=96, vocab_size=50257,
-                           seq_len=2048, tie_embeddings=True),
-    # Touvron et al. 2023 (arXiv:2302.13971), LLaMA 7B: 32 layers, 4096 wide, 32 heads, SwiGLU 11008,
-    # RMSNorm, rotary, no biases, untied head, vocab 32000, context 2048: 6,738,415,616 parameters.
-    "llama-7b": ModelSpec(name="llama-7b", n_layer=32, d_model=4096, n_head=32, d_ff=11008, vocab_size=32000,
-                          seq_len=2048, ffn=FFN.SWIGLU, norm=Norm.RMSNORM, positions=PositionKind.ROTARY,
-                          bias=False, tie_embeddings=False, dropout=False),
-    # Touvron et al. 2023 (arXiv:2307.09288), Llama 2 70B: 80 layers, 8192 wide, 64 query heads sharing
-    # 8 key/value heads (GQA), SwiGLU 28672, context 4096: 68,976,648,192 parameters.
-    "llama-70b": ModelSpec(name="llama-70b", n_layer=80, d_model=8192, n_head=64, n_kv_head=8, d_ff=28672,
-                           vocab_size=32000, seq_len=4096, ffn=FFN.SWIGLU, norm=Norm.RMSNORM,
-                           positions=PositionKind.ROTARY, bias=False, tie_embeddings=False, dropout=False),
-}
-
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    **_PUBLISHED_MODELS,
-    **{name: ModelSpec.from_gpt_config(cfg, name=name) for name, cfg in GPT_PRESETS.items()},
-}
-"""Preset name -> model. Our GPT presets (tiny, small, gpt2-124m, 350m, 1.3b) come from shardwise.models."""
+MODEL_PRESETS: dict[str, ModelSpec] = {name: ModelSpec.from_gpt_config(cfg, name=name)
+                                       for name, cfg in GPT_PRESETS.items()}
+"""Preset name -> model: the table `shardwise train --model` builds from (shardwise.models.presets), so the planner
+sizes exactly the model a run trains (GPT presets, GPT-3 sizes, Llama-style presets)."""
 
 _DGX_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, both bidirectional); DGX A100 user guide "

@@ -104,10 +104,10 @@ class ModelSpec:
 
     @classmethod
     def from_gpt_config(cls, cfg: Any, name: str = "gpt") -> "ModelSpec":
-        """The spec of our reference GPT (`shardwise.models.GPTConfig`): GELU MLP, LayerNorm."""
+        """The spec of our reference model (`shardwise.models.GPTConfig`: GPT or Llama-style)."""
         return cls(name=name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head,
                    n_kv_head=cfg.n_kv_head, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                   ffn=FFN.GELU, norm=Norm.LAYERNORM, positions=PositionKind(cfg.positions), bias=cfg.bias,
+                   ffn=FFN(cfg.mlp), norm=Norm(cfg.norm), positions=PositionKind(cfg.positions), bias=cfg.bias,
                    tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0)
 
     def to_dict(self) -> dict[str, Any]:

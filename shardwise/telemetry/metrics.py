@@ -10,6 +10,8 @@ One line of `metrics.jsonl` per optimizer step, written by global rank 0:
 for a step skipped on inf/nan gradients, null when gradient_clipping is 0 and no norm is taken);
 `loss_scale` is the scale after the step (1.0 unless fp16); `skipped_steps` counts the steps skipped so far and
 `skipped` says whether this step's update was skipped (fp16 overflow: the parameters did not move).
+A step after which the run evaluated also holds `eval_loss` (mean cross-entropy on the held-out split) and
+`eval_perplexity` (its exp).
 
 `tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so MFU divides by the peak
 of all ranks together. Non-finite losses are written as JSON `NaN`/`Infinity` (Python reads them back).
@@ -131,6 +133,8 @@ class RunSummary:
     final_grad_norm: float | None = None    # the last step's gradient norm
     final_loss_scale: float = 1.0
     skipped_steps: int = 0                  # over the whole run
+    final_eval_loss: float | None = None    # the last evaluation's held-out loss (None: the run did not evaluate)
+    final_eval_perplexity: float | None = None
 
     @property
     def comm_bytes_per_step(self) -> int:
@@ -167,6 +171,7 @@ def summarize_run(records: Sequence[Mapping[str, Any]], *, world_size: int, flop
     """Fold the per-step records of a run (as written by MetricsWriter) into a RunSummary."""
     throughput = mean_tokens_per_s(records)
     last = records[-1]
+    evaluated = [r for r in records if r.get("eval_loss") is not None]
     return RunSummary(
         steps=int(last["step"]), final_loss=float(last["loss"]), mean_tokens_per_s=throughput,
         mfu=model_flops_utilization(throughput, flops_per_token, peak_flops),
@@ -177,6 +182,8 @@ def summarize_run(records: Sequence[Mapping[str, Any]], *, world_size: int, flop
         # Files written before these fields existed read as "unknown" / the defaults.
         final_grad_norm=None if last.get("grad_norm") is None else float(last["grad_norm"]),
         final_loss_scale=float(last.get("loss_scale", 1.0)), skipped_steps=int(last.get("skipped_steps", 0)),
+        final_eval_loss=float(evaluated[-1]["eval_loss"]) if evaluated else None,
+        final_eval_perplexity=float(evaluated[-1]["eval_perplexity"]) if evaluated else None,
     )
 
 

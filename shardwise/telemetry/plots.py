@@ -1,4 +1,5 @@
-"""Training curves as a PNG: loss (top panel) and throughput (bottom panel) against the step.
+"""Training curves as a PNG against the step: training loss and, when the run evaluated, held-out loss (top
+panel), learning rate (middle) and throughput (bottom).
 
 Matplotlib's Agg backend renders without a display, so this works on headless machines and inside
 launched ranks. The figure is built on an explicit `Figure` object (not `pyplot`), so no global
@@ -31,9 +32,9 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
     steps = [int(r["step"]) for r in records]
     finite = [(s, float(r["loss"])) for s, r in zip(steps, records) if math.isfinite(float(r["loss"]))]
 
-    fig = Figure(figsize=(8, 6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(8, 7.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    loss_ax, rate_ax = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    loss_ax, lr_ax, rate_ax = fig.subplots(3, 1, sharex=True, height_ratios=(2, 1, 1))
 
     loss_ax.plot([s for s, _ in finite], [v for _, v in finite], color="tab:blue", lw=1.2, alpha=0.75,
                  marker="o" if len(finite) <= 30 else None, ms=3, label="loss")
@@ -48,11 +49,24 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
         loss_ax.plot([s for s, _ in finite], smooth, color="tab:orange", lw=2,
                      label=f"mean of last {window}")
         loss_ax.legend(loc="upper right")
-    loss_ax.set_ylabel("training loss")
+    evals = [(s, float(r["eval_loss"])) for s, r in zip(steps, records)
+             if r.get("eval_loss") is not None and math.isfinite(float(r["eval_loss"]))]
+    if evals:
+        loss_ax.plot([s for s, _ in evals], [v for _, v in evals], color="tab:red", lw=1.5, marker="s", ms=4,
+                     label="eval loss (held out)")
+        loss_ax.annotate(f"eval {evals[-1][1]:.3f}", xy=evals[-1], xytext=(-10, -16), textcoords="offset points",
+                         ha="right", fontsize=9, color="tab:red")
+        loss_ax.legend(loc="upper right")
+    loss_ax.set_ylabel("loss")
     loss_ax.grid(alpha=0.3)
     if finite:
         loss_ax.annotate(f"final {finite[-1][1]:.3f}", xy=finite[-1], xytext=(-10, 12),
                          textcoords="offset points", ha="right", fontsize=9)
+
+    lr_ax.plot(steps, [float(r["lr"]) for r in records], color="tab:purple", lw=1.2)
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.grid(alpha=0.3)
+    lr_ax.set_ylim(bottom=0)
 
     rates = [float(r["tokens_per_s"]) for r in records]
     rate_ax.plot(steps, rates, color="tab:green", lw=1.2, marker="o" if len(steps) <= 30 else None, ms=3)

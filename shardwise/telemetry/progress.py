@@ -137,6 +137,9 @@ def summary_tables(summary: RunSummary) -> list[Table]:
         ("communication / step (rank 0)", format_bytes(summary.comm_bytes_per_step)),
         ("wall time", format_eta(summary.total_time_s)),
     ]
+    if summary.final_eval_loss is not None:
+        rows[2:2] = [("final eval loss (held out)", f"{summary.final_eval_loss:.4f}"),
+                     ("final eval perplexity", f"{summary.final_eval_perplexity:.3f}")]
     for name, value in rows:
         head.add_row(name, str(value))
     tables = [head]

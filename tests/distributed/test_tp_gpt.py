@@ -1,9 +1,9 @@
 """Tensor-parallel training through the engine equals single-process training: the GPT at T = 4 (dp 1) and
 T = 2 x dp 2 on 4 ranks, with and without sequence parallelism (learned and rotary positions, tied embeddings,
-grouped-query attention, gradient accumulation, clipping, Adam and SGD with momentum); losses and gathered
-parameters after 5 steps, rtol 1e-5; the per-step TP traffic is Megatron's. Also Hugging Face-style models
-parallelized from their own tp plan at T = 2 x dp 2: a fake Llama written like pre-4.48 transformers (head
-counts used in reshapes) and, when transformers is installed, the real LlamaForCausalLM."""
+grouped-query attention, gradient accumulation, clipping, Adam and SGD with momentum), and our Llama-style
+model; losses and gathered parameters after 5 steps, rtol 1e-5; the per-step TP traffic is Megatron's. Also
+Hugging Face-style models parallelized from their own tp plan at T = 2 x dp 2: a fake Llama written like
+pre-4.48 transformers (head counts used in reshapes) and, when transformers is installed, the real LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -24,12 +24,16 @@ N_LAYER, D_MODEL = 2, 32
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 
+LLAMA = dict(positions="rotary", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, d_ff=64)
 GPT_CASES = {
     "tp4": dict(tp=4, sp=False, gpt=dict(), optimizer=ADAMW, gas=1, clip=0.3),
     "tp4_sp_tied": dict(tp=4, sp=True, gpt=dict(tie_embeddings=True), optimizer=SGD, gas=2, clip=0.3),
     "tp2_dp2_rotary_gqa": dict(tp=2, sp=False, gpt=dict(positions="rotary", n_kv_head=2), optimizer=SGD, gas=1,
                                clip=0.3),
     "tp2_dp2_sp_rotary": dict(tp=2, sp=True, gpt=dict(positions="rotary"), optimizer=ADAMW, gas=2, clip=1.0),
+    # Our Llama-style model (RMSNorm, SwiGLU, rotary, GQA, no biases), without and with sequence parallelism.
+    "tp2_dp2_llama": dict(tp=2, sp=False, gpt=dict(LLAMA), optimizer=SGD, gas=1, clip=0.3),
+    "tp2_dp2_sp_llama": dict(tp=2, sp=True, gpt=dict(LLAMA), optimizer=ADAMW, gas=2, clip=0.3),
 }
 HF_OPTIMIZER = {"fake_llama": ADAMW, "llama": SGD}
 
@@ -256,6 +260,8 @@ def megatron_tp_traffic(case: dict, micro: int) -> Counter:
     gradient once."""
     bsh, L = micro * SEQ * D_MODEL * 4, N_LAYER
     learned = case["gpt"].get("positions", "learned") == "learned"
+    bias = case["gpt"].get("bias", True)
+    per_norm = 2 if bias and case["gpt"].get("norm", "layernorm") == "layernorm" else 1   # weight (+ bias)
     c: Counter = Counter()
     if not case["sp"]:
         c[("all_reduce", bsh)] += 4 * L + 2
@@ -264,7 +270,8 @@ def megatron_tp_traffic(case: dict, micro: int) -> Counter:
         c[("reduce_scatter", bsh)] += 4 * L + (1 if learned else 2)
         if learned:                    # tokens + positions all-reduced, then split into sequence shards
             c[("all_reduce", bsh)] += 1
-        c[("all_reduce", D_MODEL * 4)] += 6 * L + 2          # ln_1, ln_2 (w, b), o_proj/fc_out bias; final norm
+        # ln_1, ln_2 (w, b), o_proj/fc_out bias; final norm (a SwiGLU MLP's gate shares fc_in's re-gather)
+        c[("all_reduce", D_MODEL * 4)] += L * (2 * per_norm + 2 * int(bias)) + per_norm
     c[("all_reduce", micro * SEQ * 4)] += 1                  # loss: max logit per token
     c[("all_reduce", 2 * micro * SEQ * 4)] += 1              # loss: sum of exp and target logit per token
     return c

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shardwise.data import (
-    DEFAULT_STDLIB_MAX_BYTES, ByteTokenizer, CorpusError, TokenLoader, check_length, check_vocab, load_corpus,
-    stdlib_root,
+    DEFAULT_STDLIB_MAX_BYTES, ByteTokenizer, CorpusError, CorpusKind, TokenLoader, check_length, check_vocab,
+    load_corpus, parse_spec, stdlib_root,
 )
 from shardwise.data import corpora
 from shardwise.testing import shard_global_batch
@@ -112,18 +112,41 @@ def test_directory_sorted_recursive_text_only(tmp_path: Path) -> None:
     (tmp_path / "a.md").write_text("alpha")                              # no trailing newline: one is added
     (tmp_path / "c.py").write_text("print(1)\n")
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02binary")           # NUL bytes: skipped
-    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))      # not UTF-8: skipped
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))      # not UTF-8: kept, byte by byte
     (tmp_path / ".hidden.txt").write_text("secret\n")
     (tmp_path / ".git" / "HEAD").write_text("ref\n")
     tokens = load_corpus(str(tmp_path))
     # os.walk visits root files (sorted) before descending into sorted subdirectories.
-    assert ByteTokenizer().decode(tokens) == "alpha\nprint(1)\nzed\n"
+    assert bytes(tokens.astype(np.uint8)) == b"alpha\nprint(1)\ncaf\xe9\nzed\n"
     assert ByteTokenizer().decode(load_corpus(str(tmp_path), max_bytes=8)) == "alpha\npr"
 
 
-@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_any_bytes_are_tokens(tmp_path: Path) -> None:
+    """A byte-level tokenizer has a token for every byte: a file that is not UTF-8 (cut multi-byte characters,
+    latin-1, random bytes) loads whole, byte for byte."""
+    data = bytes(range(1, 256)) * 40 + "ünïcödé".encode("utf-8")[:-1] + b"\x00tail"
+    (tmp_path / "mixed.txt").write_bytes(data)
+    tokens = load_corpus(str(tmp_path / "mixed.txt"))
+    assert tokens.dtype == np.uint16 and bytes(tokens.astype(np.uint8)) == data
+    assert ByteTokenizer().encode_bytes(data) == list(data)
+
+
+def test_glob_of_text_files(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.md").write_text("xx\n")
+    (tmp_path / "b.md").write_text("bb")
+    (tmp_path / "c.txt").write_text("not matched\n")
+    (tmp_path / "d.md").write_bytes(b"\x00binary")                          # binary-looking: skipped
+    tokens = load_corpus(str(tmp_path / "**" / "*.md"))
+    assert ByteTokenizer().decode(tokens) == "xx\nbb\n"                       # sorted by path: a/x.md, b.md
+    assert parse_spec(str(tmp_path / "*.md")).kind is CorpusKind.GLOB
+    with pytest.raises(CorpusError, match="the glob matches no file"):
+        load_corpus(str(tmp_path / "*.rst"))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int32, np.int64, np.uint8])
 def test_memmap_spec(tmp_path: Path, dtype: type) -> None:
-    ids = (np.arange(5000, dtype=np.int64) * 7919 % 60000).astype(dtype)
+    ids = (np.arange(5000, dtype=np.int64) * 7919 % min(60000, np.iinfo(dtype).max)).astype(dtype)
     path = tmp_path / "train.bin"
     ids.tofile(path)
     tokens = load_corpus(f"memmap:{path}:{np.dtype(dtype).name}")
@@ -133,11 +156,14 @@ def test_memmap_spec(tmp_path: Path, dtype: type) -> None:
     assert len(capped) == 1000 // np.dtype(dtype).itemsize
 
 
-def test_npy_spec(tmp_path: Path) -> None:
-    ids = np.arange(1000, dtype=np.uint32)
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64, np.int16])
+def test_npy_spec(tmp_path: Path, dtype: type) -> None:
+    ids = np.arange(1000, dtype=dtype)
     np.save(tmp_path / "t.npy", ids)
     tokens = load_corpus(str(tmp_path / "t.npy"), vocab_size=1000)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, ids)
+    with pytest.raises(CorpusError, match="token id 999.*--vocab-size 1000 or more"):
+        load_corpus(str(tmp_path / "t.npy"), vocab_size=256)
     np.save(tmp_path / "m.npy", ids.reshape(10, 100))
     with pytest.raises(CorpusError, match="must be a 1-D integer array.*shape \\(10, 100\\)"):
         load_corpus(str(tmp_path / "m.npy"))
@@ -160,13 +186,10 @@ def test_corpus_errors(tmp_path: Path) -> None:
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(CorpusError, match="file size 3 bytes is not a multiple of 2"):
         load_corpus(f"memmap:{tmp_path / 'odd.bin'}:uint16")
-    with pytest.raises(CorpusError, match="memmap dtype 'int8' is not one of \\['uint16', 'uint32'\\]"):
-        load_corpus(f"memmap:{tmp_path / 'odd.bin'}:int8")
+    with pytest.raises(CorpusError, match="memmap dtype 'float32' is not one of \\['uint8', 'uint16'"):
+        load_corpus(f"memmap:{tmp_path / 'odd.bin'}:float32")
     with pytest.raises(CorpusError, match="a memmap spec is 'memmap:PATH:DTYPE'"):
         load_corpus("memmap:nodtype")
-    (tmp_path / "ids.bin").write_bytes(b"\x00\x01" * 4)
-    with pytest.raises(CorpusError, match="is not UTF-8 text.*memmap:.*ids.bin:uint16"):
-        load_corpus(str(tmp_path / "ids.bin"))
     with pytest.raises(CorpusError, match="max_bytes=0 must be a positive int"):
         load_corpus("stdlib", max_bytes=0)
 

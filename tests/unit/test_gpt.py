@@ -177,7 +177,9 @@ def test_flops_per_token_by_hand_untied() -> None:
 # -- config and presets ----------------------------------------------------------------------------
 
 def test_presets_build_configs() -> None:
-    assert set(PRESETS) == {"tiny", "small", "gpt2-124m", "350m", "1.3b"}
+    assert set(PRESETS) == {"tiny", "small", "gpt2-124m", "350m", "1.3b", "llama-tiny", "llama-small", "llama-7b",
+                            "llama-13b", "llama-70b", *(f"gpt3-{s}" for s in
+                                                       ("125m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b"))}
     assert 1_000_000 < gpt_num_params(PRESETS["tiny"]) < 5_000_000
     assert 10_000_000 <= gpt_num_params(PRESETS["small"]) <= 20_000_000
     big = PRESETS["1.3b"]
@@ -192,8 +194,8 @@ def test_overrides_rederive_defaults() -> None:
 
 
 def test_unknown_preset_lists_names_and_closest() -> None:
-    with pytest.raises(ValueError, match="unknown GPT preset 'gpt2-125m'") as err:
-        gpt_config("gpt2-125m")
+    with pytest.raises(ValueError, match="unknown GPT preset 'gpt2-124'") as err:
+        gpt_config("gpt2-124")
     assert "tiny, small, gpt2-124m, 350m, 1.3b" in str(err.value)
     assert "Did you mean 'gpt2-124m'?" in str(err.value)
     with pytest.raises(ValueError, match="unknown field.*'n_layers' \\(did you mean 'n_layer'\\?\\)"):

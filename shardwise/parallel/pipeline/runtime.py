@@ -46,6 +46,7 @@ from torch import Tensor
 
 from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import PipelineSchedule
+from shardwise.parallel.outputs import loss_of
 from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
 from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire
@@ -250,7 +251,7 @@ class PipelineRuntime:
         x = batches[m][0] if self.stage.is_first(v) else (received[0] if len(received) == 1 else tuple(received))
         out = chunk(x)
         if self.stage.is_last(v):
-            losses[m] = checked_loss(self.stage.loss_fn(out, batches[m][1]))
+            losses[m] = checked_loss(loss_of(self.stage.loss_fn(out, batches[m][1])))
             return
         outs = flatten(out, f"model chunk {chunk.model_chunk}")
         assert t.send is not None
@@ -319,7 +320,7 @@ class PipelineRuntime:
             skip = skip | {p for p in map(storage_ptr, data) if p is not None}
         with self.meter.track((m, v), skip) if skip is not None else contextlib.nullcontext():
             out = chunk(x)
-            loss = self.stage.loss_fn(out, batches[m][1]) if self.stage.is_last(v) else None
+            loss = loss_of(self.stage.loss_fn(out, batches[m][1])) if self.stage.is_last(v) else None
         slot = _Slot(inputs=[r for r in (received or []) if r.requires_grad], outputs=[], out_metas=[])
         self._slots[(m, v)] = slot
         if loss is not None:

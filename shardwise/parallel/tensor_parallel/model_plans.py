@@ -25,7 +25,8 @@ from shardwise.parallel.tensor_parallel.plan import (
 # -- the built-in GPT ---------------------------------------------------------------------------------
 
 
-def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = True) -> dict[str, Style]:
+def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = True,
+                swiglu: bool = False) -> dict[str, Style]:
     """Megatron's layout for `shardwise.models.GPT`. Per block, without sequence parallelism: the attention
     input enters the region once (all-reduce backward), q/k/v column-parallel (heads split), o_proj
     row-parallel (all-reduce forward); fc_in column-parallel (all-reduce backward), fc_out row-parallel
@@ -39,8 +40,12 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
 
     Dropout: the attention probabilities of this rank's heads, and with sequence parallelism every dropout
     on sequence shards, draw from the TP rank's own random stream (`local_rng`); dropout on replicated
-    activations draws from the default stream, identical on every TP rank (`random.py`)."""
+    activations draws from the default stream, identical on every TP rank (`random.py`).
+
+    A SwiGLU MLP (Llama) has two column-parallel inputs, fc_gate and fc_in: the MLP becomes a region like the
+    attention, so its input enters once (one all-reduce backward, or one all-gather under SP) for both."""
     blocks = "blocks.*"
+    mlp = _swiglu_plan(blocks, sequence_parallel) if swiglu else {}
     if not sequence_parallel:
         return {
             "embed.tok": Style.VOCAB,
@@ -53,6 +58,7 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
             f"{blocks}.mlp.fc_in": Style.COLWISE,
             f"{blocks}.mlp.fc_out": Style.ROWWISE,
             "head.lm_head": Style.COLWISE,
+            **mlp,
         }
     embedding = ({"embed.tok": Style.VOCAB, "embed": Style.SEQUENCE_SCATTER} if learned_positions
                  else {"embed.tok": Style.VOCAB_SP, "embed.drop": Style.LOCAL_RNG})
@@ -72,7 +78,15 @@ def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = Tr
         f"{blocks}.mlp.drop": Style.LOCAL_RNG,
         "head.norm": Style.SEQUENCE_PARALLEL,
         "head.lm_head": Style.COLWISE_SP,
+        **mlp,
     }
+
+
+def _swiglu_plan(blocks: str, sequence_parallel: bool) -> dict[str, Style]:
+    """The SwiGLU MLP's entries (they override fc_in's): a region holding two column-parallel inputs."""
+    return {f"{blocks}.mlp": Style.REGION_SP if sequence_parallel else Style.REGION,
+            f"{blocks}.mlp.fc_gate": Style.COLWISE,
+            f"{blocks}.mlp.fc_in": Style.COLWISE}
 
 
 def _divisors(n: int, limit: int = 64) -> str:
@@ -106,7 +120,8 @@ def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = F
     `model(ids, labels)`) the vocabulary-parallel cross-entropy. `model(ids)` then returns this rank's
     vocabulary shard of the logits, [b, s, vocab / t]."""
     _raise_if(validate_gpt(model.cfg, comm.size), comm.size, "this GPT")
-    plan = gpt_tp_plan(sequence_parallel, learned_positions=model.cfg.positions == "learned")
+    plan = gpt_tp_plan(sequence_parallel, learned_positions=model.cfg.positions == "learned",
+                       swiglu=model.cfg.mlp == "swiglu")
     info = apply_tensor_parallel(model, comm, plan)
     model.loss = VocabParallelLoss(comm)   # shadows the static GPT.loss on this instance only
     return info
