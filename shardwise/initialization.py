@@ -69,7 +69,12 @@ def broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
     """Make every rank start from dp rank 0's parameters and buffers (one flat broadcast per dtype)."""
     if comm.local:
         return
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), comm)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], comm: Comm) -> None:
+    """Group rank 0's values of `tensors` on every rank: one flat broadcast per dtype, copied back in place."""
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in same])

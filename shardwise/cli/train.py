@@ -77,9 +77,8 @@ class WorkerArgs:
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        from shardwise.checkpoint import atomic_write_text
+        atomic_write_text(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
         return path
 
     @classmethod

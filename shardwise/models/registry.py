@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,9 +49,8 @@ class ModelChoice:
         return GPTConfig(**self.gpt)
 
     def write(self, path: Path) -> Path:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        from shardwise.checkpoint import atomic_write_text
+        atomic_write_text(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
         return path
 
     @classmethod

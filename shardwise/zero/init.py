@@ -200,17 +200,12 @@ def _refuse_unbuilt(**given: Any) -> None:
 def _broadcast_by_module(model: nn.Module, comm: Comm) -> None:
     """Rank 0's parameters and buffers on every rank, one flat broadcast per module and dtype (a copy of one
     module at a time, not of the model)."""
+    from shardwise.initialization import broadcast_tensors
+
     if comm.size == 1:
         return
     seen: set[int] = set()
     for m in model.modules():
         own = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and id(t) not in seen]
         seen.update(id(t) for t in own)
-        for dtype in dict.fromkeys(t.dtype for t in own):
-            same = [t for t in own if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            comm.broadcast(flat, src_group_rank=0)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        broadcast_tensors(own, comm)
