@@ -165,6 +165,11 @@ class BucketedAllReduce(OrderedLauncher):
         """Before a plain loop's backward: a .grad the user set to None (optimizer.zero_grad's default) gets its
         slot back zeroed, one the user replaced is copied into its slot, so backward accumulates in place."""
         for bucket in self.buckets:
+            if all(p.grad is None for p in bucket.params):     # zero_grad(set_to_none=True): one fill per bucket
+                bucket.buffer.zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+                continue
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
                     view.zero_()
