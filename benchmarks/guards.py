@@ -23,7 +23,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import args_meta, int_at_least, rotation, run_under_launcher, write_json
+from benchmarks.common import (
+    args_meta, int_at_least, rotation, run_in_gloo_group, run_under_launcher, write_json,
+)
 
 VARIANTS = {"off": {"communication": {"desync_check": False}, "nonfinite": {"skip_step": False}},
             "desync": {"communication": {"desync_check": True}, "nonfinite": {"skip_step": False}},
@@ -55,13 +57,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engines[name], *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     checks: list[float] = []
     check = engines["desync"].sequence_check
-    verify = check.verify
+    launch = check.launch      # the check's all-reduce, as each step opens (its result is read with the verdict)
 
-    def timed_verify(step: int, kind: int = 0) -> None:
+    def timed_launch(step: int, kind: int = 0) -> None:
         t = time.perf_counter()
-        verify(step, kind)
+        launch(step, kind)
         checks.append(time.perf_counter() - t)
-    check.verify = timed_verify
+    check.launch = timed_launch
     g = torch.Generator().manual_seed(7 + rank)
     rows = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), generator=g)
     batch = (rows[:, :-1], rows[:, 1:])
@@ -111,15 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("error: run this module under the launcher: shardwise bench guards --nproc 2", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    result = run(args)
-    if dist.get_rank() == 0:
-        _print(result)
-        if args.json is not None:
-            write_json(args.json, result)
-    dist.barrier()
-    return 0
+
+    def run_and_report(args: argparse.Namespace) -> None:
+        result = run(args)
+        if dist.get_rank() == 0:
+            _print(result)
+            if args.json is not None:
+                write_json(args.json, result)
+
+    return run_in_gloo_group(run_and_report, args)     # one thread per rank, barrier before teardown
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:

@@ -24,7 +24,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import args_meta, int_at_least, rotation, run_under_launcher, sequence_length, write_json
+from benchmarks.common import (
+    args_meta, int_at_least, rotation, run_in_gloo_group, run_under_launcher, sequence_length, write_json,
+)
 
 POLICIES = {"none": {"policy": "none"}, "selective": {"policy": "selective"}, "full": {"policy": "full"},
             "every_2": {"policy": "every_n", "every": 2}}
@@ -132,15 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from shardwise.models import gpt_config
     seq = sequence_length(parser, args.seq, gpt_config(args.model).seq_len, flag="--seq", model=args.model)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    result = run(args, seq)
-    if dist.get_rank() == 0:
-        _print(result)
-        if args.json is not None:
-            write_json(args.json, result)
-    dist.barrier()
-    return 0
+
+    def run_and_report(args: argparse.Namespace) -> None:
+        result = run(args, seq)
+        if dist.get_rank() == 0:
+            _print(result)
+            if args.json is not None:
+                write_json(args.json, result)
+
+    return run_in_gloo_group(run_and_report, args)     # one thread per rank, barrier before teardown
 
 
 def launch(nproc: int, argv: Sequence[str] = ()) -> int:

@@ -2,8 +2,9 @@
 
 Collectives pair by order, not by meaning: a rank that called backward without step, or ran one step fewer,
 pairs its collectives with another step's on the other ranks, trains on (silently wrong), and hangs only at the
-end. So at the start of every training step the engine calls `verify(step)`: one all-reduce (MAX) over the world
-of int64 [kind, -kind, step, -step, h_0, -h_0, ..., h_{P-1}, -h_{P-1}], where h_s is the ledger's fingerprint
+end. So at the start of every training step the engine calls `launch(step)`: one all-reduce (MAX) over the world
+of int64 [kind, -kind, step, -step, then for each stage s hi_s, -hi_s, lo_s, -lo_s], where hi_s/lo_s are the halves
+of the ledger's fingerprint
 (`CommLedger.fingerprint`: a running hash of every group's (op, dtype, shape) sequence) posted by the ranks of
 pipeline stage s (the others post the smallest value). max(x) == -max(-x) on every pair iff all ranks agree;
 stages are compared apart because their programs differ (sends versus receives, the loss on the last).
