@@ -64,10 +64,7 @@ class DistributedDataParallel(nn.Module):
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each bucket is divided by the dp size as it launches (torch DDP's arithmetic), so the division
         # overlaps backward instead of following it
-        self.reducer = BucketedAllReduce(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl,
-                                         prescale=True)
-        self._callback_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -78,16 +75,6 @@ class DistributedDataParallel(nn.Module):
                     for b in self.module.buffers():
                         self.groups.dp.broadcast(b)
         return self.module(*args, **kwargs)
-
-    def _on_grad(self, _p: torch.Tensor) -> None:
-        """Runs after the reducer's own hook on each gradient: queue the end of backward once."""
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _end_backward(self) -> None:
-        self._callback_queued = False
-        self.reducer.end_backward(self.reducer.enabled)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -107,7 +94,21 @@ class DistributedDataParallel(nn.Module):
 
     def close(self) -> None:
         """Remove the hooks (the module keeps its parameters and gradients)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         self.reducer.close()
+
+
+class _LoopReducer(BucketedAllReduce):
+    """The engine's reducer plus what a plain loop lacks: the first gradient of a communicating backward queues
+    autograd's final callback, which waits for every bucket. One Python hook per parameter (the reducer's)."""
+
+    _callback_queued = False
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        super()._on_grad_ready(p)
+        if self.enabled and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.finish()
