@@ -24,6 +24,7 @@ from shardwise.comm.ledger import CommLedger
 from shardwise.config.resolved import AllReduceImpl
 from shardwise.errors import UserError
 from shardwise.parallel.data_parallel import BucketedAllReduce
+from shardwise.parallel.wrappers.comm_hooks import CommHook, HookBucket, check_hook, future_handle
 from shardwise.parallel.wrappers.module import clip_sharded_
 from shardwise.parallel.wrappers.policies import groups_of
 
@@ -86,6 +87,14 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_sync = before
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's communication hook: `hook(state, bucket)` is called as each bucket is ready, in place of the
+        all-reduce, and returns a `torch.futures.Future` of the bucket's new gradients (averaging is the hook's
+        job). torch's hooks run unchanged (fp16/bf16 compression, PowerSGD); see `comm_hooks.py`."""
+        name = check_hook(hook, registered=self.reducer.comm_hook is not None,
+                          ring=self.reducer.impl is AllReduceImpl.RING)
+        self.reducer.comm_hook = (state, hook, name)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch's clip_grad_norm_ on the replicas (equal on every rank); over TP slices when the mesh has TP."""
         if float(norm_type) != 2.0:
@@ -102,6 +111,15 @@ class _LoopReducer(BucketedAllReduce):
     autograd's final callback, which waits for every bucket. One Python hook per parameter (the reducer's)."""
 
     _callback_queued = False
+    comm_hook: tuple[Any, CommHook, str] | None = None     # (state, hook, its name): register_comm_hook's
+
+    def _launch(self, bucket) -> None:
+        if self.comm_hook is None:
+            super()._launch(bucket)
+            return
+        state, hook, name = self.comm_hook
+        future = hook(state, HookBucket(bucket, last=bucket.index == len(self.buckets) - 1))
+        bucket.handle = future_handle(future, bucket.buffer, name)
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         super()._on_grad_ready(p)

@@ -1,0 +1,70 @@
+"""torch DDP's communication hooks on shardwise's DistributedDataParallel: torch's own hooks run unchanged on our
+buckets and give what they give under torch's DDP.
+
+fp16 compression is element-wise (cast, divide by the world size, sum, cast back), so the bucket boundaries
+do not matter and both wrappers must agree bitwise; torch's plain `allreduce_hook` (divide, then sum) is the
+wrapper's own arithmetic, so it must equal the run without a hook bitwise. (PowerSGD chains collectives from
+future callbacks, which hangs on gloo under torch's own DDP too, so it is not run here.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_dp_parity import SEQ, global_batches
+from test_wrappers import seed_loop
+from shardwise.testing import run_distributed, state_copy, tiny_gpt
+
+
+def _train(wrapper: str, hook: str) -> dict:
+    import shardwise
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = tiny_gpt(seq_len=SEQ)
+    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=0.01) if wrapper == "ours" \
+        else DDP(net, bucket_cap_mb=0.01)
+    if hook != "none":
+        model.register_comm_hook(None, {"fp16": default_hooks.fp16_compress_hook,
+                                        "allreduce": default_hooks.allreduce_hook}[hook])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = seed_loop(model, opt, gas=1, dp=dist.get_world_size(), dp_rank=dist.get_rank())
+    return {"losses": losses, "state": state_copy(net)}
+
+
+def _worker() -> dict:
+    out = {f"{w}/{h}": _train(w, h) for w, h in [("ours", "fp16"), ("torch", "fp16"), ("ours", "none"),
+                                                  ("ours", "allreduce")]}
+    import shardwise
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    errors = []
+    try:
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    except shardwise.UserError as e:
+        errors.append(str(e))
+    ring = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01, all_reduce="ring")
+    try:
+        ring.register_comm_hook(None, default_hooks.allreduce_hook)
+    except shardwise.UserError as e:
+        errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_torch_comm_hooks_run_on_our_buckets() -> None:
+    r0, r1 = run_distributed(_worker, 2)
+    # compression: bitwise torch DDP's result with the same hook, and not the exact all-reduce's
+    for dtype in ("fp16",):     # torch's bf16 hook asks for NCCL
+        assert r0[f"ours/{dtype}"]["losses"] == r0[f"torch/{dtype}"]["losses"], dtype
+        for k, v in r0[f"ours/{dtype}"]["state"].items():
+            assert torch.equal(v, r0[f"torch/{dtype}"]["state"][k]), (dtype, k)
+        assert any(not torch.equal(v, r0["ours/none"]["state"][k]) for k, v in r0[f"ours/{dtype}"]["state"].items())
+    for k, v in r0["ours/allreduce"]["state"].items():
+        assert torch.equal(v, r0["ours/none"]["state"][k]), k
+    for name in ("ours/fp16", "ours/allreduce"):
+        for k, v in r0[name]["state"].items():     # the replicas stay identical
+            assert torch.equal(v, r1[name]["state"][k]), (name, k)
+    assert len(r0["errors"]) == 2 and "already registered" in r0["errors"][0] and "ring" in r0["errors"][1]
