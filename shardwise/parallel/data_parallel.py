@@ -24,7 +24,7 @@ import torch
 
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
-from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, AllReduceImpl
+from shardwise.config.resolved import AllReduceImpl, gradient_bucket_numel
 from shardwise.device import device_guard
 
 
@@ -145,7 +145,7 @@ class BucketedAllReduce(OrderedLauncher):
         groups: list[list[torch.nn.Parameter]] = []
         for dtype in dict.fromkeys(p.dtype for p in order):  # first-seen order
             same = [p for p in order if p.dtype == dtype]
-            limit = bucket_numel or DEFAULT_BUCKET_BYTES // same[0].element_size()
+            limit = gradient_bucket_numel(bucket_numel, zero_stage=0, element_size=same[0].element_size())
             groups += [[same[i] for i in idx] for idx in plan_buckets([p.numel() for p in same], limit)]
         return groups
 

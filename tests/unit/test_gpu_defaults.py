@@ -3,11 +3,14 @@ masters' copies and update as multi-tensor kernels (one launch each, the fused A
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import load_config_for_world
+from shardwise.config import resolved
 from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, DataParallelConfig
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer
@@ -34,6 +37,23 @@ def test_default_buckets_hold_25mb_of_their_dtype(dtype: torch.dtype, expect: li
     index = {id(p): i for i, p in enumerate(params)}
     assert [[index[id(p)] for p in g] for g in groups] == expect
     assert [len(g) for g in BucketedAllReduce._group_by_dtype(params, 16 << 20)] == [3]   # explicit size kept
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_planner_buckets_stage_0_as_the_engine_does(monkeypatch: pytest.MonkeyPatch, precision: str,
+                                                        dtype: torch.dtype) -> None:
+    from shardwise.planner import JobSpec, Plan, cluster_preset, model_preset
+    from shardwise.planner.comm import dp_collectives
+    from shardwise.planner.flops import params_per_rank
+    model, cluster = model_preset("1.3b"), cluster_preset("h100-80gb", num_gpus=8)
+    job = JobSpec(global_batch=64, precision=precision)
+    for cap in (DEFAULT_BUCKET_BYTES, 1 << 20):     # both follow the one rule, whatever the default is
+        monkeypatch.setattr(resolved, "DEFAULT_BUCKET_BYTES", cap)
+        numel = cap // dtype.itemsize
+        [allreduce] = dp_collectives(model, cluster, job, Plan(dp=8))
+        assert allreduce.messages == math.ceil(params_per_rank(model) / numel) > 1
+        params = [torch.nn.Parameter(torch.empty(numel // 2, dtype=dtype, device="meta")) for _ in range(4)]
+        assert [len(g) for g in BucketedAllReduce._group_by_dtype(params, None)] == [2, 2]
 
 
 def test_stage0_masters_copy_with_one_kernel_each_way_and_step_fused(monkeypatch: pytest.MonkeyPatch) -> None:
