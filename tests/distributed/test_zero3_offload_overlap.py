@@ -57,7 +57,8 @@ def _train(bf16: bool, offload: bool) -> dict:
     state = {k: v.detach().clone() for k, v in runtime.gathered_state_dict(engine.module, rank0_only=False).items()}
     shards = {b.grad_shard.data_ptr(): ("flat" if j < len(flats) else "persistent")
               for j, b in enumerate(updater.buckets)}
-    staged = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in updater.buckets) if offload else 0
+    # per shard, pinned and in the model dtype: its gradient sent [S] and its master cast for the device [S]
+    staged = sum(2 * b.grad_shard.numel() * b.grad_shard.element_size() for b in updater.buckets) if offload else 0
     out = {"losses": losses, "state": state, "sends": sends, "shards": shards, "pending": pending,
            "buffers": buffers, "host_staging": engine.memory_report()["host_staging"], "staged": staged,
            "flats": len(flats), "persistent": len(updater.persistent)}
@@ -90,5 +91,5 @@ def test_zero3_sends_each_unit_gradient_during_the_boundary_backward_and_trains_
                 assert any(s[3] > 0 for s in sent if off["shards"][s[1]] == "flat"), what
             assert off["pending"] == [True, False] * 3, what
             assert all(b == off["buffers"][0] for b in off["buffers"]), what                # allocated once
-            # the host buffers hold the gradient shards in the model dtype: half the bytes under bf16
+            # the host buffers hold the shards in the model dtype: half the bytes under bf16
             assert off["host_staging"] == off["staged"] > 0, what

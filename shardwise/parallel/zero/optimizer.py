@@ -91,8 +91,8 @@ class ShardedUpdate(Update):
                               for b, m in zip(buckets, masters))
         # Offloaded masters: each bucket's (stage 3: also each unit flat's) gradient shard is sent to a pinned host
         # buffer of the model dtype as soon as it is final on the boundary's backward (`copies.py`; by the reducer,
-        # or the stage-3 runtime: `_send_final_grads`); the host casts it. Stages 1-2 cast the updated master on
-        # the host into a pinned buffer of the model dtype before its host-to-device copy.
+        # or the stage-3 runtime: `_send_final_grads`); the host casts it. The updated master is cast on the host
+        # into a pinned buffer of the model dtype before its host-to-device copy (`_host_to_device`).
         self._host_lp: list[torch.Tensor | None] = [None] * len(masters)
         self._h2d_events: list = [None] * len(masters)
         self._copies = None
@@ -145,8 +145,12 @@ class ShardedUpdate(Update):
         if self.gather_after_step:
             self._gather_params()
         elif self.separate_masters:
-            for b, m in zip(self.buckets, self.masters):
-                b.param_shard.copy_(m)
+            for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
+                if getattr(m, OFFLOADED_ATTR, False) and getattr(b, "compute_device", None) is None:
+                    # an offloaded master into a shard on the device: cast on the host, half the bytes cross
+                    b.param_shard.copy_(self._host_to_device(i, b, m))
+                else:                     # on one device (or into a shard offload_param keeps on the host)
+                    b.param_shard.copy_(m)
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -165,13 +169,14 @@ class ShardedUpdate(Update):
     def _host_to_device(self, i: int, b: ZeroBucket, m: torch.Tensor) -> torch.Tensor:
         """The offloaded master i in the model dtype on the device: cast on the host into a pinned buffer (whose
         previous copy must be done first), then one asynchronous copy of half the bytes."""
+        shard = b.param_shard                          # [S] model dtype, on the device (a bucket's or a unit's)
         lp = self._host_lp[i]
         if lp is None:
-            lp = self._host_lp[i] = pinned_like(m, dtype=b.param_flat.dtype)
+            lp = self._host_lp[i] = pinned_like(m, dtype=shard.dtype)
         wait_host(self._h2d_events[i])
         lp.copy_(m.detach())                           # [S] fp32 -> model dtype, on the host
-        send = lp.to(b.param_flat.device, non_blocking=True, copy=True)
-        self._h2d_events[i] = _event_after_copy(b.param_flat.device)     # guards lp until the copy is done
+        send = lp.to(shard.device, non_blocking=True, copy=True)
+        self._h2d_events[i] = _event_after_copy(shard.device)     # guards lp until the copy is done
         return send
 
     def param_bytes(self) -> int:
@@ -183,7 +188,7 @@ class ShardedUpdate(Update):
 
     def staging_bytes(self) -> int:
         """Pinned host buffers of offload's copies, allocated once: the gradient shards sent during backward
-        (model dtype) and the masters cast for their host-to-device copy (stages 1-2)."""
+        (model dtype) and the masters cast for their host-to-device copy (not for shards kept on the host)."""
         sent = sum(h.nbytes for h in self._sent if h is not None)
         return sent + sum(t.numel() * t.element_size() for t in self._host_lp if t is not None)
 
