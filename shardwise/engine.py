@@ -302,7 +302,8 @@ class Engine(DeepSpeedEngineAPI):
     # -- reports ------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes held by this rank: model parameters, gradient buffers, optimizer states (fp32 masters
-        included), activations saved by the last forward, and the process's peak RSS."""
+        included), activations saved by the last forward, offload's pinned host staging buffers
+        (`host_staging`, outside the model states), and the process's peak RSS."""
         report = {
             "params": self.updater.param_bytes(),
             "grads": self.dp_runtime.grad_bytes,
@@ -310,6 +311,7 @@ class Engine(DeepSpeedEngineAPI):
             "activations": self._last_activation_bytes,
         }
         report["model_states"] = report["params"] + report["grads"] + report["optimizer"]
+        report["host_staging"] = self.updater.staging_bytes()
         report["peak_rss"] = _peak_rss_bytes()
         if self.device.type == "cuda":
             report["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)

@@ -234,6 +234,20 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 """Stage 0's gradient bucket when reduce_bucket_size is not set: torch DDP's bucket_cap_mb = 25."""
 
 
+LAST_BUCKET_DIVISOR = 4
+"""Stage 0's last-launched bucket holds at most 1/LAST_BUCKET_DIVISOR of the bucket size (its all-reduce
+overlaps nothing; `parallel.data_parallel.plan_buckets`)."""
+
+
+def gradient_bucket_numel(reduce_bucket_size: int | None, *, zero_stage: int, element_size: int) -> int:
+    """Elements per gradient bucket as the engine builds them: zero_optimization.reduce_bucket_size when the
+    config sets it; else `DEFAULT_BUCKET_BYTES` of gradients of `element_size` bytes at stage 0, DeepSpeed's
+    default (`ZeroConfig.reduce_bucket_size`) at stages 1-3. The planner asks it for a config that sets none."""
+    if reduce_bucket_size is not None:
+        return reduce_bucket_size
+    return DEFAULT_BUCKET_BYTES // element_size if zero_stage == 0 else ZeroConfig.reduce_bucket_size
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataParallelConfig:
     """What stage 0's bucketed gradient all-reduce reads: the "communication" block, DeepSpeed's

@@ -27,7 +27,7 @@ import torch
 
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
-from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, AllReduceImpl
+from shardwise.config.resolved import LAST_BUCKET_DIVISOR, AllReduceImpl, gradient_bucket_numel
 from shardwise.device import device_guard
 
 
@@ -74,10 +74,6 @@ def _greedy(sizes: list[int], first_numel: int, bucket_numel: int) -> list[list[
     if current:
         buckets.append(current)
     return buckets
-
-
-LAST_BUCKET_DIVISOR = 4
-"""Stage 0's last-launched bucket holds at most 1/LAST_BUCKET_DIVISOR of the bucket size (see plan_buckets)."""
 
 
 class OrderedLauncher:
@@ -166,7 +162,7 @@ class BucketedAllReduce(OrderedLauncher):
         groups: list[list[torch.nn.Parameter]] = []
         for dtype in dict.fromkeys(p.dtype for p in order):  # first-seen order
             same = [p for p in order if p.dtype == dtype]
-            limit = bucket_numel or DEFAULT_BUCKET_BYTES // same[0].element_size()
+            limit = gradient_bucket_numel(bucket_numel, zero_stage=0, element_size=same[0].element_size())
             # The last bucket a quarter of the others: on the small GPT (2 ranks, gloo, 25 MB buckets) the wait
             # after backward fell from ~70 to ~22 ms; see plan_buckets.
             last = max(limit // LAST_BUCKET_DIVISOR, 1)

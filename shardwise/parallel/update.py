@@ -140,6 +140,10 @@ class Update:
             total += sum(m.numel() * m.element_size() for m in self.masters)
         return total
 
+    def staging_bytes(self) -> int:
+        """Host buffers that only stage copies between host and device (none unless offloading)."""
+        return 0
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.masters] if self.masters else None}

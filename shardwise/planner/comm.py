@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.planner.flops import params_per_rank, stage_layers
-from shardwise.planner.memory import REDUCE_BUCKET_ELEMENTS
+from shardwise.planner.memory import gradient_buckets
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
 from shardwise.planner.zero3 import units_per_block
 
@@ -149,7 +149,7 @@ def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
         psi = plan.dp * math.ceil(psi / plan.dp)
     n = psi * job.precision.nbytes
     m = plan.grad_accum(job)
-    buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
+    buckets = gradient_buckets(psi, job, plan)
     layers = stage_layers(model.n_layer, plan.pp)[0]
     args = (plan.dp, n)
     if plan.zero_stage == 0:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config.resolved import LAST_BUCKET_DIVISOR, PipelineSchedule, ZeroConfig, gradient_bucket_numel
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
@@ -33,13 +33,24 @@ from shardwise.planner.specs import (
 )
 
 GB = 1e9
-REDUCE_BUCKET_ELEMENTS = 500_000_000
+REDUCE_BUCKET_ELEMENTS = ZeroConfig.reduce_bucket_size
 """DeepSpeed's default zero_optimization.reduce_bucket_size: the gradient bucket ZeRO-1/2 fill and reduce."""
 FP32_BYTES = 4
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def gradient_buckets(psi: int, job: JobSpec, plan: Plan) -> int:
+    """Gradient buckets of `psi` elements per step, of the size the engine resolves for a config without
+    reduce_bucket_size (stage 0: 25 MB of gradients in the job's dtype, the last a quarter of it; ZeRO-1/2: 5e8
+    elements)."""
+    numel = gradient_bucket_numel(None, zero_stage=plan.zero_stage, element_size=job.precision.nbytes)
+    if plan.zero_stage == 0:        # the last bucket holds a quarter of the size, the rest are split greedily
+        last = max(numel // LAST_BUCKET_DIVISOR, 1)
+        return 1 + _ceil_div(max(psi - last, 0), numel)
+    return _ceil_div(psi, numel)
 
 
 def state_bytes_per_param(precision: Precision, optimizer: Optimizer) -> tuple[int, int, int]:

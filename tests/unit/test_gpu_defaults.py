@@ -3,16 +3,20 @@ masters' copies and update as multi-tensor kernels (one launch each, the fused A
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import load_config_for_world
-from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, DataParallelConfig
+from shardwise.config import resolved
+from shardwise.config.resolved import DEFAULT_BUCKET_BYTES, LAST_BUCKET_DIVISOR, DataParallelConfig
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.replicated import build_replicated
 from shardwise.parallel.update import UpdateRecipe
+from shardwise.planner.memory import gradient_buckets
 from shardwise.precision import LossScaler
 from shardwise.topology import SoloComm
 
@@ -36,6 +40,26 @@ def test_default_buckets_hold_25mb_of_their_dtype(dtype: torch.dtype, expect: li
     # an explicit size is kept (16M elements hold all three), except that the last bucket holds a quarter of it
     explicit = BucketedAllReduce._group_by_dtype(params, 16 << 20)
     assert [[index[id(p)] for p in g] for g in explicit] == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_planner_buckets_stage_0_as_the_engine_does(monkeypatch: pytest.MonkeyPatch, precision: str,
+                                                        dtype: torch.dtype) -> None:
+    from shardwise.planner import JobSpec, Plan, cluster_preset, model_preset
+    from shardwise.planner.comm import dp_collectives
+    from shardwise.planner.flops import params_per_rank
+    model, cluster = model_preset("1.3b"), cluster_preset("h100-80gb", num_gpus=8)
+    job = JobSpec(global_batch=64, precision=precision)
+    for cap in (DEFAULT_BUCKET_BYTES, 1 << 20):     # both follow the one rule, whatever the default is
+        monkeypatch.setattr(resolved, "DEFAULT_BUCKET_BYTES", cap)
+        numel = cap // dtype.itemsize
+        [allreduce] = dp_collectives(model, cluster, job, Plan(dp=8))
+        # the last bucket holds a quarter of the size, the others are full
+        last = numel // LAST_BUCKET_DIVISOR
+        assert allreduce.messages == 1 + math.ceil((params_per_rank(model) - last) / numel) > 1
+        params = [torch.nn.Parameter(torch.empty(numel // 2, dtype=dtype, device="meta")) for _ in range(4)]
+        assert [len(g) for g in BucketedAllReduce._group_by_dtype(params, None)] == [1, 2, 1]
+        assert gradient_buckets(2 * numel, job, Plan(dp=8)) == 3
 
 
 def test_stage0_masters_copy_with_one_kernel_each_way_and_step_fused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.parallel.data_parallel import plan_buckets
+from shardwise.parallel.zero.copies import HostGrad
 from shardwise.parallel.zero.partition import FlatLayout
 
 
@@ -32,12 +33,9 @@ class ZeroBucket:
     ready: set[int] = field(default_factory=set)
     handle: object | None = None
     received: torch.Tensor | None = None        # stage 2: [S] reduce-scatter output of one micro-batch
-    # ZeRO-Offload (set by the updater): the boundary's final grad_shard goes to `host_grad` [S] (pinned, model
-    # dtype) on `copies`' side stream as soon as the bucket is reduced; `host_event` marks that copy done.
-    host_grad: torch.Tensor | None = None
-    copies: object | None = None
-    host_event: object | None = None
-    host_pending: bool = False
+    # ZeRO-Offload (set by the updater): the boundary's final grad_shard goes to its pinned host copy [S] (model
+    # dtype) on a side stream as soon as the bucket is reduced.
+    host: HostGrad | None = None
 
     @property
     def shard(self) -> slice:

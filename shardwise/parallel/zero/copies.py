@@ -1,6 +1,7 @@
 """ZeRO-Offload's host<->device copies, arranged to overlap compute on a GPU and to move low-precision bytes.
 
     backward, bucket k final   side stream: grad shard [S] (bf16) -> pinned bf16 host [S], event_k
+                               (stages 1-2: a bucket; stage 3: a unit's flat shard, or a persistent bucket)
     step, _load_grads          host waits event_k only; the host casts bf16 -> fp32 into the master's .grad
     step, _publish             the host casts the fp32 master -> pinned bf16 [S]; H2D bf16 (async), event
     stage 3, gather unit u     copy stream: pinned shard -> device, then the all-gather, while unit u-1 computes
@@ -13,7 +14,7 @@ arithmetic (so the CPU tests check them exactly).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -58,6 +59,44 @@ class CopyStream:
         done = torch.cuda.Event()
         done.record(self.stream)
         return done
+
+
+class HostGrad:
+    """The pinned host copy [S] (model dtype) of one shard's final gradient, sent on the boundary's backward as
+    soon as the shard's reduction is done, read by the step after waiting for that copy only. Allocated once:
+    every step reuses it (the next send is queued on the same side stream, after the previous copy)."""
+
+    def __init__(self, grad_shard: torch.Tensor, copies: CopyStream):
+        self.buffer = pinned_like(grad_shard)
+        self.copies = copies
+        self.event: Any = None
+        self.pending = False              # the buffer holds the current gradient (or will, once `event` is done)
+
+    def send(self, grad_shard: torch.Tensor) -> None:
+        self.event = self.copies.to_host(self.buffer, grad_shard)
+        self.pending = True
+
+    def receive(self) -> torch.Tensor:
+        """The sent gradient, once its copy is done (blocks the host on that copy alone)."""
+        wait_host(self.event)
+        self.pending, self.event = False, None
+        return self.buffer
+
+    def discard(self) -> None:
+        """The device shard changes again (zeroed, or another backward adds to it): what was sent is stale."""
+        self.pending, self.event = False, None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def discard_sent(hosts: Iterable[HostGrad | None]) -> None:
+    """Before the device gradient shards change (a backward begins, gradients are zeroed): their host copies
+    are stale."""
+    for h in hosts:
+        if h is not None:
+            h.discard()
 
 
 def wait_host(event: Any) -> None:

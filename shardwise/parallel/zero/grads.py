@@ -21,6 +21,7 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.data_parallel import OrderedLauncher
 from shardwise.parallel.zero.buckets import ZeroBucket
+from shardwise.parallel.zero.copies import discard_sent
 
 
 class ZeroGradReducer(OrderedLauncher):
@@ -53,6 +54,7 @@ class ZeroGradReducer(OrderedLauncher):
     def begin_backward(self, boundary: bool) -> None:
         self.enabled = self.partition_grads or boundary
         self._boundary = boundary
+        discard_sent(b.host for b in self.buckets)
 
     def end_backward(self, boundary: bool) -> None:
         if self.enabled:
@@ -67,7 +69,7 @@ class ZeroGradReducer(OrderedLauncher):
         for b in self.buckets:
             (b.grad_shard if self.partition_grads else b.grad_buffer).zero_()
             b.ready.clear()
-            b.host_pending, b.host_event = False, None      # a shard sent to the host is stale now
+        discard_sent(b.host for b in self.buckets)
         if not self.partition_grads:
             self._attach_grads()
         self.launch_log = []
@@ -125,8 +127,7 @@ class ZeroGradReducer(OrderedLauncher):
             else:                                     # sum / N straight into the shard: one pass
                 torch.div(received, self.comm.size, out=bucket.grad_shard)
             bucket.received = None
-            if bucket.host_grad is not None and self._boundary:
+            if bucket.host is not None and self._boundary:
                 # Offloaded masters: the final shard leaves for the host now, on a side stream, while backward
                 # goes on with the next buckets (the step then waits for this bucket's event only).
-                bucket.host_event = bucket.copies.to_host(bucket.host_grad, bucket.grad_shard)
-                bucket.host_pending = True
+                bucket.host.send(bucket.grad_shard)

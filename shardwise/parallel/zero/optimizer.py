@@ -23,7 +23,7 @@ from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.tied import TiedSlot
 from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
-from shardwise.parallel.zero.copies import CopyStream, pinned_like, wait_host
+from shardwise.parallel.zero.copies import CopyStream, HostGrad, pinned_like, wait_host
 from shardwise.parallel.zero.fused import prefer_fused_adam
 from shardwise.parallel.zero.params import FlatShard
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
@@ -89,32 +89,38 @@ class ShardedUpdate(Update):
         # done with every copy queued from or to them: one stream sync per step when any master is off-device.
         self._sync_host = any(m.device != b.grad_shard.device and b.grad_shard.is_cuda
                               for b, m in zip(buckets, masters))
-        # Offloaded masters in stages 1-2: each bucket's gradient shard is sent to a pinned host buffer of the model
-        # dtype by the reducer as soon as it is final (`copies.py`); the host casts it. The updated master is cast
-        # on the host into a pinned buffer of the model dtype before its host-to-device copy.
+        # Offloaded masters: each bucket's (stage 3: also each unit flat's) gradient shard is sent to a pinned host
+        # buffer of the model dtype as soon as it is final on the boundary's backward (`copies.py`; by the reducer,
+        # or the stage-3 runtime: `_send_final_grads`); the host casts it. The updated master is cast on the host
+        # into a pinned buffer of the model dtype before its host-to-device copy (`_host_to_device`).
         self._host_lp: list[torch.Tensor | None] = [None] * len(masters)
         self._h2d_events: list = [None] * len(masters)
         self._copies = None
+        self._sent: list[HostGrad | None] = [None] * len(masters)
         # (Marked by make_shard_masters: the masters were put on the host by offload_optimizer; on a CPU-only run
         # that is the compute device itself, and these paths run with synchronous copies.)
-        if gather_after_step and any(getattr(m, OFFLOADED_ATTR, False) for m in masters):
-            self._copies = CopyStream(buckets[0].param_flat.device)
-            for b in buckets:
-                b.host_grad = pinned_like(b.grad_shard)
-                b.copies = self._copies
+        if any(getattr(m, OFFLOADED_ATTR, False) for m in masters):
+            self._copies = CopyStream(buckets[0].grad_shard.device)
+            self._sent = [HostGrad(b.grad_shard, self._copies) if getattr(m, OFFLOADED_ATTR, False) else None
+                          for b, m in zip(buckets, masters)]
+            self._send_final_grads()
         prefer_fused_adam(optimizer)      # one flat fp32 shard per bucket: the fused kernel's best case
 
+    def _send_final_grads(self) -> None:
+        """Who sends each shard's final gradient to its `HostGrad`: stages 1-2, the reducer (`bucket.host`)."""
+        for b, host in zip(self.buckets, self._sent):
+            b.host = host
+
     def _load_grads(self) -> None:
-        queued = [getattr(b, "host_pending", False) for b in self.buckets]
+        queued = [h is not None and h.pending for h in self._sent]
         for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
             g = b.grad_shard
             if queued[i]:                 # sent during backward: wait for this bucket's copy, cast on the host
-                wait_host(b.host_event)
-                b.host_pending, b.host_event = False, None
+                sent = self._sent[i].receive()
                 buf = self._host_grads[i]
                 if buf is None:
                     buf = self._host_grads[i] = pinned_like(m, dtype=m.dtype, pin=m.is_pinned())
-                m.grad = buf.copy_(b.host_grad)       # [S] model dtype -> fp32, on the host
+                m.grad = buf.copy_(sent)      # [S] model dtype -> fp32, on the host
                 continue
             if g.dtype == m.dtype and g.device == m.device:
                 m.grad = g                # fp32 on the master's device: the shard itself, no copy (zeroed after step)
@@ -139,8 +145,12 @@ class ShardedUpdate(Update):
         if self.gather_after_step:
             self._gather_params()
         elif self.separate_masters:
-            for b, m in zip(self.buckets, self.masters):
-                b.param_shard.copy_(m)
+            for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
+                if getattr(m, OFFLOADED_ATTR, False) and getattr(b, "compute_device", None) is None:
+                    # an offloaded master into a shard on the device: cast on the host, half the bytes cross
+                    b.param_shard.copy_(self._host_to_device(i, b, m))
+                else:                     # on one device (or into a shard offload_param keeps on the host)
+                    b.param_shard.copy_(m)
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -159,13 +169,14 @@ class ShardedUpdate(Update):
     def _host_to_device(self, i: int, b: ZeroBucket, m: torch.Tensor) -> torch.Tensor:
         """The offloaded master i in the model dtype on the device: cast on the host into a pinned buffer (whose
         previous copy must be done first), then one asynchronous copy of half the bytes."""
+        shard = b.param_shard                          # [S] model dtype, on the device (a bucket's or a unit's)
         lp = self._host_lp[i]
         if lp is None:
-            lp = self._host_lp[i] = pinned_like(m, dtype=b.param_flat.dtype)
+            lp = self._host_lp[i] = pinned_like(m, dtype=shard.dtype)
         wait_host(self._h2d_events[i])
         lp.copy_(m.detach())                           # [S] fp32 -> model dtype, on the host
-        send = lp.to(b.param_flat.device, non_blocking=True, copy=True)
-        self._h2d_events[i] = _event_after_copy(b.param_flat.device)     # guards lp until the copy is done
+        send = lp.to(shard.device, non_blocking=True, copy=True)
+        self._h2d_events[i] = _event_after_copy(shard.device)     # guards lp until the copy is done
         return send
 
     def param_bytes(self) -> int:
@@ -174,6 +185,12 @@ class ShardedUpdate(Update):
     def state_bytes(self) -> int:
         # the offloaded masters' host gradient buffers (kept across steps, as DeepSpeed keeps its CPU fp32 grads)
         return super().state_bytes() + sum(b.numel() * b.element_size() for b in self._host_grads if b is not None)
+
+    def staging_bytes(self) -> int:
+        """Pinned host buffers of offload's copies, allocated once: the gradient shards sent during backward
+        (model dtype) and the masters cast for their host-to-device copy (not for shards kept on the host)."""
+        sent = sum(h.nbytes for h in self._sent if h is not None)
+        return sent + sum(t.numel() * t.element_size() for t in self._host_lp if t is not None)
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
@@ -228,12 +245,28 @@ class Stage3Update(ShardedUpdate):
     def __init__(self, optimizer: torch.optim.Optimizer, *, runtime: ZeroParamRuntime, flats: list[FlatShard],
                  persistent: list[ZeroBucket], masters: list[torch.nn.Parameter], separate_masters: bool,
                  comm: Comm, recipe: UpdateRecipe, norms: GradNormReducer):
+        self.runtime = runtime        # before the base class's init, which hands the runtime the host copies
+        self.flats = flats
+        self.persistent = persistent
         super().__init__(optimizer, buckets=[*flats, *persistent], masters=masters,  # type: ignore[list-item]
                          separate_masters=separate_masters, comm=comm, recipe=recipe, norms=norms,
                          gather_after_step=False)
-        self.runtime = runtime
-        self.flats = flats
-        self.persistent = persistent
+
+    def _send_final_grads(self) -> None:
+        """Stage 3: the runtime sends each unit flat's, the persistent reducer each persistent bucket's."""
+        n = len(self.flats)
+        for f, host in zip(self.buckets[:n], self._sent[:n]):
+            if host is not None:
+                self.runtime.send_final_grads(f, host)      # type: ignore[arg-type]
+        for b, host in zip(self.buckets[n:], self._sent[n:]):
+            b.host = host
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        # The step's host reads waited for the gradient copies only, not for the gathers' host-to-device copies
+        # of offloaded shards, which the separate masters are about to overwrite.
+        self.runtime.wait_shard_reads()
+        super()._publish()
 
     def step(self, riders: Riders | None = None) -> bool:
         applied = super().step(riders)

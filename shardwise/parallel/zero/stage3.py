@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from shardwise.comm.collectives import Comm
-from shardwise.parallel.zero.copies import CopyStream
+from shardwise.parallel.zero.copies import CopyStream, HostGrad, discard_sent
 from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.params import FlatShard, Partition, Unit, UnitState, load_full_tensors
 
@@ -85,6 +85,10 @@ class ZeroParamRuntime:
         # offload_param on a GPU: host shards are copied and gathered on a side stream, so prefetches overlap.
         offloaded = [f for f in partition.flats if f.compute_device is not None and f.compute_device.type == "cuda"]
         self._copies = CopyStream(offloaded[0].compute_device) if offloaded else None
+        # offload_optimizer: flat id -> the pinned host copy its final gradient shard is sent to, on the boundary's
+        # backward (`send_final_grads`); `_boundary` is that backward's (True when no engine says otherwise).
+        self._host: dict[int, HostGrad] = {}
+        self._boundary = True
         self._position: dict[int, tuple[int, int]] = {}   # unit id -> (root id, index in that order)
         self._current = id(module)
         self._running: list[Unit] = []
@@ -111,7 +115,22 @@ class ZeroParamRuntime:
 
     # -- engine interface ---------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
-        """Nothing to prepare: stage 3 reduce-scatters on every micro-batch."""
+        """Stage 3 reduce-scatters on every micro-batch; only the boundary's shards are final (sent to the host)."""
+        self._boundary = boundary
+        discard_sent(self._host.values())
+        if self.persistent is not None:
+            self.persistent.begin_backward(boundary)
+
+    def send_final_grads(self, flat: FlatShard, host: HostGrad) -> None:
+        """From now on, `flat`'s gradient shard goes to `host` as soon as its reduction on the boundary's
+        backward is done (offload_optimizer: the step then reads it on the host)."""
+        self._host[id(flat)] = host
+
+    def wait_shard_reads(self) -> None:
+        """Block the host until the copy stream has read the offloaded (host) shards it was given: before the
+        step writes them (nothing on the CPU, or without offload_param)."""
+        if self._copies is not None and self._copies.stream is not None:
+            self._copies.stream.synchronize()
 
     def end_backward(self, boundary: bool) -> None:
         if self._expect_backward:               # autograd's callback did not run (no unit took part)
@@ -121,6 +140,7 @@ class ZeroParamRuntime:
         for f in self.partition.flats:
             if f.grad_shard is not None:
                 f.grad_shard.zero_()
+        discard_sent(self._host.values())
         if self.persistent is not None:
             self.persistent.zero_grad()
 
@@ -301,6 +321,11 @@ class ZeroParamRuntime:
             flat.grad_shard.add_(flat.received.to(flat.grad_shard.device))
             flat.received = None
             flat.grad_full = None
+            host = self._host.get(id(flat))
+            if host is not None and self._boundary:
+                # Offloaded masters: the final shard leaves for the host now, on a side stream, while backward
+                # goes on with the next units (the step then waits for this flat's event only).
+                host.send(flat.grad_shard)
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
