@@ -117,3 +117,27 @@ class FullyShardedDataParallel(nn.Module):
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.sharded_state_dict()
+
+    def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
+        return self.module.comm_report(step)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """torch FSDP1's default: the whole optimizer state keyed by parameter name, on the CPU, on every rank.
+        `optim_state_dict`: the optimizer's own `state_dict()` to convert (default: taken now). Collective."""
+        from shardwise.parallel.wrappers.state_dict import optim_state
+        return optim_state(model, optim, full=True, to_cpu=True, rank0_only=False,
+                           natives=None if optim_state_dict is None else [optim_state_dict],
+                           fn="optim_state_dict")
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                                 is_named_optimizer: bool = False, load_directly: bool = False) -> dict[str, Any]:
+        """What `optim.load_state_dict` takes on this rank, from `optim_state_dict()`'s whole state (given on every
+        rank, saved at any world size); `load_directly` loads it too. Not collective."""
+        from shardwise.parallel.wrappers.state_dict import optim_state_to_load
+        osd = optim_state_to_load(model, optim, optim_state_dict, full=True, fn="optim_state_dict_to_load")
+        if load_directly:
+            optim.load_state_dict(osd)
+        return osd
