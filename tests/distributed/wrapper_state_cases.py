@@ -7,6 +7,8 @@ at 4 ranks, in one process (a world of one) and unwrapped: each must equal the 2
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,25 @@ def train(model, opt, steps: list[torch.Tensor], group=None) -> list[float]:
             dist.all_reduce(total, group=group)
         losses.append(float(total) / dp)
     return losses
+
+
+def accumulate(model, opt, batch: torch.Tensor, sync_off) -> None:
+    """One step of two micro-batches, the first inside `sync_off()` (no gradient communication)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    opt.zero_grad()
+    for k, rows in enumerate(shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=2)):
+        with sync_off() if k == 0 else contextlib.nullcontext():
+            (model(*lm_pair(rows)) / 2).backward()
+    opt.step()
+
+
+def _sync_off(model):
+    @contextlib.contextmanager
+    def ctx():
+        model.set_requires_gradient_sync(False)
+        yield
+        model.set_requires_gradient_sync(True)
+    return ctx
 
 
 def _sharded(seed: int, mesh=None):
@@ -102,6 +123,8 @@ def two_ranks() -> dict:
     shardwise.set_state_dict(fresh, fresh_opt, model_state_dict=saved[0], optim_state_dict=saved[1])
     out["sharded"] = (saved, _clone(shardwise.get_state_dict(fresh, fresh_opt)))
     out["next"] = (train(model, opt, batches()[3:4], world), train(fresh, fresh_opt, batches()[3:4], world))
+    accumulate(model, opt, batches()[4], _sync_off(model))          # step 4: two forwards, one reduce-scatter
+    out["accumulated"], out["step 3"] = model.comm_report(), model.comm_report(step=3)
 
     # FSDP1's spelling on the same training: full, named, on the CPU on every rank; loaded back in a fresh one
     fsdp = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ, seed=1234))
@@ -119,6 +142,9 @@ def two_ranks() -> dict:
     train(ddp, ddp_opt, batches()[:3], world)
     out["ddp_report"], out["ddp_buckets"] = ddp.comm_report(), len(ddp.reducer.buckets)
     ddp_sd = _clone(shardwise.get_state_dict(ddp, ddp_opt, full_state_dict=True))
+    out["ddp_report_after_save"] = ddp.comm_report()                 # replicated: saving communicates nothing
+    accumulate(ddp, ddp_opt, batches()[3], ddp.no_sync)
+    out["ddp_accumulated"] = ddp.comm_report()
     ddp2 = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ, seed=8), bucket_cap_mb=0.01)
     ddp2_opt = torch.optim.SGD(ddp2.parameters(), lr=1.0)
     shardwise.set_state_dict(ddp2, ddp2_opt, model_state_dict=ddp_sd[0], optim_state_dict=ddp_sd[1],
@@ -141,6 +167,7 @@ def two_ranks() -> dict:
                                                   **kw)),
         _refused(lambda: shardwise.set_state_dict(model, opt, model_state_dict=None, optim_state_dict=wide, **kw)),
         _refused(lambda: shardwise.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=None)),
+        _refused(lambda: shardwise.get_state_dict(model.blocks[0], opt)),
     ]
     return out
 
@@ -173,9 +200,13 @@ def check_two_ranks(results: list[dict]) -> None:
         _assert_equal(ddp_loaded, ddp_saved, f"DDP round trip, rank {rank}")
         _check_reports(r)
     expected = ['"blocks.2.', '"head.norm.bias"', '"blocks.1.mlp.fc_in.weight"',
-                '"embed.tok.weight" "exp_avg" has shape (256, 48), its parameter (256, 32)', "full_state_dict=True"]
-    for message, part in zip(results[0]["refusals"], expected):
-        assert part in message and "\n" not in message and message.startswith("set_state_dict: "), (part, message)
+                '"embed.tok.weight" "exp_avg" has shape (256, 48), its parameter (256, 32)', "full_state_dict=True",
+                "get_state_dict: FSDPBlock is wrapped inside another fully_shard'ed module; pass the outermost"]
+    refusals = results[0]["refusals"]
+    assert len(refusals) == len(expected)
+    for message, part in zip(refusals, expected):
+        assert part in message and "\n" not in message, (part, message)
+        assert message.startswith(("set_state_dict: ", "get_state_dict: ")), message
 
 
 def _check_reports(r: dict) -> None:
@@ -191,8 +222,14 @@ def _check_reports(r: dict) -> None:
         (r["report"], r["units"])
     assert (scatters["count"], scatters["bytes"]) == (len(forward), sum(forward)), (r["report"], r["units"])
     assert all(row["group"] == "dp" and row["group_size"] == 2 and row["seconds"] >= 0 for row in r["report"])
-    (ddp,) = r["ddp_report"]
-    assert (ddp["op"], ddp["count"]) == ("all_reduce", r["ddp_buckets"]), ddp
+    # gradient accumulation: both forwards' gathers in one step, one reduce-scatter; the step before as it was
+    counts = lambda rows: {row["op"]: (row["count"], row["bytes"]) for row in rows}  # noqa: E731
+    assert counts(r["step 3"]) == counts(r["report"]), (r["step 3"], r["report"])
+    assert counts(r["accumulated"]) == {"all_gather": (2 * gathers["count"], 2 * gathers["bytes"]),
+                                        "reduce_scatter": (scatters["count"], scatters["bytes"])}, r["accumulated"]
+    for report in ("ddp_report", "ddp_report_after_save", "ddp_accumulated"):
+        (ddp,) = r[report]
+        assert (ddp["op"], ddp["count"]) == ("all_reduce", r["ddp_buckets"]), (report, ddp)
 
 
 def _assert_equal(actual, expected, what: str, rtol: float = 0.0) -> None:
