@@ -125,11 +125,15 @@ def two_ranks() -> dict:
     out["next"] = (train(model, opt, batches()[3:4], world), train(fresh, fresh_opt, batches()[3:4], world))
     accumulate(model, opt, batches()[4], _sync_off(model))          # step 4: two forwards, one reduce-scatter
     out["accumulated"], out["step 3"] = model.comm_report(), model.comm_report(step=3)
+    with torch.no_grad():                                             # step 5: an evaluation forward
+        model(*lm_pair(batches()[5][:2]))
+    out["evaluated"] = model.comm_report()
 
     # FSDP1's spelling on the same training: full, named, on the CPU on every rank; loaded back in a fresh one
     fsdp = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ, seed=1234))
     fsdp_opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)
     train(fsdp, fsdp_opt, batches()[:3], world)
+    out["fsdp_report"] = fsdp.comm_report()
     fsdp1 = shardwise.FullyShardedDataParallel.optim_state_dict(fsdp, fsdp_opt)
     again = shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ, seed=5))
     again_opt = torch.optim.AdamW(again.parameters(), lr=1.0)
@@ -227,6 +231,9 @@ def _check_reports(r: dict) -> None:
     assert counts(r["step 3"]) == counts(r["report"]), (r["step 3"], r["report"])
     assert counts(r["accumulated"]) == {"all_gather": (2 * gathers["count"], 2 * gathers["bytes"]),
                                         "reduce_scatter": (scatters["count"], scatters["bytes"])}, r["accumulated"]
+    assert counts(r["fsdp_report"]) == counts(r["report"]), r["fsdp_report"]       # the same units
+    forward_only = {"all_gather": (len(forward), sum(forward))}
+    assert counts(r["evaluated"]) == forward_only, r["evaluated"]
     for report in ("ddp_report", "ddp_report_after_save", "ddp_accumulated"):
         (ddp,) = r[report]
         assert (ddp["op"], ddp["count"]) == ("all_reduce", r["ddp_buckets"]), (report, ddp)

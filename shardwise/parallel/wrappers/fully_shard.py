@@ -157,8 +157,12 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
 def _tick(module: nn.Module, _args: Any) -> None:
     group = getattr(module, STATE_ATTR)
-    if group.root is module and torch.is_grad_enabled():
+    if group.root is not module:
+        return
+    if torch.is_grad_enabled():
         group.clock.forward_started(group.runtime.reduce_grads)
+    else:
+        group.clock.eval_forward_started()
 
 
 def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,

@@ -2,7 +2,8 @@
 is told from the forwards. A forward with grad enabled whose backward will synchronize gradients (outside
 `no_sync()`, with `set_requires_gradient_sync(True)`) is the last of its step; the next such forward opens the
 next step in the wrappers' `CommLedger`. Micro-batches of gradient accumulation thus share one step, and what
-runs between a step's backward and the next forward (clipping, a state dict) counts in that step.
+runs between a step's backward and the next forward (clipping, a state dict) counts in that step. A forward
+without grad after a complete step (evaluation) is a step of its own.
 
 Steps are numbered from 0 as the engine's are; the collectives of wrapping itself (DDP's broadcasts of rank 0's
 weights) fall in step -1.
@@ -32,6 +33,12 @@ class StepClock:
         if self.closes:
             self.ledger.begin_step(self.ledger.step + 1)
         self.closes = bool(synchronizes)
+
+    def eval_forward_started(self) -> None:
+        """A forward without grad (evaluation) has no backward: after a complete step it is a step of its own
+        (so an evaluation-only loop keeps the ledger bounded), inside an accumulating one it joins that."""
+        if self.closes:
+            self.ledger.begin_step(self.ledger.step + 1)
 
     def last_complete_step(self) -> int:
         """The newest step whose synchronizing forward has run (its backward, once run, completes it)."""
