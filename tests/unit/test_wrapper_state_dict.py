@@ -85,8 +85,12 @@ def test_refusals_name_the_key():
         shardwise.set_state_dict(model, optims, model_state_dict=None, optim_state_dict=swapped)
     stray = _copy(optim_sd)
     stray["state"]["blocks.9.mlp.fc_in.weight"] = {}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(UserError, match=r'"blocks.9.mlp.fc_in.weight", which no param group lists'):
-        shardwise.set_state_dict(model, optims, model_state_dict=None, optim_state_dict=stray)
+        shardwise.set_state_dict(model, optims, model_state_dict=tiny_gpt(seed=9).state_dict(),
+                                 optim_state_dict=stray)
+    # refused before anything loaded: the model keeps its weights
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(UserError, match=r"^get_state_dict: the optimizer steps a tensor of shape \(3,\) that is not"):
         shardwise.get_state_dict(model, [other])

@@ -265,9 +265,8 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
     and wrapping. Not collective. A state dict of another model is refused naming the first key that differs."""
     fn = "set_state_dict"
     target = _target(model, fn)
-    if model_state_dict is not None:
-        load_model_state(target, model_state_dict, full=full_state_dict, fn=fn)
-    if optim_state_dict is not None:
+    loads = []
+    if optim_state_dict is not None:     # every check before anything loads: a refused call changes nothing
         optims = _optimizers(optimizers)
         saved_groups = list(optim_state_dict.get(GROUPS, [])) if isinstance(optim_state_dict, dict) else []
         if len(saved_groups) != sum(len(o.param_groups) for o in optims):
@@ -277,20 +276,32 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
         for optim in optims:         # the saved groups follow the optimizers' order, as get_state_dict lists them
             groups = saved_groups[start:start + len(optim.param_groups)]
             start += len(groups)
-            optim.load_state_dict(optim_state_to_load(model, optim, optim_state_dict, full=full_state_dict,
-                                                      groups=groups, fn=fn))
+            loads.append((optim, optim_state_to_load(model, optim, optim_state_dict, full=full_state_dict,
+                                                     groups=groups, fn=fn)))
+    if model_state_dict is not None:
+        load_model_state(target, model_state_dict, full=full_state_dict, fn=fn)
+    for optim, osd in loads:
+        optim.load_state_dict(osd)
 
 
 @torch.no_grad()
 def load_model_state(target: _Target, sd: dict[str, torch.Tensor], *, full: bool, fn: str) -> None:
+    """Checks every key and shape, then loads (whole tensors: each rank keeps its part)."""
     here = target.module.state_dict()
     _check_keys(sd.keys(), here.keys(), "the model state dict", fn)
+    shapes = {k: tuple(v.shape) for k, v in here.items()}
     if full and target.sharded is not None:
-        target.sharded.load_full_state_dict(sd)         # checks each whole shape, keeps this rank's part
-        return
-    for k, v in here.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            hint = ("" if target.sharded is None else "; a sharded state dict loads only at the world size it "
-                    "was saved at, else save and load with full_state_dict=True")
-            raise UserError(f'{fn}: "{k}" has shape {tuple(sd[k].shape)}, the model here {tuple(v.shape)}{hint}')
-    target.module.load_state_dict(sd)
+        where = target.where()
+        for name, p in target.module.named_parameters(remove_duplicate=False):
+            if id(p) in where and name in shapes:
+                flat, i = where[id(p)]
+                shapes[name] = tuple(flat.shapes[i])
+    for k, shape in shapes.items():
+        if tuple(sd[k].shape) != shape:
+            hint = ("" if full or target.sharded is None else "; a sharded state dict loads only at the world "
+                    "size it was saved at, else save and load with full_state_dict=True")
+            raise UserError(f'{fn}: "{k}" has shape {tuple(sd[k].shape)}, the model here {shape}{hint}')
+    if full and target.sharded is not None:
+        target.sharded.load_full_state_dict(sd)
+    else:
+        target.module.load_state_dict(sd)
