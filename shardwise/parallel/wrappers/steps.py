@@ -46,11 +46,4 @@ class StepClock:
 
     def report(self, step: int | None = None) -> list[dict[str, Any]]:
         """The engine's `comm_report()` rows for `step` (default: the last complete step)."""
-        return comm_rows(self.ledger, self.last_complete_step() if step is None else step)
-
-
-def comm_rows(ledger: CommLedger, step: int) -> list[dict[str, Any]]:
-    """One row per (op, group, dtype) of `step`: op, group, group_size, dtype, count, bytes, seconds."""
-    return [{"op": s.op, "group": s.group, "group_size": s.group_size, "dtype": s.dtype,
-             "count": s.count, "bytes": s.nbytes, "seconds": s.duration_s}
-            for s in ledger.summary(step)]
+        return self.ledger.report(self.last_complete_step() if step is None else step)
