@@ -62,7 +62,8 @@ def wrap_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
 class FullyShardedDataParallel(nn.Module):
     """FSDP1's wrapper: `self.module` is the model, wrapped by `fully_shard` per block and at its root; the
     parameters it exposes are this rank's shards. `no_sync()`, `clip_grad_norm_`, `full_state_dict()`,
-    `load_full_state_dict()` and `sharded_state_dict()` act on the whole model."""
+    `load_full_state_dict()`, `sharded_state_dict()` and `comm_report()` act on the whole model; the static
+    `optim_state_dict` / `optim_state_dict_to_load` are FSDP1's for the optimizer."""
 
     def __init__(self, module: nn.Module, process_group: Any = None, sharding_strategy: Any = None,
                  cpu_offload: Any = None, auto_wrap_policy: Any = None, mixed_precision: Any = None,
@@ -133,7 +134,7 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False) -> dict[str, Any]:
+                                 *, load_directly: bool = False) -> dict[str, Any]:
         """What `optim.load_state_dict` takes on this rank, from `optim_state_dict()`'s whole state (given on every
         rank, saved at any world size); `load_directly` loads it too. Not collective."""
         from shardwise.parallel.wrappers.state_dict import optim_state_to_load
