@@ -4,6 +4,8 @@ FSDP1-style `FullyShardedDataParallel` or its `DistributedDataParallel`, and any
     torchrun --nproc-per-node 2 examples/fsdp_loop.py                          # fully_shard per block, then root
     torchrun --nproc-per-node 2 examples/fsdp_loop.py --wrapper fsdp --bf16    # FSDP1 spelling, bf16 compute
     torchrun --nproc-per-node 2 examples/fsdp_loop.py --wrapper ddp           # replicated, bucketed all-reduce
+    torchrun --nproc-per-node 2 examples/fsdp_loop.py --save ckpt.pt          # model + optimizer, whole tensors
+    torchrun --nproc-per-node 4 examples/fsdp_loop.py --resume ckpt.pt        # ... resumed at another world size
 """
 
 import argparse
@@ -68,6 +70,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--summary", default=None, help="write a JSON summary here (rank 0)")
+    parser.add_argument("--save", default=None, help="save the full model and optimizer state here at the end")
+    parser.add_argument("--resume", default=None, help="start from a state saved with --save (any world size)")
     args = parser.parse_args()
 
     shardwise.init_distributed()                   # NCCL if CUDA, else gloo; torchrun or one process
@@ -75,6 +79,10 @@ def main() -> None:
     torch.manual_seed(0)                           # the same full model on every rank before it is wrapped
     model = wrap(GPT(gpt_config("tiny", n_layer=2, d_model=64, n_head=4, seq_len=32)), args.wrapper, args.bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)     # built after wrapping: it steps the shards
+    if args.resume:                                # whole tensors, read on every rank; each keeps its part
+        ckpt = torch.load(args.resume)
+        shardwise.set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
+                                 full_state_dict=True)
     dataset = Windows(load_corpus("stdlib", max_bytes=1 << 20), seq_len=32, count=args.samples)
     loader = DataLoader(dataset, batch_size=4, sampler=DistributedSampler(dataset, world, rank, shuffle=False))
 
@@ -90,7 +98,10 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
 
-    state = model.full_state_dict(rank0_only=True) if args.wrapper != "ddp" else model.module.state_dict()
+    # whole tensors keyed by the unwrapped model's names, on rank 0 only (on the CPU); the other ranks get {}
+    state, optim_state = shardwise.get_state_dict(model, optimizer, full_state_dict=True, cpu_offload=True)
+    if rank == 0 and args.save:
+        torch.save({"model": state, "optim": optim_state}, args.save)
     if rank == 0:
         print(f"{args.wrapper}: {len(losses)} micro-batches, first loss {losses[0]:.3f}, last {losses[-1]:.3f}, "
               f"{sum(v.numel() for v in state.values()):,} values in the full state dict")

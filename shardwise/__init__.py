@@ -17,7 +17,8 @@ DeepSpeed's other names scripts use: `shardwise.add_config_arguments`, `shardwis
 
 The torch-native way in, for a plain optimizer and loop: `shardwise.fully_shard(block)` per block then on the
 model (FSDP2's shape, `MixedPrecisionPolicy`, `CPUOffloadPolicy`), `shardwise.FullyShardedDataParallel(model,
-mixed_precision=shardwise.MixedPrecision(...))` (FSDP1's) and `shardwise.DistributedDataParallel(model)`.
+mixed_precision=shardwise.MixedPrecision(...))` (FSDP1's) and `shardwise.DistributedDataParallel(model)`;
+`shardwise.get_state_dict` / `set_state_dict` save and resume them (model and optimizer, full or sharded).
 
 Names are resolved lazily so that torch-free parts (the planner) can be imported without torch.
 """
@@ -49,6 +50,8 @@ _EXPORTS = {
     "CPUOffloadPolicy": "shardwise.parallel.wrappers",
     "CPUOffload": "shardwise.parallel.wrappers",
     "OffloadPolicy": "shardwise.parallel.wrappers",
+    "get_state_dict": "shardwise.parallel.wrappers",
+    "set_state_dict": "shardwise.parallel.wrappers",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

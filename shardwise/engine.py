@@ -320,10 +320,7 @@ class Engine(DeepSpeedEngineAPI):
     def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
         """The collectives of the last completed step (or `step`): op, group, group_size, dtype, count,
         bytes, seconds."""
-        step = self._last_report_step if step is None else step
-        return [{"op": s.op, "group": s.group, "group_size": s.group_size, "dtype": s.dtype,
-                 "count": s.count, "bytes": s.nbytes, "seconds": s.duration_s}
-                for s in self.ledger.summary(step)]
+        return self.ledger.report(self._last_report_step if step is None else step)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,

@@ -201,6 +201,13 @@ class CommLedger:
             s.duration_s += r.duration_s
         return list(out.values())
 
+    def report(self, step: int) -> list[dict[str, Any]]:
+        """`comm_report()`'s rows for `step` (the engine's and the module wrappers'): op, group, group_size,
+        dtype, count, bytes, seconds."""
+        return [{"op": s.op, "group": s.group, "group_size": s.group_size, "dtype": s.dtype,
+                 "count": s.count, "bytes": s.nbytes, "seconds": s.duration_s}
+                for s in self.summary(step)]
+
     def bytes_by_op(self, step: int | None = None) -> dict[str, int]:
         totals: dict[str, int] = defaultdict(int)
         for s in self.summary(step):

@@ -4,7 +4,8 @@ optimizer.step()`) equal a single-process run and torch's own DDP / FSDP2 on the
 One launch per world size runs every case on the same ranks: fp32 at rtol 1e-5 (AdamW with clipping and
 gradient accumulation through set_requires_gradient_sync / no_sync, SGD with momentum), bf16 parameters with
 fp32 reduction against FSDP2 with the same policy, and at 4 ranks tensor parallelism x fully_shard on a 2 x 2
-mesh against the single process."""
+mesh against the single process. Saving and resuming (model and optimizer state dicts, at 2 ranks resumed at 4
+and at 1) and the communication reports run in the same launches (wrapper_state_cases.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+import wrapper_state_cases
 from test_dp_parity import SEQ, global_batches
 from shardwise.testing import (
     assert_close_growing, assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, micro_steps,
@@ -231,6 +233,7 @@ def _two_ranks() -> dict:
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
                      "torch_ddp": _torch_ddp(case), "torch_fsdp2": _torch_fsdp2(case)}
     out["bf16"] = _bf16_pair()
+    out["saving"] = wrapper_state_cases.two_ranks()
     return out
 
 
@@ -255,6 +258,7 @@ def _check_fp32(results: list[dict], world: int) -> None:
 def test_wrappers_two_ranks_equal_single_process_and_torch():
     results = run_distributed(_two_ranks, 2, timeout=400)
     _check_fp32(results, 2)
+    wrapper_state_cases.check_two_ranks([r["saving"] for r in results])
     r0 = results[0]
     total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
@@ -322,11 +326,12 @@ def _four_ranks() -> dict:
     case = "adamw_accum_clip"
     return {case: {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                    "ddp": _ours_ddp(case, "backend"), "tp_x_fully_shard": _tp_fully_shard(),
-                   "offload_kept": _offload_kept()}}
+                   "offload_kept": _offload_kept()}, "resume": wrapper_state_cases.four_ranks()}
 
 
 def test_wrappers_four_ranks_and_tensor_parallel_equal_single_process():
     results = run_distributed(_four_ranks, 4, timeout=400)
+    wrapper_state_cases.check_four_ranks([r["resume"] for r in results])
     ref_losses, ref_state = reference("adamw_accum_clip")
     for rank, r in enumerate(results):
         for name, run in r["adamw_accum_clip"].items():

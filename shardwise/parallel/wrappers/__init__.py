@@ -8,6 +8,8 @@ from shardwise.parallel.wrappers.module import FSDPModule
 from shardwise.parallel.wrappers.policies import (
     CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy,
 )
+from shardwise.parallel.wrappers.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["CPUOffload", "CPUOffloadPolicy", "DistributedDataParallel", "FSDPModule", "FullyShardedDataParallel",
-           "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard"]
+           "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard", "get_state_dict",
+           "set_state_dict"]

@@ -27,6 +27,7 @@ from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.wrappers.comm_hooks import CommHook, HookBucket, check_hook, future_handle
 from shardwise.parallel.wrappers.module import clip_sharded_
 from shardwise.parallel.wrappers.policies import groups_of
+from shardwise.parallel.wrappers.steps import StepClock
 
 MIB = 1 << 20
 
@@ -53,6 +54,7 @@ class DistributedDataParallel(nn.Module):
             torch.cuda.set_device(device_ids[0])
         self.module = module
         self.ledger = CommLedger()
+        self.clock = StepClock(self.ledger)      # steps for comm_report(); the broadcasts below fall in step -1
         self.groups = groups_of(device_mesh if device_mesh is not None else process_group, ledger=self.ledger)
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
@@ -69,6 +71,7 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
+            self.clock.forward_started(self.require_sync)
             self.reducer.reclaim_grads()     # slots of .grads the optimizer set to None are zeroed
             self.reducer.begin_backward(self.require_sync)
             if self.broadcast_buffers and self.require_sync:
@@ -100,6 +103,11 @@ class DistributedDataParallel(nn.Module):
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
         return clip_sharded_(list(self.module.parameters()), max_norm, self.groups, dp_sharded=False)
+
+    def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
+        """The collectives of the last complete training step (or `step`, from 0), in the engine's rows: one
+        all-reduce per bucket in a synchronizing step."""
+        return self.clock.report(step)
 
     def close(self) -> None:
         """Remove the hooks (the module keeps its parameters and gradients)."""

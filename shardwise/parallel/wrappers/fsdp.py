@@ -62,7 +62,8 @@ def wrap_targets(model: nn.Module, policy: Any) -> list[nn.Module]:
 class FullyShardedDataParallel(nn.Module):
     """FSDP1's wrapper: `self.module` is the model, wrapped by `fully_shard` per block and at its root; the
     parameters it exposes are this rank's shards. `no_sync()`, `clip_grad_norm_`, `full_state_dict()`,
-    `load_full_state_dict()` and `sharded_state_dict()` act on the whole model."""
+    `load_full_state_dict()`, `sharded_state_dict()` and `comm_report()` act on the whole model; the static
+    `optim_state_dict` / `optim_state_dict_to_load` are FSDP1's for the optimizer."""
 
     def __init__(self, module: nn.Module, process_group: Any = None, sharding_strategy: Any = None,
                  cpu_offload: Any = None, auto_wrap_policy: Any = None, mixed_precision: Any = None,
@@ -117,3 +118,27 @@ class FullyShardedDataParallel(nn.Module):
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.sharded_state_dict()
+
+    def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
+        return self.module.comm_report(step)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """torch FSDP1's default: the whole optimizer state keyed by parameter name, on the CPU, on every rank.
+        `optim_state_dict`: the optimizer's own `state_dict()` to convert (default: taken now). Collective."""
+        from shardwise.parallel.wrappers.state_dict import optim_state
+        return optim_state(model, optim, full=True, to_cpu=True, rank0_only=False,
+                           natives=None if optim_state_dict is None else [optim_state_dict],
+                           fn="optim_state_dict")
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                                 *, load_directly: bool = False) -> dict[str, Any]:
+        """What `optim.load_state_dict` takes on this rank, from `optim_state_dict()`'s whole state (given on every
+        rank, saved at any world size); `load_directly` loads it too. Not collective."""
+        from shardwise.parallel.wrappers.state_dict import optim_state_to_load
+        osd = optim_state_to_load(model, optim, optim_state_dict, full=True, fn="optim_state_dict_to_load")
+        if load_directly:
+            optim.load_state_dict(osd)
+        return osd

@@ -29,6 +29,7 @@ from shardwise.errors import UserError
 from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
+from shardwise.parallel.wrappers.steps import StepClock
 from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
@@ -42,12 +43,13 @@ STATE_ATTR = "_shardwise_fully_shard"
 @dataclass(eq=False)
 class ShardedGroup:
     """One runtime and what it drives: the outermost module wrapped so far (`root`); every wrapped module below
-    it holds this same object. `ledger` records the collectives of its groups."""
+    it holds this same object. `ledger` records the collectives of its groups, in the steps `clock` tells."""
 
     root: nn.Module
     runtime: ZeroParamRuntime
     groups: DataParallelGroups
     ledger: CommLedger
+    clock: StepClock
 
 
 def _same_group(a: DataParallelGroups, b: DataParallelGroups) -> bool:
@@ -99,6 +101,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                         f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
                         f"root last (a parameter shared by two blocks belongs to their common parent's call)")
     ledger = next(iter(below.values())).ledger if below else CommLedger()
+    clock = next(iter(below.values())).clock if below else StepClock(ledger)
     groups = groups_of(mesh, ledger=ledger)
     for g in below.values():
         if not _same_group(g.groups, groups):
@@ -134,11 +137,13 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
                                max_live_numel=1 << 62)
-    group = ShardedGroup(module, runtime, groups, ledger)
+    group = ShardedGroup(module, runtime, groups, ledger, clock)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
             setattr(m, STATE_ATTR, group)
     wrap_class(module)
+    # first of the root's forward pre-hooks, ahead of the runtime's gathers: they count in the step it opens
+    module.register_forward_pre_hook(_tick, prepend=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         dtype = mp_policy.param_dtype
         module.register_forward_pre_hook(lambda _m, args, kwargs: (cast_floating(args, dtype),
@@ -148,6 +153,16 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module.register_forward_hook(lambda _m, _args, output: cast_floating(output, out))
     assert isinstance(module, FSDPModule)
     return module
+
+
+def _tick(module: nn.Module, _args: Any) -> None:
+    group = getattr(module, STATE_ATTR)
+    if group.root is not module:
+        return
+    if torch.is_grad_enabled():
+        group.clock.forward_started(group.runtime.reduce_grads)
+    else:
+        group.clock.eval_forward_started()
 
 
 def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,

@@ -72,12 +72,13 @@ class FSDPModule:
         group = self._sharded_group()
         comm = group.groups.dp
         keep = not rank0_only or comm.rank == 0
+        group.runtime.release_gathered()            # every parameter rests on its piece of the shard
         values: dict[int, torch.Tensor] = {}
         for f in self._my_flats():
-            full = gather_exact(f, comm)
+            full = full_tensors(f, comm, [p.data for p in f.params])
             if keep:
-                for p, off, n, shape in zip(f.params, f.layout.offsets, f.layout.sizes, f.shapes):
-                    values[id(p)] = full[off:off + n].view(shape).to("cpu", copy=True)
+                for p, value in zip(f.params, full):
+                    values[id(p)] = value.to("cpu", copy=True)
         if not keep:
             return None
         state = {k: v.detach().to("cpu", copy=True)
@@ -107,9 +108,14 @@ class FSDPModule:
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
-            flat.take(i, value.to(flat.shard.device))
+            p.data.copy_(rank_piece(flat, i, value))          # p rests on its piece of the shard
         for name, b in self.named_buffers():  # type: ignore[attr-defined]
             b.copy_(state_dict[name])
+
+    def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
+        """The collectives of the last complete training step (or `step`, counted from 0), in the engine's rows:
+        op, group, group_size, dtype, count, bytes, seconds. See `steps.py` for what a step is here."""
+        return self._sharded_group().clock.report(step)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's pieces of every parameter (1-D) and the buffers: what `state_dict()` gives. Load it back with
@@ -117,13 +123,27 @@ class FSDPModule:
         return self.state_dict()  # type: ignore[attr-defined]
 
 
-def gather_exact(flat: FlatShard, comm) -> torch.Tensor:
-    """A flat's [padded] buffer gathered in the shard's own dtype (fp32 under mixed precision, unlike the compute
-    gathers), on the compute device. Collective."""
+def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """Each parameter of `flat` whole ([shapes[i]], on the compute device), given per parameter a tensor laid out
+    as it rests on this rank (its piece of the shard: the parameter itself, or optimizer state shaped like it) or
+    None (zeros). All entries share one dtype, which the result keeps. Collective: one all-gather over `comm`.
+    With `rank_piece`, the only code that knows how a parameter is cut over the ranks."""
     device = flat.compute_device or flat.shard.device
-    full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=device)
-    comm.all_gather_into_tensor(full, flat.shard.to(device, copy=True))
-    return full
+    dtype = next((t.dtype for t in local if t is not None), flat.shard.dtype)
+    mine = torch.zeros(flat.layout.shard_numel, dtype=dtype, device=device)           # [S]
+    for i, (lo, hi, dst) in flat.pieces.items():
+        if local[i] is not None:
+            mine[dst:dst + hi - lo].copy_(local[i].reshape(-1))
+    full = torch.empty(flat.layout.padded_numel, dtype=dtype, device=device)           # [S * dp]
+    comm.all_gather_into_tensor(full, mine)
+    return [full[o:o + n].view(s) for o, n, s in zip(flat.layout.offsets, flat.layout.sizes, flat.shapes)]
+
+
+def rank_piece(flat: FlatShard, i: int, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of parameter i's whole value `full` [shapes[i]], laid out as the parameter rests (a view of
+    `full`): the inverse of `full_tensors`. Not collective."""
+    lo, hi, _ = flat.pieces.get(i, (0, 0, 0))
+    return full.reshape(-1)[lo:hi]
 
 
 def clip_sharded_(params: list[torch.Tensor], max_norm: float, groups, *, dp_sharded: bool) -> torch.Tensor:
