@@ -93,7 +93,7 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch DDP's communication hook: `hook(state, bucket)` is called as each bucket is ready, in place of the
         all-reduce, and returns a `torch.futures.Future` of the bucket's new gradients (averaging is the hook's
-        job). torch's hooks run unchanged (fp16/bf16 compression, PowerSGD); see `comm_hooks.py`."""
+        job). torch's hooks run unchanged (fp16 compression; bf16 and PowerSGD need NCCL); see `comm_hooks.py`."""
         name = check_hook(hook, registered=self.reducer.comm_hook is not None,
                           ring=self.reducer.impl is AllReduceImpl.RING)
         self.reducer.comm_hook = (state, hook, name)
