@@ -30,6 +30,7 @@ from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 SHARDED_ATTR = "_shardwise_sharded"
@@ -158,7 +159,8 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
         return None
     key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
     (unit,) = build_units([UnitPlan(type(module).__name__, module, params, is_root=True)], key_of=key_of,
-                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device)
+                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device,
+                          layout_type=RowLayout)
     unit.reshard_after_forward = reshard_after_forward
     with torch.no_grad():
         for f in unit.flats:

@@ -74,10 +74,9 @@ class FSDPModule:
         keep = not rank0_only or comm.rank == 0
         values: dict[int, torch.Tensor] = {}
         for f in self._my_flats():
-            full = gather_exact(f, comm)
+            full = full_tensors(f, f.shard, comm)
             if keep:
-                for p, off, n, shape in zip(f.params, f.layout.offsets, f.layout.sizes, f.shapes):
-                    values[id(p)] = full[off:off + n].view(shape).to("cpu", copy=True)
+                values.update({id(p): v.to("cpu", copy=True) for p, v in zip(f.params, full)})
         if not keep:
             return None
         state = {k: v.detach().to("cpu", copy=True)
@@ -107,23 +106,39 @@ class FSDPModule:
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
-            flat.take(i, value.to(flat.shard.device))
+            shard_of_full(flat, {i: value}, flat.shard)
         for name, b in self.named_buffers():  # type: ignore[attr-defined]
             b.copy_(state_dict[name])
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's pieces of every parameter (1-D) and the buffers: what `state_dict()` gives. Load it back with
-        `load_state_dict` on the same number of ranks and the same wrapping."""
+        """This rank's rows of every parameter ([rows, *shape[1:]], as FSDP2's local shards) and the buffers: what
+        `state_dict()` gives. Load it back with `load_state_dict` on the same number of ranks and wrapping."""
         return self.state_dict()  # type: ignore[attr-defined]
 
 
-def gather_exact(flat: FlatShard, comm) -> torch.Tensor:
-    """A flat's [padded] buffer gathered in the shard's own dtype (fp32 under mixed precision, unlike the compute
-    gathers), on the compute device. Collective."""
+# The one conversion between "a tensor laid out like a flat's shard" ([S]: the shard, its gradient, or optimizer
+# state built alike with `FlatShard.local_views`) and "full per-parameter tensors". Both follow the flat's layout.
+
+def full_tensors(flat: FlatShard, local: torch.Tensor, comm) -> list[torch.Tensor]:
+    """The full tensor of every parameter of `flat` (its shape, `local`'s dtype, on the compute device), from
+    `local` [S] laid out like the shard: one all-gather, then the layout's copy out of rank-major order.
+    Collective over the flat's dp group."""
     device = flat.compute_device or flat.shard.device
-    full = torch.empty(flat.layout.padded_numel, dtype=flat.shard.dtype, device=device)
-    comm.all_gather_into_tensor(full, flat.shard.to(device, copy=True))
-    return full
+    gathered = torch.empty(flat.layout.padded_numel, dtype=local.dtype, device=device)
+    comm.all_gather_into_tensor(gathered, local.to(device, copy=True))
+    full = gathered
+    if not flat.layout.gathers_in_place:
+        full = torch.empty_like(gathered)
+        flat.layout.copy_out(gathered, full)
+    return [full[o:o + n].view(s) for o, n, s in zip(flat.layout.offsets, flat.layout.sizes, flat.shapes)]
+
+
+@torch.no_grad()
+def shard_of_full(flat: FlatShard, values: dict[int, torch.Tensor], local: torch.Tensor) -> None:
+    """Write this rank's part of each given full tensor (parameter index -> its full value, any device) into
+    `local` [S], laid out like the shard. Not collective."""
+    for i, value in values.items():
+        flat.take(i, value.to(local.device), into=local)
 
 
 def clip_sharded_(params: list[torch.Tensor], max_norm: float, groups, *, dp_sharded: bool) -> torch.Tensor:
