@@ -238,9 +238,42 @@ def _policy_casts() -> dict:
             "numel": sum(p.numel() for p in params)}
 
 
+class _OddShapes(torch.nn.Module):
+    """Shapes row sharding must get right on 2 ranks: a scalar (rank 0 only), 3 rows (2 + 1), 1 row (none on
+    rank 1), a vector of 3."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.w = torch.nn.Parameter(torch.randn(3, 5, generator=g))
+        self.row = torch.nn.Parameter(torch.randn(1, 3, generator=g))
+        self.bias = torch.nn.Parameter(torch.randn(3, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:          # x [b, 5]
+        return ((x @ self.w.T + self.bias + self.row) * self.scale).square().mean()
+
+
+def _odd_shapes(dp: int = 1, dp_rank: int = 0) -> dict:
+    """3 AdamW steps with nanoGPT's groups on the batch [4, 5]; on dp ranks, fully_shard and this rank's rows."""
+    import shardwise
+    net = _OddShapes()
+    if dp > 1:
+        shardwise.fully_shard(net)
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    opt = _optimizer(NANOGPT, net.parameters())
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(4))
+    for step in range(3):
+        opt.zero_grad()
+        net(x[step].chunk(dp)[dp_rank]).backward()
+        opt.step()
+    return {"shapes": shapes, "state": net.full_state_dict() if dp > 1 else state_copy(net)}
+
+
 def _two_ranks() -> dict:
     torch.set_num_threads(1)
-    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts()}
+    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts(),
+           "odd_shapes": _odd_shapes(dist.get_world_size(), dist.get_rank())}
     for case in ("adamw_accum_clip", "sgd"):
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
@@ -291,6 +324,11 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     matrices = sum(p.dim() >= 2 for p in tiny_gpt(seq_len=SEQ).parameters())
     assert r0["nanogpt_groups"]["fully_shard"]["decayed"] == r0["nanogpt_groups"]["torch_fsdp2"]["decayed"] == \
         matrices > 0
+    odd = _odd_shapes()
+    assert [r["odd_shapes"]["shapes"] for r in results] == [
+        {"scale": (), "w": (2, 5), "row": (1, 3), "bias": (2,)}, {"scale": (0,), "w": (1, 5), "row": (0, 3), "bias": (1,)}]
+    for rank, r in enumerate(results):
+        assert_state_close(r["odd_shapes"]["state"], odd["state"], what=f"odd shapes, rank {rank}")
     total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
