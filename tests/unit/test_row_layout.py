@@ -41,3 +41,10 @@ def test_rows_gather_and_reduce_like_slicing(shapes, dp):
         layout.add_grad(buf, i, v)
         layout.add_grad(buf, i, v)                            # accumulates
     assert torch.equal(buf.view(dp, -1), 2 * shards)
+
+
+def test_row_copies_benchmark_runs(capsys):
+    from benchmarks.row_copies import main
+    assert main(["--model", "tiny", "--world", "3", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "RowLayout.copy_out" in out and "RowLayout.add_grad" in out and "3 ranks" in out
