@@ -143,23 +143,29 @@ class FlatShard:
         handle makes the current stream wait for both."""
         device = self.compute_device or self.shard.device
         dtype = self.compute_dtype or self.key.dtype
+        if self.layout.gathers_in_place:
+            self._fill_full(device, dtype)
+            return self._gather_into(self.full, comm, copies, device, dtype)
+        # rank-major [dp * S], transient: allocated on the compute stream, which alone reads it (copy_out); the
+        # full buffer gets its memory only then, so a prefetch in flight holds one [padded] buffer, not two
+        staged = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        inner = self._gather_into(staged, comm, copies, device, dtype)
+
+        def wait() -> None:
+            inner.wait()
+            self._fill_full(device, dtype)
+            self.layout.copy_out(staged, self.full)
+
+        return Handle(wait, lambda: None)
+
+    def _fill_full(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Give the full buffer its memory back (the same storage, so saved views of weights stay valid)."""
         if self.full is None:
             self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
             self.views = [self.full[o:o + n].view(s)
                           for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
         else:
             _resize(self.full, self.layout.padded_numel)
-        if self.layout.gathers_in_place:
-            return self._gather_into(self.full, comm, copies, device, dtype)
-        # rank-major [dp * S], transient: allocated on the compute stream, which alone reads it (copy_out)
-        staged = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
-        inner = self._gather_into(staged, comm, copies, device, dtype)
-
-        def wait() -> None:
-            inner.wait()
-            self.layout.copy_out(staged, self.full)
-
-        return Handle(wait, lambda: None)
 
     def _gather_into(self, out: torch.Tensor, comm: Comm, copies: CopyStream | None, device: torch.device,
                      dtype: torch.dtype) -> Handle:
