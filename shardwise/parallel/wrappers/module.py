@@ -59,7 +59,7 @@ class FSDPModule:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the whole model's gradient norm is at most `max_norm`; returns that norm
         (computed before clipping), as torch's clip_grad_norm_ does on one process. Collective over dp (and tp).
-        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's pieces only."""
+        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's rows only."""
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
         return clip_sharded_(list(self.parameters()), max_norm,  # type: ignore[attr-defined]
@@ -89,7 +89,7 @@ class FSDPModule:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (a `full_state_dict()`, or the unwrapped model's state dict): each rank keeps its
-        pieces. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
+        rows. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
         group = self._sharded_group()
         group.runtime.release_gathered()
         named = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
