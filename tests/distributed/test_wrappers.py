@@ -325,8 +325,8 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     assert r0["nanogpt_groups"]["fully_shard"]["decayed"] == r0["nanogpt_groups"]["torch_fsdp2"]["decayed"] == \
         matrices > 0
     odd = _odd_shapes()
-    assert [r["odd_shapes"]["shapes"] for r in results] == [
-        {"scale": (), "w": (2, 5), "row": (1, 3), "bias": (2,)}, {"scale": (0,), "w": (1, 5), "row": (0, 3), "bias": (1,)}]
+    assert [r["odd_shapes"]["shapes"] for r in results] == [{"scale": (), "w": (2, 5), "row": (1, 3), "bias": (2,)},
+                                                            {"scale": (0,), "w": (1, 5), "row": (0, 3), "bias": (1,)}]
     for rank, r in enumerate(results):
         assert_state_close(r["odd_shapes"]["state"], odd["state"], what=f"odd shapes, rank {rank}")
     total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
