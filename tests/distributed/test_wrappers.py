@@ -284,11 +284,13 @@ def _two_ranks() -> dict:
     return out
 
 
-def _check_local_rows(ours: dict, fsdp2: dict, *, what: str) -> None:
-    """Our resting parameters are FSDP2's local shards: the same dim-0 rows (shapes) and values."""
+def _check_local_rows(ours: dict, sharded: dict, fsdp2: dict, *, what: str) -> None:
+    """Our resting parameters and sharded state dict are FSDP2's local shards: the same dim-0 rows (shapes) and
+    values."""
     assert ours.keys() == fsdp2.keys(), f"{what}: names {sorted(ours.keys() ^ fsdp2.keys())} differ"
     for k, v in fsdp2.items():
         assert ours[k].shape == v.shape, f"{what} {k}: local shape {tuple(ours[k].shape)}, FSDP2's {tuple(v.shape)}"
+        assert torch.equal(sharded[k], ours[k]), f"{what} {k}: the sharded state dict is not the local rows"
         if not k.endswith("k_proj.bias"):           # Adam on an exactly-zero gradient: see assert_state_close
             torch.testing.assert_close(ours[k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
 
@@ -302,7 +304,8 @@ def _check_fp32(results: list[dict], world: int) -> None:
         for rank, r in enumerate(results):
             runs = r[case]
             if "torch_fsdp2" in runs:
-                _check_local_rows(runs["fully_shard"]["local"], runs["torch_fsdp2"]["local"],
+                mine = runs["fully_shard"]
+                _check_local_rows(mine["local"], mine["sharded"], runs["torch_fsdp2"]["local"],
                                   what=f"{world} ranks, {case}, rank {rank}")
             for name, run in runs.items():
                 what = f"{world} ranks, {case}, {name}, rank {rank}"
