@@ -4,8 +4,11 @@ optimizer.step()`) equal a single-process run and torch's own DDP / FSDP2 on the
 One launch per world size runs every case on the same ranks: fp32 at rtol 1e-5 (AdamW with clipping and
 gradient accumulation through set_requires_gradient_sync / no_sync, SGD with momentum), bf16 parameters with
 fp32 reduction against FSDP2 with the same policy, and at 4 ranks tensor parallelism x fully_shard on a 2 x 2
-mesh against the single process. Saving and resuming (model and optimizer state dicts, at 2 ranks resumed at 4
-and at 1) and the communication reports run in the same launches (wrapper_state_cases.py)."""
+mesh against the single process. At 2 and 4 ranks each rank's parameters after training are FSDP2's local
+shards (`p.to_local()`: the same dim-0 rows, shapes and values), and nanoGPT's optimizer grouping (weight decay
+on parameters of 2 or more dimensions) trains as on one process. Saving and resuming (model and optimizer state
+dicts, at 2 ranks resumed at 4 and at 1) and the communication reports run in the same launches
+(wrapper_state_cases.py)."""
 
 from __future__ import annotations
 
@@ -23,16 +26,27 @@ from shardwise.testing import (
 
 ADAMW = ("adamw", dict(lr=3e-3, weight_decay=0.1))
 SGD = ("sgd", dict(lr=0.05, momentum=0.9))
+NANOGPT = ("nanogpt", dict(lr=3e-3, weight_decay=0.1))
 CASES = {          # name: (optimizer, gradient accumulation, clip)
     "adamw_accum_clip": (ADAMW, 2, 0.5),
     "sgd": (SGD, 1, None),
+    "nanogpt_groups": (NANOGPT, 1, None),
 }
 BF16_EPS = 2.0 ** -7        # bf16's machine epsilon
 
 
 def _optimizer(spec: tuple, params) -> torch.optim.Optimizer:
     name, kw = spec
+    if name == "nanogpt":           # nanoGPT's configure_optimizers: decay matrices and embeddings only
+        params = list(params)
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": kw["weight_decay"]},
+                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=kw["lr"])
     return torch.optim.AdamW(params, **kw) if name == "adamw" else torch.optim.SGD(params, **kw)
+
+
+def _local(model) -> dict:
+    """Each parameter as this rank holds it while its unit is free (FSDP2: the DTensor's local shard)."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def reference(case: str) -> tuple[list[float], dict]:
@@ -85,7 +99,8 @@ def _ours_fully_shard(case: str, mp=None) -> dict:
     losses = seed_loop(model, opt, gas=gas, dp=world, dp_rank=rank,
                        clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=_grad_sync_off(model))
     return {"losses": losses, "state": model.full_state_dict(), "sharded": model.sharded_state_dict(),
-            "numel": sum(p.numel() for p in model.parameters())}
+            "numel": sum(p.numel() for p in model.parameters()), "local": _local(model),
+            "decayed": len(opt.param_groups[0]["params"])}
 
 
 def _ours_fsdp1(case: str) -> dict:
@@ -139,7 +154,8 @@ def _torch_fsdp2(case: str, mp=None) -> dict:
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
                        clip=(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None,
                        no_sync=_grad_sync_off(model))
-    return {"losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "local": _local(model), "decayed": len(opt.param_groups[0]["params"])}
 
 
 def _bf16_pair() -> dict:
@@ -225,30 +241,82 @@ def _policy_casts() -> dict:
             "numel": sum(p.numel() for p in params)}
 
 
+class _OddShapes(torch.nn.Module):
+    """Shapes row sharding must get right on 2 ranks: a scalar (rank 0 only), 3 rows (2 + 1), 1 row (none on
+    rank 1), a vector of 3."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.w = torch.nn.Parameter(torch.randn(3, 5, generator=g))
+        self.row = torch.nn.Parameter(torch.randn(1, 3, generator=g))
+        self.bias = torch.nn.Parameter(torch.randn(3, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:          # x [b, 5]
+        return ((x @ self.w.T + self.bias + self.row) * self.scale).square().mean()
+
+
+def _odd_shapes(dp: int = 1, dp_rank: int = 0) -> dict:
+    """3 AdamW steps with nanoGPT's groups on the batch [4, 5]; on dp ranks, fully_shard and this rank's rows."""
+    import shardwise
+    net = _OddShapes()
+    if dp > 1:
+        shardwise.fully_shard(net)
+    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    opt = _optimizer(NANOGPT, net.parameters())
+    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(4))
+    for step in range(3):
+        opt.zero_grad()
+        net(x[step].chunk(dp)[dp_rank]).backward()
+        opt.step()
+    return {"shapes": shapes, "state": net.full_state_dict() if dp > 1 else state_copy(net)}
+
+
 def _two_ranks() -> dict:
     torch.set_num_threads(1)
-    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts()}
-    for case in CASES:
+    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts(),
+           "odd_shapes": _odd_shapes(dist.get_world_size(), dist.get_rank())}
+    for case in ("adamw_accum_clip", "sgd"):
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
                      "torch_ddp": _torch_ddp(case), "torch_fsdp2": _torch_fsdp2(case)}
+    out["nanogpt_groups"] = {"fully_shard": _ours_fully_shard("nanogpt_groups"),
+                             "torch_fsdp2": _torch_fsdp2("nanogpt_groups")}
     out["bf16"] = _bf16_pair()
     out["saving"] = wrapper_state_cases.two_ranks()
     return out
 
 
+def _check_local_rows(ours: dict, sharded: dict, fsdp2: dict, *, what: str) -> None:
+    """Our resting parameters and sharded state dict are FSDP2's local shards: the same dim-0 rows (shapes) and
+    values."""
+    assert ours.keys() == fsdp2.keys(), f"{what}: names {sorted(ours.keys() ^ fsdp2.keys())} differ"
+    for k, v in fsdp2.items():
+        assert ours[k].shape == v.shape, f"{what} {k}: local shape {tuple(ours[k].shape)}, FSDP2's {tuple(v.shape)}"
+        assert torch.equal(sharded[k], ours[k]), f"{what} {k}: the sharded state dict is not the local rows"
+        if not k.endswith("k_proj.bias"):           # Adam on an exactly-zero gradient: see assert_state_close
+            torch.testing.assert_close(ours[k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
 def _check_fp32(results: list[dict], world: int) -> None:
     for case in CASES:
+        if case not in results[0]:
+            continue
         ref_losses, ref_state = reference(case)
-        adam = CASES[case][0] is ADAMW
+        adam = CASES[case][0] is not SGD
         for rank, r in enumerate(results):
             runs = r[case]
+            if "torch_fsdp2" in runs:
+                mine = runs["fully_shard"]
+                _check_local_rows(mine["local"], mine["sharded"], runs["torch_fsdp2"]["local"],
+                                  what=f"{world} ranks, {case}, rank {rank}")
             for name, run in runs.items():
                 what = f"{world} ranks, {case}, {name}, rank {rank}"
                 assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
                 assert_state_close(run["state"], ref_state, what=what, adam=adam)
             for ours, peer in (("fully_shard", "torch_fsdp2"), ("fsdp1", "torch_fsdp2"), ("ddp", "torch_ddp")):
-                if peer in runs:
+                if peer in runs and ours in runs:
                     assert_close_lists(runs[ours]["losses"], runs[peer]["losses"], rtol=1e-5,
                                        what=f"{case} {ours} vs {peer}")
                     assert_state_close(runs[ours]["state"], runs[peer]["state"], what=f"{case} {ours} vs {peer}",
@@ -260,6 +328,15 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     _check_fp32(results, 2)
     wrapper_state_cases.check_two_ranks([r["saving"] for r in results])
     r0 = results[0]
+    # nanoGPT's grouping sees the parameters' true dimensions: the same decayed set as on one process
+    matrices = sum(p.dim() >= 2 for p in tiny_gpt(seq_len=SEQ).parameters())
+    assert r0["nanogpt_groups"]["fully_shard"]["decayed"] == r0["nanogpt_groups"]["torch_fsdp2"]["decayed"] == \
+        matrices > 0
+    odd = _odd_shapes()
+    assert [r["odd_shapes"]["shapes"] for r in results] == [{"scale": (), "w": (2, 5), "row": (1, 3), "bias": (2,)},
+                                                            {"scale": (0,), "w": (1, 5), "row": (0, 3), "bias": (1,)}]
+    for rank, r in enumerate(results):
+        assert_state_close(r["odd_shapes"]["state"], odd["state"], what=f"odd shapes, rank {rank}")
     total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
@@ -326,15 +403,11 @@ def _four_ranks() -> dict:
     case = "adamw_accum_clip"
     return {case: {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                    "ddp": _ours_ddp(case, "backend"), "tp_x_fully_shard": _tp_fully_shard(),
-                   "offload_kept": _offload_kept()}, "resume": wrapper_state_cases.four_ranks()}
+                   "offload_kept": _offload_kept(), "torch_fsdp2": _torch_fsdp2(case)},
+            "resume": wrapper_state_cases.four_ranks()}
 
 
 def test_wrappers_four_ranks_and_tensor_parallel_equal_single_process():
     results = run_distributed(_four_ranks, 4, timeout=400)
     wrapper_state_cases.check_four_ranks([r["resume"] for r in results])
-    ref_losses, ref_state = reference("adamw_accum_clip")
-    for rank, r in enumerate(results):
-        for name, run in r["adamw_accum_clip"].items():
-            what = f"4 ranks, {name}, rank {rank}"
-            assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
-            assert_state_close(run["state"], ref_state, what=what, adam=True)
+    _check_fp32(results, 4)           # every run against one process, fully_shard's local rows against FSDP2's

@@ -6,14 +6,25 @@
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)    # steps this rank's shards
 
 Each call shards at once: the module's parameters not already wrapped below it become one ZeRO-3 unit
-(`parallel/zero/params.py`, one padded flat buffer per dtype, split over the dp group), and the units wrapped
-below are adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers,
-frees, prefetches and reduce-scatters exactly as the engine's stage 3 does. What differs from the engine is only
-where the optimizer steps: here each parameter, while its unit is free, views its piece of the shard
-(`FlatShard.rest_on_shard`, a 1-D tensor of the elements of that parameter this rank holds) and its `.grad` its
-piece of the gradient shard, so any `torch.optim` optimizer built afterwards steps the shards in place (element-
-wise optimizers give exactly the single-process result; the pieces are not dim-0 rows as FSDP2's are).
-`model.state_dict()` is this rank's pieces (the sharded state dict); `full_state_dict()` gathers the whole.
+(`parallel/zero/params.py`, one buffer per dtype, split over the dp group), and the units wrapped below are
+adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers, frees,
+prefetches and reduce-scatters exactly as the engine's stage 3 does.
+
+The wrappers' units use `RowLayout` (`parallel/zero/partition.py`), FSDP2's dim-0 sharding: parameter i of
+shape [d_i, *rest] is cut into chunks of R_i = ceil(d_i / W) rows, and rank r holds rows
+[r R_i, min((r+1) R_i, d_i)), possibly none. Rank r's shard [S] is its chunk of each parameter in order, each
+padded to R_i rows. The all-gather gives [W, S] (rank-major); one `split_with_sizes_copy` moves it into the
+parameter-major buffer [W S] the full parameters view (stable storage across gather / free / re-gather, for the
+views autograd saves). In backward each gradient is added straight into rank-major order (two strided adds per
+parameter) before the reduce-scatter. The engine's units keep `FlatLayout` (its checkpoints depend on it).
+
+Where the optimizer steps: each parameter, while its unit is free, is its rows of the shard, shape
+[rows_r, *shape[1:]] (0 rows on the last ranks when d_i < W R_i), and its `.grad` the same rows of the averaged
+gradient (`FlatShard.rest_on_shard`), so any `torch.optim` optimizer built afterwards steps the shards in place,
+and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on one
+process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0] elsewhere.
+`model.state_dict()` is this rank's rows (the sharded state dict, FSDP2's local shards); `full_state_dict()`
+gathers the whole.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from shardwise.parallel.wrappers.policies import (
 )
 from shardwise.parallel.wrappers.steps import StepClock
 from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 SHARDED_ATTR = "_shardwise_sharded"
@@ -173,7 +185,8 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
         return None
     key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
     (unit,) = build_units([UnitPlan(type(module).__name__, module, params, is_root=True)], key_of=key_of,
-                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device)
+                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device,
+                          layout_type=RowLayout)
     unit.reshard_after_forward = reshard_after_forward
     with torch.no_grad():
         for f in unit.flats:

@@ -59,7 +59,7 @@ class FSDPModule:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the whole model's gradient norm is at most `max_norm`; returns that norm
         (computed before clipping), as torch's clip_grad_norm_ does on one process. Collective over dp (and tp).
-        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's pieces only."""
+        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's rows only."""
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
         return clip_sharded_(list(self.parameters()), max_norm,  # type: ignore[attr-defined]
@@ -91,7 +91,7 @@ class FSDPModule:
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (a `full_state_dict()`, or the unwrapped model's state dict): each rank keeps its
-        pieces. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
+        rows. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
         group = self._sharded_group()
         group.runtime.release_gathered()
         named = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
@@ -118,32 +118,39 @@ class FSDPModule:
         return self._sharded_group().clock.report(step)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's pieces of every parameter (1-D) and the buffers: what `state_dict()` gives. Load it back with
-        `load_state_dict` on the same number of ranks and the same wrapping."""
+        """This rank's rows of every parameter ([rows, *shape[1:]], as FSDP2's local shards) and the buffers: what
+        `state_dict()` gives. Load it back with `load_state_dict` on the same number of ranks and wrapping."""
         return self.state_dict()  # type: ignore[attr-defined]
 
 
+# The one conversion between "a tensor laid out as a parameter rests on this rank" (its rows of the shard: the
+# parameter itself, or optimizer state shaped like it) and "full per-parameter tensors". Only these two functions
+# and the flat's layout (`parallel/zero/partition.py`) know how a parameter is cut over the ranks.
+
 def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Each parameter of `flat` whole ([shapes[i]], on the compute device), given per parameter a tensor laid out
-    as it rests on this rank (its piece of the shard: the parameter itself, or optimizer state shaped like it) or
-    None (zeros). All entries share one dtype, which the result keeps. Collective: one all-gather over `comm`.
-    With `rank_piece`, the only code that knows how a parameter is cut over the ranks."""
+    as it rests on this rank or None (zeros). All entries share one dtype, which the result keeps. Collective: one
+    all-gather over `comm`, then the layout's copy out of rank-major order."""
     device = flat.compute_device or flat.shard.device
     dtype = next((t.dtype for t in local if t is not None), flat.shard.dtype)
     mine = torch.zeros(flat.layout.shard_numel, dtype=dtype, device=device)           # [S]
     for i, (lo, hi, dst) in flat.pieces.items():
         if local[i] is not None:
             mine[dst:dst + hi - lo].copy_(local[i].reshape(-1))
-    full = torch.empty(flat.layout.padded_numel, dtype=dtype, device=device)           # [S * dp]
-    comm.all_gather_into_tensor(full, mine)
+    gathered = torch.empty(flat.layout.padded_numel, dtype=dtype, device=device)      # [S * dp], rank-major
+    comm.all_gather_into_tensor(gathered, mine)
+    full = gathered
+    if not flat.layout.gathers_in_place:
+        full = torch.empty_like(gathered)
+        flat.layout.copy_out(gathered, full)
     return [full[o:o + n].view(s) for o, n, s in zip(flat.layout.offsets, flat.layout.sizes, flat.shapes)]
 
 
 def rank_piece(flat: FlatShard, i: int, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of parameter i's whole value `full` [shapes[i]], laid out as the parameter rests (a view of
-    `full`): the inverse of `full_tensors`. Not collective."""
+    """This rank's part of parameter i's whole value `full` [shapes[i]], shaped as the parameter rests here (a view
+    of `full`; empty where this rank holds none of it): the inverse of `full_tensors`. Not collective."""
     lo, hi, _ = flat.pieces.get(i, (0, 0, 0))
-    return full.reshape(-1)[lo:hi]
+    return full.reshape(-1)[lo:hi].view(flat.layout.local_shape(i, flat.rank))
 
 
 def clip_sharded_(params: list[torch.Tensor], max_norm: float, groups, *, dp_sharded: bool) -> torch.Tensor:

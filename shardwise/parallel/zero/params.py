@@ -10,9 +10,14 @@ every rank ("persistent") and belong to no unit; stage3.py treats them like ZeRO
 Each unit holds one FlatShard per key (optimizer param group, dtype) of its parameters:
 
     shard      [S]        model dtype   this rank's part, S = padded // dp: the only copy kept between uses
-    full       [padded]   model dtype   gathered buffer, padded = round_up(numel, dp): allocated at the first
-                                        gather, its storage resized to 0 bytes while the unit is free
+    full       [padded]   model dtype   gathered buffer, padded = dp * S: allocated at the first gather, its
+                                        storage resized to 0 bytes while the unit is free
     param.data full[off : off + numel].view(shape) while gathered; an empty [0] tensor while free
+
+The flat's layout (`partition.py`) says where each parameter sits. The engine's `FlatLayout` is contiguous
+element ranges, and the all-gather writes `full` directly. The wrappers' `RowLayout` gives each rank dim-0 rows
+of every parameter: the all-gather lands in a transient rank-major [dp, S] buffer, and `layout.copy_out` moves
+it into `full` (parameter-major) in one split-copy.
 
 Freeing resizes the buffer's storage to 0 bytes rather than dropping it: autograd may have saved a view of a
 weight during forward (F.linear saves `weight.t()`), and that view keeps pointing at the same storage, which
@@ -22,7 +27,6 @@ holds the right values again once the unit is re-gathered for backward, and no m
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,7 +35,7 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.parallel.zero.copies import CopyStream, wait_stream
-from shardwise.parallel.zero.partition import FlatLayout
+from shardwise.parallel.zero.partition import FlatLayout, RowLayout
 
 
 class UnitState(enum.Enum):
@@ -61,7 +65,7 @@ class FlatShard:
     key: FlatKey
     params: list[nn.Parameter]
     shapes: list[torch.Size]
-    layout: FlatLayout
+    layout: FlatLayout | RowLayout
     rank: int
     shard: torch.Tensor                  # [S]
     full: torch.Tensor | None            # [padded], allocated at the first gather; 0 bytes while free
@@ -82,16 +86,18 @@ class FlatShard:
     # gathered buffer is compute_dtype (bf16), gradients are reduced in reduce_dtype. None: key.dtype.
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    # The module wrappers: while free, parameter i views its piece of the shard [hi - lo] (and its .grad its
-    # piece of grad_shard), so an optimizer built on the module's parameters steps the shard in place.
+    # The module wrappers: while free, parameter i views its piece of the shard, shaped layout.local_shape (its
+    # dim-0 rows under RowLayout), and its .grad the same piece of grad_shard, so an optimizer built on the
+    # module's parameters steps the shard in place.
     rest_on_shard: bool = False
     grads_held: bool = False                  # grad_shard holds gradients the free parameters show as .grad
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
-                 dp_size: int, rank: int, device: torch.device, grad_shard: bool = True) -> "FlatShard":
+                 dp_size: int, rank: int, device: torch.device, grad_shard: bool = True,
+                 layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> "FlatShard":
         """A zeroed shard (and, for an optimized key when `grad_shard`, a zeroed gradient shard)."""
-        layout = FlatLayout(tuple(math.prod(s) for s in shapes), dp_size)
+        layout = layout_type.of_shapes(shapes, dp_size)
         shard = torch.zeros(layout.shard_numel, dtype=key.dtype, device=device)
         flat = cls(unit, key, params, list(shapes), layout, rank, shard, None, [],
                    torch.empty(0, dtype=key.dtype, device=device),
@@ -108,11 +114,20 @@ class FlatShard:
         return self.shard
 
     @torch.no_grad()
-    def take(self, i: int, value: torch.Tensor) -> None:
-        """Copy this rank's part of parameter i, given its full value (any shape), into the shard."""
+    def take(self, i: int, value: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        """Copy this rank's part of parameter i, given its full value (any shape), into the shard (or into
+        `into`, a tensor laid out like the shard)."""
         if i in self.pieces:
             lo, hi, dst = self.pieces[i]
-            self.shard[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
+            (self.shard if into is None else into)[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
+
+    def local_views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Per parameter, its piece of `t` (a tensor laid out like the shard), shaped as the parameter rests."""
+        out = []
+        for i in range(len(self.params)):
+            lo, hi, dst = self.pieces.get(i, (0, 0, 0))
+            out.append(t[dst:dst + hi - lo].view(self.layout.local_shape(i, self.rank)))
+        return out
 
     def offload(self, device: torch.device, *, pin_memory: bool) -> None:
         """Keep the shard on `device` (the CPU) between uses; gathers still happen on the compute device."""
@@ -128,21 +143,41 @@ class FlatShard:
         handle makes the current stream wait for both."""
         device = self.compute_device or self.shard.device
         dtype = self.compute_dtype or self.key.dtype
+        if self.layout.gathers_in_place:
+            self._fill_full(device, dtype)
+            return self._gather_into(self.full, comm, copies, device, dtype)
+        # rank-major [dp * S], transient: allocated on the compute stream, which alone reads it (copy_out); the
+        # full buffer gets its memory only then, so a prefetch in flight holds one [padded] buffer, not two
+        staged = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        inner = self._gather_into(staged, comm, copies, device, dtype)
+
+        def wait() -> None:
+            inner.wait()
+            self._fill_full(device, dtype)
+            self.layout.copy_out(staged, self.full)
+
+        return Handle(wait, lambda: None)
+
+    def _fill_full(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Give the full buffer its memory back (the same storage, so saved views of weights stay valid)."""
         if self.full is None:
             self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
             self.views = [self.full[o:o + n].view(s)
                           for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
         else:
             _resize(self.full, self.layout.padded_numel)
+
+    def _gather_into(self, out: torch.Tensor, comm: Comm, copies: CopyStream | None, device: torch.device,
+                     dtype: torch.dtype) -> Handle:
         send = self.shard
         if device == send.device and dtype == send.dtype:
-            return comm.all_gather_into_tensor(self.full, send, async_op=True)
+            return comm.all_gather_into_tensor(out, send, async_op=True)
         if copies is None or copies.stream is None or device == send.device:
             # a transient [S] copy on the compute stream: a cast on the device, or H2D without a copy stream
-            return comm.all_gather_into_tensor(self.full, send.to(device, dtype, non_blocking=True), async_op=True)
+            return comm.all_gather_into_tensor(out, send.to(device, dtype, non_blocking=True), async_op=True)
         with copies.stream_context():
             send = send.to(device, dtype, non_blocking=True)          # pinned host -> device, async
-            inner = comm.all_gather_into_tensor(self.full, send, async_op=True)
+            inner = comm.all_gather_into_tensor(out, send, async_op=True)
             done = copies.join()
 
         def wait() -> None:
@@ -172,13 +207,10 @@ class FlatShard:
             _resize(self.full, 0)
 
     def resting_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Per parameter: its piece of the shard [hi - lo] ([0] when none is on this rank), and of grad_shard."""
-        pieces, grads = [], []
-        for i in range(len(self.params)):
-            lo, hi, dst = self.pieces.get(i, (0, 0, 0))
-            pieces.append(self.shard[dst:dst + hi - lo])
-            grads.append(None if self.grad_shard is None else self.grad_shard[dst:dst + hi - lo])
-        return pieces, grads
+        """Per parameter: its piece of the shard (shaped `layout.local_shape`, empty when none is on this rank),
+        and of grad_shard."""
+        grads = self.local_views(self.grad_shard) if self.grad_shard is not None else [None] * len(self.params)
+        return self.local_views(self.shard), grads
 
     @torch.no_grad()
     def _take_back_grads(self) -> None:
@@ -309,7 +341,8 @@ def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistenc
 
 def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatKey],
                 shape_of: Callable[[nn.Parameter], torch.Size], dp_size: int, dp_rank: int,
-                device: torch.device, grad_shards: bool = True) -> list[Unit]:
+                device: torch.device, grad_shards: bool = True,
+                layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> list[Unit]:
     """Units with zeroed shards (fill them with FlatShard.take); one flat per key, keys in first-seen order."""
     units = []
     for index, plan in enumerate(plans):
@@ -317,7 +350,8 @@ def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatK
         for p in plan.params:
             by_key.setdefault(key_of(p), []).append(p)
         flats = [FlatShard.allocate(index, key, ps, [shape_of(p) for p in ps], dp_size=dp_size, rank=dp_rank,
-                                    device=device, grad_shard=grad_shards) for key, ps in by_key.items()]
+                                    device=device, grad_shard=grad_shards, layout_type=layout_type)
+                 for key, ps in by_key.items()]
         units.append(Unit(index, plan.name, plan.module, flats, is_root=plan.is_root))
     return units
 

@@ -1,4 +1,4 @@
-"""Pure shard arithmetic for ZeRO (no torch).
+"""Shard arithmetic for ZeRO, and the copies a layout needs between its gathered buffer and its parameters.
 
 Gradients and parameters are grouped into buckets (flat buffers of up to `reduce_bucket_size` elements, one
 dtype and one optimizer param group each). Every bucket is padded to a multiple of the dp size and split into
@@ -8,11 +8,19 @@ equal contiguous shards, so a bucket is reduce-scattered or all-gathered with on
     rank r's shard      [r * S, (r+1) * S)  S = padded // dp
 
 Rank r's optimizer state is the concatenation of its shards of every bucket.
+
+Two layouts answer the same questions (`offsets` of each parameter in the gathered full buffer, `pieces_in_shard`,
+`local_shape`, `copy_out`, `add_grad`): `FlatLayout`, the engine's (contiguous element ranges: its checkpoint
+format depends on it; the all-gather lands in the full buffer as it is), and `RowLayout`, the module wrappers'
+(dim-0 rows of each parameter, as FSDP2's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -48,6 +56,12 @@ class FlatLayout:
     sizes: tuple[int, ...]        # numel of each parameter, in bucket order
     dp_size: int
 
+    gathers_in_place = True       # the all-gather's rank-major output is the full buffer: no copy_out
+
+    @classmethod
+    def of_shapes(cls, shapes, dp_size: int) -> "FlatLayout":
+        return cls(tuple(_prod(tuple(s)) for s in shapes), dp_size)
+
     @property
     def offsets(self) -> tuple[int, ...]:
         out, off = [], 0
@@ -81,3 +95,131 @@ class FlatLayout:
             if lo < hi:
                 out.append((i, lo - off, hi - off, lo - shard.start))
         return out
+
+    def local_shape(self, i: int, rank: int) -> tuple[int, ...]:
+        """Parameter i's piece on `rank`: 1-D, [0] when it has none there."""
+        return next(((hi - lo,) for j, lo, hi, _ in self.pieces_in_shard(rank) if j == i), (0,))
+
+    def copy_out(self, gathered, full) -> None:
+        full.copy_(gathered)
+
+    def add_grad(self, buf, i: int, grad) -> None:
+        """Add parameter i's full gradient into the reduce-scatter input buf [padded] (its flat range)."""
+        off, n = self.offsets[i], self.sizes[i]
+        buf[off:off + n].add_(grad.reshape(-1))
+
+
+def _prod(dims: tuple[int, ...]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """A unit's buffer sharded by dim-0 rows of each parameter, as FSDP2 shards (the module wrappers' layout).
+
+    Parameter i of shape [d_i, *rest_i] (rows of c_i = prod(rest_i) elements; a 0-dim parameter is one row of one
+    element) is cut into chunks of R_i = ceil(d_i / W) rows: rank r holds rows [r R_i, min((r+1) R_i, d_i)),
+    possibly none. Rank r's shard is its chunk of every parameter in order, each padded to R_i rows:
+
+        shard r      [S]        S = sum_i R_i c_i; parameter i at shard offset s_i = sum_{j<i} R_j c_j
+        all-gather   [W, S]     rank-major: row r is rank r's shard
+        full         [W S]      parameter-major: parameter i at W s_i, as [W, R_i c_i] (its rows, then padding)
+
+    The gather lands rank-major; `copy_out` turns it into the parameter-major buffer the parameters view (one
+    split-copy for the whole unit). A gradient is added straight into the rank-major reduce-scatter input by
+    `add_grad` (two strided adds per parameter, no separate copy-in pass)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dp_size: int
+
+    gathers_in_place = False
+
+    @classmethod
+    def of_shapes(cls, shapes, dp_size: int) -> "RowLayout":
+        return cls(tuple(tuple(s) for s in shapes), dp_size)
+
+    def rows(self, i: int) -> int:
+        return self.shapes[i][0] if self.shapes[i] else 1
+
+    def row_numel(self, i: int) -> int:
+        return _prod(self.shapes[i][1:])
+
+    @cached_property
+    def rows_per_rank(self) -> tuple[int, ...]:
+        return tuple(ceil_div(self.rows(i), self.dp_size) for i in range(len(self.shapes)))
+
+    @cached_property
+    def chunks(self) -> tuple[int, ...]:
+        """R_i c_i: the elements of parameter i in every rank's shard, padding included."""
+        return tuple(r * self.row_numel(i) for i, r in enumerate(self.rows_per_rank))
+
+    @cached_property
+    def shard_offsets(self) -> tuple[int, ...]:
+        return tuple(sum(self.chunks[:i]) for i in range(len(self.chunks)))
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(_prod(s) for s in self.shapes)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where parameter i starts in the parameter-major full buffer."""
+        return tuple(self.dp_size * s for s in self.shard_offsets)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.chunks)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.dp_size * self.shard_numel
+
+    def local_rows(self, i: int, rank: int) -> int:
+        per = self.rows_per_rank[i]
+        return max(0, min(per, self.rows(i) - rank * per))
+
+    def local_shape(self, i: int, rank: int) -> tuple[int, ...]:
+        """Parameter i's rows on `rank`: [rows, *rest]. A 0-dim parameter lives on rank 0 (shape []) and is an
+        empty [0] on the other ranks."""
+        rows = self.local_rows(i, rank)
+        if not self.shapes[i]:
+            return () if rows else (0,)
+        return (rows, *self.shapes[i][1:])
+
+    def pieces_in_shard(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """(param index, start in the param's flat view, stop, start in the shard) of the rows `rank` holds."""
+        out = []
+        for i, (per, c, at) in enumerate(zip(self.rows_per_rank, map(self.row_numel, range(len(self.shapes))),
+                                             self.shard_offsets)):
+            rows = self.local_rows(i, rank)
+            if rows:
+                out.append((i, rank * per * c, (rank * per + rows) * c, at))
+        return out
+
+    def copy_out(self, gathered, full) -> None:
+        """Rank-major gathered [W S] -> parameter-major full [W S]: parameter i's [W, R_i c_i] block is column
+        block i of the [W, S] view, so one split-copy moves the whole unit."""
+        w = self.dp_size
+        outs = [full[o:o + w * c].view(w, c) for o, c in zip(self.offsets, self.chunks)]
+        torch.split_with_sizes_copy(gathered.view(w, self.shard_numel), list(self.chunks), dim=1, out=outs)
+
+    def add_grad(self, buf, i: int, grad) -> None:
+        """Add parameter i's full gradient (its shape) into the rank-major reduce-scatter input buf [W S]: ranks
+        holding R_i rows take one [q, R_i c_i] strided add, a last partial rank the remaining rows."""
+        per, c, at = self.rows_per_rank[i], self.row_numel(i), self.shard_offsets[i]
+        if per == 0 or c == 0:
+            return
+        w, rows = self.dp_size, self.rows(i)
+        block = buf.view(w, self.shard_numel)[:, at:at + per * c]          # [W, R_i c_i]
+        g = grad.reshape(-1)                                                 # [d_i c_i]
+        whole = rows // per
+        block[:whole].add_(g[:whole * per * c].view(whole, per * c))
+        if whole * per < rows:
+            block[whole, :(rows - whole * per) * c].add_(g[whole * per * c:])

@@ -286,9 +286,9 @@ class ZeroParamRuntime:
             return
         if flat.grad_full is None:
             flat.grad_full = _zeros_full(flat)
-        off, n = flat.layout.offsets[i], flat.layout.sizes[i]
-        # added, not copied: without reduce_grads the buffer holds the earlier backwards' sum (cast to reduce dtype)
-        flat.grad_full[off:off + n].add_(p.grad.reshape(-1))
+        # added, not copied: without reduce_grads the buffer holds the earlier backwards' sum (cast to reduce dtype);
+        # straight into the reduce-scatter's rank-major order, whatever the layout
+        flat.layout.add_grad(flat.grad_full, i, p.grad)
         p.grad = None                           # the full gradient is not kept: stage 2/3's saving
         flat.ready += 1
         if flat.ready == len(flat.params):
