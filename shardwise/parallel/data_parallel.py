@@ -43,6 +43,12 @@ class Bucket:
     # in every hook and every zero_grad cost ~1.4 ms per step on the tiny GPT (69 parameters).
     views: list[torch.Tensor] = field(default_factory=list)
     staged: torch.Tensor | None = None   # the buffer cast to communication_data_type while in flight
+    # A plain loop's bucket whose .grads were all None at forward (`reclaim_grads`): the parameters keep None, and
+    # each new gradient autograd hands over is copied into its slot by the hook, divided there when the backward
+    # communicates with prescale (one pass instead of a zero fill, an in-place add and a division).
+    fresh: bool = False
+    written: set[int] = field(default_factory=set)   # slots a fresh bucket's hook wrote this backward
+    prescaled: bool = False                           # ... and whether they were divided as they were written
 
 
 def plan_buckets(sizes: list[int], bucket_numel: int, *, last_numel: int | None = None) -> list[list[int]]:
@@ -182,14 +188,16 @@ class BucketedAllReduce(OrderedLauncher):
                     p.grad = view
 
     @torch.no_grad()
-    def reclaim_grads(self) -> None:
-        """Before a plain loop's backward: a .grad the user set to None (optimizer.zero_grad's default) gets its
-        slot back zeroed, one the user replaced is copied into its slot, so backward accumulates in place."""
+    def reclaim_grads(self, communicate: bool) -> None:
+        """Before a plain loop's backward (`communicate`: it will all-reduce): a bucket whose .grads are all None
+        (optimizer.zero_grad's default) stays so and is filled by the hooks (`Bucket.fresh`); otherwise a .grad set
+        to None gets its slot back zeroed and one the user replaced is copied into its slot, so backward
+        accumulates in place."""
         for bucket in self.buckets:
-            if all(p.grad is None for p in bucket.params):     # zero_grad(set_to_none=True): one fill per bucket
-                bucket.buffer.zero_()
-                for p, view in zip(bucket.params, bucket.views):
-                    p.grad = view
+            bucket.fresh = all(p.grad is None for p in bucket.params)
+            if bucket.fresh:
+                bucket.written.clear()
+                bucket.prescaled = communicate and not self.comm.local and self._fresh_divisor() is not None
                 continue
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
@@ -219,16 +227,43 @@ class BucketedAllReduce(OrderedLauncher):
         grad = p.grad
         # autograd accumulates into the attached view in place (same object); a new tensor means it was replaced
         if grad is not None and grad is not view and grad.data_ptr() != view.data_ptr():
-            # Someone replaced .grad (e.g. optimizer.zero_grad(set_to_none=True)): fold it back in.
-            view.copy_(p.grad)
+            if bucket.fresh and i not in bucket.written:
+                # the slot holds last step's values: write it whole, divided now if the launch will not divide
+                bucket.written.add(i)
+                if bucket.prescaled:
+                    torch.div(grad, self.comm.size, out=view)
+                else:
+                    view.copy_(grad)
+            else:
+                # someone replaced .grad after autograd had it in place: fold it back in
+                view.copy_(grad)
             p.grad = view
         if not self.enabled:
             return
         self._mark_ready(bucket, p)
 
+    def _fresh_divisor(self) -> int | None:
+        """What a fresh bucket's hook divides each gradient by as it writes it (None: the launch divides)."""
+        return self.comm.size if self.prescale else None
+
+    @torch.no_grad()
+    def settle_fresh(self, bucket: Bucket) -> bool:
+        """A fresh bucket before its launch (or at the end of a backward without one): slots of parameters that got
+        no gradient are zeroed and every .grad views its slot again. True if its slots are divided already."""
+        if not bucket.fresh:
+            return False
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+            if i not in bucket.written:
+                view.zero_()
+                p.grad = view
+        bucket.fresh = False
+        return bucket.prescaled
+
     def _launch(self, bucket: Bucket) -> None:
+        divided = self.settle_fresh(bucket)
         if self.prescale:
-            bucket.buffer.div_(self.comm.size)
+            if not divided:
+                bucket.buffer.div_(self.comm.size)
         elif self.predivide_factor != 1.0:
             bucket.buffer.div_(self.predivide_factor)
         wire = bucket.buffer

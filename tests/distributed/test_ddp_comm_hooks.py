@@ -4,7 +4,10 @@ buckets and give what they give under torch's DDP.
 fp16 compression is element-wise (cast, divide by the world size, sum, cast back), so the bucket boundaries
 do not matter and both wrappers must agree bitwise; torch's plain `allreduce_hook` (divide, then sum) is the
 wrapper's own arithmetic, so it must equal the run without a hook bitwise. (PowerSGD chains collectives from
-future callbacks, which hangs on gloo under torch's own DDP too, so it is not run here.)"""
+future callbacks, which hangs on gloo under torch's own DDP too, so it is not run here.)
+
+Also in this launch: a parameter that gets no gradient in some steps of a `zero_grad()` (set_to_none) loop,
+against the single process."""
 
 from __future__ import annotations
 
@@ -32,9 +35,44 @@ def _train(wrapper: str, hook: str) -> dict:
     return {"losses": losses, "state": state_copy(net)}
 
 
+class _Branchy(torch.nn.Module):
+    """`a` always trains; `b` only on even steps: a bucket of the DDP wrapper gets no gradient for it on odd ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.steps % 2 == 0:
+            y = self.b(y)
+        self.steps += 1
+        return y.square().mean()
+
+
+def _branchy(world: int, rank: int, wrap: bool) -> dict:
+    import shardwise
+    net = _Branchy()
+    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=1e-4) if wrap else net
+    # plain SGD: a zero gradient and no gradient step alike, so stale slot values would show
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        x = torch.randn(4 * 2, 8, generator=g)
+        opt.zero_grad()         # set_to_none: the wrapper's buckets start fresh each step
+        loss = model(x.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+    return {"state": state_copy(net)}
+
+
 def _worker() -> dict:
-    out = {f"{w}/{h}": _train(w, h) for w, h in [("ours", "fp16"), ("torch", "fp16"), ("ours", "none"),
-                                                  ("ours", "allreduce")]}
+    out = {"branchy": _branchy(dist.get_world_size(), dist.get_rank(), True)}
+    out.update({f"{w}/{h}": _train(w, h) for w, h in [("ours", "fp16"), ("torch", "fp16"), ("ours", "none"),
+                                                  ("ours", "allreduce")]})
     import shardwise
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     model = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
@@ -67,4 +105,10 @@ def test_torch_comm_hooks_run_on_our_buckets() -> None:
     for name in ("ours/fp16", "ours/allreduce"):
         for k, v in r0[name]["state"].items():     # the replicas stay identical
             assert torch.equal(v, r1[name]["state"][k]), (name, k)
+    # a parameter without a gradient in a step: its slot is zeroed, not last step's values (plain SGD: the single
+    # process, where it has no gradient, does not move it either)
+    ref = _branchy(1, 0, False)["state"]
+    for r in (r0, r1):
+        for k, v in ref.items():
+            torch.testing.assert_close(r["branchy"]["state"][k], v, rtol=1e-6, atol=1e-7)
     assert len(r0["errors"]) == 2 and "already registered" in r0["errors"][0] and "ring" in r0["errors"][1]

@@ -13,6 +13,7 @@ dicts, at 2 ranks resumed at 4 and at 1) and the communication reports run in th
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -86,10 +87,20 @@ def _grad_sync_off(model):
     return ctx
 
 
-def _ours_fully_shard(case: str, mp=None) -> dict:
+def _checkpointed(model: torch.nn.Module, reentrant: bool | None) -> torch.nn.Module:
+    """Each block's forward under torch's activation checkpointing (as torchtitan applies it before fully_shard):
+    backward re-runs the block's forward, which must gather its unit again."""
+    from torch.utils.checkpoint import checkpoint
+    if reentrant is not None:
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=reentrant)
+    return model
+
+
+def _ours_fully_shard(case: str, mp=None, *, reentrant: bool | None = None) -> dict:
     import shardwise
     spec, gas, clip = CASES[case]
-    model = tiny_gpt(seq_len=SEQ)
+    model = _checkpointed(tiny_gpt(seq_len=SEQ), reentrant)
     policy = mp or shardwise.MixedPrecisionPolicy()
     for block in model.blocks:
         shardwise.fully_shard(block, mp_policy=policy)
@@ -117,12 +128,12 @@ def _ours_fsdp1(case: str) -> dict:
     return {"losses": losses, "state": model.full_state_dict()}
 
 
-def _ours_ddp(case: str, all_reduce: str) -> dict:
+def _ours_ddp(case: str, all_reduce: str, *, reentrant: bool | None = None) -> dict:
     import shardwise
     spec, gas, clip = CASES[case]
     # a different seed on ranks > 0: the wrapper must start every rank from rank 0's weights
-    model = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ, seed=1234 + 7 * dist.get_rank()),
-                                              bucket_cap_mb=0.01, all_reduce=all_reduce)
+    net = _checkpointed(tiny_gpt(seq_len=SEQ, seed=1234 + 7 * dist.get_rank()), reentrant)
+    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=0.01, all_reduce=all_reduce)
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
                        clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=model.no_sync)
@@ -285,6 +296,9 @@ def _two_ranks() -> dict:
                              "torch_fsdp2": _torch_fsdp2("nanogpt_groups")}
     out["bf16"] = _bf16_pair()
     out["saving"] = wrapper_state_cases.two_ranks()
+    case = "adamw_accum_clip"
+    out["checkpointed"] = {"fully_shard": _ours_fully_shard(case, reentrant=False),
+                           "ddp_reentrant": _ours_ddp(case, "backend", reentrant=True)}
     return out
 
 
@@ -327,6 +341,13 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     results = run_distributed(_two_ranks, 2, timeout=400)
     _check_fp32(results, 2)
     wrapper_state_cases.check_two_ranks([r["saving"] for r in results])
+    # activation checkpointing inside the wrapped blocks trains as without it
+    ref_losses, ref_state = reference("adamw_accum_clip")
+    for rank, r in enumerate(results):
+        for name, run in r["checkpointed"].items():
+            what = f"checkpointed blocks, {name}, rank {rank}"
+            assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
+            assert_state_close(run["state"], ref_state, what=what, adam=True)
     r0 = results[0]
     # nanoGPT's grouping sees the parameters' true dimensions: the same decayed set as on one process
     matrices = sum(p.dim() >= 2 for p in tiny_gpt(seq_len=SEQ).parameters())

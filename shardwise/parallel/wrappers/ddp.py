@@ -72,7 +72,8 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.clock.forward_started(self.require_sync)
-            self.reducer.reclaim_grads()     # slots of .grads the optimizer set to None are zeroed
+            # .grads the optimizer set to None: the hooks write their slots (divided) as backward hands them over
+            self.reducer.reclaim_grads(self.require_sync)
             self.reducer.begin_backward(self.require_sync)
             if self.broadcast_buffers and self.require_sync:
                 with torch.no_grad():
@@ -121,10 +122,14 @@ class _LoopReducer(BucketedAllReduce):
     _callback_queued = False
     comm_hook: tuple[Any, CommHook, str] | None = None     # (state, hook, its name): register_comm_hook's
 
+    def _fresh_divisor(self) -> int | None:
+        return None if self.comm_hook is not None else super()._fresh_divisor()     # a hook does its own averaging
+
     def _launch(self, bucket) -> None:
         if self.comm_hook is None:
             super()._launch(bucket)
             return
+        self.settle_fresh(bucket)
         state, hook, name = self.comm_hook
         future = hook(state, HookBucket(bucket, last=bucket.index == len(self.buckets) - 1))
         bucket.handle = future_handle(future, bucket.buffer, name)
