@@ -30,7 +30,8 @@ from shardwise.config.resolved import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.zero.homes import UnitKeeper, mark_homes
 from shardwise.parallel.zero.materialize import materialize_sharded
-from shardwise.parallel.zero.params import PARTITION_ATTR, FlatKey, shard_model
+from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
 
 
 class Init:

@@ -6,9 +6,9 @@
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)    # steps this rank's shards
 
 Each call shards at once: the module's parameters not already wrapped below it become one ZeRO-3 unit
-(`parallel/zero/params.py`, one buffer per dtype, split over the dp group), and the units wrapped below are
-adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers, frees,
-prefetches and reduce-scatters exactly as the engine's stage 3 does.
+(`parallel/zero/params.py` and `flat.py`, one buffer per dtype, split over the dp group), and the units wrapped
+below are adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers,
+frees, prefetches and reduce-scatters exactly as the engine's stage 3 does.
 
 The wrappers' units use `RowLayout` (`parallel/zero/partition.py`), FSDP2's dim-0 sharding: parameter i of
 shape [d_i, *rest] is cut into chunks of R_i = ceil(d_i / W) rows, and rank r holds rows
@@ -41,7 +41,8 @@ from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.wrappers.steps import StepClock
-from shardwise.parallel.zero.params import FlatKey, Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.params import Partition, Unit, UnitPlan, build_units
 from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 

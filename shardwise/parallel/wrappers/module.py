@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
-from shardwise.parallel.zero.params import FlatShard
+from shardwise.parallel.zero.flat import FlatShard
 from shardwise.topology import SoloComm
 
 

@@ -31,7 +31,8 @@ from shardwise.parallel.zero.buckets import ZeroBucket, build_zero_buckets
 from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.homes import mark_homes
 from shardwise.parallel.zero.optimizer import ShardedUpdate, Stage3Update, make_shard_masters
-from shardwise.parallel.zero.params import PARTITION_ATTR, FlatKey, Partition, rekey, shard_model
+from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, rekey, shard_model
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 

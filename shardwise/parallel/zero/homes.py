@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shardwise.comm.collectives import Comm
-from shardwise.parallel.zero.params import FlatShard, Partition, Unit
+from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.params import Partition, Unit
 
 HOME_ATTR = "_shardwise_zero3_home"
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
-from shardwise.parallel.zero.params import PARTITION_ATTR, FlatKey, Partition, build_units, plan_units
+from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, build_units, plan_units
 
 
 def _default_init(model: nn.Module) -> None:

@@ -25,7 +25,7 @@ from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.copies import CopyStream, HostGrad, pinned_like, wait_host
 from shardwise.parallel.zero.fused import prefer_fused_adam
-from shardwise.parallel.zero.params import FlatShard
+from shardwise.parallel.zero.flat import FlatShard
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 if TYPE_CHECKING:

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_leaves
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.copies import CopyStream, HostGrad, discard_sent
 from shardwise.parallel.zero.grads import ZeroGradReducer
-from shardwise.parallel.zero.params import FlatShard, Partition, Unit, UnitState, load_full_tensors
+from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.params import Partition, Unit, UnitState, load_full_tensors
 
 
 _FLAT_TAG_BASE = 1 << 20

@@ -1,0 +1,212 @@
+"""One flat buffer of a ZeRO-3 unit (one key: optimizer param group, dtype), sharded over the dp group: its
+gather, free, views, offload and gradient pieces. Units and their planning are in `params.py`.
+
+    shard      [S]        model dtype   this rank's part, S = padded // dp: the only copy kept between uses
+    full       [padded]   model dtype   gathered buffer, padded = dp * S: allocated at the first gather, its
+                                        storage resized to 0 bytes while the unit is free
+    param.data full[off : off + numel].view(shape) while gathered; an empty [0] tensor while free
+
+The flat's layout (`partition.py`) says where each parameter sits. The engine's `FlatLayout` is contiguous
+element ranges, and the all-gather writes `full` directly. The wrappers' `RowLayout` gives each rank dim-0 rows
+of every parameter: the all-gather lands in a transient rank-major [dp, S] buffer, and `layout.copy_out` moves
+it into `full` (parameter-major) in one split-copy.
+
+Freeing resizes the buffer's storage to 0 bytes rather than dropping it: autograd may have saved a view of a
+weight during forward (F.linear saves `weight.t()`), and that view keeps pointing at the same storage, which
+holds the right values again once the unit is re-gathered for backward, and no memory in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.zero.copies import CopyStream, wait_stream
+from shardwise.parallel.zero.partition import FlatLayout, RowLayout
+
+
+@dataclass(frozen=True)
+class FlatKey:
+    group: int | None          # optimizer param-group index; None: not optimized (frozen or not passed)
+    dtype: torch.dtype
+
+
+def _resize(t: torch.Tensor, numel: int) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes() != numel * t.element_size():
+        storage.resize_(numel * t.element_size())
+
+
+@dataclass(eq=False)
+class FlatShard:
+    """One padded flat buffer of a unit (one key), sharded over the dp group. Quacks like a ZeroBucket for
+    `ShardedUpdate` (`group`, `params`, `param_shard`, `grad_shard`, `layout`)."""
+
+    unit: int
+    key: FlatKey
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]
+    layout: FlatLayout | RowLayout
+    rank: int
+    shard: torch.Tensor                  # [S]
+    full: torch.Tensor | None            # [padded], allocated at the first gather; 0 bytes while free
+    views: list[torch.Tensor]            # views[i] = full[off_i : off_i + n_i].view(shapes[i])
+    empty: torch.Tensor                  # [0] placeholder every parameter points at while free
+    grad_shard: torch.Tensor | None      # [S] averaged gradient, summed over micro-batches (optimized keys)
+    pieces: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # i -> (lo, hi, start in shard)
+    # backward bookkeeping, owned by stage3.ZeroParamRuntime
+    grad_full: torch.Tensor | None = None     # [padded] this micro-batch's gradients, while being reduced
+    ready: int = 0                            # parameters whose gradient arrived in this backward
+    launched: bool = False
+    received: torch.Tensor | None = None      # [S] reduce-scatter output
+    handle: Handle | None = None
+    # ZeRO-Offload of parameters: the shard lives on the CPU between uses and is copied to this device
+    # (non-blocking from pinned memory) for each all-gather. None: the shard's own device.
+    compute_device: torch.device | None = None
+    # Mixed precision with the shard as the master (the module wrappers): the shard keeps key.dtype (fp32), the
+    # gathered buffer is compute_dtype (bf16), gradients are reduced in reduce_dtype. None: key.dtype.
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    # The module wrappers: while free, parameter i views its piece of the shard, shaped layout.local_shape (its
+    # dim-0 rows under RowLayout), and its .grad the same piece of grad_shard, so an optimizer built on the
+    # module's parameters steps the shard in place.
+    rest_on_shard: bool = False
+    grads_held: bool = False                  # grad_shard holds gradients the free parameters show as .grad
+
+    @classmethod
+    def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
+                 dp_size: int, rank: int, device: torch.device, grad_shard: bool = True,
+                 layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> "FlatShard":
+        """A zeroed shard (and, for an optimized key when `grad_shard`, a zeroed gradient shard)."""
+        layout = layout_type.of_shapes(shapes, dp_size)
+        shard = torch.zeros(layout.shard_numel, dtype=key.dtype, device=device)
+        flat = cls(unit, key, params, list(shapes), layout, rank, shard, None, [],
+                   torch.empty(0, dtype=key.dtype, device=device),
+                   torch.zeros_like(shard) if key.group is not None and grad_shard else None)
+        flat.pieces = {i: (lo, hi, dst) for i, lo, hi, dst in layout.pieces_in_shard(rank)}
+        return flat
+
+    @property
+    def group(self) -> int | None:
+        return self.key.group
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        return self.shard
+
+    @torch.no_grad()
+    def take(self, i: int, value: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        """Copy this rank's part of parameter i, given its full value (any shape), into the shard (or into
+        `into`, a tensor laid out like the shard)."""
+        if i in self.pieces:
+            lo, hi, dst = self.pieces[i]
+            (self.shard if into is None else into)[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
+
+    def local_views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Per parameter, its piece of `t` (a tensor laid out like the shard), shaped as the parameter rests."""
+        out = []
+        for i in range(len(self.params)):
+            lo, hi, dst = self.pieces.get(i, (0, 0, 0))
+            out.append(t[dst:dst + hi - lo].view(self.layout.local_shape(i, self.rank)))
+        return out
+
+    def offload(self, device: torch.device, *, pin_memory: bool) -> None:
+        """Keep the shard on `device` (the CPU) between uses; gathers still happen on the compute device."""
+        self.compute_device = self.shard.device
+        # One host copy, page-locked when asked (and CUDA exists), so the gathers' H2D copies can be asynchronous.
+        host = torch.empty(self.shard.shape, dtype=self.shard.dtype, device=device,
+                           pin_memory=pin_memory and torch.cuda.is_available())
+        self.shard = host.copy_(self.shard)
+
+    def launch_gather(self, comm: Comm, copies: CopyStream | None = None) -> Handle:
+        """All-gather the unit's buffer. An offloaded shard is copied to the device and gathered on `copies`' side
+        stream (after the work queued so far), so a prefetch overlaps the compute queued after it; waiting on the
+        handle makes the current stream wait for both."""
+        device = self.compute_device or self.shard.device
+        dtype = self.compute_dtype or self.key.dtype
+        if self.layout.gathers_in_place:
+            self._fill_full(device, dtype)
+            return self._gather_into(self.full, comm, copies, device, dtype)
+        # rank-major [dp * S], transient: allocated on the compute stream, which alone reads it (copy_out); the
+        # full buffer gets its memory only then, so a prefetch in flight holds one [padded] buffer, not two
+        staged = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+        inner = self._gather_into(staged, comm, copies, device, dtype)
+
+        def wait() -> None:
+            inner.wait()
+            self._fill_full(device, dtype)
+            self.layout.copy_out(staged, self.full)
+
+        return Handle(wait, lambda: None)
+
+    def _fill_full(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Give the full buffer its memory back (the same storage, so saved views of weights stay valid)."""
+        if self.full is None:
+            self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+            self.views = [self.full[o:o + n].view(s)
+                          for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
+        else:
+            _resize(self.full, self.layout.padded_numel)
+
+    def _gather_into(self, out: torch.Tensor, comm: Comm, copies: CopyStream | None, device: torch.device,
+                     dtype: torch.dtype) -> Handle:
+        send = self.shard
+        if device == send.device and dtype == send.dtype:
+            return comm.all_gather_into_tensor(out, send, async_op=True)
+        if copies is None or copies.stream is None or device == send.device:
+            # a transient [S] copy on the compute stream: a cast on the device, or H2D without a copy stream
+            return comm.all_gather_into_tensor(out, send.to(device, dtype, non_blocking=True), async_op=True)
+        with copies.stream_context():
+            send = send.to(device, dtype, non_blocking=True)          # pinned host -> device, async
+            inner = comm.all_gather_into_tensor(out, send, async_op=True)
+            done = copies.join()
+
+        def wait() -> None:
+            inner.wait()
+            wait_stream(done, device)         # also a world-1 local copy made on the side stream
+
+        return Handle(wait, lambda: None)
+
+    def attach(self) -> None:
+        if self.rest_on_shard:
+            self._take_back_grads()
+        for p, v in zip(self.params, self.views):
+            p.data = v
+
+    def release(self) -> None:
+        if self.rest_on_shard:
+            pieces, grads = self.resting_views()
+            for p, v in zip(self.params, pieces):
+                p.data = v
+            if self.grads_held:
+                for p, g in zip(self.params, grads):
+                    p.grad = g
+        else:
+            for p in self.params:
+                p.data = self.empty
+        if self.full is not None:
+            _resize(self.full, 0)
+
+    def resting_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per parameter: its piece of the shard (shaped `layout.local_shape`, empty when none is on this rank),
+        and of grad_shard."""
+        grads = self.local_views(self.grad_shard) if self.grad_shard is not None else [None] * len(self.params)
+        return self.local_views(self.shard), grads
+
+    @torch.no_grad()
+    def _take_back_grads(self) -> None:
+        """Before a gather: what the user did to the shown gradients goes into grad_shard (a .grad set to None,
+        optimizer.zero_grad's default, zeroes its piece; a replaced one is copied in); then .grad is cleared so
+        that autograd accumulates this backward's full-shape gradient afresh."""
+        if self.grads_held:
+            _, grads = self.resting_views()
+            for p, g in zip(self.params, grads):
+                if p.grad is None:
+                    g.zero_()
+                elif p.grad.data_ptr() != g.data_ptr() or p.grad.shape != g.shape:
+                    g.copy_(p.grad)
+        for p in self.params:
+            p.grad = None
