@@ -44,11 +44,13 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     staged: torch.Tensor | None = None   # the buffer cast to communication_data_type while in flight
     # A plain loop's bucket whose .grads were all None at forward (`reclaim_grads`): the parameters keep None, and
-    # each new gradient autograd hands over is copied into its slot by the hook, divided there when the backward
-    # communicates with prescale (one pass instead of a zero fill, an in-place add and a division).
+    # each new gradient autograd hands over is copied into its slot by the hook (one pass instead of a zero fill
+    # and an in-place add).
     fresh: bool = False
     written: set[int] = field(default_factory=set)   # slots a fresh bucket's hook wrote this backward
-    prescaled: bool = False                           # ... and whether they were divided as they were written
+    # With prescale, each slot is divided by its hook as its gradient is final (still in cache; the launch then
+    # waits for no division): the slots divided so far in this backward.
+    divided: set[int] = field(default_factory=set)
 
 
 def plan_buckets(sizes: list[int], bucket_numel: int, *, last_numel: int | None = None) -> list[list[int]]:
@@ -144,6 +146,7 @@ class BucketedAllReduce(OrderedLauncher):
         self.impl = impl
         self.predivide_factor = predivide_factor
         self.enabled = False       # set per backward: True only on gradient-accumulation boundaries
+        self._divide_each = False  # set per backward: the hooks divide each gradient (prescale, communicating)
         self._executor: ThreadPoolExecutor | None = None
         self._reset_launches()
         params = [p for p in params if p.requires_grad]
@@ -188,8 +191,8 @@ class BucketedAllReduce(OrderedLauncher):
                     p.grad = view
 
     @torch.no_grad()
-    def reclaim_grads(self, communicate: bool) -> None:
-        """Before a plain loop's backward (`communicate`: it will all-reduce): a bucket whose .grads are all None
+    def reclaim_grads(self) -> None:
+        """Before a plain loop's backward (after `begin_backward`): a bucket whose .grads are all None
         (optimizer.zero_grad's default) stays so and is filled by the hooks (`Bucket.fresh`); otherwise a .grad set
         to None gets its slot back zeroed and one the user replaced is copied into its slot, so backward
         accumulates in place."""
@@ -197,7 +200,6 @@ class BucketedAllReduce(OrderedLauncher):
             bucket.fresh = all(p.grad is None for p in bucket.params)
             if bucket.fresh:
                 bucket.written.clear()
-                bucket.prescaled = communicate and not self.comm.local and self._fresh_divisor() is not None
                 continue
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is None:
@@ -225,45 +227,61 @@ class BucketedAllReduce(OrderedLauncher):
         bucket, i = self._where[id(p)]
         view = self._view(bucket, i)
         grad = p.grad
+        divide = self._divide_each and i not in bucket.divided     # once per backward, after the last add
         # autograd accumulates into the attached view in place (same object); a new tensor means it was replaced
         if grad is not None and grad is not view and grad.data_ptr() != view.data_ptr():
             if bucket.fresh and i not in bucket.written:
-                # the slot holds last step's values: write it whole, divided now if the launch will not divide
+                # the slot holds last step's values: write it whole (divided on the way when prescaling)
                 bucket.written.add(i)
-                if bucket.prescaled:
+                if divide:
                     torch.div(grad, self.comm.size, out=view)
                 else:
                     view.copy_(grad)
             else:
                 # someone replaced .grad after autograd had it in place: fold it back in
                 view.copy_(grad)
+                if divide:
+                    view.div_(self.comm.size)
             p.grad = view
+        elif divide:
+            view.div_(self.comm.size)
+        if divide:
+            bucket.divided.add(i)
         if not self.enabled:
             return
         self._mark_ready(bucket, p)
 
-    def _fresh_divisor(self) -> int | None:
-        """What a fresh bucket's hook divides each gradient by as it writes it (None: the launch divides)."""
-        return self.comm.size if self.prescale else None
+    def _hooks_divide(self) -> bool:
+        """Whether each gradient is divided by the dp size in its hook (prescale): the launch divides the rest."""
+        return self.prescale
 
     @torch.no_grad()
-    def settle_fresh(self, bucket: Bucket) -> bool:
-        """A fresh bucket before its launch (or at the end of a backward without one): slots of parameters that got
-        no gradient are zeroed and every .grad views its slot again. True if its slots are divided already."""
+    def settle_fresh(self, bucket: Bucket) -> None:
+        """A fresh bucket before its launch: slots of parameters that got no gradient are zeroed (nothing to
+        divide) and every .grad views its slot again."""
         if not bucket.fresh:
-            return False
+            return
         for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
             if i not in bucket.written:
                 view.zero_()
                 p.grad = view
+                bucket.divided.add(i)
         bucket.fresh = False
-        return bucket.prescaled
+
+    @torch.no_grad()
+    def _divide_rest(self, bucket: Bucket) -> None:
+        """Prescale at launch: the slots no hook divided (parameters without a gradient in this backward)."""
+        if not bucket.divided:
+            bucket.buffer.div_(self.comm.size)
+        elif len(bucket.divided) < len(bucket.params):
+            for i, view in enumerate(bucket.views):
+                if i not in bucket.divided:
+                    view.div_(self.comm.size)
 
     def _launch(self, bucket: Bucket) -> None:
-        divided = self.settle_fresh(bucket)
+        self.settle_fresh(bucket)
         if self.prescale:
-            if not divided:
-                bucket.buffer.div_(self.comm.size)
+            self._divide_rest(bucket)
         elif self.predivide_factor != 1.0:
             bucket.buffer.div_(self.predivide_factor)
         wire = bucket.buffer
@@ -287,6 +305,9 @@ class BucketedAllReduce(OrderedLauncher):
     def begin_backward(self, boundary: bool) -> None:
         """Communicate only for the backward of the last micro-batch of a global batch."""
         self.enabled = boundary and not self.comm.local
+        self._divide_each = self.enabled and self._hooks_divide()
+        for bucket in self.buckets:
+            bucket.divided.clear()
         self.launch_log = []
 
     def end_backward(self, boundary: bool) -> None:

@@ -19,8 +19,9 @@ SEQ = 16
 CASES = {
     "adamw": dict(optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}, gas=1, clip=0.0,
                   all_reduce="backend"),
+    # prescale_gradients: each gradient divided by the dp size in its hook, before the sum
     "sgd_accum_clip": dict(optimizer={"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, gas=2, clip=0.3,
-                           all_reduce="backend"),
+                           all_reduce="backend", prescale=True),
     "adam_ring_accum_clip": dict(optimizer={"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}}, gas=2,
                                  clip=0.5, all_reduce="ring"),
 }
@@ -39,6 +40,7 @@ def ds_config(case: dict, world: int) -> dict:
         "optimizer": case["optimizer"],
         "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},   # several buckets
         "communication": {"all_reduce": case["all_reduce"]},
+        "prescale_gradients": case.get("prescale", False),
     }
 
 

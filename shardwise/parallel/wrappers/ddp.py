@@ -65,16 +65,16 @@ class DistributedDataParallel(nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
                 self.groups.dp.broadcast(t)
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
-        # prescale: each bucket is divided by the dp size as it launches (torch DDP's arithmetic), so the division
-        # overlaps backward instead of following it
+        # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
+        # it is final, so the division overlaps backward and the launch waits for none
         self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.clock.forward_started(self.require_sync)
-            # .grads the optimizer set to None: the hooks write their slots (divided) as backward hands them over
-            self.reducer.reclaim_grads(self.require_sync)
             self.reducer.begin_backward(self.require_sync)
+            # .grads the optimizer set to None: the hooks write their slots (divided) as backward hands them over
+            self.reducer.reclaim_grads()
             if self.broadcast_buffers and self.require_sync:
                 with torch.no_grad():
                     for b in self.module.buffers():
@@ -122,8 +122,8 @@ class _LoopReducer(BucketedAllReduce):
     _callback_queued = False
     comm_hook: tuple[Any, CommHook, str] | None = None     # (state, hook, its name): register_comm_hook's
 
-    def _fresh_divisor(self) -> int | None:
-        return None if self.comm_hook is not None else super()._fresh_divisor()     # a hook does its own averaging
+    def _hooks_divide(self) -> bool:
+        return self.comm_hook is None and super()._hooks_divide()     # a comm hook does its own averaging
 
     def _launch(self, bucket) -> None:
         if self.comm_hook is None:
