@@ -78,15 +78,6 @@ def seed_loop(model, optimizer, *, gas: int, dp: int, dp_rank: int, clip=None, n
     return losses
 
 
-def _grad_sync_off(model):
-    @contextlib.contextmanager
-    def ctx():
-        model.set_requires_gradient_sync(False)
-        yield
-        model.set_requires_gradient_sync(True)
-    return ctx
-
-
 def _checkpointed(model: torch.nn.Module, reentrant: bool | None) -> torch.nn.Module:
     """Each block's forward under torch's activation checkpointing (as torchtitan applies it before fully_shard):
     backward re-runs the block's forward, which must gather its unit again."""
@@ -108,7 +99,8 @@ def _ours_fully_shard(case: str, mp=None, *, reentrant: bool | None = None) -> d
     opt = _optimizer(spec, model.parameters())
     world, rank = dist.get_world_size(), dist.get_rank()
     losses = seed_loop(model, opt, gas=gas, dp=world, dp_rank=rank,
-                       clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=_grad_sync_off(model))
+                       clip=(lambda: model.clip_grad_norm_(clip)) if clip else None,
+                       no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": model.full_state_dict(), "sharded": model.sharded_state_dict(),
             "numel": sum(p.numel() for p in model.parameters()), "local": _local(model),
             "decayed": len(opt.param_groups[0]["params"])}
@@ -164,7 +156,7 @@ def _torch_fsdp2(case: str, mp=None) -> dict:
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
                        clip=(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None,
-                       no_sync=_grad_sync_off(model))
+                       no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()},
             "local": _local(model), "decayed": len(opt.param_groups[0]["params"])}
 
@@ -401,7 +393,7 @@ def _tp_fully_shard() -> dict:
     shardwise.fully_shard(model, mesh=mesh)
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=2, dp_rank=mesh.rank(Axis.DP), clip=lambda: model.clip_grad_norm_(clip),
-                       no_sync=_grad_sync_off(model))
+                       no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": gather_full_state_dict(model, tp_comm, model.full_state_dict())}
 
 
@@ -415,7 +407,8 @@ def _offload_kept() -> dict:
     shardwise.fully_shard(model, offload_policy=shardwise.CPUOffloadPolicy())
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
-                       clip=lambda: model.clip_grad_norm_(clip), no_sync=_grad_sync_off(model))
+                       clip=lambda: model.clip_grad_norm_(clip),
+                       no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": model.full_state_dict()}
 
 

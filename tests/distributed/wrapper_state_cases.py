@@ -51,7 +51,8 @@ def accumulate(model, opt, batch: torch.Tensor, sync_off) -> None:
     opt.step()
 
 
-def _sync_off(model):
+def grad_sync_off(model):
+    """A no_sync-like context for a fully_shard'ed model: set_requires_gradient_sync(False) inside."""
     @contextlib.contextmanager
     def ctx():
         model.set_requires_gradient_sync(False)
@@ -123,7 +124,7 @@ def two_ranks() -> dict:
     shardwise.set_state_dict(fresh, fresh_opt, model_state_dict=saved[0], optim_state_dict=saved[1])
     out["sharded"] = (saved, _clone(shardwise.get_state_dict(fresh, fresh_opt)))
     out["next"] = (train(model, opt, batches()[3:4], world), train(fresh, fresh_opt, batches()[3:4], world))
-    accumulate(model, opt, batches()[4], _sync_off(model))          # step 4: two forwards, one reduce-scatter
+    accumulate(model, opt, batches()[4], grad_sync_off(model))     # step 4: two forwards, one reduce-scatter
     out["accumulated"], out["step 3"] = model.comm_report(), model.comm_report(step=3)
     with torch.no_grad():                                             # step 5: an evaluation forward
         model(*lm_pair(batches()[5][:2]))
