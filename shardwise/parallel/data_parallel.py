@@ -141,6 +141,7 @@ class BucketedAllReduce(OrderedLauncher):
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False):
         self.comm = comm
+        self._size = comm.size          # the group's size, asked once (each hook divides by it)
         self.prescale = prescale        # DeepSpeed's prescale_gradients: divide by dp size before summing
         self.comm_dtype = comm_dtype    # DeepSpeed's communication_data_type: reduce in this dtype
         self.impl = impl
@@ -180,9 +181,6 @@ class BucketedAllReduce(OrderedLauncher):
         return groups
 
     # -- gradient storage ---------------------------------------------------------------------------
-    def _view(self, bucket: Bucket, i: int) -> torch.Tensor:
-        return bucket.views[i]
-
     def attach_grads(self) -> None:
         """Point every .grad at its slot in the bucket buffers (after zeroing, or if a user reset grads)."""
         for bucket in self.buckets:
@@ -225,7 +223,7 @@ class BucketedAllReduce(OrderedLauncher):
     # -- communication ------------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         bucket, i = self._where[id(p)]
-        view = self._view(bucket, i)
+        view = bucket.views[i]
         grad = p.grad
         divide = self._divide_each and i not in bucket.divided     # once per backward, after the last add
         # autograd accumulates into the attached view in place (same object); a new tensor means it was replaced
@@ -234,17 +232,17 @@ class BucketedAllReduce(OrderedLauncher):
                 # the slot holds last step's values: write it whole (divided on the way when prescaling)
                 bucket.written.add(i)
                 if divide:
-                    torch.div(grad, self.comm.size, out=view)
+                    torch.div(grad, self._size, out=view)
                 else:
                     view.copy_(grad)
             else:
                 # someone replaced .grad after autograd had it in place: fold it back in
                 view.copy_(grad)
                 if divide:
-                    view.div_(self.comm.size)
+                    view.div_(self._size)
             p.grad = view
         elif divide:
-            view.div_(self.comm.size)
+            view.div_(self._size)
         if divide:
             bucket.divided.add(i)
         if not self.enabled:
