@@ -112,3 +112,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch asks every process to destroy its groups before exiting: gloo's worker threads may otherwise still
+    # hold finished work when the interpreter shuts down, which aborts the process
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

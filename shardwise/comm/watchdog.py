@@ -19,6 +19,7 @@ the verdict instead. A verdict nobody raised within that margin (NCCL aborts the
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import sys
@@ -98,6 +99,16 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
             + "; ".join(parts))
 
 
+def _stop_at_exit(ref: "weakref.ref[HangWatchdog]") -> None:
+    """Before the interpreter finalizes: a daemon thread still inside a store call when finalization stops it
+    unwinds through C++ frames that may not throw, and the process aborts ("terminate called without an active
+    exception") after a run that had finished. Stop the thread and let it leave its call first."""
+    dog = ref()
+    if dog is not None:
+        dog.stop()
+        dog.join(timeout_s=10.0)
+
+
 class HangWatchdog:
     """One per engine on every rank of a world > 1 (`start` launches the thread). Holds its ledger weakly: the
     thread ends with the engine, or at `stop()`."""
@@ -124,10 +135,16 @@ class HangWatchdog:
         dog = cls(ledger, store=store, rank=rank, world=world, timeout_s=timeout_s)
         ledger.explain = dog.explain
         dog._thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(dog))
         return dog
 
     def stop(self) -> None:
         self._stop.set()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the thread to end (after `stop`)."""
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     # -- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
