@@ -141,7 +141,7 @@ class BucketedAllReduce(OrderedLauncher):
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False):
         self.comm = comm
-        self._size = comm.size          # the group's size, asked once (each hook divides by it)
+        self._size = comm.size          # the group's size, asked once: every division uses it
         self.prescale = prescale        # DeepSpeed's prescale_gradients: divide by dp size before summing
         self.comm_dtype = comm_dtype    # DeepSpeed's communication_data_type: reduce in this dtype
         self.impl = impl
@@ -190,7 +190,7 @@ class BucketedAllReduce(OrderedLauncher):
 
     @torch.no_grad()
     def reclaim_grads(self) -> None:
-        """Before a plain loop's backward (after `begin_backward`): a bucket whose .grads are all None
+        """Before a plain loop's backward: a bucket whose .grads are all None
         (optimizer.zero_grad's default) stays so and is filled by the hooks (`Bucket.fresh`); otherwise a .grad set
         to None gets its slot back zeroed and one the user replaced is copied into its slot, so backward
         accumulates in place."""
@@ -270,11 +270,11 @@ class BucketedAllReduce(OrderedLauncher):
     def _divide_rest(self, bucket: Bucket) -> None:
         """Prescale at launch: the slots no hook divided (parameters without a gradient in this backward)."""
         if not bucket.divided:
-            bucket.buffer.div_(self.comm.size)
+            bucket.buffer.div_(self._size)
         elif len(bucket.divided) < len(bucket.params):
             for i, view in enumerate(bucket.views):
                 if i not in bucket.divided:
-                    view.div_(self.comm.size)
+                    view.div_(self._size)
 
     def _launch(self, bucket: Bucket) -> None:
         self.settle_fresh(bucket)
@@ -327,9 +327,9 @@ class BucketedAllReduce(OrderedLauncher):
                 bucket.staged = None
             if not self.comm.local and not self.prescale:
                 if self.predivide_factor != 1.0:
-                    bucket.buffer.mul_(self.predivide_factor / self.comm.size)
+                    bucket.buffer.mul_(self.predivide_factor / self._size)
                 else:
-                    bucket.buffer.div_(self.comm.size)
+                    bucket.buffer.div_(self._size)
             bucket.handle = None
             bucket.ready.clear()
         self._next_launch = 0
