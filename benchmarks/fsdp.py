@@ -38,6 +38,7 @@ from benchmarks.trainers import MIB, Built, batches
 from benchmarks.wrapper_trainers import BUILDERS, Wrapper
 
 MODELS = ("tiny", "small")
+PAIRS = {"fsdp": (Wrapper.SW_FSDP, Wrapper.FSDP2), "ddp": (Wrapper.SW_DDP, Wrapper.SW_DDP_SHM, Wrapper.DDP)}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=positive_float(), default=25.0, help="DDP bucket cap in MiB, both DDPs "
                    "(default: %(default)s)")
     p.add_argument("--bf16", action="store_true", help="FSDP pair: bf16 parameters, fp32 reduction")
+    p.add_argument("--pairs", choices=PAIRS, nargs="+", default=list(PAIRS), help="which pairs to build and time "
+                   "(default: both); one pair alone affords more rounds in the same time")
     p.add_argument("--rounds", type=int_at_least(1), default=6, help="(default: %(default)s)")
     p.add_argument("--steps", type=int_at_least(1), default=5, help="timed steps per trainer per round "
                    "(default: %(default)s)")
@@ -189,7 +192,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     from shardwise.models import gpt_config, gpt_num_params
     cfg = gpt_config(args.model)
     data = batches(args, args.seq_len, cfg.vocab_size)
-    trainers = {w: BUILDERS[w](args, data) for w in Wrapper}
+    chosen = [w for pair in args.pairs for w in PAIRS[pair]]
+    trainers = {w: BUILDERS[w](args, data) for w in Wrapper if w in chosen}
     rtol = args.rtol if args.rtol is not None else (1e-2 if args.bf16 else 1e-5)
     check = _check_warmup(trainers, args.warmup, rtol)
     times = _time(trainers, args.rounds, args.steps)

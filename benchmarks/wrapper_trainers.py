@@ -1,5 +1,6 @@
-"""The four trainers `benchmarks.fsdp` times side by side, each the seed's plain loop on one GPT preset:
-shardwise's `fully_shard` against torch FSDP2's, shardwise's `DistributedDataParallel` against torch DDP.
+"""The five trainers `benchmarks.fsdp` times side by side, each the seed's plain loop on one GPT preset:
+shardwise's `fully_shard` against torch FSDP2's, shardwise's `DistributedDataParallel` (over gloo's all-reduce, and
+over shardwise's shared-memory one: `all_reduce="shm"`) against torch DDP.
 
 Every trainer: the same model from one seed, torch AdamW (lr 3e-4, weight decay 0.1), gradient clipping at 1.0,
 the same micro-batches; the FSDP pair with `fully_shard` on every block then on the root and the same mixed
@@ -25,13 +26,14 @@ class Wrapper(str, enum.Enum):
     SW_FSDP = "shardwise fully_shard"
     FSDP2 = "torch fully_shard"
     SW_DDP = "shardwise DDP"
+    SW_DDP_SHM = "shardwise DDP shm"
     DDP = "torch DDP"
 
     @property
     def peer(self) -> "Wrapper":
         """The trainer this one is compared with (shardwise's against torch's and back)."""
         return {Wrapper.SW_FSDP: Wrapper.FSDP2, Wrapper.FSDP2: Wrapper.SW_FSDP, Wrapper.SW_DDP: Wrapper.DDP,
-                Wrapper.DDP: Wrapper.SW_DDP}[self]
+                Wrapper.SW_DDP_SHM: Wrapper.DDP, Wrapper.DDP: Wrapper.SW_DDP}[self]
 
 
 def _adamw(params) -> torch.optim.AdamW:
@@ -89,10 +91,10 @@ def build_fsdp2(args: argparse.Namespace, data: list) -> Built:
     return Built(forward, backward, update, lambda: _sharded_memory(net, opt, (forward, backward, update)))
 
 
-def build_sw_ddp(args: argparse.Namespace, data: list) -> Built:
+def build_sw_ddp(args: argparse.Namespace, data: list, all_reduce: str = "backend") -> Built:
     import shardwise
     net = model(args)
-    ddp = shardwise.DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb)
+    ddp = shardwise.DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb, all_reduce=all_reduce)
     opt = _adamw(net.parameters())
     next_batch = cycling(data)
 
@@ -120,4 +122,5 @@ def build_ddp(args: argparse.Namespace, data: list) -> Built:
 
 
 BUILDERS: dict[Wrapper, Callable[[argparse.Namespace, list], Built]] = {
-    Wrapper.SW_FSDP: build_sw_fsdp, Wrapper.FSDP2: build_fsdp2, Wrapper.SW_DDP: build_sw_ddp, Wrapper.DDP: build_ddp}
+    Wrapper.SW_FSDP: build_sw_fsdp, Wrapper.FSDP2: build_fsdp2, Wrapper.SW_DDP: build_sw_ddp,
+    Wrapper.SW_DDP_SHM: lambda args, data: build_sw_ddp(args, data, all_reduce="shm"), Wrapper.DDP: build_ddp}

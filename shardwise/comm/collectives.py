@@ -11,12 +11,15 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from shardwise.comm.ledger import CommLedger
+
+if TYPE_CHECKING:
+    from shardwise.comm.shm import SharedBuffers
 
 # torch 2.13 renamed the flat-tensor collectives (`*_single`) and made the old names warn FutureWarning on
 # every call, i.e. once per rank per run. Same arguments, same semantics; older torch has only the old names.
@@ -175,6 +178,13 @@ class Comm:
             ring_all_reduce(tensor, self.group, op=op)
 
         return self._run("ring_all_reduce", tensor, launch, async_op)
+
+    def shm_all_reduce(self, shared: "SharedBuffers", index: int) -> Handle:
+        """Our shared-memory all-reduce of `shared.local[index]` (`shardwise.comm.shm`), in place and blocking,
+        recorded as ONE ledger entry of the buffer's bytes (its barriers are not recorded)."""
+        if self.local:
+            return _Done()
+        return self._run("shm_all_reduce", shared.local[index], lambda: shared.all_reduce_(index), False)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False) -> Handle:
         if self.local:

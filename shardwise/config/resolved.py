@@ -35,6 +35,7 @@ class AllReduceImpl(enum.StrEnum):
 
     BACKEND = "backend"   # the process group's own all_reduce (NCCL/gloo)
     RING = "ring"         # shardwise's ring (reduce-scatter + all-gather over p2p), for study and tests
+    SHM = "shm"           # shardwise's shared-memory all-reduce: CPU tensors, the whole group on one host
 
 
 class OffloadDevice(enum.StrEnum):

@@ -129,10 +129,12 @@ class ActivationCheckpointingSection(Section):
 class CommunicationSection(Section):
     """shardwise: how collectives are carried out."""
 
-    all_reduce: Literal["backend", "ring"] = "backend"
+    all_reduce: Literal["backend", "ring", "shm"] = "backend"
     """Data-parallel gradient all-reduce: "backend" calls the process group's all_reduce (NCCL/gloo);
     "ring" runs shardwise's own ring algorithm (reduce-scatter then all-gather over point-to-point
-    sends), bit-for-bit comparable and instrumented, mainly for study and tests."""
+    sends), bit-for-bit comparable and instrumented, mainly for study and tests; "shm" sums CPU gradients
+    through shared memory (/dev/shm) when every rank of the data-parallel group runs on one host, cheaper
+    than gloo's loopback sockets."""
     timeout_minutes: Float = Field(5.0, gt=0)
     """How long a collective may wait for its peers before every rank reports what it waits on and the run ends
     naming the ranks that did not arrive (torch's default is 30 minutes). Fractions are fine (0.05 = 3 s)."""

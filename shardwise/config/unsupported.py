@@ -69,7 +69,7 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     if zero.stage >= 1:
         # ZeRO reduce-scatters with the backend in the gradients' dtype; stage 0's all-reduce options do not
         # reach it. Refused rather than ignored: each would silently change what is reduced.
-        stage0_only = {"communication.all_reduce": model.communication.all_reduce == "ring",
+        stage0_only = {"communication.all_reduce": model.communication.all_reduce != "backend",
                        "communication_data_type": model.communication_data_type is not None,
                        "prescale_gradients": model.prescale_gradients,
                        "gradient_predivide_factor": model.gradient_predivide_factor != 1.0}

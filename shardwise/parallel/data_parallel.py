@@ -13,6 +13,10 @@ left to overlap its all-reduce.
 
 Buckets launch strictly in index order (bucket k waits for buckets < k), so every rank issues the same
 collectives in the same order even if hooks fire in a slightly different order.
+
+With `AllReduceImpl.SHM` the buffers themselves live in shared memory that every rank of the group maps
+(`shardwise.comm.shm`), so the all-reduce reads the peers' gradients in place instead of through sockets.
+
 Gradient averaging: sum over the dp group, then divide by dp size (optionally pre-divided by
 `gradient_predivide_factor`, as DeepSpeed does), which is the exact mean when every rank's loss is the mean
 over an equal number of samples.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +34,10 @@ from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, AllReduceImpl, gradient_bucket_numel
 from shardwise.device import device_guard
+from shardwise.errors import UserError
+
+if TYPE_CHECKING:
+    from shardwise.comm.shm import SharedBuffers
 
 
 @dataclass
@@ -153,9 +162,12 @@ class BucketedAllReduce(OrderedLauncher):
         params = [p for p in params if p.requires_grad]
         order = list(reversed(params))
         self.buckets: list[Bucket] = []
-        for b, group in enumerate(self._group_by_dtype(order, bucket_numel)):
+        groups = self._group_by_dtype(order, bucket_numel)
+        self._shared = self._shared_buffers(groups) if impl is AllReduceImpl.SHM and not comm.local else None
+        for b, group in enumerate(groups):
             total = sum(p.numel() for p in group)
-            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+            buffer = self._shared.local[b] if self._shared is not None else \
+                torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
             offsets, off = [], 0
             for p in group:
                 offsets.append(off)
@@ -179,6 +191,20 @@ class BucketedAllReduce(OrderedLauncher):
             groups += [[same[i] for i in idx]
                        for idx in plan_buckets([p.numel() for p in same], limit, last_numel=last)]
         return groups
+
+    def _shared_buffers(self, groups: list[list[torch.nn.Parameter]]) -> "SharedBuffers":
+        """The buckets' buffers in memory every rank of the group maps (`shardwise.comm.shm`); collective."""
+        from shardwise.comm.shm import SharedBuffers
+        off_host = next((p.device for g in groups for p in g if p.device.type != "cpu"), None)
+        if off_host is not None:
+            raise UserError(f"all_reduce = 'shm': the gradients are on {off_host}; the shared-memory all-reduce is "
+                            f"for CPU training (on GPUs the backend, NCCL, is the fast path): use all_reduce = "
+                            f"'backend'")
+        if self.comm_dtype is not None and any(g[0].dtype != self.comm_dtype for g in groups):
+            raise UserError(f"all_reduce = 'shm' with communication_data_type {self.comm_dtype}: the shared-memory "
+                            f"all-reduce sums in the gradients' own dtype; remove communication_data_type or use "
+                            f"all_reduce = 'backend'")
+        return SharedBuffers.create(self.comm, [(sum(p.numel() for p in g), g[0].dtype) for g in groups])
 
     # -- gradient storage ---------------------------------------------------------------------------
     def attach_grads(self) -> None:
@@ -294,11 +320,17 @@ class BucketedAllReduce(OrderedLauncher):
         elif self.impl is AllReduceImpl.RING:
             # On gloo the ring is built from blocking p2p calls; a single worker thread keeps buckets in
             # launch order on every rank while the main thread carries on with backward.
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-ring")
-            bucket.handle = self._executor.submit(self.comm.ring_all_reduce, wire)
+            bucket.handle = self._comm_thread().submit(self.comm.ring_all_reduce, wire)
+        elif self._shared is not None:
+            # blocking too (two barriers around reads and writes of the peers' mapped buffers), on the same thread
+            bucket.handle = self._comm_thread().submit(self.comm.shm_all_reduce, self._shared, bucket.index)
         else:
             bucket.handle = self.comm.all_reduce(wire, async_op=True)
+
+    def _comm_thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-allreduce")
+        return self._executor
 
     def begin_backward(self, boundary: bool) -> None:
         """Communicate only for the backward of the last micro-batch of a global batch."""

@@ -27,7 +27,7 @@ from shardwise.config.resolved import CommsLoggerConfig
 def bus_factor(op: str, group_size: int) -> float:
     """How many times its payload an op moves through each rank's link (NCCL-tests' bus bandwidth factor)."""
     n = group_size
-    if op in ("all_reduce", "ring_all_reduce"):
+    if op in ("all_reduce", "ring_all_reduce", "shm_all_reduce"):
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n

@@ -1,5 +1,6 @@
 """Data parallelism equals single-process training: same seed, same global batch, 5 steps, at 2 and 4
-ranks, with and without gradient accumulation, with clipping, with ring all-reduce; and equals torch DDP."""
+ranks, with and without gradient accumulation, with clipping, with ring and shared-memory all-reduce; and equals
+torch DDP."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ CASES = {
                            all_reduce="backend", prescale=True),
     "adam_ring_accum_clip": dict(optimizer={"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}}, gas=2,
                                  clip=0.5, all_reduce="ring"),
+    # shared-memory all-reduce (the buckets live in /dev/shm), with accumulation and clipping
+    "adamw_shm_accum_clip": dict(optimizer={"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}, gas=2,
+                                 clip=0.5, all_reduce="shm"),
 }
 
 
@@ -136,7 +140,8 @@ def test_dp_matches_single_process_and_ddp(world_size):
             # one step's gradient traffic: every fp32 gradient once (all-reduce of the full gradient)
             grad_ops = [c for c in got["comm"] if c["group"] == "dp"]
             assert sum(c["bytes"] for c in grad_ops) == 4 * got["num_params"]
-            expected_op = "ring_all_reduce" if CASES[name]["all_reduce"] == "ring" else "all_reduce"
+            expected_op = {"ring": "ring_all_reduce", "shm": "shm_all_reduce"}.get(CASES[name]["all_reduce"],
+                                                                                "all_reduce")
             assert {c["op"] for c in grad_ops} == {expected_op}
             assert sum(c["count"] for c in grad_ops) > 1, "expected several buckets"
     for rank, res in enumerate(results):     # DDP equals shardwise, which equals the reference (above)

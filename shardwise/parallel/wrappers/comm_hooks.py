@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.comm.collectives import Handle
+from shardwise.config.resolved import AllReduceImpl
 from shardwise.errors import UserError
 
 CommHook = Callable[[Any, Any], Any]
@@ -67,14 +68,14 @@ def future_handle(future: Any, buffer: torch.Tensor, hook_name: str) -> Handle:
     return Handle(wait, lambda: None)
 
 
-def check_hook(hook: Any, *, registered: bool, ring: bool) -> str:
-    """The hook's name for messages; refuses what torch refuses and a hook on top of shardwise's ring."""
+def check_hook(hook: Any, *, registered: bool, impl: AllReduceImpl) -> str:
+    """The hook's name for messages; refuses what torch refuses and a hook on top of shardwise's own all-reduce."""
     if registered:
         raise UserError("register_comm_hook: a hook is already registered; register one hook, once, before the "
                         "first backward (as torch DDP)")
-    if ring:
-        raise UserError("register_comm_hook with all_reduce='ring': the ring already chooses how buckets are "
-                        "reduced; build the wrapper with all_reduce='backend' to use a hook")
+    if impl is not AllReduceImpl.BACKEND:
+        raise UserError(f"register_comm_hook with all_reduce='{impl.value}': shardwise's own all-reduce already "
+                        f"chooses how buckets are reduced; build the wrapper with all_reduce='backend' to use a hook")
     if not callable(hook):
         raise UserError(f"register_comm_hook: hook = {hook!r} is not callable; give hook(state, bucket) -> Future")
     return getattr(hook, "__qualname__", repr(hook))

@@ -1,6 +1,6 @@
 """`DistributedDataParallel`: torch DDP's wrapper on shardwise's bucketed, overlapped all-reduce.
 
-    model = DistributedDataParallel(model, bucket_cap_mb=25)        # all_reduce="ring": shardwise's ring
+    model = DistributedDataParallel(model, bucket_cap_mb=25)        # all_reduce="ring" | "shm": shardwise's own
     optimizer = torch.optim.AdamW(model.parameters())
     loss = model(ids, labels); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
@@ -46,8 +46,9 @@ class DistributedDataParallel(nn.Module):
         try:
             impl = AllReduceImpl(all_reduce)
         except ValueError:
-            raise UserError(f"all_reduce = {all_reduce!r}: give 'backend' (the process group's all_reduce) or "
-                            f"'ring' (shardwise's ring)") from None
+            raise UserError(f"all_reduce = {all_reduce!r}: give 'backend' (the process group's all_reduce), 'ring' "
+                            f"(shardwise's ring) or 'shm' (shardwise's shared-memory all-reduce: CPU, one host)"
+                            ) from None
         if not bucket_cap_mb > 0:
             raise UserError(f"bucket_cap_mb = {bucket_cap_mb}: give a positive size in MiB, e.g. 25")
         if device_ids and torch.cuda.is_available():
@@ -95,8 +96,7 @@ class DistributedDataParallel(nn.Module):
         """torch DDP's communication hook: `hook(state, bucket)` is called as each bucket is ready, in place of the
         all-reduce, and returns a `torch.futures.Future` of the bucket's new gradients (averaging is the hook's
         job). torch's hooks run unchanged (fp16 compression; bf16 and PowerSGD need NCCL); see `comm_hooks.py`."""
-        name = check_hook(hook, registered=self.reducer.comm_hook is not None,
-                          ring=self.reducer.impl is AllReduceImpl.RING)
+        name = check_hook(hook, registered=self.reducer.comm_hook is not None, impl=self.reducer.impl)
         self.reducer.comm_hook = (state, hook, name)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
