@@ -8,7 +8,8 @@ mesh against the single process. At 2 and 4 ranks each rank's parameters after t
 shards (`p.to_local()`: the same dim-0 rows, shapes and values), and nanoGPT's optimizer grouping (weight decay
 on parameters of 2 or more dimensions) trains as on one process. Saving and resuming (model and optimizer state
 dicts, at 2 ranks resumed at 4 and at 1) and the communication reports run in the same launches
-(wrapper_state_cases.py)."""
+(wrapper_state_cases.py), and so do the cases on small modules: refusals, casts, odd shapes
+(wrapper_small_cases.py)."""
 
 from __future__ import annotations
 
@@ -18,31 +19,22 @@ import functools
 import torch
 import torch.distributed as dist
 
+import wrapper_small_cases
 import wrapper_state_cases
 from test_dp_parity import SEQ, global_batches
+from wrapper_small_cases import ADAMW, NANOGPT, SGD
+from wrapper_small_cases import optimizer as _optimizer
 from shardwise.testing import (
     assert_close_growing, assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, micro_steps,
     reference_train, run_distributed, shard_global_batch, state_copy, tiny_gpt,
 )
 
-ADAMW = ("adamw", dict(lr=3e-3, weight_decay=0.1))
-SGD = ("sgd", dict(lr=0.05, momentum=0.9))
-NANOGPT = ("nanogpt", dict(lr=3e-3, weight_decay=0.1))
 CASES = {          # name: (optimizer, gradient accumulation, clip)
     "adamw_accum_clip": (ADAMW, 2, 0.5),
     "sgd": (SGD, 1, None),
     "nanogpt_groups": (NANOGPT, 1, None),
 }
 BF16_EPS = 2.0 ** -7        # bf16's machine epsilon
-
-
-def _optimizer(spec: tuple, params) -> torch.optim.Optimizer:
-    name, kw = spec
-    if name == "nanogpt":           # nanoGPT's configure_optimizers: decay matrices and embeddings only
-        params = list(params)
-        return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": kw["weight_decay"]},
-                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=kw["lr"])
-    return torch.optim.AdamW(params, **kw) if name == "adamw" else torch.optim.SGD(params, **kw)
 
 
 def _local(model) -> dict:
@@ -101,7 +93,8 @@ def _ours_fully_shard(case: str, mp=None, *, reentrant: bool | None = None) -> d
     losses = seed_loop(model, opt, gas=gas, dp=world, dp_rank=rank,
                        clip=(lambda: model.clip_grad_norm_(clip)) if clip else None,
                        no_sync=wrapper_state_cases.grad_sync_off(model))
-    return {"losses": losses, "state": model.full_state_dict(), "sharded": model.sharded_state_dict(),
+    return {"losses": losses, "state": model.full_state_dict(),
+            "sharded": wrapper_state_cases.portable(model.sharded_state_dict()),
             "numel": sum(p.numel() for p in model.parameters()), "local": _local(model),
             "decayed": len(opt.param_groups[0]["params"])}
 
@@ -158,7 +151,8 @@ def _torch_fsdp2(case: str, mp=None) -> dict:
                        clip=(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip else None,
                        no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()},
-            "local": _local(model), "decayed": len(opt.param_groups[0]["params"])}
+            "local": _local(model), "decayed": len(opt.param_groups[0]["params"]),
+            "sharded": wrapper_state_cases.portable(model.state_dict())}
 
 
 def _bf16_pair() -> dict:
@@ -190,96 +184,9 @@ def _state_dict_round_trip() -> dict:
         seq_len=SEQ, seed=5))}
 
 
-def _refusals() -> list[str]:
-    """One line each, naming the argument and the fix."""
-    import shardwise
-    from shardwise.errors import UserError
-    model = tiny_gpt(seq_len=SEQ)
-    attempts = [
-        lambda: shardwise.fully_shard(model.blocks[0], reshard_after_forward=2),
-        lambda: shardwise.fully_shard(model.blocks[0], mp_policy={"param_dtype": torch.bfloat16}),
-        lambda: (shardwise.fully_shard(model), shardwise.fully_shard(model.blocks[1])),
-        lambda: shardwise.fully_shard(model),
-        lambda: model.clip_grad_norm_(1.0, norm_type=1),
-        lambda: shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), all_reduce="tree"),
-        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), sharding_strategy="NO_SHARD"),
-        lambda: shardwise.FullyShardedDataParallel(tiny_gpt(seq_len=SEQ), auto_wrap_policy=3),
-    ]
-    out = []
-    for attempt in attempts:
-        try:
-            attempt()
-            out.append("accepted")
-        except UserError as e:
-            out.append(str(e))
-    return out
-
-
-class _Scaled(torch.nn.Module):
-    """A linear layer times a buffer, noting the dtype its input arrives in."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.register_buffer("scale", torch.full((4,), 2.0))
-        self.seen: torch.dtype | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen = x.dtype
-        return self.lin(x) * self.scale
-
-
-def _policy_casts() -> dict:
-    """param_dtype casts the gathered weights and the inputs, buffer_dtype the buffers once, output_dtype the
-    outputs; the parameters the optimizer sees stay fp32 pieces."""
-    import shardwise
-    net = _Scaled()
-    shardwise.fully_shard(net, mp_policy=shardwise.MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, output_dtype=torch.float32, buffer_dtype=torch.bfloat16))
-    out = net(torch.ones(2, 4))
-    out.sum().backward()              # the root stays gathered from forward to backward, as FSDP2's does
-    params = list(net.parameters())
-    return {"buffer": net.scale.dtype, "input": net.seen, "output": out.dtype,
-            "params": sorted({str(t.dtype) for p in params for t in (p, p.grad)}),
-            "numel": sum(p.numel() for p in params)}
-
-
-class _OddShapes(torch.nn.Module):
-    """Shapes row sharding must get right on 2 ranks: a scalar (rank 0 only), 3 rows (2 + 1), 1 row (none on
-    rank 1), a vector of 3."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(3)
-        self.scale = torch.nn.Parameter(torch.tensor(1.5))
-        self.w = torch.nn.Parameter(torch.randn(3, 5, generator=g))
-        self.row = torch.nn.Parameter(torch.randn(1, 3, generator=g))
-        self.bias = torch.nn.Parameter(torch.randn(3, generator=g))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:          # x [b, 5]
-        return ((x @ self.w.T + self.bias + self.row) * self.scale).square().mean()
-
-
-def _odd_shapes(dp: int = 1, dp_rank: int = 0) -> dict:
-    """3 AdamW steps with nanoGPT's groups on the batch [4, 5]; on dp ranks, fully_shard and this rank's rows."""
-    import shardwise
-    net = _OddShapes()
-    if dp > 1:
-        shardwise.fully_shard(net)
-    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
-    opt = _optimizer(NANOGPT, net.parameters())
-    x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(4))
-    for step in range(3):
-        opt.zero_grad()
-        net(x[step].chunk(dp)[dp_rank]).backward()
-        opt.step()
-    return {"shapes": shapes, "state": net.full_state_dict() if dp > 1 else state_copy(net)}
-
-
 def _two_ranks() -> dict:
     torch.set_num_threads(1)
-    out = {"state_dicts": _state_dict_round_trip(), "refusals": _refusals(), "casts": _policy_casts(),
-           "odd_shapes": _odd_shapes(dist.get_world_size(), dist.get_rank())}
+    out = {"state_dicts": _state_dict_round_trip(), **wrapper_small_cases.two_ranks()}
     for case in ("adamw_accum_clip", "sgd"):
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
                      "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
@@ -294,13 +201,15 @@ def _two_ranks() -> dict:
     return out
 
 
-def _check_local_rows(ours: dict, sharded: dict, fsdp2: dict, *, what: str) -> None:
+def _check_local_rows(ours: dict, sharded: dict, fsdp2: dict, fsdp2_sharded: dict, *, what: str) -> None:
     """Our resting parameters and sharded state dict are FSDP2's local shards: the same dim-0 rows (shapes) and
-    values."""
+    values; the state dict's entries are DTensors of FSDP2's global shapes and placements."""
     assert ours.keys() == fsdp2.keys(), f"{what}: names {sorted(ours.keys() ^ fsdp2.keys())} differ"
     for k, v in fsdp2.items():
         assert ours[k].shape == v.shape, f"{what} {k}: local shape {tuple(ours[k].shape)}, FSDP2's {tuple(v.shape)}"
-        assert torch.equal(sharded[k], ours[k]), f"{what} {k}: the sharded state dict is not the local rows"
+        kind, local, shape, placements = sharded[k]
+        assert (kind, shape, placements) == ("DTensor", *fsdp2_sharded[k][2:]), (what, k, sharded[k][2:])
+        assert torch.equal(local, ours[k]), f"{what} {k}: the sharded state dict is not the local rows"
         if not k.endswith("k_proj.bias"):           # Adam on an exactly-zero gradient: see assert_state_close
             torch.testing.assert_close(ours[k], v, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
 
@@ -316,7 +225,7 @@ def _check_fp32(results: list[dict], world: int) -> None:
             if "torch_fsdp2" in runs:
                 mine = runs["fully_shard"]
                 _check_local_rows(mine["local"], mine["sharded"], runs["torch_fsdp2"]["local"],
-                                  what=f"{world} ranks, {case}, rank {rank}")
+                                  runs["torch_fsdp2"]["sharded"], what=f"{world} ranks, {case}, rank {rank}")
             for name, run in runs.items():
                 what = f"{world} ranks, {case}, {name}, rank {rank}"
                 assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
@@ -345,23 +254,11 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     matrices = sum(p.dim() >= 2 for p in tiny_gpt(seq_len=SEQ).parameters())
     assert r0["nanogpt_groups"]["fully_shard"]["decayed"] == r0["nanogpt_groups"]["torch_fsdp2"]["decayed"] == \
         matrices > 0
-    odd = _odd_shapes()
-    assert [r["odd_shapes"]["shapes"] for r in results] == [{"scale": (), "w": (2, 5), "row": (1, 3), "bias": (2,)},
-                                                            {"scale": (0,), "w": (1, 5), "row": (0, 3), "bias": (1,)}]
-    for rank, r in enumerate(results):
-        assert_state_close(r["odd_shapes"]["state"], odd["state"], what=f"odd shapes, rank {rank}")
     total = sum(v.numel() for v in r0["adamw_accum_clip"]["fully_shard"]["state"].values())
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
     assert r0["sgd"]["ddp"]["buckets"] > 3
-    expected = ["reshard_after_forward = 2", "mp_policy = {", "already sharded by a module above it",
-                "GPT is already wrapped", "norm_type = 1", "all_reduce = 'tree'", "sharding_strategy = NO_SHARD",
-                "auto_wrap_policy = 3"]
-    for message, start in zip(r0["refusals"], expected):
-        assert start in message and "\n" not in message, (start, message)
-    casts = r0["casts"]
-    assert (casts["buffer"], casts["input"], casts["output"]) == (torch.bfloat16, torch.bfloat16, torch.float32)
-    assert casts["params"] == ["torch.float32"] and casts["numel"] == 10          # 20 parameters over 2 ranks
+    wrapper_small_cases.check(results)
     sd = r0["state_dicts"]
     for name in ("full", "again", "third"):
         assert_state_close(sd[name], sd["unwrapped"], what=f"state dict {name}", rtol=0, atol=0)

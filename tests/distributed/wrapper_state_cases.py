@@ -70,12 +70,25 @@ def _sharded(seed: int, mesh=None):
 
 
 def _clone(tree):
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, torch.Tensor):         # a DTensor stays one (its local tensor cloned)
         return tree.detach().clone()
     if isinstance(tree, dict):
         return {k: _clone(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_clone(v) for v in tree)
+    return tree
+
+
+def portable(tree):
+    """A state dict as the test's parent process can receive it: each DTensor as (its local tensor, its global
+    shape, its placements), the rest as it is."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(tree, DTensor):
+        return ("DTensor", tree.to_local().detach().clone(), tuple(tree.shape), repr(tree.placements))
+    if isinstance(tree, dict):
+        return {k: portable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(portable(v) for v in tree)
     return tree
 
 
@@ -122,7 +135,7 @@ def two_ranks() -> dict:
     fresh = _sharded(99)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
     shardwise.set_state_dict(fresh, fresh_opt, model_state_dict=saved[0], optim_state_dict=saved[1])
-    out["sharded"] = (saved, _clone(shardwise.get_state_dict(fresh, fresh_opt)))
+    out["sharded"] = portable((saved, _clone(shardwise.get_state_dict(fresh, fresh_opt))))
     out["next"] = (train(model, opt, batches()[3:4], world), train(fresh, fresh_opt, batches()[3:4], world))
     accumulate(model, opt, batches()[4], grad_sync_off(model))     # step 4: two forwards, one reduce-scatter
     out["accumulated"], out["step 3"] = model.comm_report(), model.comm_report(step=3)

@@ -23,8 +23,9 @@ Where the optimizer steps: each parameter, while its unit is free, is its rows o
 gradient (`FlatShard.rest_on_shard`), so any `torch.optim` optimizer built afterwards steps the shards in place,
 and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on one
 process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0] elsewhere.
-`model.state_dict()` is this rank's rows (the sharded state dict, FSDP2's local shards); `full_state_dict()`
-gathers the whole.
+`model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group) whose
+local tensor is this rank's rows, as FSDP2's, so `torch.distributed.checkpoint` saves and reshards it
+(`dtensors.py`); `full_state_dict()` gathers the whole.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
+from shardwise.parallel.wrappers import dtensors
 from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
@@ -155,6 +157,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if m is module or hasattr(m, STATE_ATTR):
             setattr(m, STATE_ATTR, group)
     wrap_class(module)
+    dtensors.install(module, lambda m: getattr(m, STATE_ATTR))
     # first of the root's forward pre-hooks, ahead of the runtime's gathers: they count in the step it opens
     module.register_forward_pre_hook(_tick, prepend=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
+from shardwise.parallel.wrappers.dtensors import plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
 from shardwise.topology import SoloComm
 
@@ -81,8 +82,9 @@ class FSDPModule:
                     values[id(p)] = value.to("cpu", copy=True)
         if not keep:
             return None
-        state = {k: v.detach().to("cpu", copy=True)
-                 for k, v in self.state_dict().items()}  # type: ignore[attr-defined]
+        with plain_state_dicts(group):
+            state = {k: v.detach().to("cpu", copy=True)
+                     for k, v in self.state_dict().items()}  # type: ignore[attr-defined]
         for name, p in self.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
             if id(p) in values and name in state:
                 state[name] = values[id(p)]
@@ -118,8 +120,10 @@ class FSDPModule:
         return self._sharded_group().clock.report(step)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's rows of every parameter ([rows, *shape[1:]], as FSDP2's local shards) and the buffers: what
-        `state_dict()` gives. Load it back with `load_state_dict` on the same number of ranks and wrapping."""
+        """Every sharded parameter as a DTensor whose local tensor is this rank's rows ([rows, *shape[1:]], as
+        FSDP2's), and the buffers: what `state_dict()` gives (`dtensors.py`; plain local tensors under a (dp, tp)
+        mesh). `torch.distributed.checkpoint` saves it and loads it at any world size; `load_state_dict` takes
+        it back. Collective only for a model with a 0-dim parameter."""
         return self.state_dict()  # type: ignore[attr-defined]
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import UserError
+from shardwise.parallel.wrappers.dtensors import dp_mesh, is_dtensor, plain_state_dicts, to_dtensor, to_local
 from shardwise.parallel.wrappers.module import FSDPModule, full_tensors, rank_piece
 
 STATE, GROUPS, PARAMS = "state", "param_groups", "params"
@@ -127,7 +128,66 @@ def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
                     s[key] = whole[i].clone()
 
 
+@torch.no_grad()
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """An optimizer that has not stepped yet holds no state, so its state dict is no template for
+    `torch.distributed.checkpoint.load` to fill. As torch's `get_state_dict` does: one step on zero gradients with
+    every lr at 0 (the parameters do not move; weight decay is scaled by lr), then the gradients are dropped."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g[PARAMS]]
+    if any(p.grad is not None for p in params):
+        return                  # gradients of a step under way: leave them, and the state, alone
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optim.param_groups if "lr" in g]
+    for g in optim.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip([g for g in optim.param_groups if "lr" in g], lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def _place_optim_state(target: _Target, named: dict[str, Any]) -> None:
+    """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
+    (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
+    group = target.sharded._sharded_group()
+    if dp_mesh(group) is None:
+        return
+    names = target.names()
+    state = named[STATE]
+    scalars = []
+    for flat in group.runtime.partition.flats:
+        for i, p in enumerate(flat.params):
+            held = state.get(names.get(id(p)), {})
+            if not tuple(flat.shapes[i]):
+                scalars.append((flat, i, held))
+                continue
+            for key in [k for k, v in held.items() if _follows(v, p)]:
+                held[key] = to_dtensor(group, flat, i, held[key])
+    if not scalars or group.groups.dp.size == 1:
+        return
+    # A 0-dim parameter's piece is [] on rank 0, like its scalar state: only the other ranks (pieces [0]) can
+    # tell which keys follow it. Collective: rank 1's answer, then each piece broadcast from rank 0.
+    pieces = [sorted(k for k, v in held.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == (0,))
+              for _, _, held in scalars]
+    pieces = group.groups.dp.all_gather_object(pieces)[1]
+    for (flat, i, held), keys in zip(scalars, pieces):
+        for key in keys:
+            held[key] = to_dtensor(group, flat, i, held[key])
+
+
 def _to_cpu(tree: Any) -> Any:
+    if is_dtensor(tree):            # its rows copied to the host, still placed over the group
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(tree.to_local().to("cpu", copy=True), tree.device_mesh, tree.placements,
+                                  run_check=False, shape=tree.shape, stride=tree.stride())
     if isinstance(tree, torch.Tensor):
         return tree.to("cpu", copy=True)
     if isinstance(tree, dict):
@@ -149,9 +209,14 @@ def optim_state(model: nn.Module, optimizers: Any, *, full: bool, to_cpu: bool, 
     Collective when `full` and the model is sharded."""
     target = _target(model, fn)
     target.settle()
+    if natives is None:
+        for optim in _optimizers(optimizers):
+            _init_state(optim)
     named = _named_optim_state(target, _optimizers(optimizers), fn, natives)
     if full and target.sharded is not None:
         _gather_optim_state(target, named)
+    elif target.sharded is not None:
+        _place_optim_state(target, named)
     if rank0_only and _rank(target) != 0:
         return {}
     # without `to_cpu`, like torch's, tensors not gathered are the optimizer's own (training on changes them)
@@ -204,6 +269,8 @@ def _local_state(target: _Target, fqn: str, p: torch.Tensor, saved: dict[str, An
     flat, i = target.where().get(id(p), (None, 0)) if full else (None, 0)
     out = {}
     for key, value in saved.items():
+        if is_dtensor(value):           # a sharded state dict's piece, or a whole one placed otherwise
+            value = value.full_tensor() if full else _optim_rows(target, p, value)
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
@@ -217,6 +284,13 @@ def _local_state(target: _Target, fqn: str, p: torch.Tensor, saved: dict[str, An
         # (a view of the whole tensor would also keep all of it alive in the optimizer)
         out[key] = (rank_piece(flat, i, value) if flat is not None else value).clone()
     return out
+
+
+def _optim_rows(target: _Target, p: torch.Tensor, value: Any) -> torch.Tensor:
+    if target.sharded is None:
+        return value.full_tensor()
+    flat, i = target.where()[id(p)]
+    return to_local(target.sharded._sharded_group(), flat, i, value)
 
 
 def optim_state_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any], *, full: bool,
@@ -284,10 +358,29 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
         optim.load_state_dict(osd)
 
 
+def _rows_of_dtensors(target: _Target, sd: dict[str, Any]) -> dict[str, Any]:
+    """The model state dict with each sharded parameter's DTensor as this rank's rows (other entries as given)."""
+    group = target.sharded._sharded_group()
+    where = target.where()
+    out = dict(sd)
+    for name, p in target.module.named_parameters(remove_duplicate=False):
+        if id(p) in where and is_dtensor(out.get(name)):
+            flat, i = where[id(p)]
+            out[name] = to_local(group, flat, i, out[name])
+    return out
+
+
 @torch.no_grad()
 def load_model_state(target: _Target, sd: dict[str, torch.Tensor], *, full: bool, fn: str) -> None:
-    """Checks every key and shape, then loads (whole tensors: each rank keeps its part)."""
-    here = target.module.state_dict()
+    """Checks every key and shape, then loads (whole tensors: each rank keeps its part; DTensors: their rows)."""
+    if target.sharded is not None:
+        group = target.sharded._sharded_group()
+        with plain_state_dicts(group):
+            here = target.module.state_dict()
+        if not full:
+            sd = _rows_of_dtensors(target, sd)
+    else:
+        here = target.module.state_dict()
     _check_keys(sd.keys(), here.keys(), "the model state dict", fn)
     shapes = {k: tuple(v.shape) for k, v in here.items()}
     if full and target.sharded is not None:
