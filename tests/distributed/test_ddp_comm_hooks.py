@@ -7,7 +7,7 @@ wrapper's own arithmetic, so it must equal the run without a hook bitwise. (Powe
 future callbacks, which hangs on gloo under torch's own DDP too, so it is not run here.)
 
 Also in this launch: a parameter that gets no gradient in some steps of a `zero_grad()` (set_to_none) loop,
-against the single process."""
+against the single process; BatchNorm buffers kept in step as torch DDP keeps them, one broadcast per dtype."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_dp_parity import SEQ, global_batches
+from test_dp_parity import SEQ
 from test_wrappers import seed_loop
 from shardwise.testing import run_distributed, state_copy, tiny_gpt
 
@@ -69,8 +69,39 @@ def _branchy(world: int, rank: int, wrap: bool) -> dict:
     return {"state": state_copy(net)}
 
 
+class _Normed(torch.nn.Module):
+    """Two BatchNorms: float running stats and an int64 batch count per layer, which each rank updates from its
+    own data; DDP broadcasts rank 0's at every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.bn1 = torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)
+        self.b, self.bn2 = torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.b(self.bn1(self.a(x)))).square().mean()
+
+
+def _buffers(wrapper: str) -> dict:
+    import shardwise
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = _Normed()
+    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=1e-4) if wrapper == "ours" \
+        else DDP(net, bucket_cap_mb=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(6 + dist.get_rank())       # each rank its own data, so its own stats
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=g)).backward()
+        opt.step()
+    return {"state": {k: v.clone() for k, v in net.state_dict().items()},
+            "report": model.comm_report() if wrapper == "ours" else None}
+
+
 def _worker() -> dict:
-    out = {"branchy": _branchy(dist.get_world_size(), dist.get_rank(), True)}
+    out = {"branchy": _branchy(dist.get_world_size(), dist.get_rank(), True),
+           "buffers": {w: _buffers(w) for w in ("ours", "torch")}}
     out.update({f"{w}/{h}": _train(w, h) for w, h in [("ours", "fp16"), ("torch", "fp16"), ("ours", "none"),
                                                   ("ours", "allreduce")]})
     import shardwise
@@ -112,3 +143,12 @@ def test_torch_comm_hooks_run_on_our_buckets() -> None:
         for k, v in ref.items():
             torch.testing.assert_close(r["branchy"]["state"][k], v, rtol=1e-6, atol=1e-7)
     assert len(r0["errors"]) == 2 and "already registered" in r0["errors"][0] and "ring" in r0["errors"][1]
+    # buffers: rank 0's broadcast at every forward, as torch DDP (bitwise), one broadcast per dtype
+    for r in (r0, r1):
+        ours, theirs = r["buffers"]["ours"]["state"], r["buffers"]["torch"]["state"]
+        assert ours.keys() == theirs.keys()
+        for k, v in theirs.items():
+            assert torch.equal(ours[k], v), k
+    assert not torch.equal(r0["buffers"]["ours"]["state"]["bn1.running_mean"], _Normed().bn1.running_mean)
+    broadcasts = {row["dtype"]: row["count"] for row in r0["buffers"]["ours"]["report"] if row["op"] == "broadcast"}
+    assert broadcasts == {"float32": 1, "int64": 1}, broadcasts      # running stats, batch counts
