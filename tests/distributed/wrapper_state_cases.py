@@ -3,7 +3,8 @@
 launches, and the checks on what they return.
 
 The resume case trains 3 AdamW steps at 2 ranks, saves the full model and optimizer state, and resumes for 3 more
-at 4 ranks, in one process (a world of one) and unwrapped: each must equal the 2-rank run that went on."""
+at 4 ranks (given on every rank, or by rank 0 alone with broadcast_from_rank0), in one process (a world of one)
+and unwrapped: each must equal the 2-rank run that went on."""
 
 from __future__ import annotations
 
@@ -186,6 +187,8 @@ def two_ranks() -> dict:
         _refused(lambda: shardwise.set_state_dict(model, opt, model_state_dict=None, optim_state_dict=wide, **kw)),
         _refused(lambda: shardwise.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=None)),
         _refused(lambda: shardwise.get_state_dict(model.blocks[0], opt)),
+        _refused(lambda: shardwise.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=None,
+                                                  broadcast_from_rank0=True)),
     ]
     return out
 
@@ -219,7 +222,8 @@ def check_two_ranks(results: list[dict]) -> None:
         _check_reports(r)
     expected = ['"blocks.2.', '"head.norm.bias"', '"blocks.1.mlp.fc_in.weight"',
                 '"embed.tok.weight" "exp_avg" has shape (256, 48), its parameter (256, 32)', "full_state_dict=True",
-                "get_state_dict: FSDPBlock is wrapped inside another fully_shard'ed module; pass the outermost"]
+                "get_state_dict: FSDPBlock is wrapped inside another fully_shard'ed module; pass the outermost",
+                "broadcast_from_rank0=True sends whole tensors from rank 0; give full_state_dict=True"]
     refusals = results[0]["refusals"]
     assert len(refusals) == len(expected)
     for message, part in zip(refusals, expected):
@@ -291,6 +295,14 @@ def four_ranks() -> dict:
     shardwise.set_state_dict(resumed, resumed_opt, model_state_dict=msd, optim_state_dict=osd, full_state_dict=True)
     out["four"] = {"losses": train(resumed, resumed_opt, batches()[3:], dist.group.WORLD),
                    "state": resumed.full_state_dict()}
+    # only rank 0 gives the state (as if it alone read the file); it sends it to the others
+    sent = _sharded(76)
+    sent_opt = torch.optim.AdamW(sent.parameters(), lr=1.0)
+    given = (msd, osd) if rank == 0 else ({}, {})
+    shardwise.set_state_dict(sent, sent_opt, model_state_dict=given[0], optim_state_dict=given[1],
+                             full_state_dict=True, broadcast_from_rank0=True)
+    out["from_rank0"] = {"losses": train(sent, sent_opt, batches()[3:], dist.group.WORLD),
+                         "state": sent.full_state_dict()}
     if rank == 3:
         alone = _sharded(78, mesh=solos[3])
     elif rank == 2:
@@ -306,7 +318,8 @@ def four_ranks() -> dict:
 def check_four_ranks(results: list[dict]) -> None:
     reference = results[0]["uninterrupted"]
     for rank, r in enumerate(results):
-        runs = {"4 ranks": r["four"], **({"alone": r["alone"]} if "alone" in r else {})}
+        runs = {"4 ranks": r["four"], "4 ranks, sent from rank 0": r["from_rank0"],
+                **({"alone": r["alone"]} if "alone" in r else {})}
         for name, run in runs.items():
             what = f"resumed at {name} (rank {rank}) vs 2 ranks uninterrupted"
             assert_close_lists(run["losses"], reference["losses"], rtol=1e-5, what=what)

@@ -117,3 +117,29 @@ def install(module: nn.Module, group_of) -> None:
     handle = module.register_load_state_dict_pre_hook(into)
     # ahead of the ZeRO-3 runtime's own pre-hook, which takes an entry of the whole shape for a whole value
     module._load_state_dict_pre_hooks.move_to_end(handle.id, last=False)
+
+
+@torch.no_grad()
+def init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """An optimizer that has not stepped yet holds no state, so its state dict is no template for
+    `torch.distributed.checkpoint.load` to fill. As torch's `get_state_dict` does: one step on zero gradients with
+    every lr at 0 (the parameters do not move; weight decay is scaled by lr), then the gradients are dropped."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"]]
+    if any(p.grad is not None for p in params):
+        return                  # gradients of a step under way: leave them, and the state, alone
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optim.param_groups if "lr" in g]
+    for g in optim.param_groups:
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip([g for g in optim.param_groups if "lr" in g], lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None

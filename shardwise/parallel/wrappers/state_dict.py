@@ -28,7 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import UserError
-from shardwise.parallel.wrappers.dtensors import dp_mesh, is_dtensor, plain_state_dicts, to_dtensor, to_local
+from shardwise.parallel.wrappers.dtensors import (
+    dp_mesh, init_optim_state, is_dtensor, plain_state_dicts, to_dtensor, to_local,
+)
+from shardwise.parallel.wrappers.from_rank0 import broadcast_from_rank0 as from_rank0
+from shardwise.parallel.wrappers.from_rank0 import dp_comm
 from shardwise.parallel.wrappers.module import FSDPModule, full_tensors, rank_piece
 
 STATE, GROUPS, PARAMS = "state", "param_groups", "params"
@@ -128,32 +132,6 @@ def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
                     s[key] = whole[i].clone()
 
 
-@torch.no_grad()
-def _init_state(optim: torch.optim.Optimizer) -> None:
-    """An optimizer that has not stepped yet holds no state, so its state dict is no template for
-    `torch.distributed.checkpoint.load` to fill. As torch's `get_state_dict` does: one step on zero gradients with
-    every lr at 0 (the parameters do not move; weight decay is scaled by lr), then the gradients are dropped."""
-    if optim.state:
-        return
-    params = [p for g in optim.param_groups for p in g[PARAMS]]
-    if any(p.grad is not None for p in params):
-        return                  # gradients of a step under way: leave them, and the state, alone
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optim.param_groups if "lr" in g]
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    try:
-        optim.step()
-    finally:
-        for g, lr in zip([g for g in optim.param_groups if "lr" in g], lrs):
-            g["lr"] = lr
-        for p in params:
-            p.grad = None
-
-
 def _place_optim_state(target: _Target, named: dict[str, Any]) -> None:
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
     (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
@@ -211,7 +189,7 @@ def optim_state(model: nn.Module, optimizers: Any, *, full: bool, to_cpu: bool, 
     target.settle()
     if natives is None:
         for optim in _optimizers(optimizers):
-            _init_state(optim)
+            init_optim_state(optim)
     named = _named_optim_state(target, _optimizers(optimizers), fn, natives)
     if full and target.sharded is not None:
         _gather_optim_state(target, named)
@@ -333,12 +311,22 @@ def optim_state_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
 
 
 def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[str, torch.Tensor] | None,
-                   optim_state_dict: dict[str, Any] | None, full_state_dict: bool = False) -> None:
+                   optim_state_dict: dict[str, Any] | None, full_state_dict: bool = False,
+                   broadcast_from_rank0: bool = False) -> None:
     """Load what `get_state_dict` gave (None skips a part). `full_state_dict=True`: whole tensors, saved at any
-    world size, given on every rank; each rank keeps its part. Else this rank's pieces, saved at this world size
-    and wrapping. Not collective. A state dict of another model is refused naming the first key that differs."""
+    world size, given on every rank; each rank keeps its part. Else this rank's pieces (DTensors, or plain rows
+    saved at this world size and wrapping). Not collective, except `broadcast_from_rank0=True` (with
+    `full_state_dict`): only the data-parallel group's rank 0 gives the dicts, the others pass empty ones, and
+    rank 0 sends them (`from_rank0.py`). A state dict of another model is refused naming the first key that
+    differs."""
     fn = "set_state_dict"
     target = _target(model, fn)
+    if broadcast_from_rank0:
+        if not full_state_dict:
+            raise UserError(f"{fn}: broadcast_from_rank0=True sends whole tensors from rank 0; give "
+                            f"full_state_dict=True as well")
+        model_state_dict, optim_state_dict = from_rank0(dp_comm(model, target),
+                                                        [model_state_dict, optim_state_dict])
     loads = []
     if optim_state_dict is not None:     # every check before anything loads: a refused call changes nothing
         optims = _optimizers(optimizers)
