@@ -38,7 +38,7 @@ from benchmarks.trainers import MIB, Built, batches
 from benchmarks.wrapper_trainers import BUILDERS, Wrapper
 
 MODELS = ("tiny", "small")
-PAIRS = {"fsdp": (Wrapper.SW_FSDP, Wrapper.FSDP2), "ddp": (Wrapper.SW_DDP, Wrapper.SW_DDP_SHM, Wrapper.DDP)}
+PAIRS = {"fsdp": (Wrapper.SW_FSDP, Wrapper.FSDP2), "ddp": (Wrapper.SW_DDP, Wrapper.SW_DDP_GLOO, Wrapper.DDP)}
 
 
 @dataclass(frozen=True)

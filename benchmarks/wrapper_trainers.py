@@ -1,6 +1,6 @@
 """The five trainers `benchmarks.fsdp` times side by side, each the seed's plain loop on one GPT preset:
-shardwise's `fully_shard` against torch FSDP2's, shardwise's `DistributedDataParallel` (over gloo's all-reduce, and
-over shardwise's shared-memory one: `all_reduce="shm"`) against torch DDP.
+shardwise's `fully_shard` against torch FSDP2's, shardwise's `DistributedDataParallel` (as it comes: here, ranks on
+one host, its shared-memory all-reduce; and over gloo's all-reduce: `all_reduce="backend"`) against torch DDP.
 
 Every trainer: the same model from one seed, torch AdamW (lr 3e-4, weight decay 0.1), gradient clipping at 1.0,
 the same micro-batches; the FSDP pair with `fully_shard` on every block then on the root and the same mixed
@@ -26,14 +26,14 @@ class Wrapper(str, enum.Enum):
     SW_FSDP = "shardwise fully_shard"
     FSDP2 = "torch fully_shard"
     SW_DDP = "shardwise DDP"
-    SW_DDP_SHM = "shardwise DDP shm"
+    SW_DDP_GLOO = "shardwise DDP gloo"
     DDP = "torch DDP"
 
     @property
     def peer(self) -> "Wrapper":
         """The trainer this one is compared with (shardwise's against torch's and back)."""
         return {Wrapper.SW_FSDP: Wrapper.FSDP2, Wrapper.FSDP2: Wrapper.SW_FSDP, Wrapper.SW_DDP: Wrapper.DDP,
-                Wrapper.SW_DDP_SHM: Wrapper.DDP, Wrapper.DDP: Wrapper.SW_DDP}[self]
+                Wrapper.SW_DDP_GLOO: Wrapper.DDP, Wrapper.DDP: Wrapper.SW_DDP}[self]
 
 
 def _adamw(params) -> torch.optim.AdamW:
@@ -91,7 +91,7 @@ def build_fsdp2(args: argparse.Namespace, data: list) -> Built:
     return Built(forward, backward, update, lambda: _sharded_memory(net, opt, (forward, backward, update)))
 
 
-def build_sw_ddp(args: argparse.Namespace, data: list, all_reduce: str = "backend") -> Built:
+def build_sw_ddp(args: argparse.Namespace, data: list, all_reduce: str = "auto") -> Built:
     import shardwise
     net = model(args)
     ddp = shardwise.DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb, all_reduce=all_reduce)
@@ -123,4 +123,4 @@ def build_ddp(args: argparse.Namespace, data: list) -> Built:
 
 BUILDERS: dict[Wrapper, Callable[[argparse.Namespace, list], Built]] = {
     Wrapper.SW_FSDP: build_sw_fsdp, Wrapper.FSDP2: build_fsdp2, Wrapper.SW_DDP: build_sw_ddp,
-    Wrapper.SW_DDP_SHM: lambda args, data: build_sw_ddp(args, data, all_reduce="shm"), Wrapper.DDP: build_ddp}
+    Wrapper.SW_DDP_GLOO: lambda args, data: build_sw_ddp(args, data, all_reduce="backend"), Wrapper.DDP: build_ddp}

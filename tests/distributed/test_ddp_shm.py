@@ -3,7 +3,8 @@
 The seed's loop (AdamW, accumulation 2 with no_sync, clipping) equals the single process at 2 and 4 ranks (4: the
 buckets' chunks are uneven and each is summed in its own order); at 2 ranks it is bitwise the wrapper over gloo's
 all-reduce (a + b on both ranks). The shared files are gone once the buckets are mapped. Refusals are agreed:
-every rank raises the same one line and none is left in a barrier, and nothing is left in the directory."""
+every rank raises the same one line and none is left in a barrier, and nothing is left in the directory. The
+default, all_reduce="auto", takes shared memory where the ranks share it and gloo's all-reduce where not."""
 
 from __future__ import annotations
 
@@ -57,11 +58,17 @@ def _worker(tmp: str) -> dict:
         hooked = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01, all_reduce="shm")
         out["errors"] = [_refusal(lambda: hooked.register_comm_hook(None, default_hooks.allreduce_hook)),
                          _refusal(_full_on_rank_1(own))]
+        # the default, 'auto': shared memory here; a comm hook then replaces it
+        auto = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
+        out["auto"] = auto.reducer.impl.value
+        auto.register_comm_hook(None, default_hooks.allreduce_hook)
         # each rank its own directory: they do not see each other's files
         os.environ["SHARDWISE_SHM_DIR"] = os.path.join(tmp, f"alone{rank}")
         os.makedirs(os.environ["SHARDWISE_SHM_DIR"])
         out["errors"].append(_refusal(lambda: shardwise.DistributedDataParallel(
             tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01, all_reduce="shm")))
+        apart = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
+        out["auto_apart"] = apart.reducer.impl.value
         out["left_after_refusals"] = sorted(os.listdir(own)) + sorted(os.listdir(os.environ["SHARDWISE_SHM_DIR"]))
     return out
 
@@ -91,3 +98,5 @@ def test_shm_all_reduce_equals_single_process(world_size: int, tmp_path) -> None
         assert "is full" in full and "--shm-size" in full and "bucket_cap_mb" in full
         assert "do not share" in apart and "SHARDWISE_SHM_DIR" in apart
         assert r0["left_after_refusals"] == [] and r1["left_after_refusals"] == []
+        # 'auto' takes shared memory where the ranks share it, and gloo's all-reduce where they do not
+        assert (r0["auto"], r0["auto_apart"]) == (r1["auto"], r1["auto_apart"]) == ("shm", "backend")

@@ -35,9 +35,9 @@ def test_cli_lists_fsdp_and_rejects_one_rank(capsys: pytest.CaptureFixture[str])
 def test_pairs_choose_what_is_built_and_summarized() -> None:
     assert bench.parse_args([]).pairs == ["fsdp", "ddp"]
     assert bench.parse_args(["--pairs", "ddp"]).pairs == ["ddp"]
-    times = {"shardwise DDP": [[0.030]], "shardwise DDP shm": [[0.012]], "torch DDP": [[0.015]]}
+    times = {"shardwise DDP": [[0.030]], "shardwise DDP gloo": [[0.012]], "torch DDP": [[0.015]]}
     rows = bench.summarize(times, {n: {"params": 1, "grads": 1, "optimizer": 1} for n in times}, tokens_per_step=1)
-    assert [r.trainer for r in rows] == ["shardwise DDP", "shardwise DDP shm", "torch DDP"]
+    assert [r.trainer for r in rows] == ["shardwise DDP", "shardwise DDP gloo", "torch DDP"]
     # both of ours against torch's; torch's against the default wrapper
     assert [r.peer for r in rows] == ["torch DDP", "torch DDP", "shardwise DDP"]
     assert rows[1].shardwise_ratio == pytest.approx(0.8)

@@ -1,6 +1,6 @@
 """`DistributedDataParallel`: torch DDP's wrapper on shardwise's bucketed, overlapped all-reduce.
 
-    model = DistributedDataParallel(model, bucket_cap_mb=25)        # all_reduce="ring" | "shm": shardwise's own
+    model = DistributedDataParallel(model, bucket_cap_mb=25)        # all_reduce="auto" | "backend" | "ring" | "shm"
     optimizer = torch.optim.AdamW(model.parameters())
     loss = model(ids, labels); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
@@ -15,6 +15,7 @@ as torch DDP divides).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ from shardwise.parallel.wrappers.module import clip_sharded_
 from shardwise.parallel.wrappers.policies import groups_of
 from shardwise.parallel.wrappers.steps import StepClock
 
+_log = logging.getLogger(__name__)
 MIB = 1 << 20
 BROADCAST_BUCKET_BYTES = 250 * MIB      # torch DDP's broadcast_bucket_size
 
@@ -37,19 +39,24 @@ class DistributedDataParallel(nn.Module):
     """torch DDP's behaviour: every rank starts from rank 0's parameters and buffers; gradients are averaged over
     the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation.
     torch's `device_ids`, `output_device`, `dim`, `find_unused_parameters` and `gradient_as_bucket_view` are
-    accepted: gradients are always bucket views, and a parameter without a gradient in a backward adds zeros."""
+    accepted: gradients are always bucket views, and a parameter without a gradient in a backward adds zeros.
+
+    `all_reduce`: "auto" (default) sums CPU gradients through shared memory when every rank of the group shares
+    this host's /dev/shm with room for the buckets (`comm/shm.py`; cheaper than gloo's sockets), else calls the
+    process group's all_reduce (always on GPUs: NCCL); "backend", "ring" and "shm" choose one."""
 
     def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True, *,
-                 device_mesh: Any = None, all_reduce: str = "backend"):
+                 device_mesh: Any = None, all_reduce: str = "auto"):
         super().__init__()
+        self._auto = all_reduce == "auto"
         try:
-            impl = AllReduceImpl(all_reduce)
+            impl = AllReduceImpl.BACKEND if self._auto else AllReduceImpl(all_reduce)
         except ValueError:
-            raise UserError(f"all_reduce = {all_reduce!r}: give 'backend' (the process group's all_reduce), 'ring' "
-                            f"(shardwise's ring) or 'shm' (shardwise's shared-memory all-reduce: CPU, one host)"
-                            ) from None
+            raise UserError(f"all_reduce = {all_reduce!r}: give 'auto' (the default), 'backend' (the process "
+                            f"group's all_reduce), 'ring' (shardwise's ring) or 'shm' (shardwise's shared-memory "
+                            f"all-reduce: CPU, one host)") from None
         if not bucket_cap_mb > 0:
             raise UserError(f"bucket_cap_mb = {bucket_cap_mb}: give a positive size in MiB, e.g. 25")
         if device_ids and torch.cuda.is_available():
@@ -68,7 +75,15 @@ class DistributedDataParallel(nn.Module):
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
         # it is final, so the division overlaps backward and the launch waits for none
-        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
+        build = lambda impl: _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1),  # noqa: E731
+                                          impl=impl, prescale=True)
+        if self._auto and _shm_may_serve(params, self.groups.dp):
+            try:
+                self.reducer = build(AllReduceImpl.SHM)
+                return
+            except UserError as e:      # agreed by every rank: all of them fall back together
+                _log.info("DistributedDataParallel: all_reduce = 'auto' uses the process group's all_reduce: %s", e)
+        self.reducer = build(impl)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -95,7 +110,9 @@ class DistributedDataParallel(nn.Module):
         """torch DDP's communication hook: `hook(state, bucket)` is called as each bucket is ready, in place of the
         all-reduce, and returns a `torch.futures.Future` of the bucket's new gradients (averaging is the hook's
         job). torch's hooks run unchanged (fp16 compression; bf16 and PowerSGD need NCCL); see `comm_hooks.py`."""
-        name = check_hook(hook, registered=self.reducer.comm_hook is not None, impl=self.reducer.impl)
+        # under 'auto' the hook replaces whichever all-reduce was chosen (the buckets may live in shared memory)
+        name = check_hook(hook, registered=self.reducer.comm_hook is not None,
+                          impl=AllReduceImpl.BACKEND if self._auto else self.reducer.impl)
         self.reducer.comm_hook = (state, hook, name)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -112,6 +129,12 @@ class DistributedDataParallel(nn.Module):
     def close(self) -> None:
         """Remove the hooks (the module keeps its parameters and gradients)."""
         self.reducer.close()
+
+
+def _shm_may_serve(params: list[torch.Tensor], comm) -> bool:
+    """'auto' tries the shared-memory all-reduce for CPU gradients over a CPU backend with peers to sum with;
+    whether every rank shares this host's /dev/shm, with room, is found out by trying (`SharedBuffers.create`)."""
+    return not comm.local and comm.carries_host_tensors and all(p.device.type == "cpu" for p in params)
 
 
 def broadcast_coalesced(comm, tensors: list[torch.Tensor], bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
