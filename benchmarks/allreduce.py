@@ -1,10 +1,11 @@
-"""All-reduce bus bandwidth: our ring (`shardwise.comm.ring_all_reduce`) against the backend's own
+"""All-reduce bus bandwidth: ours (`--ours ring`: `shardwise.comm.ring_all_reduce`; `--ours shm`: the
+shared-memory all-reduce of `shardwise.comm.shm`, on a buffer every rank maps) against the backend's own
 `dist.all_reduce`, side by side in one process group.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.allreduce \\
-        --sizes-mb 1 4 16 64 256 --iters 20 --warmup 3 --json allreduce.json
+        --sizes-mb 1 4 16 64 256 --iters 20 --warmup 3 [--ours shm] --json allreduce.json
 
-For each size the two implementations run alternately (ring first on even iterations, backend first on
+For each size the two implementations run alternately (ours first on even iterations, backend first on
 odd ones) on the same freshly copied input, each start aligned by a barrier. An iteration's time is the
 slowest rank's; the report gives the median over iterations, the algorithm bandwidth
 algbw = bytes / time and the bus bandwidth busbw = algbw * 2(n-1)/n (the nccl-tests definition for
@@ -33,13 +34,14 @@ from benchmarks.common import (
 from shardwise.comm.ring import DEFAULT_IN_FLIGHT, DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 MIB = 1 << 20
+OURS = ("ring", "shm")
 DEFAULT_SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}
 
 
 class Impl(str, Enum):
-    RING = "ring"
+    OURS = "ours"
     BACKEND = "backend"
 
 
@@ -60,30 +62,30 @@ class Row:
 
     size_mb: float            # MiB (2**20 bytes)
     nbytes: int
-    ring_ms: float            # median over iterations of the slowest rank's time
+    ours_ms: float            # median over iterations of the slowest rank's time
     backend_ms: float
-    ring_algbw_gbps: float
-    ring_busbw_gbps: float
+    ours_algbw_gbps: float
+    ours_busbw_gbps: float
     backend_algbw_gbps: float
     backend_busbw_gbps: float
-    ratio: float              # ring busbw / backend busbw (> 1: the ring is faster)
-    paired_ratio: float       # median over iterations of backend time / ring time in that iteration:
+    ratio: float              # our busbw / backend busbw (> 1: ours is faster)
+    paired_ratio: float       # median over iterations of backend time / our time in that iteration:
                               # steadier than `ratio` when the machine's load drifts during the run
-    results_match: bool       # the ring's result equals the backend's (fp tolerance)
+    results_match: bool       # our result equals the backend's (fp tolerance)
 
 
-def make_row(size_mb: float, nbytes: int, world_size: int, ring_s: Sequence[float],
+def make_row(size_mb: float, nbytes: int, world_size: int, ours_s: Sequence[float],
              backend_s: Sequence[float], results_match: bool) -> Row:
     """Medians, bandwidths and the ratios from per-iteration times in seconds (index i of both lists:
     the same iteration)."""
-    ring_t, backend_t = statistics.median(ring_s), statistics.median(backend_s)
-    ring_alg, backend_alg = algorithm_bandwidth(nbytes, ring_t), algorithm_bandwidth(nbytes, backend_t)
-    ring_bus, backend_bus = bus_bandwidth(ring_alg, world_size), bus_bandwidth(backend_alg, world_size)
-    return Row(size_mb=size_mb, nbytes=nbytes, ring_ms=ring_t * 1e3, backend_ms=backend_t * 1e3,
-               ring_algbw_gbps=ring_alg / 1e9, ring_busbw_gbps=ring_bus / 1e9,
+    ours_t, backend_t = statistics.median(ours_s), statistics.median(backend_s)
+    ours_alg, backend_alg = algorithm_bandwidth(nbytes, ours_t), algorithm_bandwidth(nbytes, backend_t)
+    ours_bus, backend_bus = bus_bandwidth(ours_alg, world_size), bus_bandwidth(backend_alg, world_size)
+    return Row(size_mb=size_mb, nbytes=nbytes, ours_ms=ours_t * 1e3, backend_ms=backend_t * 1e3,
+               ours_algbw_gbps=ours_alg / 1e9, ours_busbw_gbps=ours_bus / 1e9,
                backend_algbw_gbps=backend_alg / 1e9, backend_busbw_gbps=backend_bus / 1e9,
-               ratio=backend_t / ring_t,
-               paired_ratio=statistics.median(b / r for r, b in zip(ring_s, backend_s)),
+               ratio=backend_t / ours_t,
+               paired_ratio=statistics.median(b / r for r, b in zip(ours_s, backend_s)),
                results_match=results_match)
 
 
@@ -92,7 +94,10 @@ def make_row(size_mb: float, nbytes: int, world_size: int, ring_s: Sequence[floa
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch.distributed.run --nproc-per-node N -m benchmarks.allreduce",
-        description="Bus bandwidth of shardwise's ring all-reduce against the backend's dist.all_reduce.")
+        description="Bus bandwidth of shardwise's ring or shared-memory all-reduce against the backend's "
+                    "dist.all_reduce.")
+    p.add_argument("--ours", choices=OURS, default="ring", help="which of ours: the ring, or shared memory "
+                   "(ranks on one host) (default: %(default)s)")
     p.add_argument("--sizes-mb", type=positive_float("sizes"), nargs="+", default=list(DEFAULT_SIZES_MB),
                    metavar="MB", help="tensor sizes in MiB (default: %(default)s)")
     p.add_argument("--iters", type=int_at_least(1), default=20, help="timed iterations per "
@@ -110,6 +115,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- measurement --------------------------------------------------------------------------------------
 
+Ours = Callable[[int, torch.dtype], tuple[torch.Tensor, Callable[[torch.Tensor], None]]]
+"""(numel, dtype) -> (the buffer to reduce, our all-reduce of it, in place)."""
+
+
+def _ours(args: argparse.Namespace) -> Ours:
+    if args.ours == "ring":
+        fn = lambda t: ring_all_reduce(t, segment_bytes=args.segment_kb * 1024, in_flight=args.in_flight)  # noqa: E731
+        return lambda numel, dtype: (torch.empty(numel, dtype=dtype), fn)
+
+    def shared(numel: int, dtype: torch.dtype):
+        # the buffer lives in shared memory (as the DDP wrapper's buckets do); the backend reduces it there too
+        from shardwise.comm import Comm, CommLedger
+        from shardwise.comm.shm import SharedBuffers
+        buffers = SharedBuffers.create(Comm(None, CommLedger()), [(numel, dtype)])
+        return buffers.local[0], lambda _t: buffers.all_reduce_(0)
+    return shared
+
+
 def _time_once(fn: Callable[[torch.Tensor], None], buf: torch.Tensor, src: torch.Tensor) -> float:
     buf.copy_(src)            # same input every time: repeated sums would otherwise overflow
     dist.barrier()            # align the start so the time is the collective's, not a straggler's
@@ -118,16 +141,16 @@ def _time_once(fn: Callable[[torch.Tensor], None], buf: torch.Tensor, src: torch
     return time.perf_counter() - t0
 
 
-def measure(size_mb: float, dtype: torch.dtype, iters: int, warmup: int,
-            impls: dict[Impl, Callable[[torch.Tensor], None]]) -> Row:
+def measure(size_mb: float, dtype: torch.dtype, iters: int, warmup: int, ours: Ours) -> Row:
     """Time both implementations, interleaved, on a [size_mb MiB / element size] tensor."""
     world = dist.get_world_size()
     numel = max(1, int(size_mb * MIB) // torch.empty((), dtype=dtype).element_size())
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
     src = (torch.rand(numel, generator=gen) * 2 - 1).to(dtype) if dtype.is_floating_point \
         else torch.randint(-100, 100, (numel,), generator=gen, dtype=dtype)
-    buf = torch.empty_like(src)
-    order = [Impl.RING, Impl.BACKEND]
+    buf, ours_fn = ours(src.numel(), src.dtype)
+    impls = {Impl.OURS: ours_fn, Impl.BACKEND: lambda t: dist.all_reduce(t)}
+    order = [Impl.OURS, Impl.BACKEND]
     for _ in range(warmup):
         for impl in order:
             _time_once(impls[impl], buf, src)
@@ -146,25 +169,25 @@ def measure(size_mb: float, dtype: torch.dtype, iters: int, warmup: int,
     if dtype.is_floating_point:
         # both are sums of `world` values in [-1, 1] in some order: error <= (world - 1) * eps * world
         tol = (world - 1) * torch.finfo(dtype).eps * world
-        match = torch.allclose(results[Impl.RING], results[Impl.BACKEND], rtol=0.0, atol=2 * tol)
+        match = torch.allclose(results[Impl.OURS], results[Impl.BACKEND], rtol=0.0, atol=2 * tol)
     else:
-        match = torch.equal(results[Impl.RING], results[Impl.BACKEND])
+        match = torch.equal(results[Impl.OURS], results[Impl.BACKEND])
     nbytes = numel * src.element_size()
     return make_row(size_mb, nbytes, world, times[:, 0].tolist(), times[:, 1].tolist(), match)
 
 
-def print_table(rows: Sequence[Row], *, world_size: int, backend: str, dtype: str, iters: int) -> None:
+def print_table(rows: Sequence[Row], *, world_size: int, backend: str, dtype: str, iters: int, ours: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"all-reduce, {world_size} ranks, {backend}, {dtype}: median of {iters} "
                         f"interleaved iterations; busbw = algbw * 2(n-1)/n")
-    for name in ("size (MiB)", "ring ms", f"{backend} ms", "ring algbw GB/s", "ring busbw GB/s",
-                 f"{backend} busbw GB/s", "ring/backend busbw", "paired", "results match"):
+    for name in ("size (MiB)", f"{ours} ms", f"{backend} ms", f"{ours} algbw GB/s", f"{ours} busbw GB/s",
+                 f"{backend} busbw GB/s", f"{ours}/backend busbw", "paired", "results match"):
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(f"{r.size_mb:g}", f"{r.ring_ms:.3f}", f"{r.backend_ms:.3f}", f"{r.ring_algbw_gbps:.3f}",
-                      f"{r.ring_busbw_gbps:.3f}", f"{r.backend_busbw_gbps:.3f}", f"{r.ratio:.2f}x",
+        table.add_row(f"{r.size_mb:g}", f"{r.ours_ms:.3f}", f"{r.backend_ms:.3f}", f"{r.ours_algbw_gbps:.3f}",
+                      f"{r.ours_busbw_gbps:.3f}", f"{r.backend_busbw_gbps:.3f}", f"{r.ratio:.2f}x",
                       f"{r.paired_ratio:.2f}x", "yes" if r.results_match else "NO")
     console = Console()
     if not console.is_terminal:     # piped into a file or a log: do not squeeze to 80 columns
@@ -175,16 +198,12 @@ def print_table(rows: Sequence[Row], *, world_size: int, backend: str, dtype: st
 def run(args: argparse.Namespace) -> list[Row]:
     """Measure every size on the already initialized default group; rank 0 prints and writes JSON."""
     dtype = DTYPES[args.dtype]
-    impls: dict[Impl, Callable[[torch.Tensor], None]] = {
-        Impl.RING: lambda t: ring_all_reduce(t, segment_bytes=args.segment_kb * 1024, in_flight=args.in_flight),
-        Impl.BACKEND: lambda t: dist.all_reduce(t),
-    }
-    rows = [measure(mb, dtype, args.iters, args.warmup, impls) for mb in args.sizes_mb]
+    rows = [measure(mb, dtype, args.iters, args.warmup, _ours(args)) for mb in args.sizes_mb]
     if dist.get_rank() == 0:
         world, backend = dist.get_world_size(), str(dist.get_backend())
-        print_table(rows, world_size=world, backend=backend, dtype=args.dtype, iters=args.iters)
+        print_table(rows, world_size=world, backend=backend, dtype=args.dtype, iters=args.iters, ours=args.ours)
         if args.json is not None:
-            meta = {"world_size": world, "backend": backend, "dtype": args.dtype, "iters": args.iters,
+            meta = {"world_size": world, "backend": backend, "dtype": args.dtype, "iters": args.iters, "ours": args.ours,
                     "warmup": args.warmup, "segment_kb": args.segment_kb, "in_flight": args.in_flight}
             write_json(args.json, {"config": meta, "rows": [asdict(r) for r in rows]})
     return rows

@@ -20,15 +20,15 @@ def test_bus_bandwidth_follows_nccl_tests() -> None:
     assert bench.bus_bandwidth(1e9, 1) == 0.0
 
 
-def test_row_uses_medians_and_ring_over_backend_ratio() -> None:
-    row = bench.make_row(4.0, 4 * 2 ** 20, 4, ring_s=[0.004, 0.001, 0.002], backend_s=[0.004, 0.004, 0.9],
+def test_row_uses_medians_and_ours_over_backend_ratio() -> None:
+    row = bench.make_row(4.0, 4 * 2 ** 20, 4, ours_s=[0.004, 0.001, 0.002], backend_s=[0.004, 0.004, 0.9],
                          results_match=True)
-    assert row.ring_ms == pytest.approx(2.0)
+    assert row.ours_ms == pytest.approx(2.0)
     assert row.backend_ms == pytest.approx(4.0)
-    assert row.ring_algbw_gbps == pytest.approx(4 * 2 ** 20 / 0.002 / 1e9)
-    assert row.ring_busbw_gbps == pytest.approx(row.ring_algbw_gbps * 1.5)
+    assert row.ours_algbw_gbps == pytest.approx(4 * 2 ** 20 / 0.002 / 1e9)
+    assert row.ours_busbw_gbps == pytest.approx(row.ours_algbw_gbps * 1.5)
     assert row.backend_busbw_gbps == pytest.approx(4 * 2 ** 20 / 0.004 / 1e9 * 1.5)
-    assert row.ratio == pytest.approx(2.0)          # the ring is twice as fast
+    assert row.ratio == pytest.approx(2.0)          # ours is twice as fast
     assert row.paired_ratio == pytest.approx(4.0)   # per iteration 1.0, 4.0 and 450: median 4.0
 
 
@@ -55,18 +55,20 @@ def test_main_outside_the_launcher_says_how_to_run(monkeypatch: pytest.MonkeyPat
     assert "torch.distributed.run" in capsys.readouterr().err
 
 
-def test_tiny_run_on_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("ours", ["ring", "shm"])
+def test_tiny_run_on_two_ranks(ours: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.json"
     code = bench.launch(2, ["--sizes-mb", "0.01", "0.1", "--iters", "3", "--warmup", "1", "--segment-kb", "16",
-                            "--json", str(out)])
+                            "--ours", ours, "--json", str(out)])
     assert code == 0, capfd.readouterr().err[-3000:]
-    assert "ring busbw" in capfd.readouterr().out          # rank 0 printed the table
+    assert f"{ours} busbw" in capfd.readouterr().out          # rank 0 printed the table
     report = json.loads(out.read_text())
     assert report["config"]["world_size"] == 2 and report["config"]["backend"] == "gloo"
+    assert report["config"]["ours"] == ours
     rows = report["rows"]
     assert [r["nbytes"] for r in rows] == [int(0.01 * 2 ** 20) // 4 * 4, int(0.1 * 2 ** 20) // 4 * 4]
     for r in rows:
         assert r["results_match"] is True
-        assert r["ring_ms"] > 0 and r["backend_ms"] > 0
-        assert r["ring_busbw_gbps"] == pytest.approx(r["ring_algbw_gbps"])      # n = 2: factor 1
-        assert r["ratio"] == pytest.approx(r["ring_busbw_gbps"] / r["backend_busbw_gbps"])
+        assert r["ours_ms"] > 0 and r["backend_ms"] > 0
+        assert r["ours_busbw_gbps"] == pytest.approx(r["ours_algbw_gbps"])      # n = 2: factor 1
+        assert r["ratio"] == pytest.approx(r["ours_busbw_gbps"] / r["backend_busbw_gbps"])
