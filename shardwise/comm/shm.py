@@ -15,13 +15,13 @@ All-reduce of buffer k on group rank r, in place on every rank's buffer k:
        ever read and write the same bytes.
     3. barrier: every chunk has arrived everywhere. Until the next all-reduce's first barrier no rank touches
        another's buffer, so each owner may change its own freely (accumulate, zero, clip).
-Per rank that is n_k/W * W reads and n_k writes, and two tiny collectives over the group's own backend (which
-also gives the barriers its timeout). Every chunk is summed once and copied, so all ranks hold the same bits; with
+Per rank that is about n_k reads and 2 (W-1)/W n_k writes, and two tiny collectives over the group's own backend
+(which also gives the barriers their timeout). Every chunk is summed once and copied, so all ranks hold the same bits; with
 two ranks the sum is a + b on both, bitwise the backend's.
 
 Setup is collective over the group (`SharedBuffers.create`): rank 0 draws a name, each rank creates and reserves
 its files (`posix_fallocate`, so a full /dev/shm is an error here and never a SIGBUS later), every rank checks it
-sees the others' files (ranks on different hosts, or in containers with separate /dev/shm, do not), maps them,
+runs on the same kernel (boot id) and sees the others' files (containers with separate /dev/shm do not), maps them,
 and after a barrier unlinks its own: the mappings live on, and nothing is left behind once the processes end.
 Each check is agreed by every rank before anyone acts on it, so a refusal is the same one line everywhere and no
 rank is left waiting in a barrier.
@@ -76,7 +76,13 @@ class SharedBuffers:
         # Setup's collectives on a ledger of their own (as other build-time collectives): the run's ledger and its
         # per-step reports hold training's.
         run_comm, comm = comm, Comm(comm.group, CommLedger(), name=f"{comm.name}:shm-setup")
-        token = comm.all_gather_object(secrets.token_hex(6) if comm.rank == 0 else None)[0]
+        # (token, host): rank 0's name for the files, and each rank's kernel. A directory shared over a network
+        # would map incoherently across hosts, so ranks on two kernels are refused before any file is made.
+        told = comm.all_gather_object((secrets.token_hex(6) if comm.rank == 0 else None, _boot_id()))
+        token, hosts = told[0][0], {host for _, host in told}
+        if len(hosts) > 1:
+            raise UserError(f"{FIELD}: the ranks of the data-parallel group run on {len(hosts)} hosts; the "
+                            f"shared-memory all-reduce needs them on one. Use all_reduce = 'backend'")
         path = lambda s, k: os.path.join(directory, f"shardwise-{token}-r{s}-b{k}")  # noqa: E731
         made: list[str] = []
         try:
@@ -119,6 +125,15 @@ class SharedBuffers:
         # A one-element all-reduce on the CPU backend, unrecorded: the ledger records the whole all-reduce once
         # (`Comm.shm_all_reduce`). It also orders memory: a peer's writes before it are visible after it.
         self.comm._explained(lambda: dist.all_reduce(self._token, group=self.comm.group))()
+
+
+def _boot_id() -> str:
+    """This kernel's boot id: equal for every process (and container) of one host, different across hosts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _reserve(files: list[tuple[str, int]], made: list[str], directory: str) -> str | None:

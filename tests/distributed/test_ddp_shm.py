@@ -58,6 +58,14 @@ def _worker(tmp: str) -> dict:
         hooked = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01, all_reduce="shm")
         out["errors"] = [_refusal(lambda: hooked.register_comm_hook(None, default_hooks.allreduce_hook)),
                          _refusal(_full_on_rank_1(own))]
+        # ranks that report two kernels (hosts) are refused before any file is made
+        import shardwise.comm.shm as shm
+        real_boot_id, shm._boot_id = shm._boot_id, lambda: f"host {rank}"
+        try:
+            out["errors"].append(_refusal(lambda: shardwise.DistributedDataParallel(
+                tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01, all_reduce="shm")))
+        finally:
+            shm._boot_id = real_boot_id
         # the default, 'auto': shared memory here; a comm hook then replaces it
         auto = shardwise.DistributedDataParallel(tiny_gpt(seq_len=SEQ), bucket_cap_mb=0.01)
         out["auto"] = auto.reducer.impl.value
@@ -93,7 +101,8 @@ def test_shm_all_reduce_equals_single_process(world_size: int, tmp_path) -> None
         for k, v in r0["backend"]["state"].items():
             assert torch.equal(r0["shm"]["state"][k], v), k
         assert r0["errors"] == r1["errors"], "every rank raises the same line"
-        hook, full, apart = r0["errors"]
+        hook, full, hosts, apart = r0["errors"]
+        assert "run on 2 hosts" in hosts and "all_reduce = 'backend'" in hosts
         assert "register_comm_hook with all_reduce='shm'" in hook and "all_reduce='backend'" in hook
         assert "is full" in full and "--shm-size" in full and "bucket_cap_mb" in full
         assert "do not share" in apart and "SHARDWISE_SHM_DIR" in apart
