@@ -36,6 +36,7 @@ class AllReduceImpl(enum.StrEnum):
     BACKEND = "backend"   # the process group's own all_reduce (NCCL/gloo)
     RING = "ring"         # shardwise's ring (reduce-scatter + all-gather over p2p), for study and tests
     SHM = "shm"           # shardwise's shared-memory all-reduce: CPU tensors, the whole group on one host
+    AUTO = "auto"         # SHM where it can serve, else BACKEND: the DDP wrapper's default, not a config value
 
 
 class OffloadDevice(enum.StrEnum):

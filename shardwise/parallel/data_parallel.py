@@ -24,6 +24,7 @@ over an equal number of samples.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ from shardwise.errors import UserError
 
 if TYPE_CHECKING:
     from shardwise.comm.shm import SharedBuffers
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -163,7 +166,11 @@ class BucketedAllReduce(OrderedLauncher):
         order = list(reversed(params))
         self.buckets: list[Bucket] = []
         groups = self._group_by_dtype(order, bucket_numel)
-        self._shared = self._shared_buffers(groups) if impl is AllReduceImpl.SHM and not comm.local else None
+        self._shared = None
+        if impl is AllReduceImpl.AUTO:
+            self.impl = self._auto_shared(groups)
+        elif impl is AllReduceImpl.SHM and not comm.local:
+            self._shared = self._shared_buffers(groups)
         for b, group in enumerate(groups):
             total = sum(p.numel() for p in group)
             buffer = self._shared.local[b] if self._shared is not None else \
@@ -191,6 +198,19 @@ class BucketedAllReduce(OrderedLauncher):
             groups += [[same[i] for i in idx]
                        for idx in plan_buckets([p.numel() for p in same], limit, last_numel=last)]
         return groups
+
+    def _auto_shared(self, groups: list[list[torch.nn.Parameter]]) -> AllReduceImpl:
+        """"auto": shared memory for CPU gradients over a CPU backend when every rank can map the others'
+        buckets; else the backend. The refusals are agreed, so every rank falls back together."""
+        if self.comm.local or not self.comm.carries_host_tensors or \
+                any(p.device.type != "cpu" for g in groups for p in g) or self.comm_dtype is not None:
+            return AllReduceImpl.BACKEND
+        try:
+            self._shared = self._shared_buffers(groups)
+        except UserError as e:
+            _log.info("all_reduce = 'auto' uses the process group's all_reduce: %s", e)
+            return AllReduceImpl.BACKEND
+        return AllReduceImpl.SHM
 
     def _shared_buffers(self, groups: list[list[torch.nn.Parameter]]) -> "SharedBuffers":
         """The buckets' buffers in memory every rank of the group maps (`shardwise.comm.shm`); collective."""

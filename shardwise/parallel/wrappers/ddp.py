@@ -15,7 +15,6 @@ as torch DDP divides).
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Iterator
 
 import torch
@@ -30,7 +29,6 @@ from shardwise.parallel.wrappers.module import clip_sharded_
 from shardwise.parallel.wrappers.policies import groups_of
 from shardwise.parallel.wrappers.steps import StepClock
 
-_log = logging.getLogger(__name__)
 MIB = 1 << 20
 BROADCAST_BUCKET_BYTES = 250 * MIB      # torch DDP's broadcast_bucket_size
 
@@ -52,7 +50,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self._auto = all_reduce == "auto"
         try:
-            impl = AllReduceImpl.BACKEND if self._auto else AllReduceImpl(all_reduce)
+            impl = AllReduceImpl(all_reduce)
         except ValueError:
             raise UserError(f"all_reduce = {all_reduce!r}: give 'auto' (the default), 'backend' (the process "
                             f"group's all_reduce), 'ring' (shardwise's ring) or 'shm' (shardwise's shared-memory "
@@ -75,15 +73,7 @@ class DistributedDataParallel(nn.Module):
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
         # it is final, so the division overlaps backward and the launch waits for none
-        build = lambda impl: _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1),  # noqa: E731
-                                          impl=impl, prescale=True)
-        if self._auto and _shm_may_serve(params, self.groups.dp):
-            try:
-                self.reducer = build(AllReduceImpl.SHM)
-                return
-            except UserError as e:      # agreed by every rank: all of them fall back together
-                _log.info("DistributedDataParallel: all_reduce = 'auto' uses the process group's all_reduce: %s", e)
-        self.reducer = build(impl)
+        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -129,12 +119,6 @@ class DistributedDataParallel(nn.Module):
     def close(self) -> None:
         """Remove the hooks (the module keeps its parameters and gradients)."""
         self.reducer.close()
-
-
-def _shm_may_serve(params: list[torch.Tensor], comm) -> bool:
-    """'auto' tries the shared-memory all-reduce for CPU gradients over a CPU backend with peers to sum with;
-    whether every rank shares this host's /dev/shm, with room, is found out by trying (`SharedBuffers.create`)."""
-    return not comm.local and comm.carries_host_tensors and all(p.device.type == "cpu" for p in params)
 
 
 def broadcast_coalesced(comm, tensors: list[torch.Tensor], bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
