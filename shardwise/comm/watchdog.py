@@ -99,14 +99,22 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
             + "; ".join(parts))
 
 
-def _stop_at_exit(ref: "weakref.ref[HangWatchdog]") -> None:
+_LIVE: "weakref.WeakSet[HangWatchdog]" = weakref.WeakSet()
+"""Every started watchdog still referenced: one exit handler stops them all (a process may build many engines)."""
+
+
+def _stop_at_exit() -> None:
     """Before the interpreter finalizes: a daemon thread still inside a store call when finalization stops it
     unwinds through C++ frames that may not throw, and the process aborts ("terminate called without an active
-    exception") after a run that had finished. Stop the thread and let it leave its call first."""
-    dog = ref()
-    if dog is not None:
+    exception") after a run that had finished. Stop the threads and let them leave their calls first."""
+    dogs = list(_LIVE)
+    for dog in dogs:
         dog.stop()
+    for dog in dogs:
         dog.join(timeout_s=10.0)
+
+
+atexit.register(_stop_at_exit)
 
 
 class HangWatchdog:
@@ -135,7 +143,7 @@ class HangWatchdog:
         dog = cls(ledger, store=store, rank=rank, world=world, timeout_s=timeout_s)
         ledger.explain = dog.explain
         dog._thread.start()
-        atexit.register(_stop_at_exit, weakref.ref(dog))
+        _LIVE.add(dog)
         return dog
 
     def stop(self) -> None:
