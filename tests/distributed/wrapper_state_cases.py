@@ -160,6 +160,7 @@ def two_ranks() -> dict:
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     train(ddp, ddp_opt, batches()[:3], world)
     out["ddp_report"], out["ddp_buckets"] = ddp.comm_report(), len(ddp.reducer.buckets)
+    out["ddp_impl"] = ddp.reducer.impl.value          # the default, 'auto': shared memory on this host
     ddp_sd = _clone(shardwise.get_state_dict(ddp, ddp_opt, full_state_dict=True))
     out["ddp_report_after_save"] = ddp.comm_report()                 # replicated: saving communicates nothing
     accumulate(ddp, ddp_opt, batches()[3], ddp.no_sync)
@@ -234,7 +235,7 @@ def check_two_ranks(results: list[dict]) -> None:
 def _check_reports(r: dict) -> None:
     """One fully_shard step: every unit gathered in forward, those resharded after it again in backward, one
     reduce-scatter per flat; the ledger counts each as the whole buffer, dp x this rank's shard. DDP: one
-    all-reduce per bucket."""
+    all-reduce per bucket (through shared memory: the default on one host)."""
     rows = {row["op"]: row for row in r["report"]}
     assert set(rows) == {"all_gather", "reduce_scatter"}, r["report"]
     forward = [2 * b for _, flats in r["units"] for b in flats]
@@ -254,7 +255,8 @@ def _check_reports(r: dict) -> None:
     assert counts(r["evaluated"]) == forward_only, r["evaluated"]
     for report in ("ddp_report", "ddp_report_after_save", "ddp_accumulated"):
         (ddp,) = r[report]
-        assert (ddp["op"], ddp["count"]) == ("all_reduce", r["ddp_buckets"]), (report, ddp)
+        assert (ddp["op"], ddp["count"]) == ("shm_all_reduce", r["ddp_buckets"]), (report, ddp)
+    assert r["ddp_impl"] == "shm"
 
 
 def _assert_equal(actual, expected, what: str, rtol: float = 0.0) -> None:
