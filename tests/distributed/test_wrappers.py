@@ -122,7 +122,8 @@ def _ours_ddp(case: str, all_reduce: str, *, reentrant: bool | None = None) -> d
     opt = _optimizer(spec, model.parameters())
     losses = seed_loop(model, opt, gas=gas, dp=dist.get_world_size(), dp_rank=dist.get_rank(),
                        clip=(lambda: model.clip_grad_norm_(clip)) if clip else None, no_sync=model.no_sync)
-    return {"losses": losses, "state": state_copy(model.module), "buckets": len(model.reducer.buckets)}
+    return {"losses": losses, "state": state_copy(model.module), "buckets": len(model.reducer.buckets),
+            "impl": model.reducer.impl.value}
 
 
 def _torch_ddp(case: str) -> dict:
@@ -189,7 +190,8 @@ def _two_ranks() -> dict:
     out = {"state_dicts": _state_dict_round_trip(), **wrapper_small_cases.two_ranks()}
     for case in ("adamw_accum_clip", "sgd"):
         out[case] = {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
-                     "ddp": _ours_ddp(case, "backend"), "ddp_ring": _ours_ddp(case, "ring"),
+                     "ddp": _ours_ddp(case, "auto"), "ddp_gloo": _ours_ddp(case, "backend"),
+                     "ddp_ring": _ours_ddp(case, "ring"),
                      "torch_ddp": _torch_ddp(case), "torch_fsdp2": _torch_fsdp2(case)}
     out["nanogpt_groups"] = {"fully_shard": _ours_fully_shard("nanogpt_groups"),
                              "torch_fsdp2": _torch_fsdp2("nanogpt_groups")}
@@ -230,7 +232,8 @@ def _check_fp32(results: list[dict], world: int) -> None:
                 what = f"{world} ranks, {case}, {name}, rank {rank}"
                 assert_close_lists(run["losses"], ref_losses, rtol=1e-5, what=what)
                 assert_state_close(run["state"], ref_state, what=what, adam=adam)
-            for ours, peer in (("fully_shard", "torch_fsdp2"), ("fsdp1", "torch_fsdp2"), ("ddp", "torch_ddp")):
+            for ours, peer in (("fully_shard", "torch_fsdp2"), ("fsdp1", "torch_fsdp2"), ("ddp", "torch_ddp"),
+                               ("ddp_gloo", "torch_ddp")):
                 if peer in runs and ours in runs:
                     assert_close_lists(runs[ours]["losses"], runs[peer]["losses"], rtol=1e-5,
                                        what=f"{case} {ours} vs {peer}")
@@ -258,6 +261,8 @@ def test_wrappers_two_ranks_equal_single_process_and_torch():
     # every rank holds about half the parameters (padding aside), and several DDP buckets were used
     assert r0["adamw_accum_clip"]["fully_shard"]["numel"] < 0.6 * total
     assert r0["sgd"]["ddp"]["buckets"] > 3
+    # the DDP wrapper's default on this host sums through shared memory; "backend" through gloo
+    assert (r0["sgd"]["ddp"]["impl"], r0["sgd"]["ddp_gloo"]["impl"]) == ("shm", "backend")
     wrapper_small_cases.check(results)
     sd = r0["state_dicts"]
     for name in ("full", "again", "third"):
@@ -313,7 +318,7 @@ def _four_ranks() -> dict:
     torch.set_num_threads(1)
     case = "adamw_accum_clip"
     return {case: {"fully_shard": _ours_fully_shard(case), "fsdp1": _ours_fsdp1(case),
-                   "ddp": _ours_ddp(case, "backend"), "tp_x_fully_shard": _tp_fully_shard(),
+                   "ddp": _ours_ddp(case, "auto"), "tp_x_fully_shard": _tp_fully_shard(),
                    "offload_kept": _offload_kept(), "torch_fsdp2": _torch_fsdp2(case)},
             "resume": wrapper_state_cases.four_ranks()}
 
