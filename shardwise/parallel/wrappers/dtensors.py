@@ -91,6 +91,15 @@ def to_local(group, flat, i: int, value: Any) -> Any:
     return rank_piece(flat, i, value.full_tensor())
 
 
+def rows_of(group, module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
+    """In place: each sharded parameter's DTensor entry in `state` (named under `prefix`) as this rank's rows."""
+    where = group.runtime.partition.where()
+    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+        if id(p) in where and is_dtensor(state.get(name)):
+            flat, i = where[id(p)]
+            state[name] = to_local(group, flat, i, state[name])
+
+
 def install(module: nn.Module, group_of) -> None:
     """State-dict hooks on a module `fully_shard` wrapped: out, its sharded parameters as DTensors; in, DTensors
     back to this rank's rows. `group_of(module)` is its current `ShardedGroup` (the root's, once wrapped above)."""
@@ -106,12 +115,7 @@ def install(module: nn.Module, group_of) -> None:
                 state[name] = to_dtensor(group, flat, i, state[name])
 
     def into(m: nn.Module, state: dict[str, Any], prefix: str, *_rest: Any) -> None:
-        group = group_of(m)
-        where = group.runtime.partition.where()
-        for name, p in m.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            if id(p) in where and is_dtensor(state.get(name)):
-                flat, i = where[id(p)]
-                state[name] = to_local(group, flat, i, state[name])
+        rows_of(group_of(m), m, state, prefix.rstrip("."))
 
     module.register_state_dict_post_hook(out)
     handle = module.register_load_state_dict_pre_hook(into)

@@ -29,7 +29,7 @@ from torch import nn
 
 from shardwise.errors import UserError
 from shardwise.parallel.wrappers.dtensors import (
-    dp_mesh, init_optim_state, is_dtensor, plain_state_dicts, to_dtensor, to_local,
+    dp_mesh, init_optim_state, is_dtensor, plain_state_dicts, rows_of, to_dtensor, to_local,
 )
 from shardwise.parallel.wrappers.from_rank0 import broadcast_from_rank0 as from_rank0
 from shardwise.parallel.wrappers.from_rank0 import dp_comm
@@ -346,18 +346,6 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
         optim.load_state_dict(osd)
 
 
-def _rows_of_dtensors(target: _Target, sd: dict[str, Any]) -> dict[str, Any]:
-    """The model state dict with each sharded parameter's DTensor as this rank's rows (other entries as given)."""
-    group = target.sharded._sharded_group()
-    where = target.where()
-    out = dict(sd)
-    for name, p in target.module.named_parameters(remove_duplicate=False):
-        if id(p) in where and is_dtensor(out.get(name)):
-            flat, i = where[id(p)]
-            out[name] = to_local(group, flat, i, out[name])
-    return out
-
-
 @torch.no_grad()
 def load_model_state(target: _Target, sd: dict[str, torch.Tensor], *, full: bool, fn: str) -> None:
     """Checks every key and shape, then loads (whole tensors: each rank keeps its part; DTensors: their rows)."""
@@ -365,8 +353,9 @@ def load_model_state(target: _Target, sd: dict[str, torch.Tensor], *, full: bool
         group = target.sharded._sharded_group()
         with plain_state_dicts(group):
             here = target.module.state_dict()
-        if not full:
-            sd = _rows_of_dtensors(target, sd)
+        if not full:                # shapes are checked on this rank's rows (the caller's dict is left as it is)
+            sd = dict(sd)
+            rows_of(group, target.module, sd)
     else:
         here = target.module.state_dict()
     _check_keys(sd.keys(), here.keys(), "the model state dict", fn)
