@@ -10,9 +10,10 @@ itself, and the usual full load keeps its part.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 @dataclass(frozen=True)
@@ -23,27 +24,6 @@ class _Slot:
     dtype: torch.dtype
 
 
-def _skeleton(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        tensors.append(tree)
-        return _Slot(tuple(tree.shape), tree.dtype)
-    if isinstance(tree, dict):
-        return {k: _skeleton(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_skeleton(v, tensors) for v in tree)
-    return tree
-
-
-def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    if isinstance(skeleton, _Slot):
-        return next(tensors)
-    if isinstance(skeleton, dict):
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(v, tensors) for v in skeleton)
-    return skeleton
-
-
 def broadcast_from_rank0(comm, trees: list[Any]) -> list[Any]:
     """`trees` as rank 0 of `comm` holds them, on every rank (collective; the others' `trees` are ignored).
     Tensors arrive on the host over gloo, on this rank's GPU over NCCL alone."""
@@ -51,28 +31,18 @@ def broadcast_from_rank0(comm, trees: list[Any]) -> list[Any]:
     if comm.local:
         return trees
     device = torch.device("cpu") if comm.carries_host_tensors else torch.device("cuda", torch.cuda.current_device())
-    tensors: list[torch.Tensor] = []
-    skeleton = _skeleton(trees, tensors) if comm.rank == 0 else None
-    skeleton = comm.all_gather_object(skeleton)[0]
+    told = None
     if comm.rank == 0:
-        tensors = [t.detach().to(device) for t in tensors]
+        leaves, spec = tree_flatten(trees)
+        told = ([_Slot(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    shape, spec = comm.all_gather_object(told)[0]
+    if comm.rank == 0:
+        tensors = [x.detach().to(device) for x in leaves if isinstance(x, torch.Tensor)]
     else:
-        slots: list[_Slot] = []
-        _collect(skeleton, slots)
-        tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in shape if isinstance(s, _Slot)]
     broadcast_coalesced(comm, tensors)
-    return _fill(skeleton, iter(tensors))
-
-
-def _collect(skeleton: Any, slots: list[_Slot]) -> None:
-    if isinstance(skeleton, _Slot):
-        slots.append(skeleton)
-    elif isinstance(skeleton, dict):
-        for v in skeleton.values():
-            _collect(v, slots)
-    elif isinstance(skeleton, (list, tuple)):
-        for v in skeleton:
-            _collect(v, slots)
+    arrived = iter(tensors)
+    return tree_unflatten([next(arrived) if isinstance(s, _Slot) else s for s in shape], spec)
 
 
 def dp_comm(model: torch.nn.Module, target):
