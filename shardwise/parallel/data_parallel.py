@@ -201,9 +201,9 @@ class BucketedAllReduce(OrderedLauncher):
 
     def _auto_shared(self, groups: list[list[torch.nn.Parameter]]) -> AllReduceImpl:
         """"auto": shared memory for CPU gradients over a CPU backend when every rank can map the others'
-        buckets; else the backend. The refusals are agreed, so every rank falls back together."""
-        if self.comm.local or not self.comm.carries_host_tensors or \
-                any(p.device.type != "cpu" for g in groups for p in g) or self.comm_dtype is not None:
+        buckets; else the backend. Every refusal is the same on every rank (decided by what all of them share,
+        or agreed), so every rank falls back together."""
+        if self.comm.local:
             return AllReduceImpl.BACKEND
         try:
             self._shared = self._shared_buffers(groups)
