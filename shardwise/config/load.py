@@ -28,7 +28,7 @@ from shardwise.config.resolved import (
     NonFiniteConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
     PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
 )
-from shardwise.config.resolved import (
+from shardwise.config.monitoring import (
     CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
 )
 from shardwise.config.sanity import screen_structure, value_problems

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, TextIO
 
 from shardwise.comm.ledger import CommLedger, CommRecord
-from shardwise.config.resolved import CommsLoggerConfig
+from shardwise.config.monitoring import CommsLoggerConfig
 
 
 def bus_factor(op: str, group_size: int) -> float:

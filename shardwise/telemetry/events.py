@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from shardwise.config.resolved import EventFilesConfig, MonitoringConfig, WandbConfig
+from shardwise.config.monitoring import EventFilesConfig, MonitoringConfig, WandbConfig
 from shardwise.errors import UserError
 
 Event = tuple[str, float, int]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.config.resolved import MonitoringConfig
+from shardwise.config.monitoring import MonitoringConfig
 from shardwise.telemetry.comms_logger import CommsLogger, print_line
 from shardwise.telemetry.events import EventWriters
 from shardwise.telemetry.flops_profiler import FlopsProfiler

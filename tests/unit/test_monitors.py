@@ -14,7 +14,7 @@ import torch
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import ConfigError, load_config
-from shardwise.config.resolved import (
+from shardwise.config.monitoring import (
     CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
 )
 from shardwise.errors import UserError
