@@ -84,8 +84,8 @@ def base_config(**extra: Any) -> dict[str, Any]:
 def phase_a(device: torch.device, checks: Checks) -> None:
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ledger import CommLedger
-    from shardwise.device import local_cuda_index, select_device
-    from shardwise.initialization import init_distributed
+    from shardwise.comm.device import local_cuda_index, select_device
+    from shardwise.engine.initialize import init_distributed
     from shardwise.telemetry.peak import device_peak_flops
     import torch.distributed as dist
 
@@ -170,7 +170,6 @@ def phase_a(device: torch.device, checks: Checks) -> None:
 
 def _train(device: torch.device, extra: dict[str, Any], steps: int = 2) -> tuple[list[float], dict, Any]:
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     from shardwise.models import GPT
     cfg = tiny_config(device)
     torch.manual_seed(1234)
@@ -178,7 +177,7 @@ def _train(device: torch.device, extra: dict[str, Any], steps: int = 2) -> tuple
     engine, *_ = shardwise.initialize(model=model, config=base_config(**extra))
     data = iter(token_data(cfg, 2, 2 * steps, device))
     losses = [float(engine.train_batch(data)) for _ in range(steps)]
-    state = {k: v.detach().float().cpu() for k, v in consolidated_state_dict(engine).items()}
+    state = {k: v.detach().float().cpu() for k, v in engine.consolidated_state_dict().items()}
     return losses, state, engine
 
 
@@ -191,7 +190,7 @@ def _max_rel(a: dict, b: dict) -> float:
 
 
 def phase_b(device: torch.device, checks: Checks) -> None:
-    from shardwise.initialization import init_distributed
+    from shardwise.engine.initialize import init_distributed
     init_distributed()
     ref_losses, ref_state, engine = _train(device, {})
     engine.close()
@@ -277,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SHARDWISE_DEVICE"] = args.device
     if args.phase in ("A", "B"):
         os.environ["SHARDWISE_COLLECTIVES_AT_WORLD_1"] = "1"     # world 1 runs its collectives for real
-    from shardwise.device import select_device
+    from shardwise.comm.device import select_device
     device = select_device()
     checks = Checks()
     if args.phase in PHASES:
@@ -286,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gpu_scale import PHASES as SCALE
         SCALE[args.phase](device, checks)
     args.out.write_text(json.dumps(checks.rows, indent=1, default=str))
-    from shardwise.initialization import exit_rank
+    from shardwise.engine.initialize import exit_rank
     exit_rank(0)      # no interpreter finalization: gloo's threads may still hold work objects
 
 

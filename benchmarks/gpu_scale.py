@@ -55,7 +55,7 @@ def _predicted_bytes(args: Any, stage: int) -> float:
 
 def phase_c(device: torch.device, checks: Checks) -> None:
     from benchmarks import zero_gpu
-    from shardwise.initialization import init_distributed
+    from shardwise.engine.initialize import init_distributed
     from shardwise.telemetry.peak import device_peak_flops
     judge = device.type == "cuda"
     init_distributed()
@@ -134,7 +134,7 @@ def _rank_cases(names: list[str]) -> dict[str, Any]:
     """On each of the 2 ranks: every case's losses, or its error (each case is symmetric, so a refusal is
     raised on both ranks alike and the next case starts in step)."""
     import shardwise
-    from shardwise.device import select_device
+    from shardwise.comm.device import select_device
     from shardwise.models import GPT
     from shardwise.testing import micro_steps
     device = select_device()

@@ -178,7 +178,7 @@ def _rank_main(rank: int, world: int, init_file: str, cases: list[Case], inbox: 
     finally:
         outbox.close()
         outbox.join_thread()
-        os._exit(0)       # skip interpreter teardown (gloo may abort there; see shardwise.initialization.exit_rank)
+        os._exit(0)       # skip interpreter teardown (gloo may abort there; see shardwise.engine.initialize.exit_rank)
 
 
 class _Group:

@@ -286,5 +286,5 @@ def launch(nproc: int, argv: Sequence[str] = ()) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.initialization import exit_rank
+    from shardwise.engine.initialize import exit_rank
     exit_rank(main())

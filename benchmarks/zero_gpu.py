@@ -344,7 +344,7 @@ def print_report(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shardwise.models import gpt_flops_per_token, gpt_num_params
-    from shardwise.device import select_device
+    from shardwise.comm.device import select_device
     os.environ.setdefault("SHARDWISE_DEVICE", args.device)
     device = select_device()
     cfg = model_config(args.model)
@@ -384,8 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: zero_gpu runs at world size 1 (WORLD_SIZE={os.environ['WORLD_SIZE']}): start it with plain "
               f"python, or --nproc-per-node 1", file=sys.stderr)
         return 2
-    from shardwise.initialization import init_distributed
-    os.environ["SHARDWISE_DEVICE"] = args.device       # the engine trains where --device says (shardwise.device)
+    from shardwise.engine.initialize import init_distributed
+    os.environ["SHARDWISE_DEVICE"] = args.device       # the engine trains where --device says (shardwise.comm.device)
     created = not dist.is_initialized()
     # Not under torchrun: a world of one on an in-memory store (no port, nothing left behind).
     init_distributed("nccl" if args.device == "cuda" else "gloo")

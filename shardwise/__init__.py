@@ -31,15 +31,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "initialize": "shardwise.initialization",
-    "init_distributed": "shardwise.initialization",
-    "Engine": "shardwise.engine",
+    "initialize": "shardwise.engine.initialize",
+    "init_distributed": "shardwise.engine.initialize",
+    "Engine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
     "ConfigWarning": "shardwise.config",
     "AutoValues": "shardwise.config",
     "UserError": "shardwise.errors",
-    "add_config_arguments": "shardwise.arguments",
+    "add_config_arguments": "shardwise.engine.arguments",
     # the torch-native way in: module wrappers over the same strategies
     "fully_shard": "shardwise.parallel.wrappers",
     "FSDPModule": "shardwise.parallel.wrappers",

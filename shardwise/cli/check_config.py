@@ -100,7 +100,7 @@ def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tup
 
 def _guards(cfg: EngineConfig) -> str:
     """Collective timeout, desync check, and what happens to inf/nan steps."""
-    from shardwise.skips import consecutive_limit, skips_nonfinite_steps
+    from shardwise.engine.skips import consecutive_limit, skips_nonfinite_steps
     c, limit = cfg.communication, consecutive_limit(cfg)
     skips = "inf/nan steps skipped" if skips_nonfinite_steps(cfg) else "inf/nan steps applied (not skipped)"
     stop = f", the run stops after {limit} in a row" if limit else ", never stops for them"
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     with printed_config_warnings():
         cfg = load_config_for_world(args.config, world_size=args.world, auto=known)
     # Imported here: building the optimizer/scheduler needs torch, the config check itself does not.
-    from shardwise.optim import check_specs
+    from shardwise.engine.optim import check_specs
 
     choice = check_specs(cfg.optimizer, cfg.scheduler)
     optimizer_text = f"{cfg.optimizer.type} -> {choice.describe()}" if cfg.optimizer and choice else None

@@ -77,7 +77,7 @@ class WorkerArgs:
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
-        from shardwise.checkpoint import atomic_write_text
+        from shardwise.checkpoint.files import atomic_write_text
         atomic_write_text(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
         return path
 
@@ -296,7 +296,7 @@ def _check_gpus(nproc: int) -> None:
     ranks of one communicator on one GPU). SHARDWISE_DEVICE=cpu runs the ranks on the CPU instead."""
     import torch
 
-    from shardwise.device import DEVICE_ENV, uses_cuda
+    from shardwise.comm.device import DEVICE_ENV, uses_cuda
 
     if not uses_cuda():
         return

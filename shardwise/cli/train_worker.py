@@ -39,7 +39,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.data import CorpusError, load_corpus
 from shardwise.errors import UserError
 from shardwise.models.registry import flops_per_token as model_flops_per_token
-from shardwise.topology import Axis
+from shardwise.comm.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak import device_peak_flops
 from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, measured_peak, resolve_peak
@@ -275,5 +275,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.initialization import exit_rank
+    from shardwise.engine.initialize import exit_rank
     exit_rank(main())

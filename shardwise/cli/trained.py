@@ -1,6 +1,6 @@
 """A trained model on one process, for `shardwise eval`, `generate` and `export`: the checkpoint named on the
 command line (a run directory, its checkpoints directory or one tag), consolidated from whatever layout wrote it
-(`shardwise.consolidate`), in the model RUN_DIR/model.json describes (or `--model` when there is none)."""
+(`shardwise.checkpoint.consolidate`), in the model RUN_DIR/model.json describes (or `--model` when there is none)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def load_trained(args: argparse.Namespace) -> Trained:
     """Build the model and load the consolidated checkpoint into it (UserError on any mismatch)."""
     import torch
 
-    from shardwise.consolidate import consolidated_state_dict, load_weights, resolve_checkpoint
+    from shardwise.checkpoint.consolidate import consolidated_state_dict, load_weights, resolve_checkpoint
     from shardwise.models.registry import build_model
     choice, run_dir = model_choice(args)
     tag = resolve_checkpoint(args.checkpoint)

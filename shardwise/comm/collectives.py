@@ -139,12 +139,12 @@ class Comm:
     @functools.cached_property
     def carries_host_tensors(self) -> bool:
         """Whether the group has a CPU backend (gloo, or gloo beside NCCL): host tensors then go as they are."""
-        from shardwise.device import has_cpu_backend
+        from shardwise.comm.device import has_cpu_backend
         return has_cpu_backend(self.group)
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A device copy of a host tensor when the group has no CPU backend (NCCL alone), on this rank's current
-        GPU (`shardwise.device.select_device` set it). None: use `tensor` as it is."""
+        GPU (`shardwise.comm.device.select_device` set it). None: use `tensor` as it is."""
         if tensor.device.type != "cpu" or self.carries_host_tensors:
             return None
         return tensor.to(torch.device("cuda", torch.cuda.current_device()))

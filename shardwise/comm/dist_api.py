@@ -34,7 +34,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if init_method is not None or rank != -1 or world_size != -1:
         raise UserError("shardwise.comm.init_distributed(init_method=/rank=/world_size=) is not supported: launch "
                         "with torchrun (or `shardwise train`), which sets RANK and WORLD_SIZE for every process")
-    from shardwise.initialization import init_distributed as _init
+    from shardwise.engine.initialize import init_distributed as _init
     _init(dist_backend, timeout_s=timeout.total_seconds() if timeout is not None else None)
 
 

@@ -49,7 +49,7 @@ class ModelChoice:
         return GPTConfig(**self.gpt)
 
     def write(self, path: Path) -> Path:
-        from shardwise.checkpoint import atomic_write_text
+        from shardwise.checkpoint.files import atomic_write_text
         atomic_write_text(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
         return path
 

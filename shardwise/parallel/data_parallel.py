@@ -34,7 +34,7 @@ import torch
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, AllReduceImpl, gradient_bucket_numel
-from shardwise.device import device_guard
+from shardwise.comm.device import device_guard
 from shardwise.errors import UserError
 
 if TYPE_CHECKING:
@@ -261,6 +261,11 @@ class BucketedAllReduce(OrderedLauncher):
         self._ready_count = 0
         self.launch_log = []
         self.attach_grads()
+
+    @property
+    def accumulates_locally(self) -> bool:
+        """Gradients stay whole on every rank: a backward off the boundary just accumulates into them."""
+        return True
 
     @property
     def grad_bytes(self) -> int:

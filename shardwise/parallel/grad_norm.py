@@ -33,8 +33,8 @@ from torch import Tensor
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.parallel.tensor_parallel.layers import is_tensor_parallel_shard
-from shardwise.precision import nonfinite_flag
-from shardwise.topology import Axis, ParallelMesh
+from shardwise.parallel.precision import nonfinite_flag
+from shardwise.comm.topology import Axis, ParallelMesh
 
 Ranges = tuple[tuple[int, int], ...]
 """Flat element ranges [a, b) of one stepped tensor that hold replicated elements."""

@@ -1,7 +1,7 @@
-"""No pipeline (pipeline.stages = 1): the engine's `interfaces.Pipeline` for a model held whole on every rank.
+"""No pipeline (pipeline.stages = 1): the `interfaces.Pipeline` of a model held whole on every rank.
 
-A global batch is DeepSpeed's plain loop, gradient_accumulation_steps times `engine(batch)`,
-`engine.backward(loss)`, `engine.step()`; module states keep their own names; there are no other stages.
+A global batch is DeepSpeed's plain loop, gradient_accumulation_steps times forward, backward and step through
+the step driver; module states keep their own names; there are no other stages.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from shardwise.parallel.tied import TiedParams
 from shardwise.parallel.outputs import loss_of
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.parallel.interfaces import StepDriver
     from shardwise.parallel.zero.build import ShardingUnits
 
 
 class SingleStage:
     reads_in_order: ClassVar[bool] = False    # DeepSpeed's plain engine shuffles its training data
+    fixed_micro_batches: ClassVar[bool] = False
 
     def __init__(self, metrics_comm: Comm):
         self.metrics_comm = metrics_comm
@@ -43,28 +44,28 @@ class SingleStage:
         """One stage holds every use of a shared module: autograd sums its gradient."""
         return TiedParams()
 
-    def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> float:
+    def train_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None) -> float:
         if data_iter is None:
             raise UserError("engine.train_batch(data_iter) needs an iterator of micro-batches: pass one, or give "
                             "shardwise.initialize(training_data=...) or engine.set_dataiterator(...)")
-        count = engine.gradient_accumulation_steps()
+        count = driver.micro_batches
         total: torch.Tensor | None = None        # [] float32 on the compute device: no host read per micro-batch
         for i in range(count):
-            loss = loss_of(engine(next(data_iter)))
-            engine.backward(loss)
+            loss = loss_of(driver.forward(next(data_iter)))
+            driver.backward(loss)
             part = loss.detach().float()
             total = part if total is None else total + part
             if i + 1 < count:
-                engine.step()
+                driver.step()
         assert total is not None
-        return engine.step_agreeing_loss(total / count)
+        return driver.step_agreeing_loss(total / count)
 
-    def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, count: int) -> float:
+    def eval_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None, count: int) -> float:
         if data_iter is None:
             raise UserError("engine.eval_batch(data_iter) needs an iterator of micro-batches")
         total: torch.Tensor | None = None        # on the compute device until the one read below
         for _ in range(count):
-            loss = loss_of(engine(next(data_iter)))
+            loss = loss_of(driver.forward(next(data_iter)))
             if not torch.is_tensor(loss) or loss.dim() != 0:
                 raise UserError("engine.eval_batch needs the model to return a scalar loss tensor (or an output "
                                 "with .loss, as Hugging Face models return when given labels)")

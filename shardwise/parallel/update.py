@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from shardwise.parallel.grad_norm import GradNormReducer, Riders
+from shardwise.parallel.interfaces import HeldBytes, Piece, SteppedEntry
 from shardwise.parallel.tied import TiedSlot, sum_tied_grads
-from shardwise.precision import LossScaler
+from shardwise.parallel.precision import LossScaler
 
 
 @dataclass(frozen=True)
@@ -36,18 +37,6 @@ class UpdateRecipe:
     """The model's dtype: below fp32 the optimizer steps separate fp32 masters."""
     compute_norm: bool = True
     """Report the global gradient norm also when not clipping (DeepSpeed's zero_optimization.compute_grad_norm)."""
-
-
-@dataclass(frozen=True, eq=False)
-class Piece:
-    """Part of one parameter held by a stepped tensor: elements [lo, hi) of the parameter flattened (this
-    rank's TP slice of it, `shape`) sit at [dst, dst + hi - lo) of the stepped tensor."""
-
-    param: torch.nn.Parameter
-    shape: tuple[int, ...]
-    lo: int
-    hi: int
-    dst: int
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -144,6 +133,13 @@ class Update:
         """Host buffers that only stage copies between host and device (none unless offloading)."""
         return 0
 
+    def param_bytes(self) -> int:
+        """The model's parameters as this rank holds them."""
+        raise NotImplementedError
+
+    def held_bytes(self) -> HeldBytes:
+        return HeldBytes(params=self.param_bytes(), optimizer=self.state_bytes(), staging=self.staging_bytes())
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.masters] if self.masters else None}
@@ -153,18 +149,15 @@ class Update:
         """Per stepped tensor (the order of `stepped`): the parameter pieces it holds."""
         raise NotImplementedError
 
-    def slots(self) -> list[tuple[int, int | None]]:
-        """Per stepped tensor: its index in `optimizer.state_dict()["state"]` (torch numbers the parameters of
-        the groups in order) and in `state_dict()["masters"]` (None: the stepped tensor is the model's own
-        parameter, whose value the module states hold)."""
+    def entries(self) -> list[SteppedEntry]:
+        """Per stepped tensor: its pieces, its index in `optimizer.state_dict()["state"]` (torch numbers the
+        parameters of the groups in order) and in `state_dict()["masters"]`, and its group's options."""
         order = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        group = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         masters = {id(m): i for i, m in enumerate(self.masters)}
-        return [(order[id(t)], masters.get(id(t))) for t in self.stepped]
-
-    def group_options(self) -> list[dict]:
-        """Per stepped tensor: its optimizer param group's options (lr, betas, ...), without the params."""
-        of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        return [{k: v for k, v in of[id(t)].items() if k != "params"} for t in self.stepped]
+        return [SteppedEntry(pieces=ps, optimizer_index=order[id(t)], master_index=masters.get(id(t)),
+                             options={k: v for k, v in group[id(t)].items() if k != "params"})
+                for t, ps in zip(self.stepped, self.pieces())]
 
     @torch.no_grad()
     def load_stepped(self, values: list[torch.Tensor | None], states: list[dict] | None,
@@ -177,9 +170,9 @@ class Update:
                 t.copy_(v)
         if states is not None and options is not None:
             sd = self.optimizer.state_dict()
-            for (index, _), st in zip(self.slots(), states):
+            for entry, st in zip(self.entries(), states):
                 if st:
-                    sd["state"][index] = st
+                    sd["state"][entry.optimizer_index] = st
             by_tensor = {id(t): o for t, o in zip(self.stepped, options)}
             for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
                 if g["params"] and id(g["params"][0]) in by_tensor:

@@ -1,11 +1,13 @@
 """The engine's monitor: DeepSpeed's monitors, progress lines, wall-clock breakdown, comms logger and flops
 profiler behind the few calls the engine makes.
 
-    with monitor.forward(engine):   ...       # times the forward; profiles it at flops_profiler.profile_step
+    with monitor.forward(steps):    ...       # times the forward; profiles it at flops_profiler.profile_step
     with monitor.timed(name):       ...       # backward phases and the step (`timers.py` names)
     monitor.observe_loss(loss)                # each micro-batch loss engine.backward saw
-    monitor.after_step(engine)                # once per optimizer step, after the counters moved
-    with monitor.global_batch(engine) as b: b.loss = ...   # engine.train_batch: the agreed loss
+    monitor.after_step(steps)                 # once per optimizer step, after the counters moved
+    with monitor.global_batch(steps) as b: b.loss = ...    # engine.train_batch: the agreed loss
+
+`steps` is the engine's step driver, read through `StepProgress`: the counters, the lr and the loss scale.
 
 What is printed goes to standard output on global rank 0 only, with DeepSpeed's wording:
 `[Rank 0] step=10, skipped=0, lr=[...], mom=[...]` every `steps_per_print` steps, and, when asked for,
@@ -19,7 +21,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -32,8 +34,7 @@ from shardwise.telemetry.timers import (
     BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, FORWARD, STEP, PhaseTimers, breakdown_line,
 )
 
-if TYPE_CHECKING:
-    from shardwise.engine import Engine
+from shardwise.config.batch import BatchSizes
 
 # DeepSpeed's monitor tags for the timers (milliseconds of one optimizer step).
 _TIMER_TAGS = ((FORWARD, "Train/Samples/elapsed_time_ms_forward"),
@@ -41,6 +42,23 @@ _TIMER_TAGS = ((FORWARD, "Train/Samples/elapsed_time_ms_forward"),
                (BACKWARD_INNER, "Train/Samples/elapsed_time_ms_backward_inner"),
                (BACKWARD_ALLREDUCE, "Train/Samples/elapsed_time_ms_backward_allreduce"),
                (STEP, "Train/Samples/elapsed_time_ms_step"))
+
+
+class StepProgress(Protocol):
+    """What the monitor reads of the training progress (the engine's step driver)."""
+
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    batch: BatchSizes
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def get_lr(self) -> list[float]: ...
 
 
 @dataclass
@@ -97,9 +115,9 @@ class TrainingMonitor:
 
     # -- what the engine calls ----------------------------------------------------------------------
     @contextmanager
-    def forward(self, engine: Engine) -> Iterator[None]:
+    def forward(self, steps: StepProgress) -> Iterator[None]:
         """A training forward: timed, and profiled if it is the first of flops_profiler.profile_step."""
-        profile = self.flops is not None and self.flops.wants(engine.global_steps)
+        profile = self.flops is not None and self.flops.wants(steps.global_steps)
         with self.timers.timed(FORWARD):
             if profile:
                 assert self.flops is not None
@@ -109,10 +127,10 @@ class TrainingMonitor:
                 yield
 
     @contextmanager
-    def stage_forwards(self, engine: Engine) -> Iterator[Callable[[int], Any] | None]:
+    def stage_forwards(self, steps: StepProgress) -> Iterator[Callable[[int], Any] | None]:
         """A pipeline step: yields what wraps the stage's forward of micro-batch m (at flops_profiler.profile_step
         the first micro-batch's forwards are profiled), or None when nothing watches the forwards."""
-        if self.flops is None or not self.flops.wants(engine.global_steps):
+        if self.flops is None or not self.flops.wants(steps.global_steps):
             yield None
             return
         with self.flops.session() as session:
@@ -127,7 +145,7 @@ class TrainingMonitor:
             self._losses.append(loss.detach().float())
 
     @contextmanager
-    def global_batch(self, engine: Engine) -> Iterator[BatchResult]:
+    def global_batch(self, steps: StepProgress) -> Iterator[BatchResult]:
         """engine.train_batch: its own loss (agreed over ranks) replaces the micro-batch losses of backward."""
         result = BatchResult()
         self._in_batch += 1
@@ -137,24 +155,24 @@ class TrainingMonitor:
         finally:
             self._in_batch -= 1
         self._batch_seconds += time.perf_counter() - start
-        self._batch_samples += engine.config.batch.train_batch_size
+        self._batch_samples += steps.batch.train_batch_size
         self._batch_count += 1
         if result.loss is None:
             return
-        self.events.write([("Train/Samples/train_loss", result.loss, engine.global_samples)])
+        self.events.write([("Train/Samples/train_loss", result.loss, steps.global_samples)])
         spp = self.section.steps_per_print
-        if spp and engine.global_steps % spp == 0:
+        if spp and steps.global_steps % spp == 0:
             iter_s = self._batch_seconds / self._batch_count
-            self._say(f"steps: {engine.global_steps} loss: {result.loss:0.4f} iter time (s): {iter_s:0.3f} "
+            self._say(f"steps: {steps.global_steps} loss: {result.loss:0.4f} iter time (s): {iter_s:0.3f} "
                       f"samples/sec: {self._batch_samples / self._batch_seconds:0.3f}")
             self._batch_seconds, self._batch_samples, self._batch_count = 0.0, 0, 0
 
-    def eval_loss(self, engine: Engine, loss: float) -> None:
-        self.events.write([("Train/Samples/eval_loss", loss, engine.global_samples)])
+    def eval_loss(self, steps: StepProgress, loss: float) -> None:
+        self.events.write([("Train/Samples/eval_loss", loss, steps.global_samples)])
 
-    def after_step(self, engine: Engine) -> None:
-        """Once per optimizer step, after engine.global_steps and global_samples counted it."""
-        step = engine.global_steps
+    def after_step(self, steps: StepProgress) -> None:
+        """Once per optimizer step, after steps.global_steps and global_samples counted it."""
+        step = steps.global_steps
         step_ms = self.timers.end_step()
         self._window_steps += 1
         if self.events.enabled:
@@ -162,9 +180,9 @@ class TrainingMonitor:
         self._losses = []
         spp = self.section.steps_per_print
         if spp and step % spp == 0:
-            lr = engine.get_lr()
-            mom = [momentum_of(g) for g in engine.optimizer.param_groups]
-            self._say(f"[Rank 0] step={step}, skipped={engine.skipped_steps}, lr={lr}, mom={mom}")
+            lr = steps.get_lr()
+            mom = [momentum_of(g) for g in steps.optimizer.param_groups]
+            self._say(f"[Rank 0] step={step}, skipped={steps.skipped_steps}, lr={lr}, mom={mom}")
         if step % self._print_every == 0:
             if self.section.wall_clock_breakdown:
                 line = breakdown_line(self.timers, self._window_steps)
@@ -180,15 +198,15 @@ class TrainingMonitor:
                                             step_ms=self.timers.last_ms.get(STEP), **self._shape)
             self.flops.write_report(lines, self._out)
 
-    def _step_events(self, engine: Engine, step_ms: dict[str, float]) -> list[tuple[str, float, int]]:
-        x = engine.global_samples
+    def _step_events(self, steps: StepProgress, step_ms: dict[str, float]) -> list[tuple[str, float, int]]:
+        x = steps.global_samples
         events: list[tuple[str, float, int]] = []
         if self._losses:
             # A loop of engine(batch) / backward / step: this rank's mean micro-batch loss (as DeepSpeed logs it).
             events.append(("Train/Samples/train_loss", float(torch.stack(self._losses).mean()), x))
-        events.append(("Train/Samples/lr", engine.get_lr()[0], x))
+        events.append(("Train/Samples/lr", steps.get_lr()[0], x))
         if self._scales_loss:
-            events.append(("Train/Samples/loss_scale", engine.loss_scale, x))
+            events.append(("Train/Samples/loss_scale", steps.loss_scale, x))
         if self.section.wall_clock_breakdown or self.section.flops_profiler.enabled:
             events += [(tag, step_ms[name], x) for name, tag in _TIMER_TAGS if name in step_ms]
         return events

@@ -89,7 +89,7 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        from shardwise.initialization import init_distributed
+        from shardwise.engine.initialize import init_distributed
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
         self._holders, self._held = {}, set()
         self._hooks = [module_hooks.register_module_parameter_registration_hook(self._on_param),
@@ -126,7 +126,7 @@ class Init:
         """DeepSpeed's ``Init(module=model)``: a model built whole on every rank becomes rank 0's weights, cut to
         this rank's shards (a model built on the meta device is materialized instead; one sharded already is
         left as it is)."""
-        from shardwise.initialization import init_distributed
+        from shardwise.engine.initialize import init_distributed
         init_distributed()
         if hasattr(module, PARTITION_ATTR):
             return
@@ -201,7 +201,7 @@ def _refuse_unbuilt(**given: Any) -> None:
 def _broadcast_by_module(model: nn.Module, comm: Comm) -> None:
     """Rank 0's parameters and buffers on every rank, one flat broadcast per module and dtype (a copy of one
     module at a time, not of the model)."""
-    from shardwise.initialization import broadcast_tensors
+    from shardwise.engine.initialize import broadcast_tensors
 
     if comm.size == 1:
         return

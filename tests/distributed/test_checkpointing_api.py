@@ -104,7 +104,6 @@ def test_a_deepspeed_checkpointing_model_runs_with_the_import_changed():
 def _keys(extra: dict) -> dict:
     import shardwise
     from shardwise.checkpointing import profile_times
-    from shardwise.engine_checkpoint import consolidated_state_dict
     model = tiny_gpt(n_layer=2, seq_len=16, dropout=0.1)
     torch.manual_seed(5 + dist.get_rank())
     cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
@@ -114,7 +113,7 @@ def _keys(extra: dict) -> dict:
     profile_times()
     losses = [float(engine.train_batch(iter(m)))
               for m in micro_steps(token_batches(STEPS, 2, 17, seed=8), grad_accum=1)]
-    return {"losses": losses, "state": consolidated_state_dict(engine), "times": profile_times(),
+    return {"losses": losses, "state": engine.consolidated_state_dict(), "times": profile_times(),
             "activations": engine.memory_report()["activations"]}
 
 

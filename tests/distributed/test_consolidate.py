@@ -1,4 +1,4 @@
-"""A checkpoint of any layout, consolidated on one process from its files alone (`shardwise.consolidate`), equals
+"""A checkpoint of any layout, consolidated on one process from its files alone (`shardwise.checkpoint.consolidate`), equals
 what the ranks that wrote it assemble with `engine.save_16bit_model`: ZeRO-3 over 2 ranks (every parameter
 sharded, and the small ones kept whole; with TP 2 and tied embeddings), TP 2 and a 2-stage pipeline of our
 Llama-style model, ZeRO-2 in bf16.
@@ -41,7 +41,7 @@ def _save_all(root: str) -> None:
 
 
 def test_consolidated_checkpoint_equals_save_16bit_model(tmp_path, one_thread):
-    from shardwise.consolidate import consolidated_state_dict
+    from shardwise.checkpoint.consolidate import consolidated_state_dict
     run_distributed(_save_all, 2, args=(str(tmp_path),), timeout=300)
     for name, (_, gpt) in LAYOUTS.items():
         with torch.device("meta"):

@@ -87,7 +87,7 @@ def _run_fp16(steps: int, stage: int = 0) -> dict:
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_fp16_overflow_skips_the_step_and_scale_moves_like_deepspeed(stage):
-    from shardwise.precision import DynamicLossScaler
+    from shardwise.parallel.precision import DynamicLossScaler
     out = run_distributed(_run_fp16, 2, args=(14, stage))
     # Both ranks see the same overflows, scales, lr steps and (dp mean) losses, and change their weights together.
     assert out[0]["rows"] == out[1]["rows"]

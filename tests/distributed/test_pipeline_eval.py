@@ -127,8 +127,7 @@ def _training_data_case() -> dict:
 
 
 def consolidated_state(engine) -> dict | None:
-    from shardwise.engine_checkpoint import consolidated_state_dict
-    return consolidated_state_dict(engine)
+    return engine.consolidated_state_dict()
 
 
 def _all_cases() -> dict:

@@ -98,7 +98,6 @@ def _micro(dp: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(stages: int, extra: dict, steps: int = STEPS) -> tuple:
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     dp = 4 // stages
     net = gpt2_style(stages)
     engine, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(), config=config(dp, **extra))
@@ -107,25 +106,24 @@ def _train(stages: int, extra: dict, steps: int = STEPS) -> tuple:
     for _ in range(steps):
         losses.append(float(engine.train_batch(data)))
         norms.append(engine.get_global_grad_norm())
-    return engine, losses, norms, consolidated_state_dict(engine)
+    return engine, losses, norms, engine.consolidated_state_dict()
 
 
 def _checkpoint(root: str) -> dict:
     """Train 2 steps at pp 2 x dp 2, save; a model built from another seed loads it and continues: every holder
     gets the tied weight back from the first holder's file, the only one holding it."""
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     extra = {"optimizer": SGD, "gradient_clipping": 0.5}
     engine, *_ = _train(2, extra, steps=2)
     engine.save_checkpoint(root, tag="t")
     files = {name: sorted(torch.load(os.path.join(root, "t", name), weights_only=False)["module"])
              for name in ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt")}
-    before = consolidated_state_dict(engine)
+    before = engine.consolidated_state_dict()
     engine.close()
     net = gpt2_style(2, seed=12)
     fresh, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(), config=config(2, **extra))
     fresh.load_checkpoint(root, tag="t")
-    loaded = consolidated_state_dict(fresh)
+    loaded = fresh.consolidated_state_dict()
     tied = fresh.pipeline.stage.tied["embed"].weight.detach().clone()
     data = iter(_micro(2, fresh.dp_rank)[2 * GAS:])          # the third global batch
     loss = float(fresh.train_batch(data))
@@ -160,14 +158,13 @@ def _gpt_tied() -> tuple[list[float], dict]:
     """The built-in GPT with tie_embeddings over 2 stages x dp 2 (ZeRO-1): the embedding on stage 0 and the
     lm-head on stage 1 are one parameter registered by both."""
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     model = tiny_gpt(seq_len=SEQ, tie_embeddings=True)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config(
         2, optimizer=SGD, gradient_clipping=0.5, pipeline={"stages": 2}, zero_optimization={"stage": 1}))
     data = iter([lm_pair(m) for b in gpt_batches() for m in shard_global_batch(b, dp_size=2, dp_rank=engine.dp_rank,
                                                                                 grad_accum=GAS)])
     losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
-    state = consolidated_state_dict(engine)
+    state = engine.consolidated_state_dict()
     engine.close()
     return losses, state
 

@@ -49,7 +49,6 @@ def _config(layout: dict, policy: dict) -> dict:
 
 def _train(layout: dict, policy: dict) -> dict:
     import shardwise
-    from shardwise.engine_checkpoint import consolidated_state_dict
     model = tiny_gpt(n_layer=4, seq_len=SEQ, dropout=0.1)
     torch.manual_seed(7 + dist.get_rank())               # the dropout streams start per rank, as in a real run
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
@@ -59,7 +58,7 @@ def _train(layout: dict, policy: dict) -> dict:
     losses = [float(engine.train_batch(iter(m)))
               for m in micro_steps(batches, dp_size=engine.dp_size, dp_rank=engine.dp_rank, grad_accum=gas)]
     activations = engine.memory_report()["activations"]
-    state = consolidated_state_dict(engine)
+    state = engine.consolidated_state_dict()
     engine.close()
     return {"losses": losses, "state": state, "activations": activations}
 

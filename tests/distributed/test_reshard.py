@@ -62,7 +62,7 @@ def _weights(engine) -> dict:
 
 def _refused(engine, root: str, **kw) -> tuple[str, bool]:
     """The error of loading `root` and whether the module's tensors stayed exactly as they were."""
-    from shardwise.checkpoint import CheckpointError
+    from shardwise.checkpoint.files import CheckpointError
     before = _weights(engine)
     try:
         engine.load_checkpoint(root, **kw)

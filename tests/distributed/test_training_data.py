@@ -98,8 +98,7 @@ def _ds_style() -> dict:
                                                                         if p.requires_grad],
                                            config=DS_CONFIG, training_data=classes())
     losses = [engine.train_batch() for _ in range(3)]
-    from shardwise.engine_checkpoint import consolidated_state_dict
-    out = {"losses": losses, "state": consolidated_state_dict(engine), "stages": engine.pipeline.stage.num_stages,
+    out = {"losses": losses, "state": engine.consolidated_state_dict(), "stages": engine.pipeline.stage.num_stages,
            "partition": engine.config.pipeline.partition.value, "schedule": engine.config.pipeline.schedule.value}
     engine.close()
     out["deepspeed"] = _deepspeed_losses()

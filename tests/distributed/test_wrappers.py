@@ -284,7 +284,7 @@ def _tp_fully_shard() -> dict:
     from shardwise.comm.ledger import CommLedger
     from shardwise.parallel.tensor_parallel import gather_full_state_dict
     from shardwise.parallel.tensor_parallel.model_plans import parallelize_gpt
-    from shardwise.topology import Axis, MeshShape, ParallelMesh
+    from shardwise.comm.topology import Axis, MeshShape, ParallelMesh
     spec, gas, clip = CASES["adamw_accum_clip"]
     mesh = ParallelMesh.build(MeshShape(dp=2, tp=2))
     tp_comm = mesh.comm(Axis.TP, CommLedger())

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import files as ckpt
 
 
 def test_write_and_resolve(tmp_path):

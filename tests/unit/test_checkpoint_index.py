@@ -1,6 +1,6 @@
 """The pure parts of a checkpoint's index: fragment coverage and the same-layout test."""
 
-from shardwise.checkpoint_index import covered, same_layout
+from shardwise.checkpoint.index import covered, same_layout
 
 # Two ZeRO ranks, one bucket [a (6 elements), b (4)] padded to 10, shards of 5: rank 0 holds a[0:5], rank 1
 # a[5:6] and b[0:4]. Fragments are (tp rank, lo, hi, entry, dst).

@@ -49,7 +49,7 @@ def test_adam_refusals() -> None:
 
 def test_add_config_arguments_and_config_from_args(tmp_path) -> None:
     import shardwise
-    from shardwise.initialization import _config_source
+    from shardwise.engine.initialize import _config_source
     parser = shardwise.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed_config", "a.json"])
     assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == \

@@ -17,8 +17,8 @@ from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.replicated import build_replicated
 from shardwise.parallel.update import UpdateRecipe
 from shardwise.planner.memory import gradient_buckets
-from shardwise.precision import LossScaler
-from shardwise.topology import SoloComm
+from shardwise.parallel.precision import LossScaler
+from shardwise.comm.topology import SoloComm
 
 BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 

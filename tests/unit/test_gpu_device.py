@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise import device as devmod
-from shardwise import initialization
+from shardwise.comm import device as devmod
+from shardwise.engine import initialize as initialization
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError

@@ -40,7 +40,7 @@ class PeerComm(Comm):
 
 
 def _solo() -> Comm:
-    from shardwise.topology import SoloComm
+    from shardwise.comm.topology import SoloComm
     return SoloComm(None, CommLedger(), name="solo")
 
 

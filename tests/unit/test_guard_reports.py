@@ -15,7 +15,7 @@ from shardwise.comm.sequence import END, TRAIN_STEP, describe_desync
 from shardwise.comm.watchdog import backend_timeout_s, cadence, verdict
 from shardwise.config import load_config
 from shardwise.errors import UserError
-from shardwise.skips import consecutive_limit, skips_nonfinite_steps
+from shardwise.engine.skips import consecutive_limit, skips_nonfinite_steps
 
 
 def _run(ledger: CommLedger, ops: list[tuple[str, str, str]]) -> None:
@@ -127,7 +127,7 @@ def test_cli_timeout_goes_into_the_ranks_config(tmp_path) -> None:
 def test_the_backward_seed_turns_an_inf_loss_with_finite_gradients_into_a_skipped_step() -> None:
     import torch
 
-    from shardwise.skips import SkipGuard
+    from shardwise.engine.skips import SkipGuard
     cfg = load_config({"train_batch_size": 2}, dp_size=1)
 
     def grads(seeded: bool, logits: list[float]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.precision import DynamicLossScaler, LossScaleAtMinimum, grads_have_inf_or_nan
+from shardwise.parallel.precision import DynamicLossScaler, LossScaleAtMinimum, grads_have_inf_or_nan
 
 
 def _ours(**kw):

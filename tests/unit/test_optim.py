@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardwise.config import ConfigError, OptimizerSpec, SchedulerSpec
-from shardwise.optim import build_optimizer, build_scheduler, check_specs, resolve_optimizer
+from shardwise.engine.optim import build_optimizer, build_scheduler, check_specs, resolve_optimizer
 
 torch.set_num_threads(1)
 

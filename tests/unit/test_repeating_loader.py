@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.engine import repeating
+from shardwise.engine.engine import repeating
 from shardwise.errors import UserError
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardwise.topology import Axis, MeshShape, TopologyError
+from shardwise.comm.topology import Axis, MeshShape, TopologyError
 
 
 def test_tp2_dp2_groups():

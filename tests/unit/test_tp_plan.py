@@ -17,7 +17,7 @@ from shardwise.parallel.tensor_parallel import (
 from shardwise.parallel.tensor_parallel.model_plans import _adjust_head_counts, translate_hf_plan
 from shardwise.parallel.tensor_parallel.plan import check_plan
 from shardwise.testing import tiny_gpt
-from shardwise.topology import SoloComm
+from shardwise.comm.topology import SoloComm
 
 
 def solo() -> SoloComm:

@@ -1,6 +1,5 @@
 """Pipeline parallelism inside the engine: split the model for this rank and run `engine.train_batch` /
-`engine.eval_batch` through the schedule (`PipelineRunner`, the engine's `interfaces.Pipeline` when
-pipeline.stages > 1). The whole model's gradient norm and overflow verdict across stages come from the
+`engine.eval_batch` through the schedule (`PipelineRunner`, the `interfaces.Pipeline` when pipeline.stages > 1). The whole model's gradient norm and overflow verdict across stages come from the
 update's `GradNormReducer`, like every other part of the model held elsewhere.
 
 Layout: the mesh's (pp, dp, tp) axes (`topology.MeshShape`). A pipeline is the ranks of one (dp, tp) index
@@ -36,10 +35,10 @@ from shardwise.parallel.pipeline.stage import PipelineStage, release_unowned, sp
 from shardwise.parallel.pipeline.tied import build_ties, synchronize
 from shardwise.parallel.tied import TiedParams
 from shardwise.parallel.zero.build import ShardingUnits
-from shardwise.topology import Axis, ParallelMesh
+from shardwise.comm.topology import Axis, ParallelMesh
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.parallel.interfaces import StepDriver
 
 
 @dataclass
@@ -57,6 +56,7 @@ class PipelineRunner:
     last: StepResult | None = None
     """The last step's result: its loss, peak in-flight micro-batches and per-action trace (for timelines)."""
     reads_in_order: ClassVar[bool] = True      # DeepSpeed's PipelineEngine reads its training data in order
+    fixed_micro_batches: ClassVar[bool] = True  # the runtime's programs were built for its micro-batch count
 
     def owned(self, model_parameters: Iterable[Any]) -> list[Any]:
         """``model_parameters`` (tensors or param-group dicts, from the full model) restricted to this stage's."""
@@ -97,30 +97,31 @@ class PipelineRunner:
                             f"iterator (or initialize(training_data=...) for train_batch())")
         return [next(data_iter) for _ in range(num_micro)]
 
-    def train_batch(self, engine: Engine, data_iter: Iterator[Any] | None) -> float:
+    def train_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None) -> float:
         """One global batch through the pipeline and one optimizer step; the mean loss on every rank."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
-        engine.open_step()
-        engine.module.train()
-        with engine.monitor.stage_forwards(engine) as around_forward:
-            result = self.runtime.step(micro, loss_scale=engine.updater.scaler.loss_scale,
-                                       dp_runtime=engine.dp_runtime, around_forward=around_forward)
+        driver.open_step()
+        self.stage.train()
+        with driver.stage_forwards() as around_forward:
+            result = self.runtime.step(micro, loss_scale=driver.loss_scale, dp_runtime=driver.dp_runtime,
+                                       around_forward=around_forward)
         self.last = result
-        loss = self._agreed_mean(result.losses, engine.device)
-        engine.complete_global_batch(micro_batches=num_micro, activation_bytes=result.peak_activation_bytes)
+        loss = self._agreed_mean(result.losses)
+        driver.complete_global_batch(micro_batches=num_micro, activation_bytes=result.peak_activation_bytes)
         return loss
 
-    def eval_batch(self, engine: Engine, data_iter: Iterator[Any] | None, count: int) -> float:
+    def eval_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None, count: int) -> float:
         """``count`` micro-batches forward only (`PipelineRuntime.evaluate`; the engine has put the module in
         eval mode); the mean loss on every rank, agreed like `train_batch`'s."""
         micro = self._read(data_iter, count, "engine.eval_batch")
-        return self._agreed_mean(self.runtime.evaluate(micro, num_microbatches=count), engine.device)
+        return self._agreed_mean(self.runtime.evaluate(micro, num_microbatches=count))
 
-    def _agreed_mean(self, losses: list[float], device: torch.device) -> float:
+    def _agreed_mean(self, losses: list[float]) -> float:
         """The mean of the last stage's micro-batch losses (``losses`` is empty elsewhere), broadcast along the
         pipeline and averaged over the dp replicas: the same number on every rank."""
-        loss = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float32, device=device)
+        loss = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float32,
+                            device=self.runtime.device)
         self.pp_comm.broadcast(loss, src_group_rank=self.stage.num_stages - 1)
         self.dp_metrics.all_reduce(loss)
         return float(loss) / self.dp_metrics.size

@@ -27,7 +27,7 @@ upstream first.
 chunk returns each micro-batch's loss, nothing is kept for a backward, and shapes are agreed afresh on a wire
 of its own, so evaluation may use another micro-batch count and other shapes than training.
 
-Measured, not assumed: on one step in `measure_every` (the first included) `meter.ActivationMeter` follows
+Measured, not assumed: on one step in `measure_every` (the first included) `telemetry.activations.ActivationMeter` follows
 every tensor autograd saves during each forward until it is freed, giving the peak number of micro-batch
 chunks whose activations are alive at once and their bytes; per-action (stage, action, start, end) times feed
 `Timeline.from_records`.
@@ -48,18 +48,18 @@ from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.parallel.outputs import loss_of
 from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
-from shardwise.parallel.pipeline.meter import ActivationMeter
 from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire
 from shardwise.parallel.pipeline.schedules import (
     Action, ActionTable, Message, Op, PipelineError, Transfers, build_schedule, format_actions, forward_only,
     parse_schedule_kind, transfers)
 from shardwise.parallel.pipeline.simulate import ActionRecord
 from shardwise.parallel.pipeline.tensors import (
-    checked_loss, flatten, free_data, module_device, sole_owner, storage_ptr, to_device)
+    checked_loss, flatten, free_data, module_device, sole_owner, to_device)
 from shardwise.parallel.pipeline.stage import PipelineStage
+from shardwise.telemetry.activations import ActivationMeter, storage_key
 
 if TYPE_CHECKING:
-    from shardwise.interfaces import DataParallelRuntime
+    from shardwise.parallel.interfaces import DataParallelRuntime
 
 
 @dataclass
@@ -144,7 +144,7 @@ class PipelineRuntime:
         self._eval_plans: dict[int, _Plan] = {}            # M -> the forward-only plan (`evaluate`)
         if measure_every < 1:
             raise PipelineError(f"measure_every = {measure_every}: the activation meter needs a period >= 1 step")
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter(follow=True)
         self.measure_every = measure_every
         self._steps_run = 0
         self._slots: dict[tuple[int, int], _Slot] = {}
@@ -174,7 +174,7 @@ class PipelineRuntime:
             self.meter.reset_peaks()
         # Storages autograd may save that are not activations: parameters and buffers (their views too).
         params = [*self.stage.parameters(), *self.stage.buffers()]
-        skip = {p for p in map(storage_ptr, params) if p is not None} if measure else None
+        skip = {k for k in map(storage_key, params) if k is not None} if measure else None
         losses: dict[int, Tensor] = {}
 
         def compute(i: int, inputs: list[Tensor] | None) -> None:
@@ -317,8 +317,8 @@ class PipelineRuntime:
         if self.stage.is_last(v):
             data += flatten(batches[m][1], f"micro-batch {m}'s labels")
         if skip is not None and data:
-            skip = skip | {p for p in map(storage_ptr, data) if p is not None}
-        with self.meter.track((m, v), skip) if skip is not None else contextlib.nullcontext():
+            skip = skip | {k for k in map(storage_key, data) if k is not None}
+        with self.meter.track((m, v), _in(skip)) if skip is not None else contextlib.nullcontext():
             out = chunk(x)
             loss = loss_of(self.stage.loss_fn(out, batches[m][1])) if self.stage.is_last(v) else None
         slot = _Slot(inputs=[r for r in (received or []) if r.requires_grad], outputs=[], out_metas=[])
@@ -342,7 +342,7 @@ class PipelineRuntime:
         if skip is not None:   # metered: the meter saw exactly what autograd saved (its hooks hide it otherwise)
             saved = self.meter.saved_storages((m, v))
             for j, o in enumerate(slot.outputs):
-                self._saved_output[(v, j)] = storage_ptr(o) in saved
+                self._saved_output[(v, j)] = storage_key(o) in saved
         free = [not self._saved_output.get((v, j), False) and sole_owner(o) for j, o in enumerate(slot.outputs)]
         self._outbox[t.send.message] = Outgoing([o.detach().contiguous() for o in outs],
                                                 [o.requires_grad for o in outs])
@@ -372,3 +372,8 @@ class PipelineRuntime:
             self._local[t.send.message] = back
         else:
             self._outbox[t.send.message] = Outgoing(back, [False] * len(back))
+
+
+def _in(keys: set[int]) -> Callable[[int, Tensor], bool]:
+    """The meter's exclusion test for a fixed set of storages (parameters, this micro-batch's data)."""
+    return lambda key, _: key in keys

@@ -11,13 +11,6 @@ from torch import Tensor
 from shardwise.parallel.pipeline.schedules import PipelineError
 
 
-def storage_ptr(t: Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):   # tensors without storage (meta, sparse)
-        return None
-
-
 def flatten(value: Any, where: str) -> list[Tensor]:
     if torch.is_tensor(value):
         return [value]

@@ -24,7 +24,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.parallel.pipeline.schedules import PipelineError
 from shardwise.parallel.tied import TiedParam, TiedParams
-from shardwise.topology import Axis, ParallelMesh
+from shardwise.comm.topology import Axis, ParallelMesh
 
 ForwardFn = Callable[[nn.Module, Any], Any]
 """forward_fn(tied module, inputs) -> outputs, e.g. ``lambda embed, h: h @ embed.weight.T``."""

@@ -13,7 +13,7 @@ from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
 from shardwise.parallel.wrappers.dtensors import plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
-from shardwise.topology import SoloComm
+from shardwise.comm.topology import SoloComm
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:

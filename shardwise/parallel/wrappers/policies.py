@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
-from shardwise.topology import Axis, ParallelMesh, SoloComm
+from shardwise.comm.topology import Axis, ParallelMesh, SoloComm
 
 
 @dataclass(frozen=True)

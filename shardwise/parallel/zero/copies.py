@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from shardwise.device import side_stream
+from shardwise.comm.device import side_stream
 
 
 def pinned_like(t: torch.Tensor, *, dtype: torch.dtype | None = None, device: torch.device | None = None,

@@ -75,6 +75,11 @@ class ZeroGradReducer(OrderedLauncher):
         self.launch_log = []
 
     @property
+    def accumulates_locally(self) -> bool:
+        """Stage 1 keeps full gradients between boundaries; stage 2 reduce-scatters each as it is produced."""
+        return not self.partition_grads
+
+    @property
     def grad_bytes(self) -> int:
         held = [b.grad_shard if self.partition_grads else b.grad_buffer for b in self.buckets]
         return sum(t.numel() * t.element_size() for t in held)

@@ -146,6 +146,11 @@ class ZeroParamRuntime:
             self.persistent.zero_grad()
 
     @property
+    def accumulates_locally(self) -> bool:
+        """Gradients are reduce-scattered into shards as they are produced."""
+        return False
+
+    @property
     def grad_bytes(self) -> int:
         own = sum(f.grad_shard.numel() * f.grad_shard.element_size()
                   for f in self.partition.flats if f.grad_shard is not None)

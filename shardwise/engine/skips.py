@@ -15,7 +15,7 @@ import torch
 from shardwise.config.resolved import DType, EngineConfig
 from shardwise.errors import NonFiniteError
 
-logger = logging.getLogger("shardwise.engine")
+logger = logging.getLogger("shardwise.engine.engine")
 
 
 def skips_nonfinite_steps(config: EngineConfig) -> bool:

@@ -13,7 +13,7 @@ Optimizers follow DeepSpeed 0.19's `DeepSpeedEngine._configure_basic_optimizer` 
   parameters and defaults.
 - DeepSpeed's own kernels (Lamb, Lion, MuAdam, MuSGD, Muon, ...) are refused with a clear error.
 
-Schedulers: DeepSpeed's (`shardwise.lr_schedules`) by name, then torch.optim.lr_scheduler classes,
+Schedulers: DeepSpeed's (`shardwise.engine.lr_schedules`) by name, then torch.optim.lr_scheduler classes,
 as DeepSpeed falls back to them.
 """
 
@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config.errors import ConfigError, ConfigProblem, unknown_name_message
 from shardwise.config.resolved import OptimizerSpec, SchedulerSpec
-from shardwise.lr_schedules import SCHEDULERS
+from shardwise.engine.lr_schedules import SCHEDULERS
 
 # DeepSpeed optimizer names that need DeepSpeed's own kernels or extra packages.
 DEEPSPEED_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "lion": "FusedLion", "muadam": "mup.MuAdam",
@@ -60,7 +60,7 @@ def _tuples(value: Any) -> Any:
 
 
 def _qualified(cls: type) -> str:
-    """torch.optim.SGD, torch.optim.lr_scheduler.StepLR, shardwise.lr_schedules.WarmupLR."""
+    """torch.optim.SGD, torch.optim.lr_scheduler.StepLR, shardwise.engine.lr_schedules.WarmupLR."""
     if cls.__module__.startswith("torch.optim.lr_scheduler"):
         return f"torch.optim.lr_scheduler.{cls.__name__}"
     if cls.__module__.startswith("torch.optim"):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import files as ckpt
 from shardwise.errors import CheckpointError
 
 CHECKPOINT_DIR = "checkpoints"

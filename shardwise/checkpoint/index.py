@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise import checkpoint as ckpt
+from shardwise.checkpoint import files as ckpt
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
-from shardwise.topology import Axis
+from shardwise.comm.topology import Axis
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.context import CheckpointContext
 
 INDEX = "shardwise_index.pt"
 VERSION = 1
@@ -42,16 +42,16 @@ def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
-def rank_contribution(engine: Engine, where: dict[str, int], *, as_writer: bool = False) -> dict[str, Any]:
+def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False) -> dict[str, Any]:
     """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
     on a dp rank other than 0, what it would write of the model states (what it reads back at this layout)."""
     tp, tp_rank = where["tp_size"], where["tp_rank"]
-    names = engine.pipeline.full_names(engine.module)
-    own = engine.module.state_dict(keep_vars=True)
-    updater = engine.updater
-    pieces = updater.pieces()
-    local_shape = {id(p.param): p.shape for ps in pieces for p in ps}
-    writes_model = engine.dp_rank == 0 or as_writer
+    names = ctx.naming.full_names(ctx.module)
+    own = ctx.module.state_dict(keep_vars=True)
+    state = ctx.state
+    stepped = state.entries()
+    local_shape = {id(p.param): p.shape for e in stepped for p in e.pieces}
+    writes_model = ctx.dp_rank == 0 or as_writer
     model_file = ckpt.model_states_name(where["mp_rank"])
     tensors: dict[str, tuple] = {}
     module: dict[str, dict[int, str]] = {}
@@ -65,28 +65,27 @@ def rank_contribution(engine: Engine, where: dict[str, int], *, as_writer: bool 
             module[full] = {tp_rank: model_file}
     entries: list[tuple] = []
     fragments: dict[str, list[tuple]] = {}
-    if updater.checkpoint_per_rank or writes_model:
-        file, key = ((ckpt.optim_states_name(engine.dp_rank, where["mp_rank"]), "optimizer_state_dict")
-                     if updater.checkpoint_per_rank else (model_file, "optimizer"))
-        param_name = {id(p): names[n] for n, p in engine.module.named_parameters()}
-        for k, (ps, (opt_index, master_index), options, t) in enumerate(
-                zip(pieces, updater.slots(), updater.group_options(), updater.stepped)):
-            entries.append((file, key, opt_index, master_index, t.numel(), options))
-            for p in ps:
+    if state.checkpoint_per_rank or writes_model:
+        file, key = ((ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"]), "optimizer_state_dict")
+                     if state.checkpoint_per_rank else (model_file, "optimizer"))
+        param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
+        for k, (e, t) in enumerate(zip(stepped, state.stepped)):
+            entries.append((file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
+            for p in e.pieces:
                 fragments.setdefault(param_name[id(p.param)], []).append((tp_rank, p.lo, p.hi, k, p.dst))
     return {"tensors": tensors, "module": module, "entries": entries, "fragments": fragments}
 
 
-def gather_index(engine: Engine, contribution: dict[str, Any]) -> dict[str, Any] | None:
+def gather_index(ctx: CheckpointContext, contribution: dict[str, Any]) -> dict[str, Any] | None:
     """Every rank's contribution merged into the index, on world rank 0 (None elsewhere). Collective: the
     contributions travel over dp, then tp, then pp, so after the three every rank's has arrived."""
     parts = [contribution]
     for axis in (Axis.DP, Axis.TP, Axis.PP):
-        comm = engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics")
+        comm = ctx.comm(axis)
         parts = [p for group in comm.all_gather_object(parts) for p in group]
-    if engine.mesh.global_rank != 0:
+    if ctx.mesh.global_rank != 0:
         return None
-    mesh = engine.mesh
+    mesh = ctx.mesh
     index: dict[str, Any] = {"version": VERSION, "tensors": {}, "module": {}, "entries": [], "fragments": {},
                              "dims": {"dp": mesh.size(Axis.DP), "tp": mesh.size(Axis.TP), "pp": mesh.size(Axis.PP)}}
     for part in parts:

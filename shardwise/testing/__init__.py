@@ -52,7 +52,7 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, fn: Callab
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-        # Skip interpreter finalization (see shardwise.initialization.exit_rank): first let the queue's feeder
+        # Skip interpreter finalization (see shardwise.engine.initialize.exit_rank): first let the queue's feeder
         # thread deliver the result, then leave.
         results.close()
         results.join_thread()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -25,8 +25,10 @@ from shardwise.config.resolved import DType
 from shardwise.errors import UserError
 
 if TYPE_CHECKING:
+    from shardwise.comm.sequence import SequenceCheck
     from shardwise.config.resolved import EngineConfig
-    from shardwise.interfaces import DataParallelRuntime, Updater
+    from shardwise.engine.step import TrainingSteps
+    from shardwise.parallel.interfaces import BatchSchedule, DataParallelRuntime, Updater
 
 
 class BatchSizeError(UserError, ValueError):
@@ -39,13 +41,11 @@ class DeepSpeedEngineAPI:
     config: EngineConfig
     updater: Updater
     dp_runtime: DataParallelRuntime
-    micro_steps: int
+    pipeline: BatchSchedule
+    steps: TrainingSteps
+    sequence_check: SequenceCheck | None
     dp_size: int
-
-    # The micro-step count at which the current accumulation cycle started: moved by set_train_batch_size, so
-    # a new accumulation count starts a fresh cycle instead of inheriting the old count's phase.
-    _accum_origin: int = 0
-    _inside_no_sync: bool = False
+    close: Callable[[], None]
 
     # -- identity: attributes in DeepSpeed --------------------------------------------------------------
     @property
@@ -75,18 +75,18 @@ class DeepSpeedEngineAPI:
                 or train_batch_size % (micro * dp):
             raise BatchSizeError(f"set_train_batch_size({train_batch_size!r}): it must be a positive multiple of "
                                  f"train_micro_batch_size_per_gpu {micro} * data-parallel size {dp} = {micro * dp}")
-        if (self.micro_steps - self._accum_origin) % self.gradient_accumulation_steps():
+        if not self.steps.at_global_batch_start():
             raise UserError("set_train_batch_size: called in the middle of a global batch (micro-batches since the "
                             "last step); call it right after engine.step() on a boundary")
         gas = train_batch_size // (micro * dp)
-        if gas != self.gradient_accumulation_steps() and self.config.pipeline.stages > 1:
+        if gas != self.gradient_accumulation_steps() and self.pipeline.fixed_micro_batches:
             # A schedule was built for its micro-batch count: refuse rather than run the old count.
             raise UserError(f"set_train_batch_size({train_batch_size}) would change the micro-batches per step to "
                             f"{gas}, but the pipeline schedule was built for {self.gradient_accumulation_steps()}: "
                             f"set train_batch_size in the config instead")
         # `raw`, saved in checkpoints as ds_config, keeps the config as given (DeepSpeed saves its dict unchanged).
         self.config = dataclasses.replace(self.config, batch=BatchSizes(train_batch_size, micro, gas, dp))
-        self._accum_origin = self.micro_steps
+        self.steps.restart_cycle(self.config.batch)
 
     # -- precision and ZeRO -----------------------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -112,21 +112,12 @@ class DeepSpeedEngineAPI:
         next backward outside on a boundary communicates the sum. engine.step() is refused inside. As in
         DeepSpeed, ZeRO stages 2 and 3 refuse it (they reduce-scatter every micro-batch to keep gradient
         shards only), and it does not nest."""
-        if self.config.zero.stage >= 2:
+        if not self.dp_runtime.accumulates_locally:
             raise UserError(f"engine.no_sync() does not work with ZeRO stage {self.config.zero.stage}: its gradients "
                             f"are partitioned as they are produced; use zero_optimization.stage 0 or 1, or "
                             f"gradient_accumulation_steps instead of no_sync")
-        if self._inside_no_sync:
-            raise UserError("engine.no_sync() is already active: it does not nest")
-        self._inside_no_sync = True
-        try:
+        with self.steps.no_sync():
             yield
-        finally:
-            self._inside_no_sync = False
-
-    def _refuse_inside_no_sync(self, what: str) -> None:
-        if self._inside_no_sync:
-            raise UserError(f"{what} inside engine.no_sync(): leave the no_sync block before stepping")
 
     # -- memory and teardown ----------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:

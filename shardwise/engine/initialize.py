@@ -1,6 +1,6 @@
 """`init_distributed` and `initialize`: build the engine's strategy objects once.
 
-`initialize` reads as its order of construction (DESIGN principle 4): config -> mesh (the process groups) ->
+`initialize` reads as its order of construction: config -> mesh (the process groups) ->
 device and dtype -> identical start (the full model broadcast from world rank 0) -> tensor parallelism (slices
 cut from the whole model) -> pipeline (this rank's stage, or the whole model) -> activation recomputation of
 this rank's blocks -> the norm reducer -> the data-parallel builder (stage 0, or ZeRO 1-3: an updater and a
@@ -23,26 +23,26 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.comm.watchdog import HangWatchdog, backend_timeout_s
 from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
-from shardwise.device import select_device, uses_cuda
-from shardwise.engine import Engine
+from shardwise.comm.device import select_device, uses_cuda
+from shardwise.engine.engine import Engine
 from shardwise.errors import UserError
-from shardwise.interfaces import DataParallelRuntime, Pipeline, Updater
-from shardwise.optim import build_optimizer, build_scheduler
+from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
+from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.replicated import build_replicated
 from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
 from shardwise.parallel.zero.build import build_zero
-from shardwise.precision import make_loss_scaler
-from shardwise.skips import skips_nonfinite_steps
+from shardwise.parallel.precision import make_loss_scaler
+from shardwise.engine.skips import skips_nonfinite_steps
 from shardwise.telemetry.monitor import TrainingMonitor
-from shardwise.topology import Axis, MeshShape, ParallelMesh
-from shardwise.utils import link_params
+from shardwise.comm.topology import Axis, MeshShape, ParallelMesh
+from shardwise.engine.param_access import link_params
 
 
 def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
-    """Initialise the default process group: NCCL when this rank trains on a GPU (`shardwise.device`), else gloo.
+    """Initialise the default process group: NCCL when this rank trains on a GPU (`shardwise.comm.device`), else gloo.
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) joins the job; as a plain single
     process creates a world of one with an in-memory store (no port needed). Idempotent. On a GPU the rank's
@@ -147,7 +147,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                           compute_norm=cfg.zero.compute_grad_norm)
     norms = GradNormReducer.from_mesh(mesh, ledger)
     dp_comm = mesh.comm(Axis.DP, ledger, name="dp")
-    updater: Updater
+    updater: UpdateStrategy
     dp_runtime: DataParallelRuntime
     if cfg.zero.stage == 0:
         updater, dp_runtime = build_replicated(groups, section=cfg.data_parallel, recipe=recipe, dp_comm=dp_comm,
@@ -166,7 +166,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                               profiles=(mesh.rank(Axis.DP), mesh.rank(Axis.TP)) == (0, 0) if stages > 1 else None,
                               pipeline_stage=(mesh.rank(Axis.PP), stages) if stages > 1 else None,
                               module_names=model.module_names() if stages > 1 else None)
-    engine = Engine(module=model, config=cfg, mesh=mesh, updater=updater, dp_runtime=dp_runtime, pipeline=pipeline,
+    engine = Engine(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
                     sequence_check=check, watchdog=watchdog)
     loader = None

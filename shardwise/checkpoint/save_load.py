@@ -1,103 +1,101 @@
 """`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs.
 
-Files of one tag (see `checkpoint.py` for the atomic, collective write):
+Files of one tag (see `files.py` for the atomic, collective write):
 
     mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
-    shardwise_index.pt                          where every tensor of the full model lives (checkpoint_index)
+    shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
 
 MM is the model-parallel rank, pp_stage * tp + tp_rank, as in DeepSpeed's grid (00 without model
 parallelism). Model states are written by the ranks of data-parallel index 0 (one per (stage, TP rank));
 ZeRO shards by every rank. Module states are keyed by the full model's names ("blocks.3.attn.q_proj.weight").
 With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
-(`checkpoint_reshard`); a tag written before indexes loads at the layout that wrote it (weights also at
+(`reshard.py`); a tag written before indexes loads at the layout that wrote it (weights also at
 another number of stages with `load_module_only=True`).
 
 The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
 of the mesh has arrived (or heard of a failure). Nothing here asks which strategy runs: the mesh gives the
-layout, the engine's `pipeline` names a stage's tensors, its `updater` and `dp_runtime` give their state.
+layout, the context's `naming` names a stage's tensors, its `state` and `dp_runtime` give their state.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-from shardwise import checkpoint as ckpt
-from shardwise import checkpoint_index
-from shardwise import checkpoint_reshard as reshard
+from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint import index as checkpoint_index
+from shardwise.checkpoint import reshard
+from shardwise.checkpoint.context import CheckpointContext
 from shardwise.comm.collectives import Comm
+from shardwise.comm.topology import Axis
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict
-from shardwise.topology import Axis
-
-if TYPE_CHECKING:
-    from shardwise.engine import Engine
 
 _SPANNING = (Axis.DP, Axis.TP, Axis.PP)
 
 
-def _comms(engine: Engine) -> list[Comm]:
+def _comms(ctx: CheckpointContext) -> list[Comm]:
     """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp. An axis of size 1
     gives a comm whose collectives are no-ops."""
-    return [engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics") for axis in _SPANNING]
+    return [ctx.comm(axis) for axis in _SPANNING]
 
 
-def layout(engine: Engine) -> dict[str, int]:
+def layout(ctx: CheckpointContext) -> dict[str, int]:
     """This rank's place: tp rank/size, pp stage/size, and the model-parallel rank naming its files."""
-    mesh = engine.mesh
+    mesh = ctx.mesh
     tp_rank, tp_size = mesh.rank(Axis.TP), mesh.size(Axis.TP)
     pp_stage, pp_size = mesh.rank(Axis.PP), mesh.size(Axis.PP)
     return {"tp_rank": tp_rank, "tp_size": tp_size, "pp_stage": pp_stage, "pp_size": pp_size,
             "mp_rank": pp_stage * tp_size + tp_rank}
 
 
-def save(engine: Engine, save_dir: str, tag: str | None, client_state: dict | None, *,
+def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict | None, *,
          save_latest: bool = True) -> bool:
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    where = layout(engine)
-    per_rank = engine.updater.checkpoint_per_rank
+    tag = f"global_step{ctx.progress.global_steps}" if tag is None else str(tag)
+    where = layout(ctx)
+    per_rank = ctx.state.checkpoint_per_rank
     files: dict[str, Any] = {}
-    if engine.dp_comm.rank == 0:       # one writer per (stage, TP rank): its layers' slices
+    if ctx.dp_rank == 0:       # one writer per (stage, TP rank): its layers' slices
         files[ckpt.model_states_name(where["mp_rank"])] = {
-            "module": engine.pipeline.module_state_dict(engine.module),
-            "optimizer": None if per_rank else engine.updater.state_dict(),
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-            "dp_world_size": engine.dp_size, "mp_world_size": where["tp_size"], "pp_world_size": where["pp_size"],
-            "ds_config": getattr(engine.config, "raw", None),
+            "module": ctx.naming.module_state_dict(ctx.module),
+            "optimizer": None if per_rank else ctx.state.state_dict(),
+            "lr_scheduler": ctx.lr_scheduler.state_dict() if ctx.lr_scheduler is not None else None,
+            "global_steps": ctx.progress.global_steps, "global_samples": ctx.progress.global_samples,
+            "skipped_steps": ctx.progress.skipped_steps, "micro_steps": ctx.progress.micro_steps,
+            "dp_world_size": ctx.dp_size, "mp_world_size": where["tp_size"], "pp_world_size": where["pp_size"],
+            "ds_config": ctx.raw_config,
             "client_state": dict(client_state or {}),
         }
     if per_rank:
-        files[ckpt.optim_states_name(engine.dp_rank, where["mp_rank"])] = {
-            "optimizer_state_dict": engine.updater.state_dict()}
+        files[ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])] = {
+            "optimizer_state_dict": ctx.state.state_dict()}
 
     def barrier() -> None:
-        for c in _comms(engine):
+        for c in _comms(ctx):
             c.barrier()
 
-    index = checkpoint_index.gather_index(engine, checkpoint_index.rank_contribution(engine, where))
+    index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where))
     if index is not None:                       # world rank 0
         files[checkpoint_index.INDEX] = index
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
-                   any_failed=lambda failed: _any_failed(engine, failed), save_latest=save_latest)
+                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest)
     return True
 
 
-def _any_failed(engine: Engine, failed: bool) -> bool:
+def _any_failed(ctx: CheckpointContext, failed: bool) -> bool:
     """Whether any rank of the mesh failed (the flag's max over dp, tp, pp in turn): every rank learns it."""
     flag = float(failed)
-    for c in _comms(engine):
+    for c in _comms(ctx):
         flag = c.all_reduce_object_max(flag)
     return flag > 0
 
 
-def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
+def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
-    """Check everything, agree on it, then change the engine: a checkpoint that cannot be loaded raises the
+    """Check everything, agree on it, then change the run: a checkpoint that cannot be loaded raises the
     same one line on every rank and leaves the module, the optimizer and the counters as they were."""
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
@@ -114,54 +112,49 @@ def load(engine: Engine, load_dir: str, tag: str | None, *, strict: bool, load_o
     else:
         try:
             if index is not None:
-                plan = reshard.Plan(engine, index, read, strict=strict, optimizer=not load_module_only)
+                plan = reshard.Plan(ctx, index, read, strict=strict, optimizer=not load_module_only)
                 problem = plan.problem
                 # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
-                mine = checkpoint_index.rank_contribution(engine, layout(engine), as_writer=True)
+                mine = checkpoint_index.rank_contribution(ctx, layout(ctx), as_writer=True)
                 same = not load_module_only and checkpoint_index.same_layout(index, mine, plan.dims)
             if index is None or (same and problem is None):
                 # Read whole, as before indexes: what it returns becomes the optimizer's state.
-                own = _read_own(engine, path, reshard.FileReader(path, mmap=False), load_module_only,
+                own = _read_own(ctx, path, reshard.FileReader(path, mmap=False), load_module_only,
                                 indexed=index is not None)
         except ckpt.CheckpointError as e:
             problem = str(e)
-    same = reshard.agree(engine, problem, same_layout=same)
+    same = reshard.agree(ctx, problem, same_layout=same)
     if plan is not None and not same:
         reshard.apply(plan, load_optimizer_states=load_optimizer_states)
     else:
         assert own is not None
-        engine.pipeline.load_module_state(engine.module, own["module"], strict)
+        ctx.naming.load_module_state(ctx.module, own["module"], strict)
         if not load_module_only:
-            engine.updater.load_state_dict(own["optimizer"], load_optimizer_states=load_optimizer_states)
+            ctx.state.load_state_dict(own["optimizer"], load_optimizer_states=load_optimizer_states)
     state = read(ckpt.model_states_name(0))
     if load_module_only:
-        engine.updater.sync_masters_from_model()
+        ctx.state.sync_masters_from_model()
     else:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine.global_steps = state["global_steps"]
-        engine.global_samples = state["global_samples"]
-        engine.skipped_steps = state["skipped_steps"]
-        # Derived, not restored (as DeepSpeed): another gradient_accumulation_steps or dp size then starts its
-        # accumulation cycle at the step boundary instead of inheriting the writer's phase.
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-        engine._accum_origin = engine.micro_steps
-    engine.dp_runtime.zero_grad()
+        if load_lr_scheduler_states and ctx.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            ctx.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        ctx.progress.resume(global_steps=state["global_steps"], global_samples=state["global_samples"],
+                            skipped_steps=state["skipped_steps"])
+    ctx.dp_runtime.zero_grad()
     return str(path), copy.deepcopy(state["client_state"])     # its tensors out of the mapped file
 
 
-def _read_own(engine: Engine, path: Path, read: reshard.FileReader, load_module_only: bool, *,
+def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load_module_only: bool, *,
               indexed: bool) -> dict:
     """This rank's own files, at the layout that wrote them: an indexed checkpoint found at it, or one written
     without an index (an earlier shardwise), which loads only there (weights also at another number of
     stages), checked here before anything changes."""
-    where = layout(engine)
+    where = layout(ctx)
     own = ckpt.model_states_name(where["mp_rank"])
     state = read(own if indexed or (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
     saved = {"dp": state.get("dp_world_size", 1), "tp": state.get("mp_world_size", 1),
              "pp": state.get("pp_world_size", 1)}
-    now = {"dp": engine.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
-    per_rank = engine.updater.checkpoint_per_rank
+    now = {"dp": ctx.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
+    per_rank = ctx.state.checkpoint_per_rank
     differs = [k for k in ("tp", "pp", "dp") if saved[k] != now[k] and not (load_module_only and k != "tp")]
     if differs or (not load_module_only and (state["optimizer"] is None) != per_rank):
         raise ckpt.CheckpointError(
@@ -178,33 +171,34 @@ def _read_own(engine: Engine, path: Path, read: reshard.FileReader, load_module_
         module = state["module"]
     out = {"module": module}
     if not load_module_only:
-        out["optimizer"] = (read(ckpt.optim_states_name(engine.dp_rank, where["mp_rank"]))["optimizer_state_dict"]
+        out["optimizer"] = (read(ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"]))["optimizer_state_dict"]
                             if per_rank else state["optimizer"])
     return out
 
 
-def consolidated_state_dict(engine: Engine, *, exclude_frozen: bool = False) -> dict | None:
+def consolidated_state_dict(ctx: CheckpointContext, *, exclude_frozen: bool = False) -> dict | None:
     """The whole model's state dict under the single-process names, on world rank 0 (None elsewhere).
     Collective: every rank calls it. ZeRO-3 shards are gathered over dp, TP slices over tp, and the stages'
     layers collected over pp; one stage at a time never holds more than its own part plus the result."""
     # Only the ranks of dp index 0 assemble (then of tp index 0): every collective below runs within them.
-    local = engine.dp_runtime.gathered_state_dict(engine.module, rank0_only=True)
+    local = ctx.dp_runtime.gathered_state_dict(ctx.module, rank0_only=True)
     if local is None:
         return None
-    local = gather_full_state_dict(engine.module, engine.tp_comm, local, copy=False)
-    if engine.tp_comm.rank != 0:
+    tp_comm = ctx.comm(Axis.TP)
+    local = gather_full_state_dict(ctx.module, tp_comm, local, copy=False)
+    if tp_comm.rank != 0:
         return None
     if exclude_frozen:
-        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        frozen = {n for n, p in ctx.module.named_parameters() if not p.requires_grad}
         local = {k: v for k, v in local.items() if k not in frozen}
-    merged = engine.pipeline.gather_stages(local)
+    merged = ctx.naming.gather_stages(local)
     return merged if dist.get_rank() == 0 else None
 
 
-def save_16bit_model(engine: Engine, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
+def save_16bit_model(ctx: CheckpointContext, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
     """DeepSpeed's `save_16bit_model`: the consolidated weights in the training dtype, one file written by world
     rank 0 (atomically: a temporary file renamed into place). Collective."""
-    state = consolidated_state_dict(engine, exclude_frozen=exclude_frozen)
+    state = consolidated_state_dict(ctx, exclude_frozen=exclude_frozen)
     failed = False
     if state is not None:
         try:
@@ -214,12 +208,12 @@ def save_16bit_model(engine: Engine, save_dir: str, save_filename: str, exclude_
             failed = True
             raise
         finally:
-            _agree(engine, failed)
+            _agree(ctx, failed)
     else:
-        _agree(engine, False)
+        _agree(ctx, False)
     return True
 
 
-def _agree(engine: Engine, failed: bool) -> None:
-    if _any_failed(engine, failed) and not failed:
+def _agree(ctx: CheckpointContext, failed: bool) -> None:
+    if _any_failed(ctx, failed) and not failed:
         raise ckpt.CheckpointError("save_16bit_model failed on rank 0; nothing was written")

@@ -1,8 +1,8 @@
 """Load an indexed checkpoint at any (dp, tp, pp, ZeRO stage, offload): each rank assembles its own pieces.
 
-Two phases, so that a checkpoint that cannot be loaded leaves the engine untouched:
+Two phases, so that a checkpoint that cannot be loaded leaves the run untouched:
 
-1. `plan`: every check that needs no change to the engine: each of this rank's module tensors exists in the
+1. `plan`: every check that needs no change to the run: each of this rank's module tensors exists in the
    index with the same full shape and TP split dim, the pipeline's ranks together hold every tensor of the
    checkpoint (strict), the fragments cover every piece this rank steps, the optimizer has the same options,
    and every file this rank will read opens (memory-mapped: pages are read when a fragment is copied).
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise import checkpoint as ckpt
-from shardwise.checkpoint_index import covered
+from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint.index import covered
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
-from shardwise.topology import Axis
+from shardwise.comm.topology import Axis
 
 if TYPE_CHECKING:
-    from shardwise.engine import Engine
+    from shardwise.checkpoint.context import CheckpointContext
 
 _CHUNK_BYTES = 256 << 20
 VALUE = "value"          # the stepped tensor's value (fp32 master, or the parameter itself)
@@ -141,26 +141,27 @@ class _Assembler:
 class Plan:
     """What this rank will load, checked against the index (`problem`: the first reason it cannot)."""
 
-    def __init__(self, engine: Engine, index: dict[str, Any], read: FileReader, *, strict: bool,
+    def __init__(self, ctx: CheckpointContext, index: dict[str, Any], read: FileReader, *, strict: bool,
                  optimizer: bool):
-        self.engine, self.index, self.read = engine, index, read
-        self.tp_rank, self.tp_size = engine.mesh.rank(Axis.TP), engine.mesh.size(Axis.TP)
-        self.dims = {"dp": engine.mesh.size(Axis.DP), "tp": self.tp_size, "pp": engine.mesh.size(Axis.PP)}
+        self.ctx, self.index, self.read = ctx, index, read
+        self.tp_rank, self.tp_size = ctx.mesh.rank(Axis.TP), ctx.mesh.size(Axis.TP)
+        self.dims = {"dp": ctx.mesh.size(Axis.DP), "tp": self.tp_size, "pp": ctx.mesh.size(Axis.PP)}
         self.optimizer = optimizer
-        names = engine.pipeline.full_names(engine.module)
+        names = ctx.naming.full_names(ctx.module)
         # Every tensor name of the pipeline's stages, gathered before any check can return (a collective).
-        pp = engine.mesh.comm(Axis.PP, engine.ledger, name="pp:metrics")
+        pp = ctx.comm(Axis.PP)
         self.pipeline_names = {n for keys in pp.all_gather_object(sorted(set(names.values()))) for n in keys}
-        own = engine.module.state_dict(keep_vars=True)
-        pieces = engine.updater.pieces()
-        shape_of = {id(p.param): p.shape for ps in pieces for p in ps}
-        param_name = {id(p): names[n] for n, p in engine.module.named_parameters()}
+        own = ctx.module.state_dict(keep_vars=True)
+        stepped = ctx.state.entries()
+        shape_of = {id(p.param): p.shape for e in stepped for p in e.pieces}
+        param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
         # full name -> (the name its fragments are under (a tied weight's first name), local shape or None when
         # unknown here, split dim, dtype)
         self.module = {names[k]: (param_name.get(id(t), names[k]),
                                   tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
                                   getattr(t, TP_DIM_ATTR, None), t.dtype) for k, t in own.items()}
-        self.stepped = [[(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in ps] for ps in pieces]
+        self.stepped = [[(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in e.pieces] for e in stepped]
+        self.options = [e.options for e in stepped]
         self.frozen = {names[k] for k, t in own.items()
                        if isinstance(t, torch.nn.Parameter) and not t.requires_grad}
         self.problem = self._check_module(strict) or (self._check_optimizer() if optimizer else None) \
@@ -205,9 +206,8 @@ class Plan:
 
     def _check_optimizer(self) -> str | None:
         fragments, tensors, entries = self.index["fragments"], self.index["tensors"], self.index["entries"]
-        mine = self.engine.updater.group_options()
         build = _Assembler(self.index, self.read)
-        for pieces, options in zip(self.stepped, mine):
+        for pieces, options in zip(self.stepped, self.options):
             for name, _, _, _ in pieces:
                 if name not in fragments:
                     return (f"the checkpoint holds no optimizer state for {name!r} (it was not trained when "
@@ -242,13 +242,13 @@ class Plan:
         return None
 
 
-def agree(engine: Engine, problem: str | None, *, same_layout: bool = False) -> bool:
+def agree(ctx: CheckpointContext, problem: str | None, *, same_layout: bool = False) -> bool:
     """Raise the same `CheckpointError` on every rank when any rank found a problem (the lowest rank's line),
     before any rank changes anything; else whether every rank found the checkpoint at its own layout.
     Collective over dp, tp and pp."""
-    found = [(engine.mesh.global_rank, problem, same_layout)]
+    found = [(ctx.mesh.global_rank, problem, same_layout)]
     for axis in (Axis.DP, Axis.TP, Axis.PP):
-        comm = engine.mesh.comm(axis, engine.ledger, name=f"{axis.value}:metrics")
+        comm = ctx.comm(axis)
         found = [f for part in comm.all_gather_object(found) for f in part]
     problems = [(rank, line) for rank, line, _ in found if line]
     if not problems:
@@ -259,9 +259,9 @@ def agree(engine: Engine, problem: str | None, *, same_layout: bool = False) -> 
 
 @torch.no_grad()
 def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
-    """Write the planned tensors into the engine (after `agree`): module states, then what the optimizer
+    """Write the planned tensors into the run (after `agree`): module states, then what the optimizer
     steps and, with `load_optimizer_states`, its state, options and the loss scaler."""
-    engine, build = plan.engine, _Assembler(plan.index, plan.read)
+    ctx, build = plan.ctx, _Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     for name, (source, shape, dim, dtype) in plan.module.items():
@@ -274,16 +274,15 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
                                   key).view(local).to(dtype)
         size += numel * chunk[name].element_size()
         if size >= _CHUNK_BYTES:
-            engine.pipeline.load_module_state(engine.module, chunk, False)
+            ctx.naming.load_module_state(ctx.module, chunk, False)
             chunk, size = {}, 0
     if chunk:
-        engine.pipeline.load_module_state(engine.module, chunk, False)
+        ctx.naming.load_module_state(ctx.module, chunk, False)
     if not plan.optimizer:
         return
-    updater = engine.updater
     values, states, options = [], [], []
     scaler = None
-    for pieces, stepped in zip(plan.stepped, updater.stepped):
+    for pieces, stepped in zip(plan.stepped, ctx.state.stepped):
         values.append(_stepped(build, plan, pieces, stepped, VALUE))
         entry = plan.index["entries"][plan.index["fragments"][pieces[0][0]][0][3]] if pieces else \
             plan.index["entries"][0]
@@ -295,7 +294,7 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
         # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
         states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
                        (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
-    updater.load_stepped(values, states if load_optimizer_states else None,
+    ctx.state.load_stepped(values, states if load_optimizer_states else None,
                          options if load_optimizer_states else None, scaler)
 
 

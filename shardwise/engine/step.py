@@ -1,0 +1,253 @@
+"""The step driver: counts micro-batches and optimizer steps and takes the update on each accumulation boundary.
+
+The engine's `forward` / `backward` / `step` and every `BatchSchedule` (the plain micro-batch loop, a pipeline
+schedule) go through `TrainingSteps`, the `StepDriver` of `parallel/interfaces.py`:
+
+    forward(batch)                   the model's forward; the first micro-batch of a global batch opens the step
+    backward(loss)                   loss / micro-batches (* fp16 loss scale), the dp runtime around it
+    step()                           a micro-batch counted; on the boundary the update, the lr step, zeroed grads
+    open_step / complete_global_batch   around a schedule that runs a whole global batch itself
+
+A step opens by starting the ledger's record of it and launching the desync check (`comm/sequence.py`), whose
+result rides in the update's one host read and is judged after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.comm.sequence import SequenceCheck
+from shardwise.config.batch import BatchSizes
+from shardwise.engine.skips import SkipGuard
+from shardwise.errors import UserError
+from shardwise.parallel.grad_norm import Riders
+from shardwise.parallel.interfaces import DataParallelRuntime, Updater
+from shardwise.parallel.outputs import loss_of
+from shardwise.telemetry.activations import SavedTensorMeter
+from shardwise.telemetry.monitor import TrainingMonitor
+from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_INNER, STEP
+
+
+class TrainingSteps:
+    """The step counters and the calls that move them. DeepSpeed's names: `global_steps` (optimizer steps taken,
+    skipped ones included), `global_samples`, `micro_steps` (micro-batches stepped), `skipped_steps`."""
+
+    def __init__(self, *, module: torch.nn.Module, batch: BatchSizes, updater: Updater,
+                 dp_runtime: DataParallelRuntime, lr_scheduler: Any, ledger: CommLedger, monitor: TrainingMonitor,
+                 metrics_comm: Comm, device: torch.device, skips: SkipGuard,
+                 sequence_check: SequenceCheck | None = None):
+        self.module = module
+        self.batch = batch
+        """The batch sizes in force (`set_train_batch_size` replaces them between global batches)."""
+        self.updater = updater
+        self._dp_runtime = dp_runtime
+        self.lr_scheduler = lr_scheduler
+        self.ledger = ledger
+        self.monitor = monitor
+        self.metrics_comm = metrics_comm
+        """The dp group, for the loss average ("dp:metrics")."""
+        self.device = device
+        self.skips = skips
+        self.sequence_check = sequence_check
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.step_applied = False
+        # The micro-step count at which the current accumulation cycle started: moved when the batch sizes change
+        # or a checkpoint is loaded, so a new accumulation count starts a fresh cycle instead of inheriting the old
+        # count's phase.
+        self.accum_origin = 0
+        self.inside_no_sync = False
+        """Inside `engine.no_sync()`: gradients accumulate locally, even on the boundary (DeepSpeed's rule)."""
+        self.last_report_step = -1
+        self.activation_bytes = 0
+        """Bytes autograd saved for backward in the last training forward (or a schedule's measured peak)."""
+        self._meter = SavedTensorMeter(dp_runtime.param_storage_keys)
+        self._unpack_args = _forward_wants_unpacking(module)
+        ledger.begin_step(0)
+
+    # -- what schedules read --------------------------------------------------------------------------
+    @property
+    def micro_batches(self) -> int:
+        return self.batch.grad_accum
+
+    @property
+    def loss_scale(self) -> float:
+        return self.updater.scaler.loss_scale
+
+    @property
+    def dp_runtime(self) -> DataParallelRuntime:
+        return self._dp_runtime
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.updater.optimizer
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.updater.optimizer.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps - self.accum_origin + 1) % self.micro_batches == 0
+
+    def at_global_batch_start(self) -> bool:
+        return (self.micro_steps - self.accum_origin) % self.micro_batches == 0
+
+    # -- a micro-batch ----------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Call the model. A single tuple/list (dict) argument is unpacked into positional (keyword) arguments
+        when the model's forward takes more than one parameter, so `engine(batch)` works for
+        `model(input_ids, labels)` as well as for `model(batch)`."""
+        if len(inputs) == 1 and not kwargs and self._unpack_args:
+            if isinstance(inputs[0], (tuple, list)):
+                inputs = tuple(inputs[0])
+            elif isinstance(inputs[0], dict):
+                inputs, kwargs = (), dict(inputs[0])
+        inputs = tuple(_to_device(x, self.device) for x in inputs)
+        kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.module(*inputs, **kwargs)
+        if self.at_global_batch_start():
+            self.open_step()
+        with self._meter.measuring(list(self.module.parameters())), self.monitor.forward(self):
+            out = self.module(*inputs, **kwargs)
+        self.activation_bytes = self._meter.bytes
+        return out
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        loss = loss_of(loss)       # a Hugging Face ModelOutput carries its loss
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise UserError("engine.backward(loss) needs a scalar loss tensor (the model must return the loss)")
+        scaled = loss.float()
+        if scale_wrt_gas and self.micro_batches > 1:
+            scaled = scaled / self.micro_batches
+        if self.loss_scale != 1.0:
+            scaled = scaled * self.loss_scale
+        boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync
+        with self.monitor.timed(BACKWARD):
+            self._dp_runtime.begin_backward(boundary)
+            with self.monitor.timed(BACKWARD_INNER):
+                scaled.backward(self.skips.seed(scaled, loss))
+            with self.monitor.timed(BACKWARD_ALLREDUCE):
+                self._dp_runtime.end_backward(boundary)
+        self.monitor.observe_loss(loss)
+        return loss
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def open_step(self) -> None:
+        """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
+        recording it, and the ranks check they ran the same collectives so far (`comm.sequence`)."""
+        self.ledger.begin_step(self.global_steps)
+        if self.sequence_check is not None:      # judged with the step's verdict (`_step`), or when the next opens
+            self.sequence_check.launch(self.global_steps)
+
+    def step(self) -> None:
+        self._step(None)
+
+    def step_agreeing_loss(self, loss_mean: torch.Tensor) -> float:
+        """The boundary step of a global batch whose micro-batch losses average to `loss_mean` (a device scalar) on
+        this rank: the loss is summed over data-parallel ranks in the step's own all-reduce when the groups match,
+        and read with its one host read. Returns the mean over micro-batches and ranks, the same on every rank."""
+        riders = Riders(loss_mean.detach().float().reshape(1), self.metrics_comm)
+        self._step(riders)
+        if riders.values is None:         # not a boundary (inside no_sync): agree on the loss by itself
+            total = riders.tensor.to(torch.float64)
+            self.metrics_comm.all_reduce(total)
+            riders.values = total.tolist()
+        return riders.values[0] / self.metrics_comm.size
+
+    def _step(self, riders: Riders | None) -> None:
+        if self.inside_no_sync:
+            raise UserError("engine.step() inside engine.no_sync(): leave the no_sync block before stepping")
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        check = self.sequence_check
+        if check is not None and check.pending is not None:     # its result rides in the verdict's read
+            if riders is None:
+                riders = Riders(check.pending.new_zeros(0, dtype=torch.float32), self.metrics_comm)
+            riders.carry = check.pending
+        with self.monitor.timed(STEP):
+            applied = self.updater.step(riders)
+            if riders is not None and riders.carry is not None:
+                self._settle_check(riders)
+            self.step_applied = applied
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+            self._dp_runtime.zero_grad()
+            self.updater.zero_master_grads()
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self.last_report_step = self.global_steps - 1
+        self.monitor.after_step(self)
+        self.micro_steps += 1
+        self.skips.after_step(applied, step=self.global_steps - 1, lr=self.get_lr()[0], loss_scale=self.loss_scale)
+
+    def _settle_check(self, riders: Riders) -> None:
+        """Judge the desync check from the values that rode after the riders' own sums (or read it alone)."""
+        assert self.sequence_check is not None
+        ours = riders.tensor.numel()
+        values, riders.values = riders.values, (riders.values[:ours] if riders.values is not None else None)
+        self.sequence_check.settle(values[ours:] if values is not None else None)
+
+    def stage_forwards(self) -> ContextManager[Callable[[int], Any] | None]:
+        return self.monitor.stage_forwards(self)
+
+    def complete_global_batch(self, *, micro_batches: int, activation_bytes: int) -> None:
+        """For a schedule that ran a whole global batch's forwards and backwards itself: count its micro-batches,
+        take the step, and keep the activation figure its meter measured."""
+        self.micro_steps += micro_batches - 1
+        self.step()
+        self.activation_bytes = activation_bytes
+
+    # -- batch sizes and resuming -------------------------------------------------------------------------
+    def restart_cycle(self, batch: BatchSizes | None = None) -> None:
+        """Start a fresh accumulation cycle here (between global batches), with new batch sizes if given."""
+        if batch is not None:
+            self.batch = batch
+        self.accum_origin = self.micro_steps
+
+    def resume(self, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+        """The counters a checkpoint saved. `micro_steps` is derived, not restored (as DeepSpeed): another
+        gradient_accumulation_steps or dp size then starts its accumulation cycle at the step boundary instead of
+        inheriting the writer's phase."""
+        self.global_steps = global_steps
+        self.global_samples = global_samples
+        self.skipped_steps = skipped_steps
+        self.micro_steps = global_steps * self.micro_batches
+        self.restart_cycle()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if self.inside_no_sync:
+            raise UserError("engine.no_sync() is already active: it does not nest")
+        self.inside_no_sync = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = False
+
+
+def _forward_wants_unpacking(module: torch.nn.Module) -> bool:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if torch.is_tensor(x) and x.device != device:
+        return x.to(device, non_blocking=True)
+    return x
