@@ -176,7 +176,7 @@ class TrainingMonitor:
         step_ms = self.timers.end_step()
         self._window_steps += 1
         if self.events.enabled:
-            self.events.write(self._step_events(engine, step_ms))
+            self.events.write(self._step_events(steps, step_ms))
         self._losses = []
         spp = self.section.steps_per_print
         if spp and step % spp == 0:
