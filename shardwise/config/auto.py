@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from shardwise.config.errors import ConfigProblem, dotted
+from shardwise.config.zero import STAGE3_ALIASES
 
 AUTO = "auto"
 
@@ -36,8 +37,6 @@ _DROPPING_BLOCKS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensorboar
                     "comet", "comms_logger", "hybrid_engine", "compile", "weight_quantization", "tensor_parallel")
 # Places where "auto" is DeepSpeed's own value, not Hugging Face's placeholder.
 _DEEPSPEED_AUTOS = (("data_types", "keep_in_fp32_modules"),)
-_ZERO_ALIASES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
-                 "param_persistence_threshold": "stage3_param_persistence_threshold"}
 
 
 @dataclass(frozen=True)
@@ -178,8 +177,8 @@ _DROP = object()
 
 
 def _rule_key(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    if len(loc) == 2 and loc[0] == "zero_optimization" and loc[1] in _ZERO_ALIASES:
-        return (loc[0], _ZERO_ALIASES[loc[1]])
+    if len(loc) == 2 and loc[0] == "zero_optimization" and loc[1] in STAGE3_ALIASES:
+        return (loc[0], STAGE3_ALIASES[loc[1]])
     return loc
 
 
