@@ -1,11 +1,7 @@
 """DeepSpeed's top-level keys that shardwise reads but does not act on, validated as DeepSpeed validates them.
 
-DeepSpeed 0.19 parses some blocks with pydantic models that forbid unknown keys ("comet", "hybrid_engine",
-"compile", "weight_quantization"; the monitors it shares with shardwise are `monitoring.py`'s); those mirror the key
-names here, so a misspelling is an error as in DeepSpeed. Others it reads with ``dict.get`` and never checks
-("autotuning",
-"checkpoint", ...); those accept any key here too. Whether a block is switched on is decided by `enabled_blocks`;
-refusing what is on is `unsupported.py`'s job; `no_effect_warnings` names what is accepted but does nothing.
+Blocks DeepSpeed 0.19 parses with models that forbid unknown keys ("comet", "hybrid_engine", "compile", ...)
+forbid them here too; blocks it reads with ``dict.get`` ("autotuning", "checkpoint", ...) accept any key.
 """
 
 from __future__ import annotations

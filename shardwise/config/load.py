@@ -1,10 +1,8 @@
 """Read a config (path or dict), validate it once, and resolve it into an `EngineConfig`.
 
-Order: read (as leniently as DeepSpeed: hjson, so comments and trailing commas are fine) -> fill "auto"
-(`auto.py`) -> sort out unknown top-level keys (`top_level.py`) -> schema (pydantic) -> batch rule -> not-yet
-refusals -> sections. Every problem is reported at once, one per line (the batch rule and the refusals need
-the schema's model, so they join only when the schema accepted the rest). What is accepted but ignored
-becomes one `ConfigWarning` per key, once the config is accepted.
+Order: read (hjson, as DeepSpeed) -> fill "auto" (`auto.py`) -> sort out unknown top-level keys (`top_level.py`)
+-> schema -> batch rule -> not-yet refusals (`unsupported.py`) -> sections (`resolved.py`). Every problem is
+reported at once, one per line; what is accepted but ignored becomes one `ConfigWarning` per key.
 """
 
 from __future__ import annotations
