@@ -43,7 +43,7 @@ import torch.distributed as dist
 from benchmarks.common import args_meta, int_at_least, run_in_gloo_group, run_under_launcher, write_json
 from benchmarks.pipeline_models import MODELS, build_model
 from benchmarks.pipeline_report import Bubble, Row, analyse, make_row, print_table
-from shardwise.config.resolved import PipelinePartition, PipelineSchedule
+from shardwise.config import PipelinePartition, PipelineSchedule
 
 __all__ = ["Bubble", "Bench", "Impl", "Row", "analyse", "launch", "main", "make_row", "measure", "run",
            "torch_supports"]

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def _positive(kind: type) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS
-    from shardwise.config.resolved import PipelineSchedule
+    from shardwise.config import PipelineSchedule
     from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute, Zero3Gather
 
     p = subparsers.add_parser("plan", help="estimate FLOPs, memory, communication and the best parallel plan",
@@ -175,7 +175,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
-    from shardwise.config.resolved import PipelineSchedule
+    from shardwise.config import PipelineSchedule
     from shardwise.planner.specs import PlannerError, Plan
 
     if all(getattr(args, k) is None for k in _PLAN_FLAGS):

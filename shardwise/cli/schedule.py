@@ -67,7 +67,7 @@ def _show(x: Fraction | float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.config.resolved import PipelineSchedule
+    from shardwise.config import PipelineSchedule
     from shardwise.parallel.pipeline import schedules
     from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
     from shardwise.parallel.pipeline.simulate import Costs, SendMode, simulate

@@ -11,17 +11,19 @@ from shardwise.config.auto import AutoResolution, AutoValues, resolve_auto
 from shardwise.config.batch import BatchSizes, resolve_batch
 from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning
 from shardwise.config.load import load_config, load_config_for_world, parse_config, read_config
-from shardwise.config.resolved import (
-    ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
-    OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
-    PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
+from shardwise.config.monitoring import MonitoringConfig
+from shardwise.config.resolved import CommConfig, DataParallelConfig, DType, EngineConfig, PrecisionConfig
+from shardwise.config.schema import (
+    ActivationCheckpointingConfig, AllReduceImpl, NonFiniteConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
+    PipelineSchedule, RecomputePolicy, SchedulerSpec, TensorParallelConfig,
 )
+from shardwise.config.zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "ActivationCheckpointingConfig", "AllReduceImpl", "AutoResolution", "AutoValues", "BatchSizes", "CommConfig",
-    "ConfigError", "ConfigProblem", "ConfigWarning",
-    "DType", "EngineConfig", "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "OptimizerSpec",
-    "PipelineConfig", "PipelinePartition", "PipelineSchedule", "PrecisionConfig", "RecomputePolicy",
-    "SchedulerSpec", "TensorParallelConfig", "ZeroConfig", "load_config", "load_config_for_world",
-    "parse_config", "read_config", "resolve_auto", "resolve_batch",
+    "ConfigError", "ConfigProblem", "ConfigWarning", "DataParallelConfig",
+    "DType", "EngineConfig", "MonitoringConfig", "NonFiniteConfig", "OffloadDevice", "OffloadOptimizerConfig",
+    "OffloadParamConfig", "OptimizerSpec", "PipelineConfig", "PipelinePartition", "PipelineSchedule",
+    "PrecisionConfig", "RecomputePolicy", "SchedulerSpec", "TensorParallelConfig", "ZeroConfig", "load_config",
+    "load_config_for_world", "parse_config", "read_config", "resolve_auto", "resolve_batch",
 ]

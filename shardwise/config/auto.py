@@ -1,24 +1,7 @@
-"""Fill Hugging Face's "auto" placeholders the way its DeepSpeed integration fills them.
+"""Fill Hugging Face's "auto" placeholders the way its DeepSpeed integration fills them (`resolve_auto`).
 
 Hugging Face's Trainer writes "auto" for values it knows better than the config file: the batch sizes, the
-learning rate, the ZeRO bucket sizes (from the model's hidden size h). `resolve_auto` fills them from what the
-caller knows (`AutoValues`), by the same rules:
-
-    train_micro_batch_size_per_gpu   the micro-batch size
-    gradient_accumulation_steps      given, else derived by the batch rule (1 when nothing else fixes it)
-    train_batch_size                 derived: micro-batch * accumulation * data-parallel size
-    gradient_clipping                1.0 (DeepSpeed's and the Trainer's default)
-    optimizer.params.lr              the learning rate; betas, eps, weight_decay: given, else the Trainer's
-                                     defaults [0.9, 0.999], 1e-8, 0.0
-    scheduler.params                 warmup_min_lr 0, warmup_max_lr = lr, warmup_num_steps, total_num_steps
-    fp16.enabled, bf16.enabled       from the precision, else false
-    zero_optimization                reduce_bucket_size h*h; at stage 3 stage3_prefetch_bucket_size
-                                     int(0.9*h*h) and stage3_param_persistence_threshold 10*h
-
-Elsewhere, DeepSpeed's own blocks drop an "auto" and use their default, so those are dropped with a warning.
-"pipeline.stages": "auto" is DeepSpeed's own value (the PipelineModule's stages) and is dropped; in
-"data_types.keep_in_fp32_modules" it is DeepSpeed's default and is kept.
-Anything else left "auto" is a problem naming the key and how to give it. Pure: no torch, no I/O.
+learning rate, the ZeRO bucket sizes. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -28,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from shardwise.config.errors import ConfigProblem, dotted
+from shardwise.config.zero import STAGE3_ALIASES
 
 AUTO = "auto"
 
@@ -36,8 +20,6 @@ _DROPPING_BLOCKS = ("zero_optimization", "fp16", "bf16", "bfloat16", "tensorboar
                     "comet", "comms_logger", "hybrid_engine", "compile", "weight_quantization", "tensor_parallel")
 # Places where "auto" is DeepSpeed's own value, not Hugging Face's placeholder.
 _DEEPSPEED_AUTOS = (("data_types", "keep_in_fp32_modules"),)
-_ZERO_ALIASES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
-                 "param_persistence_threshold": "stage3_param_persistence_threshold"}
 
 
 @dataclass(frozen=True)
@@ -178,8 +160,8 @@ _DROP = object()
 
 
 def _rule_key(loc: tuple[Any, ...]) -> tuple[Any, ...]:
-    if len(loc) == 2 and loc[0] == "zero_optimization" and loc[1] in _ZERO_ALIASES:
-        return (loc[0], _ZERO_ALIASES[loc[1]])
+    if len(loc) == 2 and loc[0] == "zero_optimization" and loc[1] in STAGE3_ALIASES:
+        return (loc[0], STAGE3_ALIASES[loc[1]])
     return loc
 
 
@@ -194,7 +176,24 @@ def _set(config: dict[str, Any], loc: tuple[Any, ...], value: Any) -> None:
 
 
 def resolve_auto(raw: dict[str, Any], known: AutoValues | None = None) -> AutoResolution:
-    """Fill every "auto" of `raw` that `known` (or a fixed default) settles; see the module docstring."""
+    """Fill every "auto" of `raw` that `known` (or a fixed default) settles, by the Trainer's rules
+    (h: the model's hidden size):
+
+        train_micro_batch_size_per_gpu   the micro-batch size
+        gradient_accumulation_steps      given, else derived by the batch rule (1 when nothing else fixes it)
+        train_batch_size                 derived: micro-batch * accumulation * data-parallel size
+        gradient_clipping                1.0 (DeepSpeed's and the Trainer's default)
+        optimizer.params.lr              the learning rate; betas, eps, weight_decay: given, else the Trainer's
+                                         defaults [0.9, 0.999], 1e-8, 0.0
+        scheduler.params                 warmup_min_lr 0, warmup_max_lr = lr, warmup_num_steps, total_num_steps
+        fp16.enabled, bf16.enabled       from the precision, else false
+        zero_optimization                reduce_bucket_size h*h; at stage 3 stage3_prefetch_bucket_size
+                                         int(0.9*h*h) and stage3_param_persistence_threshold 10*h
+
+    Elsewhere, DeepSpeed's own blocks drop an "auto" and use their default, so those are dropped with a warning.
+    "pipeline.stages": "auto" is DeepSpeed's own value (the PipelineModule's stages) and is dropped; in
+    "data_types.keep_in_fp32_modules" it is DeepSpeed's default and is kept. Anything else left "auto" is a
+    problem naming the key and how to give it."""
     known = known or AutoValues()
     config = copy.deepcopy(raw)
     rules = _rules(known, config)

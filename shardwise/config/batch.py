@@ -1,20 +1,7 @@
 """The batch-size rule: train_batch_size = micro batch per GPU * gradient accumulation steps * dp size.
 
-Pure arithmetic shared by the engine, the CLI and the planner. It follows DeepSpeed 0.19's
-`DeepSpeedConfig._set_batch_related_parameters` and `_batch_assertion`:
-
-    given                     derived
-    train, micro, accum       nothing; the product must match
-    train, micro              accum = train // (micro * dp)
-    train, accum              micro = train // (accum * dp)
-    micro, accum              train = micro * accum * dp
-    train                     accum = 1, micro = train // dp
-    micro                     accum = 1, train = micro * dp
-    accum only, or nothing    error
-
-and then every term must be positive and the product exact. DeepSpeed's floor divisions pass that
-check exactly when the division is exact, so here an inexact division is reported directly, with the
-arithmetic shown.
+Pure arithmetic shared by the engine, the CLI and the planner, following DeepSpeed 0.19
+(`DeepSpeedConfig._set_batch_related_parameters` and `_batch_assertion`).
 """
 
 from __future__ import annotations
@@ -64,10 +51,20 @@ def _multiples_hint(total: int, unit: int) -> str:
 
 def resolve_batch(*, train_batch_size: int | None, micro_batch: int | None, grad_accum: int | None,
                   dp_size: int) -> BatchSizes:
-    """Complete the triple from what was given (None = not given), or check that all three agree.
+    """Complete the triple from what was given (None = not given), or check that all three agree:
 
-    Raises `ConfigError` naming the key, with the arithmetic, when the terms are inconsistent,
-    non-positive, or too few were given.
+        given                     derived
+        train, micro, accum       nothing; the product must match
+        train, micro              accum = train // (micro * dp)
+        train, accum              micro = train // (accum * dp)
+        micro, accum              train = micro * accum * dp
+        train                     accum = 1, micro = train // dp
+        micro                     accum = 1, train = micro * dp
+        accum only, or nothing    error
+
+    Every term must then be positive and the product exact. DeepSpeed's floor divisions pass its check exactly
+    when the division is exact, so here an inexact division is reported directly. Raises `ConfigError` naming
+    the key, with the arithmetic, when the terms are inconsistent, non-positive, or too few were given.
     """
     t, m, g, d = train_batch_size, micro_batch, grad_accum, dp_size
     _check_positive(TRAIN, t)

@@ -1,11 +1,7 @@
 """DeepSpeed's top-level keys that shardwise reads but does not act on, validated as DeepSpeed validates them.
 
-DeepSpeed 0.19 parses some blocks with pydantic models that forbid unknown keys ("comet", "hybrid_engine",
-"compile", "weight_quantization"; the monitors it shares with shardwise are `monitors.py`'s); those mirror the key
-names here, so a misspelling is an error as in DeepSpeed. Others it reads with ``dict.get`` and never checks
-("autotuning",
-"checkpoint", ...); those accept any key here too. Whether a block is switched on is decided by `enabled_blocks`;
-refusing what is on is `unsupported.py`'s job; `no_effect_warnings` names what is accepted but does nothing.
+Blocks DeepSpeed 0.19 parses with models that forbid unknown keys ("comet", "hybrid_engine", "compile", ...)
+forbid them here too; blocks it reads with ``dict.get`` ("autotuning", "checkpoint", ...) accept any key.
 """
 
 from __future__ import annotations
@@ -116,8 +112,8 @@ NO_EFFECT_KEYS = ("aio", "checkpoint", "timers", "log_level", "dump_state", "dis
                   "seq_parallel_communication_data_type")
 
 # Blocks that do something only while switched on; their fields in the schema, and how "on" is read.
-FEATURE_BLOCKS = ("comet", "autotuning", "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel", "weight_quantization",
-                  "compile", "datastates_ckpt")
+FEATURE_BLOCKS = ("comet", "autotuning", "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel",
+                  "weight_quantization", "compile", "datastates_ckpt")
 
 
 class DeepSpeedOnlyKeys(Section):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from shardwise.errors import UserError
 
@@ -93,7 +94,7 @@ def unknown_name_message(what: str, name: str, valid: Sequence[str], *, where: s
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation such as `Optional[ZeroSection]`, if any."""
+    """The pydantic model inside an annotation such as `Optional[ZeroConfig]`, if any."""
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
@@ -123,7 +124,7 @@ def _unknown_key(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
     return unknown_name_message("key", key, valid, where=where, shown=path)
 
 
-def _one_problem(root: type[BaseModel], err: dict[str, Any]) -> ConfigProblem:
+def _one_problem(root: type[BaseModel], err: ErrorDetails) -> ConfigProblem:
     loc = tuple(err["loc"])
     path = dotted(loc)
     kind = err["type"]
@@ -136,7 +137,11 @@ def _one_problem(root: type[BaseModel], err: dict[str, Any]) -> ConfigProblem:
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return ConfigProblem(path or None, f'"{path or "config"}": expected an object {{...}}, got {show(value)}')
     if kind in ("literal_error", "enum"):
-        return ConfigProblem(path, f'"{path}": {show(value)} is not allowed; allowed: {ctx.get("expected")}')
+        # A Literal of enum members lists them as <Enum.NAME: 'value'>; the user wrote the value.
+        allowed = re.sub(r"<\w+\.\w+: ('[^']*')>", r"\1", str(ctx.get("expected")))
+        return ConfigProblem(path, f'"{path}": {show(value)} is not allowed; allowed: {allowed}')
+    if kind in ("list_type", "tuple_type"):      # JSON has lists only; frozen sections keep them as tuples
+        return ConfigProblem(path, f'"{path}": expected a list [...], got {show(value)}')
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from shardwise.config.deepspeed_blocks import no_effect_warnings
 from shardwise.config.schema import ConfigModel
+from shardwise.config.zero import OFFLOAD_MIN_STAGE
 
 
 def _offload_below_its_stage(model: ConfigModel) -> list[str]:
     zero = model.zero_optimization
     lines = []
-    for name, block, needed in (("offload_param", zero.offload_param, 3),
-                                ("offload_optimizer", zero.offload_optimizer, 1)):
+    for name in ("offload_param", "offload_optimizer"):
+        block, needed = getattr(zero, name), OFFLOAD_MIN_STAGE[name]
         if block is not None and block.device != "none" and zero.stage < needed:
             lines.append(f'"zero_optimization.{name}" has no effect at zero_optimization.stage {zero.stage} '
                          f'(it needs stage >= {needed}; DeepSpeed ignores it too); ignored')

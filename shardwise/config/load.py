@@ -1,10 +1,8 @@
 """Read a config (path or dict), validate it once, and resolve it into an `EngineConfig`.
 
-Order: read (as leniently as DeepSpeed: hjson, so comments and trailing commas are fine) -> fill "auto"
-(`auto.py`) -> sort out unknown top-level keys (`top_level.py`) -> schema (pydantic) -> batch rule -> not-yet
-refusals -> sections. Every problem is reported at once, one per line (the batch rule and the refusals need
-the schema's model, so they join only when the schema accepted the rest). What is accepted but ignored
-becomes one `ConfigWarning` per key, once the config is accepted.
+Order: read (hjson, as DeepSpeed) -> fill "auto" (`auto.py`) -> sort out unknown top-level keys (`top_level.py`)
+-> schema -> batch rule -> not-yet refusals (`unsupported.py`) -> sections (`resolved.py`). Every problem is
+reported at once, one per line; what is accepted but ignored becomes one `ConfigWarning` per key.
 """
 
 from __future__ import annotations
@@ -23,19 +21,11 @@ from shardwise.config.batch import BatchSizes, resolve_batch
 from shardwise.config.auto import AutoValues, auto_paths, resolve_auto
 from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning, problems_from_validation
 from shardwise.config.ignored import ignored_settings
-from shardwise.config.resolved import (
-    ActivationCheckpointingConfig, AllReduceImpl, CommConfig, DType, EngineConfig, OffloadDevice,
-    NonFiniteConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimizerSpec, PipelineConfig, PipelinePartition,
-    PipelineSchedule, PrecisionConfig, RecomputePolicy, SchedulerSpec, TensorParallelConfig, ZeroConfig,
-)
-from shardwise.config.monitoring import (
-    CommsLoggerConfig, EventFilesConfig, FlopsProfilerConfig, MonitoringConfig, WandbConfig,
-)
+from shardwise.config.resolved import EngineConfig, resolve
 from shardwise.config.sanity import screen_structure, value_problems
 from shardwise.config.schema import ConfigModel
 from shardwise.config.top_level import screen_top_level
 from shardwise.config.unsupported import refuse_unimplemented
-from shardwise.config.zero import OffloadOptimizerSection, OffloadParamSection, ZeroSection
 
 ConfigSource = str | os.PathLike | dict
 
@@ -207,90 +197,6 @@ def _document_order(raw: dict[str, Any]):
     return key
 
 
-def _precision(model: ConfigModel) -> PrecisionConfig:
-    fp16, bf16 = model.fp16, model.bf16
-    dtype = DType.FP16 if fp16.enabled else DType.BF16 if bf16.enabled else DType.FP32
-    return PrecisionConfig(
-        dtype=dtype, auto_cast=fp16.auto_cast, loss_scale=fp16.loss_scale,
-        initial_scale_power=fp16.initial_scale_power, loss_scale_window=fp16.loss_scale_window,
-        hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-        min_loss_scale=float(fp16.min_loss_scale), bf16_immediate_grad_update=bf16.immediate_grad_update,
-        bf16_check_grad_overflow=bf16.check_grad_overflow)
-
-
-def _offload_optimizer(block: OffloadOptimizerSection | None, stage: int) -> OffloadOptimizerConfig | None:
-    if block is None:
-        return None
-    fields = block.model_dump()
-    device = OffloadDevice(block.device) if stage >= 1 else OffloadDevice.NONE   # ignored below stage 1 (warned)
-    return OffloadOptimizerConfig(**{**fields, "device": device})
-
-
-def _offload_param(block: OffloadParamSection | None, stage: int) -> OffloadParamConfig | None:
-    if block is None:
-        return None
-    fields = block.model_dump()
-    device = OffloadDevice(block.device) if stage >= 3 else OffloadDevice.NONE   # ignored below stage 3 (warned)
-    return OffloadParamConfig(**{**fields, "device": device})
-
-
-def _zero(block: ZeroSection) -> ZeroConfig:
-    fields = block.model_dump(exclude={"offload_optimizer", "offload_param", "zenflow", "leaf_module"})
-    # DeepSpeed: overlap_comm unset means "on at stage 3 only".
-    overlap = block.overlap_comm if block.overlap_comm is not None else block.stage == 3
-    leaf = block.leaf_module
-    return ZeroConfig(**{**fields, "overlap_comm": overlap},
-                      offload_optimizer=_offload_optimizer(block.offload_optimizer, block.stage),
-                      offload_param=_offload_param(block.offload_param, block.stage),
-                      leaf_module_classes=tuple(leaf.classes), leaf_module_names=tuple(leaf.names),
-                      leaf_module_name_suffixes=tuple(leaf.name_suffixes))
-
-
-def _monitors(model: ConfigModel) -> MonitoringConfig:
-    comms = model.comms_logger
-    return MonitoringConfig(
-        tensorboard=EventFilesConfig(**model.tensorboard.model_dump()),
-        csv_monitor=EventFilesConfig(**model.csv_monitor.model_dump()),
-        wandb=WandbConfig(**model.wandb.model_dump()),
-        comms_logger=CommsLoggerConfig(**{**comms.model_dump(), "prof_ops": tuple(comms.prof_ops)}),
-        flops_profiler=FlopsProfilerConfig(**model.flops_profiler.model_dump()),
-        steps_per_print=model.steps_per_print, wall_clock_breakdown=model.wall_clock_breakdown)
-
-
-def _sections(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> EngineConfig:
-    ac, pipe = model.activation_checkpointing, model.pipeline
-    return EngineConfig(
-        batch=batch,
-        precision=_precision(model),
-        gradient_clipping=model.gradient_clipping,
-        prescale_gradients=model.prescale_gradients,
-        gradient_predivide_factor=model.gradient_predivide_factor,
-        optimizer=(OptimizerSpec(type=model.optimizer.type, params=copy.deepcopy(model.optimizer.params))
-                   if model.optimizer else None),
-        scheduler=(SchedulerSpec(type=model.scheduler.type, params=copy.deepcopy(model.scheduler.params))
-                   if model.scheduler else None),
-        zero=_zero(model.zero_optimization),
-        communication=CommConfig(
-            all_reduce=AllReduceImpl(model.communication.all_reduce),
-            data_type=DType(model.communication_data_type) if model.communication_data_type else None,
-            timeout_minutes=model.communication.timeout_minutes, desync_check=model.communication.desync_check),
-        nonfinite=NonFiniteConfig(**model.nonfinite.model_dump()),
-        tensor_parallel=TensorParallelConfig(size=model.tensor_parallel.size,
-                                             sequence_parallel=model.tensor_parallel.sequence_parallel),
-        pipeline=PipelineConfig(stages=pipe.stages, schedule=PipelineSchedule(pipe.schedule),
-                                virtual_stages=pipe.virtual_stages, partition=PipelinePartition(pipe.partition)),
-        activation_checkpointing=ActivationCheckpointingConfig(
-            **{**ac.model_dump(), "policy": RecomputePolicy(ac.policy)}),
-        steps_per_print=model.steps_per_print,
-        wall_clock_breakdown=model.wall_clock_breakdown,
-        memory_breakdown=model.memory_breakdown,
-        dataloader_drop_last=model.dataloader_drop_last,
-        zero_allow_untested_optimizer=model.zero_allow_untested_optimizer,
-        monitors=_monitors(model),
-        raw=raw,
-    )
-
-
 def _later_problems(model: ConfigModel, dp_size: int, *, check_batch: bool) -> tuple[BatchSizes | None,
                                                                                        list[ConfigProblem]]:
     """The batch rule and the not-yet refusals: the batch sizes (None if wrong or unchecked) and the problems."""
@@ -322,7 +228,7 @@ def _load(parsed: _Parsed, dp_size_of: Callable[[ConfigModel], int]) -> EngineCo
         parsed = _Parsed(parsed.model, parsed.config, problems, parsed.warnings, parsed.batch_unresolved)
     model = _accepted(parsed)
     assert batch is not None
-    return _sections(model, batch, parsed.config)
+    return resolve(model, batch, parsed.config)
 
 
 def load_config(config: ConfigSource, *, dp_size: int, auto: AutoValues | None = None) -> EngineConfig:

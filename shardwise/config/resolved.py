@@ -1,8 +1,8 @@
-"""The frozen, internal form of a config: one small section per concern (DESIGN principle 7).
+"""`EngineConfig`: a validated config as the rest of shardwise reads it, one frozen section per concern.
 
-The pydantic models in `schema.py`/`zero.py` mirror the user's JSON; these dataclasses are what the
-rest of shardwise reads. Each component gets only the section it needs. No torch import here (the
-planner reads configs without torch); `DType.torch_dtype` imports it lazily.
+Most sections are the validated blocks of the schema themselves (`cfg.pipeline` is the "pipeline" block); this
+module writes only what no single block holds: the dtype policy, the communication settings, stage 0's section
+and the gradient bucket size. No torch import (the planner reads configs without torch).
 """
 
 from __future__ import annotations
@@ -12,8 +12,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from shardwise.config.batch import BatchSizes
 from shardwise.config.monitoring import MonitoringConfig
+from shardwise.config.schema import (
+    ActivationCheckpointingConfig, AllReduceImpl, BF16Section, CommunicationSection, ConfigModel, FP16Section,
+    NonFiniteConfig, OptimizerSpec, PipelineConfig, SchedulerSpec, TensorParallelConfig,
+)
+from shardwise.config.zero import ZeroConfig
 
 
 class DType(enum.StrEnum):
@@ -30,64 +37,12 @@ class DType(enum.StrEnum):
         return {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}[self]
 
 
-class AllReduceImpl(enum.StrEnum):
-    """How the data-parallel gradient all-reduce is done."""
-
-    BACKEND = "backend"   # the process group's own all_reduce (NCCL/gloo)
-    RING = "ring"         # shardwise's ring (reduce-scatter + all-gather over p2p), for study and tests
-    SHM = "shm"           # shardwise's shared-memory all-reduce: CPU tensors, the whole group on one host
-    AUTO = "auto"         # SHM where it can serve, else BACKEND: the DDP wrapper's default, not a config value
-
-
-class OffloadDevice(enum.StrEnum):
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
-
-
-class RecomputePolicy(enum.StrEnum):
-    """Which activations are recomputed in backward instead of kept from forward."""
-
-    NONE = "none"            # keep everything
-    FULL = "full"            # keep only each block's input, recompute the whole block
-    SELECTIVE = "selective"  # recompute only the attention core (scores, softmax, dropout, attention over V)
-    EVERY_N = "every_n"      # recompute whole blocks: every N-th, or the first K of each stage
-
-
-class PipelineSchedule(enum.StrEnum):
-    GPIPE = "gpipe"                        # all forwards, then all backwards
-    ONE_F_ONE_B = "1f1b"                   # warm-up forwards, then alternate forward/backward
-    INTERLEAVED_1F1B = "interleaved_1f1b"  # 1F1B over several virtual stages per rank
-
-
-class PipelinePartition(enum.StrEnum):
-    UNIFORM = "uniform"        # the same number of transformer blocks per stage
-    PARAMETERS = "parameters"  # balance the parameter count per stage
-    FLOPS = "flops"            # balance the forward FLOPs per stage
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrecisionConfig:
-    """Dtype policy and loss scaling (DeepSpeed's "fp16"/"bf16" blocks)."""
+class PrecisionConfig(FP16Section):
+    """The dtype policy: the dtype that "fp16"/"bf16" switch on, the "bf16" block, and (inherited) the "fp16" block,
+    whose loss-scaling keys act only when the dtype is fp16."""
 
     dtype: DType = DType.FP32
-    auto_cast: bool = False
-    """fp16.auto_cast: cast floating-point inputs of the model's forward to fp16."""
-    loss_scale: float = 0.0
-    """fp16.loss_scale as given: 0 means dynamic loss scaling, > 0 a fixed scale."""
-    initial_scale_power: int = 16
-    """Dynamic scaling starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
-    """Overflow-free steps before the dynamic scale is doubled."""
-    hysteresis: int = 2
-    """Overflows tolerated before the scale is halved (DeepSpeed's delayed_shift)."""
-    consecutive_hysteresis: bool = False
-    """Refill the hysteresis budget on every overflow-free step."""
-    min_loss_scale: float = 1.0
-    """The dynamic scale never drops below this."""
-    bf16_immediate_grad_update: bool = False
-    bf16_check_grad_overflow: bool = True
-    """bf16: skip the step when a gradient is inf/nan (DeepSpeed's default since 0.16)."""
+    bf16: BF16Section = Field(default_factory=BF16Section)
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -105,131 +60,19 @@ class PrecisionConfig:
 
     @property
     def checks_overflow(self) -> bool:
-        """fp16 always skips a step whose gradients hold inf/nan; bf16 does when bf16_check_grad_overflow."""
-        return self.dtype is DType.FP16 or (self.dtype is DType.BF16 and self.bf16_check_grad_overflow)
+        """fp16 always skips a step whose gradients hold inf/nan; bf16 does when bf16.check_grad_overflow."""
+        return self.dtype is DType.FP16 or (self.dtype is DType.BF16 and self.bf16.check_grad_overflow)
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSpec:
-    """DeepSpeed's "optimizer" block: a type name (kept as the user spelled it) and its params.
-    `params` is a private deep copy; treat it as read-only."""
+class CommConfig(CommunicationSection):
+    """The "communication" block and DeepSpeed's top-level "communication_data_type"."""
 
-    type: str
-    params: dict[str, Any] = field(default_factory=dict, hash=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerSpec:
-    """DeepSpeed's "scheduler" block: a type name and its params (read-only copy)."""
-
-    type: str
-    params: dict[str, Any] = field(default_factory=dict, hash=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OffloadOptimizerConfig:
-    device: OffloadDevice = OffloadDevice.NONE
-    nvme_path: str | None = None
-    buffer_count: int = 4
-    pin_memory: bool = True
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
-    ratio: float = 1.0
-    super_offload: bool = False
-    cpuadam_cores_perc: float = 0.8
-
-
-@dataclass(frozen=True, kw_only=True)
-class OffloadParamConfig:
-    device: OffloadDevice = OffloadDevice.NONE
-    nvme_path: str | None = None
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    pin_memory: bool = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroConfig:
-    """Every key of DeepSpeed's "zero_optimization" block, with DeepSpeed's defaults (see
-    `shardwise/config/zero.py` for what each one means). Sizes count elements, not bytes."""
-
-    stage: int = 0
-    contiguous_gradients: bool = True
-    overlap_comm: bool = False
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
-    use_multi_rank_bucket_allreduce: bool = True
-    allgather_partitions: bool = True
-    allgather_bucket_size: int = 500_000_000
-    compute_grad_norm: bool = True
-    load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
-    offload_optimizer: OffloadOptimizerConfig | None = None
-    offload_param: OffloadParamConfig | None = None
-    sub_group_size: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_model_persistence_threshold: int = 9_223_372_036_854_775_807
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    stage3_module_granularity_threshold: int = 0
-    stage3_use_all_reduce_for_fetch_params: bool = False
-    stage3_allgather_sequential: bool = False
-    ignore_unused_parameters: bool = True
-    legacy_stage1: bool = False
-    round_robin_gradients: bool = False
-    parameter_alignment: bool = False
-    zero_hpz_partition_size: int = 1
-    zero_quantized_weights: bool = False
-    zero_quantized_nontrainable_weights: bool = False
-    zero_quantized_gradients: bool = False
-    memory_efficient_linear: bool = True
-    pipeline_loading_checkpoint: bool = False
-    override_module_apply: bool = True
-    log_trace_cache_warnings: bool = False
-    enable_sanity_checks: bool = False
-    save_muon_momentum_buffer_in_memory: bool = False
-    leaf_module_classes: tuple[str, ...] = ()
-    leaf_module_names: tuple[str, ...] = ()
-    leaf_module_name_suffixes: tuple[str, ...] = ()
-
-    @property
-    def offloads_optimizer(self) -> bool:
-        return self.offload_optimizer is not None and self.offload_optimizer.device is not OffloadDevice.NONE
-
-    @property
-    def offloads_params(self) -> bool:
-        return self.offload_param is not None and self.offload_param.device is not OffloadDevice.NONE
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommConfig:
-    """How gradients are communicated."""
-
-    all_reduce: AllReduceImpl = AllReduceImpl.BACKEND
     data_type: DType | None = None
-    """communication_data_type: dtype of reduced gradients; None = the gradients' own dtype."""
-    timeout_minutes: float = 5.0
-    """A collective waiting longer than this is reported (every rank's ledger) and ends the run."""
-    desync_check: bool = True
-    """Compare the ranks' sequences of collectives once per step."""
+    """The dtype gradients are reduced in; None = the gradients' own dtype."""
 
     @property
     def timeout_s(self) -> float:
         return self.timeout_minutes * 60.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class NonFiniteConfig:
-    """What a step with inf/nan loss or gradients does (shardwise's "nonfinite" block)."""
-
-    skip_step: bool = True
-    """fp32: skip such a step (fp16 always does; bf16 with bf16.check_grad_overflow)."""
-    max_consecutive_skips: int = 10
-    """End the run after this many skipped steps in a row; 0 = never."""
 
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -244,10 +87,13 @@ overlaps nothing; `parallel.data_parallel.plan_buckets`)."""
 def gradient_bucket_numel(reduce_bucket_size: int | None, *, zero_stage: int, element_size: int) -> int:
     """Elements per gradient bucket as the engine builds them: zero_optimization.reduce_bucket_size when the
     config sets it; else `DEFAULT_BUCKET_BYTES` of gradients of `element_size` bytes at stage 0, DeepSpeed's
-    default (`ZeroConfig.reduce_bucket_size`) at stages 1-3. The planner asks it for a config that sets none."""
+    default reduce_bucket_size at stages 1-3. The planner asks it for a config that sets none."""
     if reduce_bucket_size is not None:
         return reduce_bucket_size
-    return DEFAULT_BUCKET_BYTES // element_size if zero_stage == 0 else ZeroConfig.reduce_bucket_size
+    if zero_stage == 0:
+        return DEFAULT_BUCKET_BYTES // element_size
+    default: int = ZeroConfig.model_fields["reduce_bucket_size"].default
+    return default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,66 +112,42 @@ class DataParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TensorParallelConfig:
-    size: int = 1
-    sequence_parallel: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
-    stages: int = 1
-    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    virtual_stages: int = 1
-    partition: PipelinePartition = PipelinePartition.UNIFORM
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationCheckpointingConfig:
-    policy: RecomputePolicy = RecomputePolicy.NONE
-    every: int | None = None
-    """policy every_n: recompute blocks N, 2N, ... (1-based) of each stage."""
-    blocks: int | None = None
-    """policy every_n: recompute the first K blocks of each stage."""
-    partition_activations: bool = False
-    number_checkpoints: int | None = None
-    contiguous_memory_optimization: bool = False
-    cpu_checkpointing: bool = False
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """A validated config with the batch triple resolved for one data-parallel size."""
+    """A validated config with the batch triple resolved for one data-parallel size. The top-level keys mean what
+    `ConfigModel` says of them."""
 
     batch: BatchSizes
-    precision: PrecisionConfig = PrecisionConfig()
-    gradient_clipping: float = 1.0
-    """Clip the global gradient norm to this; 0 = off. (DeepSpeed 0.19's default is 1.0.)"""
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    optimizer: OptimizerSpec | None = None
-    scheduler: SchedulerSpec | None = None
-    zero: ZeroConfig = ZeroConfig()
-    communication: CommConfig = CommConfig()
-    nonfinite: NonFiniteConfig = NonFiniteConfig()
-    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
-    pipeline: PipelineConfig = PipelineConfig()
-    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
-    steps_per_print: int | None = None
-    wall_clock_breakdown: bool = False
-    memory_breakdown: bool = False
-    dataloader_drop_last: bool = False
-    zero_allow_untested_optimizer: bool = False
-    monitors: MonitoringConfig = MonitoringConfig()
-    """The monitoring blocks; `steps_per_print` and `wall_clock_breakdown` are copied into it."""
+    precision: PrecisionConfig
+    gradient_clipping: float
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    optimizer: OptimizerSpec | None = field(hash=False)      # free-form params: a dict, not hashable
+    scheduler: SchedulerSpec | None = field(hash=False)
+    zero: ZeroConfig
+    communication: CommConfig
+    nonfinite: NonFiniteConfig
+    tensor_parallel: TensorParallelConfig
+    pipeline: PipelineConfig
+    activation_checkpointing: ActivationCheckpointingConfig
+    memory_breakdown: bool
+    dataloader_drop_last: bool
+    zero_allow_untested_optimizer: bool
+    monitors: MonitoringConfig
     raw: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
     """A deep copy of the config as given (plain JSON types), saved in checkpoints."""
 
     @property
+    def steps_per_print(self) -> int | None:
+        return self.monitors.steps_per_print
+
+    @property
+    def wall_clock_breakdown(self) -> bool:
+        return self.monitors.wall_clock_breakdown
+
+    @property
     def data_parallel(self) -> DataParallelConfig:
         """Stage 0's section (the other stages refuse its non-default values: `config/unsupported.py`)."""
-        given = "reduce_bucket_size" in (self.raw.get("zero_optimization") or {})
+        given = "reduce_bucket_size" in self.zero.model_fields_set
         return DataParallelConfig(bucket_numel=self.zero.reduce_bucket_size if given else None,
                                   all_reduce=self.communication.all_reduce,
                                   data_type=self.communication.data_type, prescale=self.prescale_gradients,
@@ -341,7 +163,36 @@ class EngineConfig:
         return out
 
 
+def resolve(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> EngineConfig:
+    """The `EngineConfig` of a validated config whose batch triple resolved to `batch`."""
+    fp16, bf16 = model.fp16, model.bf16
+    dtype = DType.FP16 if fp16.enabled else DType.BF16 if bf16.enabled else DType.FP32
+    data_type = model.communication_data_type
+    return EngineConfig(
+        batch=batch,
+        precision=PrecisionConfig(**dict(fp16), dtype=dtype, bf16=bf16),
+        gradient_clipping=model.gradient_clipping,
+        prescale_gradients=model.prescale_gradients,
+        gradient_predivide_factor=model.gradient_predivide_factor,
+        optimizer=model.optimizer,
+        scheduler=model.scheduler,
+        zero=model.zero_optimization.effective(),
+        communication=CommConfig(**dict(model.communication), data_type=DType(data_type) if data_type else None),
+        nonfinite=model.nonfinite,
+        tensor_parallel=model.tensor_parallel,
+        pipeline=model.pipeline,
+        activation_checkpointing=model.activation_checkpointing,
+        memory_breakdown=model.memory_breakdown,
+        dataloader_drop_last=model.dataloader_drop_last,
+        zero_allow_untested_optimizer=model.zero_allow_untested_optimizer,
+        monitors=MonitoringConfig(**{name: getattr(model, name) for name in MonitoringConfig.model_fields}),
+        raw=raw,
+    )
+
+
 def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
     if isinstance(value, enum.Enum):
         return value.value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

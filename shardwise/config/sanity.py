@@ -1,15 +1,5 @@
-"""Configs no run can use, refused before anything is built.
-
-Two screens, both pure (no torch):
-
-- `screen_structure`: the shape of what was read. JSON keys are strings, a DeepSpeed config nests a handful of
-  levels, and no setting needs an integer beyond int64. Anything else (a 100k-deep list, a 5000-digit number, a
-  dict config with int keys) is one `ConfigError` naming where it is, never a RecursionError or a traceback from
-  int-to-str conversion later on. The walk is iterative, so it cannot overflow the stack itself.
-- `value_problems`: numbers that parse but make no sense as training settings: inf/nan anywhere in the free-form
-  optimizer and scheduler params (also spelled as strings, "NaN", which the schedulers would float()), a
-  negative learning rate, betas outside [0, 1), eps <= 0, a negative weight decay or momentum. torch checks some
-  of these at construction, but not nan (every comparison with nan is false), and never the schedulers' lrs.
+"""Configs no run can use, refused before anything is built: a structure no JSON config has
+(`screen_structure`) and numbers that make no sense as training settings (`value_problems`). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -31,7 +21,12 @@ def _digits(value: int) -> int:
 
 
 def screen_structure(data: Any, source: str) -> None:
-    """Refuse, in one line naming the key, a structure no JSON config has. `source` names the config."""
+    """Refuse, in one line naming the key, a structure no JSON config has. `source` names the config.
+
+    JSON keys are strings, a DeepSpeed config nests a handful of levels, and no setting needs an integer beyond
+    int64. Anything else (a 100k-deep list, a 5000-digit number, a dict config with int keys) is one
+    `ConfigError` naming where it is, never a RecursionError or a traceback from int-to-str conversion later on.
+    The walk is iterative, so it cannot overflow the stack itself."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
     while stack:
         value, path = stack.pop()
@@ -112,7 +107,11 @@ def params_problems(params: dict[str, Any], where: str) -> list[ConfigProblem]:
 
 
 def value_problems(model: Any) -> list[ConfigProblem]:
-    """Every nonsensical optimizer/scheduler value of a schema-accepted `ConfigModel`, one problem each."""
+    """Every nonsensical optimizer/scheduler value of a schema-accepted `ConfigModel`, one problem each: inf/nan
+    anywhere in the free-form params (also spelled as strings, "NaN", which the schedulers would float()), a
+    negative learning rate, betas outside [0, 1), eps <= 0, a negative weight decay or momentum, and an fp16
+    initial_scale_power no float holds. torch checks some of these at construction, but not nan (every
+    comparison with nan is false), and never the schedulers' lrs."""
     problems = []
     if model.optimizer is not None:
         problems += params_problems(model.optimizer.params, "optimizer.params")

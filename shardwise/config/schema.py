@@ -1,25 +1,52 @@
-"""Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19's
-`runtime/config.py`, `constants.py`, `precision_config.py`, `activation_checkpointing/config.py`)
-plus shardwise's own blocks ("communication", "nonfinite", "tensor_parallel", "pipeline"); DeepSpeed's other
-top-level keys are in `deepspeed_blocks.py`.
+"""Pydantic schema of the config JSON: DeepSpeed's keys (names and defaults from DeepSpeed 0.19) and shardwise's
+own blocks, as `ConfigModel`; the "zero_optimization", monitoring and DeepSpeed-only blocks have their own modules.
 
-These models only mirror and validate the JSON; `load.py` turns them into the frozen sections of
-`resolved.py`. Unknown keys inside a block are errors (with a suggestion), as in DeepSpeed; unknown top-level
-keys are sorted out before the schema (`top_level.py`).
+A validated block is frozen and is itself the section the code reads (`EngineConfig.pipeline` is the validated
+"pipeline" block); `resolved.py` derives the few sections that are no single block. Unknown keys inside a block
+are errors, as in DeepSpeed; unknown top-level keys are sorted out before the schema (`top_level.py`).
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.config.deepspeed_blocks import DeepSpeedOnlyKeys
 from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str
-from shardwise.config.monitors import (
-    CommsLoggerSection, CSVMonitorSection, FlopsProfilerSection, TensorBoardSection, WandbSection,
-)
-from shardwise.config.zero import ZeroSection
+from shardwise.config.monitoring import MonitoringConfig
+from shardwise.config.zero import ZeroConfig
+
+
+class AllReduceImpl(enum.StrEnum):
+    """How the data-parallel gradient all-reduce is done."""
+
+    BACKEND = "backend"   # the process group's own all_reduce (NCCL/gloo)
+    RING = "ring"         # shardwise's ring (reduce-scatter + all-gather over p2p), for study and tests
+    SHM = "shm"           # shardwise's shared-memory all-reduce: CPU tensors, the whole group on one host
+    AUTO = "auto"         # SHM where it can serve, else BACKEND: the DDP wrapper's default, not a config value
+
+
+class RecomputePolicy(enum.StrEnum):
+    """Which activations are recomputed in backward instead of kept from forward."""
+
+    NONE = "none"            # keep everything
+    FULL = "full"            # keep only each block's input, recompute the whole block
+    SELECTIVE = "selective"  # recompute only the attention core (scores, softmax, dropout, attention over V)
+    EVERY_N = "every_n"      # recompute whole blocks: every N-th, or the first K of each stage
+
+
+class PipelineSchedule(enum.StrEnum):
+    GPIPE = "gpipe"                        # all forwards, then all backwards
+    ONE_F_ONE_B = "1f1b"                   # warm-up forwards, then alternate forward/backward
+    INTERLEAVED_1F1B = "interleaved_1f1b"  # 1F1B over several virtual stages per rank
+
+
+class PipelinePartition(enum.StrEnum):
+    UNIFORM = "uniform"        # the same number of transformer blocks per stage
+    PARAMETERS = "parameters"  # balance the parameter count per stage
+    FLOPS = "flops"            # balance the forward FLOPs per stage
 
 
 class FP16Section(Section):
@@ -70,8 +97,9 @@ class BF16Section(Section):
     bf16_optimizer_states: Bool = False
 
 
-class OptimizerSection(Section):
-    """An optimizer by DeepSpeed name ("Adam", "AdamW", ...) or any torch.optim class name."""
+class OptimizerSpec(Section):
+    """An optimizer by DeepSpeed name ("Adam", "AdamW", ...) or any torch.optim class name. `params` is the
+    config's own copy; treat it as read-only."""
 
     type: Str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -79,17 +107,17 @@ class OptimizerSection(Section):
     """DeepSpeed's legacy FusedAdam fp16 path; accepted and ignored."""
 
 
-class SchedulerSection(Section):
+class SchedulerSpec(Section):
     """A learning-rate schedule by DeepSpeed name ("WarmupLR", ...) or torch.optim.lr_scheduler name."""
 
     type: Str
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class ActivationCheckpointingSection(Section):
+class ActivationCheckpointingConfig(Section):
     """DeepSpeed's activation-checkpointing keys plus shardwise's "policy"."""
 
-    policy: Literal["none", "full", "selective", "every_n"] = "none"
+    policy: RecomputePolicy = RecomputePolicy.NONE
     """shardwise: which activations to recompute in backward. "none" keeps all; "full" keeps only each
     transformer block's input and recomputes the block; "selective" recomputes only the attention core
     (scores, softmax, its dropout, attention over V); "every_n" recomputes whole blocks, every N-th one
@@ -115,7 +143,7 @@ class ActivationCheckpointingSection(Section):
     """DeepSpeed: time each checkpoint's forward and replay (`shardwise.checkpointing.profile_times()`)."""
 
     @model_validator(mode="after")
-    def _every_n_knobs(self) -> "ActivationCheckpointingSection":
+    def _every_n_knobs(self) -> "ActivationCheckpointingConfig":
         given = [k for k in ("every", "blocks") if getattr(self, k) is not None]
         if self.policy == "every_n" and len(given) != 1:
             raise ValueError('policy "every_n" takes exactly one of "every" (every N-th block) and "blocks" (the '
@@ -129,7 +157,7 @@ class ActivationCheckpointingSection(Section):
 class CommunicationSection(Section):
     """shardwise: how collectives are carried out."""
 
-    all_reduce: Literal["backend", "ring", "shm"] = "backend"
+    all_reduce: Literal[AllReduceImpl.BACKEND, AllReduceImpl.RING, AllReduceImpl.SHM] = AllReduceImpl.BACKEND
     """Data-parallel gradient all-reduce: "backend" calls the process group's all_reduce (NCCL/gloo);
     "ring" runs shardwise's own ring algorithm (reduce-scatter then all-gather over point-to-point
     sends), bit-for-bit comparable and instrumented, mainly for study and tests; "shm" sums CPU gradients
@@ -144,7 +172,7 @@ class CommunicationSection(Section):
     differing operation instead of pairing collectives of different steps."""
 
 
-class NonFiniteSection(Section):
+class NonFiniteConfig(Section):
     """shardwise: what happens to a step whose loss or gradients are inf/nan."""
 
     skip_step: Bool = True
@@ -155,7 +183,7 @@ class NonFiniteSection(Section):
     scaling the steps the scale needs to come down from its initial value are added on top."""
 
 
-class TensorParallelSection(Section):
+class TensorParallelConfig(Section):
     """shardwise: Megatron-style tensor parallelism. DeepSpeed's "autotp_size" is accepted for "size"."""
 
     size: PositiveInt = 1
@@ -188,24 +216,24 @@ class TensorParallelSection(Section):
         return data
 
     @model_validator(mode="after")
-    def _sequence_parallel_needs_tp(self) -> "TensorParallelSection":
+    def _sequence_parallel_needs_tp(self) -> "TensorParallelConfig":
         if self.sequence_parallel and self.size == 1:
             raise ValueError('"tensor_parallel.sequence_parallel": true needs "tensor_parallel.size" > 1')
         return self
 
 
-class PipelineSection(Section):
+class PipelineConfig(Section):
     """shardwise: pipeline parallelism."""
 
     stages: PositiveInt = 1
     """Pipeline stages, each a contiguous slice of the transformer blocks on its own ranks; 1 = off."""
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Order of micro-batch forwards/backwards: "gpipe" (all forwards then all backwards), "1f1b"
     (warm up, then alternate; less activation memory), "interleaved_1f1b" (1F1B over
     virtual_stages chunks per rank; a smaller bubble for more communication)."""
     virtual_stages: PositiveInt = 1
     """Model chunks per pipeline rank; > 1 only with "interleaved_1f1b"."""
-    partition: Literal["uniform", "parameters", "flops"] = "uniform"
+    partition: PipelinePartition = PipelinePartition.UNIFORM
     """How blocks are split over stages: "uniform" (same block count), "parameters" (balanced
     parameter count) or "flops" (balanced forward FLOPs)."""
     # DeepSpeed's pipeline keys. The first three tune its own engine's communication and seeding and change
@@ -216,7 +244,7 @@ class PipelineSection(Section):
     activation_checkpoint_interval: NonNegativeInt = 0
 
     @model_validator(mode="after")
-    def _virtual_stages_need_interleaving(self) -> "PipelineSection":
+    def _virtual_stages_need_interleaving(self) -> "PipelineConfig":
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ValueError(f'"pipeline.virtual_stages": {self.virtual_stages} needs "pipeline.schedule": '
                              f'"interleaved_1f1b" (got "{self.schedule}")')
@@ -225,15 +253,13 @@ class PipelineSection(Section):
         return self
 
 
-class ConfigModel(DeepSpeedOnlyKeys):
+class ConfigModel(DeepSpeedOnlyKeys, MonitoringConfig):
     """The whole config file: DeepSpeed's keys that shardwise acts on and its own blocks, plus (inherited) the
-    DeepSpeed keys it accepts without acting on them."""
+    monitoring keys and the DeepSpeed keys it accepts without acting on them."""
 
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
     gradient_accumulation_steps: PositiveInt | None = None
-    steps_per_print: PositiveInt | None = None
-    wall_clock_breakdown: Bool = False
     memory_breakdown: Bool = False
     gradient_clipping: NonNegativeFloat = 1.0
     """Global gradient-norm clip; 0 = off. DeepSpeed 0.19's default is 1.0 (code, not docs)."""
@@ -241,19 +267,14 @@ class ConfigModel(DeepSpeedOnlyKeys):
     gradient_predivide_factor: Float = Field(1.0, gt=0)
     fp16: FP16Section = Field(default_factory=FP16Section)
     bf16: BF16Section = Field(default_factory=BF16Section)
-    optimizer: OptimizerSection | None = None
-    scheduler: SchedulerSection | None = None
-    zero_optimization: ZeroSection = Field(default_factory=ZeroSection)
-    activation_checkpointing: ActivationCheckpointingSection = Field(default_factory=ActivationCheckpointingSection)
+    optimizer: OptimizerSpec | None = None
+    scheduler: SchedulerSpec | None = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     communication: CommunicationSection = Field(default_factory=CommunicationSection)
-    nonfinite: NonFiniteSection = Field(default_factory=NonFiniteSection)
-    tensor_parallel: TensorParallelSection = Field(default_factory=TensorParallelSection)
-    pipeline: PipelineSection = Field(default_factory=PipelineSection)
-    tensorboard: TensorBoardSection = Field(default_factory=TensorBoardSection)
-    csv_monitor: CSVMonitorSection = Field(default_factory=CSVMonitorSection)
-    wandb: WandbSection = Field(default_factory=WandbSection)
-    comms_logger: CommsLoggerSection = Field(default_factory=CommsLoggerSection)
-    flops_profiler: FlopsProfilerSection = Field(default_factory=FlopsProfilerSection)
+    nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     # Harmless DeepSpeed keys that configs commonly carry.
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True

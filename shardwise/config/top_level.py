@@ -1,9 +1,7 @@
 """Top-level keys the schema does not know: a misspelling, a key DeepSpeed has removed, or one it ignores.
 
-DeepSpeed reads the keys it knows from the top level and never looks at the rest, so a config may carry
-anything there (Hugging Face's "fp8", launcher settings, notes). shardwise accepts those with one warning each.
-Two exceptions: a key very close to a known one is most likely a misspelling that would silently drop a
-setting, so it is an error with a suggestion; and a key DeepSpeed 0.19 removed is an error, as in DeepSpeed.
+DeepSpeed never looks at top-level keys it does not know, so a config may carry anything there (Hugging Face's
+"fp8", launcher settings, notes); shardwise accepts those with one warning each.
 """
 
 from __future__ import annotations
@@ -51,7 +49,9 @@ def _misspelling_of(key: str, known: list[str]) -> str | None:
 
 def screen_top_level(raw: dict[str, Any], known: Iterable[str]) -> Screened:
     """Sort the top-level keys of `raw` that are not in `known`: misspellings and removed keys are problems,
-    the rest are dropped with a warning."""
+    the rest are dropped with a warning. A key very close to a known one is most likely a misspelling that would
+    silently drop a setting, so it is an error with a suggestion; a key DeepSpeed 0.19 removed is an error, as in
+    DeepSpeed."""
     known = list(known)
     problems: list[ConfigProblem] = []
     warnings: list[str] = []

@@ -38,16 +38,14 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     def refuse(key: str, message: str) -> None:
         problems.append(ConfigProblem(key, message))
 
-    for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
-        needed = 3 if name == "offload_param" else 1
-        # Below its stage an offload block is ignored, as DeepSpeed ignores it (config/ignored.py warns).
-        if block is None or block.device == "none" or zero.stage < needed:
-            continue
-        key = f"zero_optimization.{name}.device"
-        if block.device != "cpu":
-            refuse(key, f'{key} = "{block.device}": only "cpu" offloading is implemented; use "cpu" or "none"')
+    # Below its stage an offload block is ignored (it does not offload), as DeepSpeed ignores it; ignored.py warns.
+    for name, offloads in (("offload_optimizer", zero.offloads_optimizer), ("offload_param", zero.offloads_params)):
+        device = getattr(zero, name).device if offloads else "none"
+        if device not in ("none", "cpu"):
+            key = f"zero_optimization.{name}.device"
+            refuse(key, f'{key} = "{device}": only "cpu" offloading is implemented; use "cpu" or "none"')
     optimizer_offload = zero.offload_optimizer
-    if optimizer_offload is not None and optimizer_offload.device != "none" and zero.stage >= 1:
+    if optimizer_offload is not None and zero.offloads_optimizer:
         if optimizer_offload.ratio < 1.0:
             refuse("zero_optimization.offload_optimizer.ratio",
                    f'"zero_optimization.offload_optimizer.ratio" = {optimizer_offload.ratio:g}: partial optimizer '
@@ -80,9 +78,10 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     for name in enabled_blocks(model):
         refuse(name, f'"{name}" is on, but shardwise does not implement DeepSpeed\'s {FEATURE_NAMES[name]}; '
                      f'{_how_to_switch_off(name)}')
+    data_types = model.data_types or {}
     for name in data_types_changed(model):
         key = f"data_types.{name}"
-        refuse(key, f'"{key}" = {show(model.data_types[name])}: choosing dtypes per tensor kind is not implemented; '
+        refuse(key, f'"{key}" = {show(data_types[name])}: choosing dtypes per tensor kind is not implemented; '
                     f'remove it (the training dtype comes from "fp16"/"bf16")')
     if model.gradient_allreduce_op == "sum":
         refuse("gradient_allreduce_op", '"gradient_allreduce_op" = "sum": only averaged gradients are implemented; '

@@ -1,27 +1,31 @@
-"""Schema of DeepSpeed's "zero_optimization" block: every key DeepSpeed 0.19 accepts, its defaults.
+"""DeepSpeed's "zero_optimization" block: every key DeepSpeed 0.19 accepts, with its defaults; the validated
+block is also the section the ZeRO code reads (`EngineConfig.zero`).
 
-Sizes count elements, not bytes. Keys DeepSpeed spells two ways are accepted both ways
-(``stage3_prefetch_bucket_size`` / ``prefetch_bucket_size``) and stored under the ``stage3_`` name;
-DeepSpeed's deprecated keys (``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory``,
-``stage3_gather_fp16_weights_on_model_save``) are translated the way DeepSpeed translates them.
+Sizes count elements, not bytes. Alternative and deprecated spellings are stored under one name, as DeepSpeed
+stores them.
 """
 
 from __future__ import annotations
 
+import enum
 import sys
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.config.fields import Bool, Float, Int, NonNegativeInt, PositiveInt, Section, Str
 
-OffloadDeviceName = Literal["none", "cpu", "nvme"]
+
+class OffloadDevice(enum.StrEnum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
 
 
-class OffloadOptimizerSection(Section):
+class OffloadOptimizerConfig(Section):
     """Optimizer state (and the optimizer step) in CPU or NVMe memory. DeepSpeed: stages 1-3."""
 
-    device: OffloadDeviceName = "none"
+    device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Str | None = None
     buffer_count: NonNegativeInt = 4
     """NVMe buffer pool size; at least the number of per-parameter states (Adam: 4)."""
@@ -36,10 +40,10 @@ class OffloadOptimizerSection(Section):
     cpuadam_cores_perc: Float = Field(0.8, ge=0.0, le=1.0)
 
 
-class OffloadParamSection(Section):
+class OffloadParamConfig(Section):
     """Parameters in CPU or NVMe memory. DeepSpeed: stage 3 only."""
 
-    device: OffloadDeviceName = "none"
+    device: OffloadDevice = OffloadDevice.NONE
     nvme_path: Str | None = None
     buffer_count: NonNegativeInt = 5
     buffer_size: NonNegativeInt = 100_000_000
@@ -47,16 +51,16 @@ class OffloadParamSection(Section):
     pin_memory: Bool = True
 
 
-class LeafModuleSection(Section):
+class LeafModuleConfig(Section):
     """ZeRO-3: modules fetched as one unit (no hooks inside). A single string is taken as a list."""
 
-    classes: list[Str] = Field(default_factory=lambda: [
+    classes: tuple[Str, ...] = (
         "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
         "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
         "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-    ])
-    names: list[Str] = Field(default_factory=list)
-    name_suffixes: list[Str] = Field(default_factory=list)
+    )
+    names: tuple[Str, ...] = ()
+    name_suffixes: tuple[Str, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -67,8 +71,12 @@ class LeafModuleSection(Section):
         return data
 
 
-# Short name -> the stage3_ name DeepSpeed documents (both are accepted by DeepSpeed).
-_STAGE3_ALIASES = {
+OFFLOAD_MIN_STAGE = {"offload_optimizer": 1, "offload_param": 3}
+"""The lowest ZeRO stage at which DeepSpeed acts on each offload block; below it the block is ignored."""
+
+
+# Other spellings DeepSpeed accepts -> the stage3_ name it documents (and the sections store).
+STAGE3_ALIASES = {
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
     "model_persistence_threshold": "stage3_model_persistence_threshold",
@@ -90,7 +98,7 @@ def _move(data: dict[str, Any], old: str, new: str, value: Any) -> None:
     data[new] = value
 
 
-class ZeroSection(Section):
+class ZeroConfig(Section):
     """ZeRO: partition optimizer state (stage 1), + gradients (2), + parameters (3) over data parallel."""
 
     stage: Int = 0
@@ -106,13 +114,13 @@ class ZeroSection(Section):
     """Gather updated partitions with all-gather (true) or a series of broadcasts (false)."""
     allgather_bucket_size: NonNegativeInt = 500_000_000
     """Elements all-gathered per collective."""
-    overlap_comm: Bool | None = None
-    """Overlap gradient reduction with backward. Unset: true at stage 3, false otherwise."""
+    overlap_comm: Bool = False
+    """Overlap gradient reduction with backward. Unset (or null): true at stage 3, false otherwise."""
     compute_grad_norm: Bool = True
     load_from_fp32_weights: Bool = True
     elastic_checkpoint: Bool = False
-    offload_param: OffloadParamSection | None = None
-    offload_optimizer: OffloadOptimizerSection | None = None
+    offload_param: OffloadParamConfig | None = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
     zenflow: dict[str, Any] | None = None
     """DeepSpeed's ZenFlow (stall-free offload); not implemented by shardwise."""
     sub_group_size: NonNegativeInt = 1_000_000_000
@@ -139,7 +147,7 @@ class ZeroSection(Section):
     log_trace_cache_warnings: Bool = False
     enable_sanity_checks: Bool = False
     save_muon_momentum_buffer_in_memory: Bool = False
-    leaf_module: LeafModuleSection = Field(default_factory=LeafModuleSection)
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -148,7 +156,7 @@ class ZeroSection(Section):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for old, new in _STAGE3_ALIASES.items():
+        for old, new in STAGE3_ALIASES.items():
             if old in data:
                 _move(data, old, new, data[old])
         # DeepSpeed: "cpu_offload": true means offload_optimizer on the CPU; false means nothing.
@@ -161,6 +169,8 @@ class ZeroSection(Section):
             if not isinstance(data["cpu_offload_use_pin_memory"], bool):
                 raise ValueError('"zero_optimization.cpu_offload_use_pin_memory" must be true or false')
             del data["cpu_offload_use_pin_memory"]
+        if data.get("overlap_comm") is None:    # DeepSpeed's default depends on the stage
+            data["overlap_comm"] = data.get("stage", 0) == 3
         return data
 
     @field_validator("stage")
@@ -171,9 +181,31 @@ class ZeroSection(Section):
         return stage
 
     @model_validator(mode="after")
-    def _deepspeed_rules(self) -> "ZeroSection":
+    def _deepspeed_rules(self) -> "ZeroConfig":
         if not self.compute_grad_norm and self.stage not in (1, 2):
             raise ValueError('"zero_optimization.compute_grad_norm": false is supported only with ZeRO stage 1 or 2')
         if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1.0 and self.stage != 3:
             raise ValueError('"zero_optimization.offload_optimizer.ratio" < 1 (partial offload) needs ZeRO stage 3')
         return self
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self._offloads("offload_optimizer")
+
+    @property
+    def offloads_params(self) -> bool:
+        return self._offloads("offload_param")
+
+    def _offloads(self, name: str) -> bool:
+        block = getattr(self, name)
+        return block is not None and block.device is not OffloadDevice.NONE and self.stage >= OFFLOAD_MIN_STAGE[name]
+
+    def effective(self) -> "ZeroConfig":
+        """This block as the engine runs it: an offload block below the stage that uses it reads device "none",
+        as DeepSpeed ignores it (`ignored.py` warns)."""
+        off = {}
+        for name, stage in OFFLOAD_MIN_STAGE.items():
+            block = getattr(self, name)
+            if block is not None and self.stage < stage:
+                off[name] = block.model_copy(update={"device": OffloadDevice.NONE})
+        return self.model_copy(update=off) if off else self

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from shardwise.config.errors import ConfigError, ConfigProblem, unknown_name_message
-from shardwise.config.resolved import OptimizerSpec, SchedulerSpec
+from shardwise.config import OptimizerSpec, SchedulerSpec
 from shardwise.engine.lr_schedules import SCHEDULERS
 
 # DeepSpeed optimizer names that need DeepSpeed's own kernels or extra packages.

@@ -33,7 +33,8 @@ import torch
 
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ring import batches_steps
-from shardwise.config.resolved import LAST_BUCKET_DIVISOR, AllReduceImpl, gradient_bucket_numel
+from shardwise.config import AllReduceImpl
+from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
 from shardwise.comm.device import device_guard
 from shardwise.errors import UserError
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.comm.collectives import Comm
-from shardwise.config.resolved import ActivationCheckpointingConfig, RecomputePolicy
+from shardwise.config import ActivationCheckpointingConfig, RecomputePolicy
 from shardwise.errors import UserError
 from shardwise.parallel.tensor_parallel.random import TP_RNG_ATTR, TensorParallelRNG, get_cuda_rng_tracker
 

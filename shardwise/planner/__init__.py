@@ -19,7 +19,7 @@ import importlib
 from typing import Any
 
 # Re-exported so a Plan can be written with this package alone; it is the config's enum, not a copy.
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.planner.analysis import Analysis, analyze
 from shardwise.planner.bubble import bubble_fraction, bubble_ratio, peak_in_flight, pipeline_seconds
 from shardwise.planner.comm import (

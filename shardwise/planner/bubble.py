@@ -10,7 +10,7 @@ Narayanan et al. 2021 section 2.2, t = forward + backward time of one micro-batc
 
 from __future__ import annotations
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.planner.specs import PlannerError
 
 

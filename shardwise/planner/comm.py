@@ -22,7 +22,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.memory import gradient_buckets
 from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute

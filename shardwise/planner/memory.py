@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.config.resolved import LAST_BUCKET_DIVISOR, PipelineSchedule, ZeroConfig, gradient_bucket_numel
+from shardwise.config import PipelineSchedule, ZeroConfig
+from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
@@ -33,7 +34,7 @@ from shardwise.planner.specs import (
 )
 
 GB = 1e9
-REDUCE_BUCKET_ELEMENTS = ZeroConfig.reduce_bucket_size
+REDUCE_BUCKET_ELEMENTS: int = ZeroConfig.model_fields["reduce_bucket_size"].default
 """DeepSpeed's default zero_optimization.reduce_bucket_size: the gradient bucket ZeRO-1/2 fill and reduce."""
 FP32_BYTES = 4
 

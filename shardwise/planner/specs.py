@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.errors import UserError
 # The enums live in kinds.py (this file holds the four specs); imported from here as before.
 from shardwise.planner.kinds import (  # noqa: F401

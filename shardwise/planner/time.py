@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
 from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
 from shardwise.planner.kernels import block_parts, embedding_parts, head_parts

@@ -26,7 +26,7 @@ from torch.nn.modules import module as module_hooks
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.config.resolved import ZeroConfig
+from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.zero.homes import UnitKeeper, mark_homes
 from shardwise.parallel.zero.materialize import materialize_sharded

@@ -145,7 +145,7 @@ def test_hugging_face_llama_under_zero3_recomputes_exactly():
 
 
 def test_selective_on_a_model_without_attention_cores_names_the_fix():
-    from shardwise.config.resolved import ActivationCheckpointingConfig, RecomputePolicy
+    from shardwise.config import ActivationCheckpointingConfig, RecomputePolicy
     from shardwise.errors import UserError
     from shardwise.parallel.recompute import plan_recompute
     blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import pipeline as bench
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 
 
 def test_row_uses_medians_and_shardwise_over_torch_ratio() -> None:

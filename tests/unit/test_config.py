@@ -150,18 +150,18 @@ def test_defaults_match_deepspeed() -> None:
     for name in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                  "min_loss_scale", "auto_cast"):
         assert getattr(cfg.precision, name) == getattr(fp16, name), name
-    assert cfg.precision.bf16_check_grad_overflow == precision_config.DeepSpeedBF16Config().check_grad_overflow
+    assert cfg.precision.bf16.check_grad_overflow == precision_config.DeepSpeedBF16Config().check_grad_overflow
     assert cfg.gradient_clipping == constants.GRADIENT_CLIPPING_DEFAULT
     assert cfg.gradient_predivide_factor == constants.GRADIENT_PREDIVIDE_FACTOR_DEFAULT
     assert cfg.steps_per_print == constants.STEPS_PER_PRINT_DEFAULT
     ds_zero = zero_config.DeepSpeedZeroConfig()
-    ours = dataclasses.asdict(cfg.zero)
+    ours = cfg.zero.model_dump()
     for name, info in zero_config.DeepSpeedZeroConfig.model_fields.items():
         if (info.json_schema_extra or {}).get("deprecated") or name in ("zenflow", "leaf_module"):
             continue
         key = info.alias or name
         assert ours[key] == getattr(ds_zero, name), key
-    assert list(cfg.zero.leaf_module_classes) == ds_zero.leaf_module.classes
+    assert list(cfg.zero.leaf_module.classes) == ds_zero.leaf_module.classes
 
 
 # ----- our blocks, ZeRO spellings -----

@@ -4,7 +4,6 @@ arithmetic, flops profiler counts against the GPT's analytic FLOPs."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import importlib
 import re
 import sys
@@ -34,14 +33,14 @@ def test_monitor_blocks_are_accepted_with_deepspeeds_defaults() -> None:
     ds = monitor_config.get_monitor_config({})
     for ours, theirs in ((cfg.monitors.tensorboard, ds.tensorboard), (cfg.monitors.csv_monitor, ds.csv_monitor),
                          (cfg.monitors.wandb, ds.wandb)):
-        for field in dataclasses.fields(ours):
-            assert getattr(ours, field.name) == getattr(theirs, field.name), field.name
+        for name in type(ours).model_fields:
+            assert getattr(ours, name) == getattr(theirs, name), name
     comm_config = importlib.import_module("deepspeed.comm.config").CommsLoggerConfig()
     for name in ("enabled", "verbose", "prof_all", "debug"):
         assert getattr(cfg.monitors.comms_logger, name) == getattr(comm_config, name), name
     profiling = importlib.import_module("deepspeed.profiling.config").DeepSpeedFlopsProfilerConfig({})
-    for field in dataclasses.fields(cfg.monitors.flops_profiler):
-        assert getattr(cfg.monitors.flops_profiler, field.name) == getattr(profiling, field.name), field.name
+    for name in type(cfg.monitors.flops_profiler).model_fields:
+        assert getattr(cfg.monitors.flops_profiler, name) == getattr(profiling, name), name
 
 
 def test_monitor_blocks_resolve_and_typos_name_the_key() -> None:

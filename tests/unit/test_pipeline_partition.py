@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.config.resolved import PipelinePartition
+from shardwise.config import PipelinePartition
 from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import PipelineError
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.config.resolved import PipelineConfig
+from shardwise.config import PipelineConfig
 from shardwise.errors import CheckpointError, UserError
 from shardwise.parallel.pipeline.runtime import PipelineRuntime, StepResult
 from shardwise.parallel.pipeline.stage import PipelineStage, release_unowned, split_model

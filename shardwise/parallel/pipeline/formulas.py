@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.parallel.pipeline.schedules import parse_schedule_kind
 
 

@@ -22,7 +22,7 @@ import difflib
 import math
 from typing import Sequence
 
-from shardwise.config.resolved import PipelinePartition
+from shardwise.config import PipelinePartition
 from shardwise.parallel.pipeline.schedules import PipelineError
 
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from shardwise.comm.collectives import Comm
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.parallel.outputs import loss_of
 from shardwise.parallel.pipeline.comm_plan import Batch, Step, build_programs
 from shardwise.parallel.pipeline.p2p import Outgoing, TensorMeta, Wire

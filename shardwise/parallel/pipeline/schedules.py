@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardwise.config.resolved import PipelineSchedule
+from shardwise.config import PipelineSchedule
 from shardwise.errors import UserError
 
 ActionTable = list[list["Action"]]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from shardwise.config.resolved import PipelinePartition
+from shardwise.config import PipelinePartition
 from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import PipelineError
 from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_holders, tied_modules_of, tied_weight

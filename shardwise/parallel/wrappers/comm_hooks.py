@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.comm.collectives import Handle
-from shardwise.config.resolved import AllReduceImpl
+from shardwise.config import AllReduceImpl
 from shardwise.errors import UserError
 
 CommHook = Callable[[Any, Any], Any]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.config.resolved import AllReduceImpl
+from shardwise.config import AllReduceImpl
 from shardwise.errors import UserError
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.wrappers.comm_hooks import CommHook, HookBucket, check_hook, future_handle

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from shardwise.comm.collectives import Comm
-from shardwise.config.resolved import ZeroConfig
+from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, shard_layout
 from shardwise.parallel.tied import TiedParams, uncounted
