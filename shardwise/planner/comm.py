@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config.resolved import PipelineSchedule
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.memory import gradient_buckets
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 from shardwise.planner.zero3 import units_per_block
 
 
@@ -136,7 +137,7 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
     return Collective(axis, op, purpose, size, payload, calls, link, seconds, messages)
 
 
-def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def dp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Gradient and parameter traffic over the data-parallel group, per step. Stage 0: one all-reduce of
     the gradients (in buckets). ZeRO-1: reduce-scatter at the step + all-gather of the updated params.
     ZeRO-2: the gradient shards are reduce-scattered on every micro-batch's backward (partitioned
@@ -166,7 +167,7 @@ def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
             _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, units, eff)]
 
 
-def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def tp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Megatron TP: per layer and micro-batch, 2 all-reduces of b s h in forward and 2 in backward, 2 more
     for the recomputed forward under full recomputation. Sequence parallelism turns each into a
     reduce-scatter + an all-gather of the same volume."""
@@ -181,7 +182,7 @@ def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
             _timed(Axis.TP, Op.ALL_GATHER, "layer activations (SP)", plan.tp, payload, calls, cluster, plan)]
 
 
-def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def pp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Pipeline: per micro-batch a middle stage sends b s h activations forward and their gradient
     backward (each v times interleaved). Only b s h / t crosses with sequence parallelism (the activation is
     already split) or Megatron's scatter/gather (Narayanan et al. 2021 sec. 4.1: each TP rank sends its 1/t
@@ -198,6 +199,6 @@ def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
     return out
 
 
-def step_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def step_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     return (dp_collectives(model, cluster, job, plan) + tp_collectives(model, cluster, job, plan)
             + pp_collectives(model, cluster, job, plan))

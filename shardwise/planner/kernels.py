@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.specs import FFN, ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+from shardwise.models.presets import GPTConfig
+from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 
 NORM_BYTES, ACTIVATION_BYTES = 5, 5       # x e, forward + backward
 RESIDUAL_BYTES, SCORE_BYTES = (5, 2), (9, 2)   # x e, + mask bytes
@@ -100,7 +101,7 @@ def _passes(recompute: Recompute) -> tuple[int, int]:
             3 if recompute is Recompute.NONE else 4)
 
 
-def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
+def _attention(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
     b, s, t = plan.micro_batch, job.sequence_length(model), plan.tp
     d, heads = model.head_dim, model.n_head / t
     flops = 4.0 * b * s * s * model.d_model / t            # QK^T and AV, every score (papers' count)
@@ -116,13 +117,13 @@ def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan,
             + gemm_seconds(s, s, d, cluster, job, count=passes * b * heads))
 
 
-def block_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """One transformer block, one micro-batch, one TP rank (module notes)."""
     assert model.d_ff is not None
     b, s, t, h, f = plan.micro_batch, job.sequence_length(model), plan.tp, model.d_model, model.d_ff
     tokens = b * s
     linear_passes, attention_passes = _passes(plan.recompute)
-    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    mlp_in = 2 if model.mlp == "swiglu" else 1
     matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in (
         (h, (h + 2 * model.kv_dim) / t), (h / t, h), (h, mlp_in * f / t), (f / t, h)))
     attention = _attention(model, cluster, job, plan, attention_passes)
@@ -141,7 +142,7 @@ def block_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan
     return Parts(matmul, attention, pointwise + scores, operators)
 
 
-def head_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def head_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The last stage's extra work per micro-batch: the logits GEMM (three passes; recomputation keeps the
     head), the final norm and the loss's softmax over V / t, and the rest of a micro-batch's operators."""
     tokens = plan.micro_batch * job.sequence_length(model)
@@ -152,7 +153,7 @@ def head_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan)
     return Parts(logits, 0.0, pointwise, operators)
 
 
-def embedding_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def embedding_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The first stage's extra work per micro-batch: the embedding lookup (+ positions) and its dropout, a
     bias + dropout + residual's worth of traffic over b s h elements."""
     tokens = plan.micro_batch * job.sequence_length(model)

@@ -26,10 +26,11 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, PipelineSchedule, ZeroConfig, gradient_bucket_numel
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute,
+    ClusterSpec, JobSpec, Offload, Optimizer, Plan, Precision, Recompute,
 )
 
 GB = 1e9
@@ -104,7 +105,7 @@ def max_trainable_params(memory_bytes: float, *, precision: Precision = Precisio
 
 # -- activations -----------------------------------------------------------------------------------
 
-def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1,
+def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            act_bytes: int = 2, flash_attention: bool = False) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank (module doc)."""
@@ -116,7 +117,7 @@ def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     f = model.d_ff
     assert f is not None
     replicated = s * b * h * (2 * e + e + e + 2 * mask)
-    mlp = (4 if model.ffn is FFN.SWIGLU else 2) * e * s * b * f
+    mlp = (4 if model.mlp == "swiglu" else 2) * e * s * b * f
     split = s * b * (e * h + 2 * e * model.kv_dim + e * h) + mlp
     if not (flash_attention or recompute is Recompute.SELECTIVE):
         split += model.n_head * s * s * b * (e + (mask + e if model.dropout else 0))
@@ -154,7 +155,7 @@ class Activations:
         return self.per_layer * self.layers * self.in_flight + self.recompute_working + self.embeddings_and_logits
 
 
-def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
+def activation_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> Activations:
     """The larger of the first stage (most micro-batches in flight, embeddings) and the last (the loss's fp32
     log-probabilities, 4 s b V / t bytes)."""
     return _activation_bytes(model, job, plan.tp, plan.pp, plan.sequence_parallel, plan.micro_batch,
@@ -162,7 +163,7 @@ def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
 
 
 @functools.cache   # the search asks again for every ZeRO stage and offload choice
-def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
+def _activation_bytes(model: GPTConfig, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
                       recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int) -> Activations:
     s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
@@ -219,7 +220,7 @@ class MemoryBreakdown:
         return self.over_budget <= 0 and self.cpu <= self.host_budget
 
 
-def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
+def comm_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
     """Communication buffers: ZeRO-1/2's gradient reduce bucket; ZeRO-3's gathered parameters in the compute
     dtype (zero3.py: two blocks in our engine, DeepSpeed's modules and prefetch bucket); pipeline buffers."""
     e = job.precision.nbytes
@@ -234,7 +235,7 @@ def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank
     return buffers
 
 
-def memory_per_rank(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
+def memory_per_rank(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
     """Model states of the most loaded rank (`params_per_rank`), its activations and buffers."""
     params = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     states = model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,

@@ -23,9 +23,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.memory import GB, memory_per_rank
 from shardwise.planner.search import Evaluation, SearchResult
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
 
 
 class Strategy(str, enum.Enum):
@@ -103,7 +104,7 @@ class RuleVerdict:
         return out
 
 
-def rule_of_thumb(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
+def rule_of_thumb(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
     """Apply the rule literally (memory only) and say which strategy it picks."""
     base = Plan(dp=cluster.num_gpus, micro_batch=1, recompute=Recompute.FULL)
     candidates = (

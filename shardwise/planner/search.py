@@ -19,8 +19,9 @@ import enum
 from dataclasses import dataclass, field
 
 from shardwise.config.resolved import PipelineSchedule
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.memory import GB, MemoryBreakdown, memory_per_rank
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
 from shardwise.planner.time import StepTime, step_time
 
 MAX_MICRO_BATCH = 64
@@ -60,7 +61,7 @@ class Evaluation:
         return not self.problems
 
 
-def layout_problems(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Infeasible]:
+def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Infeasible]:
     """Rules a plan breaks before memory is even considered."""
     out: list[Infeasible] = []
 
@@ -106,7 +107,7 @@ def _memory_problem(plan: Plan, mem: MemoryBreakdown) -> Infeasible | None:
     return None
 
 
-def evaluate(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Evaluation:
+def evaluate(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Evaluation:
     """Memory, step time and problems of one plan."""
     problems = layout_problems(model, cluster, job, plan)
     if any(p.reason in (Reason.BATCH, Reason.PP_LAYERS) for p in problems):
@@ -159,7 +160,7 @@ def _rank_key(e: Evaluation) -> tuple:
     return (round(e.time.total_s, 12), simplicity(e.plan))
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
+def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
     """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time."""
     result = SearchResult(ranked=[], infeasible=[])
     n = cluster.num_gpus
@@ -187,7 +188,7 @@ def _variant(plan: Plan, **changes: object) -> Plan:
     return new
 
 
-def _search_layout(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
+def _search_layout(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
     """Add the feasible plans of one (dp, tp, pp) layout; if there are none, its closest miss.
     Micro-batches grow until none of a size fits: memory only grows with the micro-batch."""
     closest: tuple[float, Plan, MemoryBreakdown] | None = None

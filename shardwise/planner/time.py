@@ -30,13 +30,12 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config.resolved import PipelineSchedule
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
 from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
 from shardwise.planner.kernels import block_parts, embedding_parts, head_parts
 from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_bytes_per_param
-from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Plan, PlannerError, PositionKind, Recompute,
-)
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, PlannerError, Recompute
 from shardwise.planner.zero3 import Zero3Shape, exposed_seconds
 from shardwise.planner.zero3 import shape_of as zero3_shape
 
@@ -116,7 +115,7 @@ class MicrobatchCompute:
         return self.matmul_s + self.attention_s + self.pointwise_s + self.operators_s
 
 
-def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
+def microbatch_compute(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
     """Compute of one micro-batch per pipeline stage (kernels.py): each stage runs its blocks (the
     partitioner's `stage_layers`), the first also the embedding, the last the final norm, the logits and the
     loss; the slowest stage is reported by part."""
@@ -142,26 +141,26 @@ def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, pla
                              block_backward_s=backward_share * block.total_s)
 
 
-def param_tensor_sizes(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> list[int]:
+def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> list[int]:
     """Elements of each parameter tensor of the busiest rank (what a for-loop optimizer steps one by one at
     stage 0), laid out as `flops.params_per_stage`: its stage's blocks, TP slices of the split weights, the
     first stage's tables, the last stage's final norm and head (a copy of a tied table when pp > 1)."""
     d, kv, f, b = model.d_model, model.kv_dim, model.d_ff, model.bias
     assert f is not None
-    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    mlp_in = 2 if model.mlp == "swiglu" else 1
     column = [d, kv, kv] + [f] * mlp_in                        # q, k, v, MLP input: split over TP
-    norm = [d, d] if model.norm is Norm.LAYERNORM and b else [d]
+    norm = [d, d] if model.norm == "layernorm" and b else [d]
     block = [math.ceil(n * d / tp) for n in column] + [math.ceil(d * d / tp), math.ceil(f * d / tp)] + 2 * norm
     if b:
         block += [math.ceil(n / tp) for n in column] + [d, d]   # column biases split; o, MLP-output replicated
     table = math.ceil(model.vocab_size / tp) * d
     stages = [block * n for n in stage_layers(model.n_layer, pp)]
-    stages[0] += [table] + ([model.seq_len * d] if model.positions is PositionKind.LEARNED else [])
+    stages[0] += [table] + ([model.seq_len * d] if model.positions == "learned" else [])
     stages[-1] += norm + ([table] if not model.tie_embeddings or pp > 1 else [])
     return max(stages, key=sum)
 
 
-def optimizer_tensor_sizes(model: ModelSpec, plan: Plan) -> list[int]:
+def optimizer_tensor_sizes(model: GPTConfig, plan: Plan) -> list[int]:
     """Elements of each tensor the optimizer steps on the busiest rank: its parameters at stage 0; the shard
     of each reduce bucket at stages 1-2; the shard of each ZeRO-3 unit (every block, and the rest) at stage 3."""
     if plan.zero_stage == 0:
@@ -193,7 +192,7 @@ def optimizer_step_bytes(job: JobSpec) -> int:
     return g + 2 * k + (w if job.precision.mixed else 2 * w)
 
 
-def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
+def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
     """Estimated seconds of one optimizer step of `plan` (module notes); memory is not checked here."""
     m = plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
@@ -251,7 +250,7 @@ def hfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> fl
     return step.hardware_flops / (step.total_s * num_gpus * cluster.peak_flops(job.precision))
 
 
-def steps_to_train(job: JobSpec, model: ModelSpec, num_params: int) -> float:
+def steps_to_train(job: JobSpec, model: GPTConfig, num_params: int) -> float:
     return job.total_tokens(num_params) / (job.global_batch * job.sequence_length(model))
 
 

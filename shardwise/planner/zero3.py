@@ -29,34 +29,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import layer_params, norm_params, params_per_rank, stage_layers
-from shardwise.planner.specs import FFN, JobSpec, ModelSpec, Plan, Zero3Gather
+from shardwise.planner.specs import JobSpec, Plan, Zero3Gather
 
 
-def module_elements(model: ModelSpec, tp: int) -> list[int]:
+def module_elements(model: GPTConfig, tp: int) -> list[int]:
     """Elements of each module of one block on one TP rank, as DeepSpeed gathers them: QKV (fused), output,
     MLP input (gate and up for SwiGLU), MLP output, two norms. Biases go with their module; the row-parallel
     ones (output, MLP output) are whole on every rank."""
     d, kv, f, b = model.d_model, model.kv_dim, model.d_ff, int(model.bias)
     assert f is not None
-    mlp_in = [f] * (2 if model.ffn is FFN.SWIGLU else 1)
+    mlp_in = [f] * (2 if model.mlp == "swiglu" else 1)
     split = [(d + 2 * kv) * (d + b)] + [n * (d + b) for n in mlp_in]      # column-parallel: weight + bias rows
     return ([-(-n // tp) for n in split] + [-(-d * d // tp) + b * d, -(-f * d // tp) + b * d]
             + [norm_params(model)] * 2)
 
 
-def unit_elements(model: ModelSpec, job: JobSpec, tp: int) -> int:
+def unit_elements(model: GPTConfig, job: JobSpec, tp: int) -> int:
     """The largest unit gathered at once on one TP rank."""
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(module_elements(model, tp))
     return layer_params(model).per_tp_rank(tp)
 
 
-def units_per_block(model: ModelSpec, job: JobSpec) -> int:
+def units_per_block(model: GPTConfig, job: JobSpec) -> int:
     return len(module_elements(model, 1)) if job.zero3_gather is Zero3Gather.MODULE else 1
 
 
-def prefetch_depth(model: ModelSpec, job: JobSpec, tp: int) -> int:
+def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int) -> int:
     """Units gathered ahead of the compute (module notes)."""
     bucket, unit = job.zero3_prefetch_elements, unit_elements(model, job, tp)
     if job.zero3_gather is Zero3Gather.MODULE:
@@ -64,7 +65,7 @@ def prefetch_depth(model: ModelSpec, job: JobSpec, tp: int) -> int:
     return bucket // unit
 
 
-def buffer_elements(model: ModelSpec, job: JobSpec, plan: Plan) -> int:
+def buffer_elements(model: GPTConfig, job: JobSpec, plan: Plan) -> int:
     """Gathered parameters held at once (module notes)."""
     unit = unit_elements(model, job, plan.tp)
     if job.zero3_gather is Zero3Gather.MODULE:
@@ -82,7 +83,7 @@ class Zero3Shape:
     depth: int           # units gathered ahead (`prefetch_depth`)
 
 
-def shape_of(model: ModelSpec, job: JobSpec, plan: Plan) -> Zero3Shape:
+def shape_of(model: GPTConfig, job: JobSpec, plan: Plan) -> Zero3Shape:
     layers = stage_layers(model.n_layer, plan.pp)[0]
     blocks = layers * layer_params(model).per_tp_rank(plan.tp)
     return Zero3Shape(layers, min(1.0, blocks / params_per_rank(model, tp=plan.tp, pp=plan.pp)),

@@ -8,14 +8,13 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import pytest
 
-from shardwise.models.presets import PRESETS, gpt_flops_per_token, gpt_num_params
+from shardwise.models.presets import PRESETS, GPTConfig, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    ModelSpec, Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
+    Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
     forward_flops, iteration_flops, layer_activation_bytes, max_trainable_params, model_preset, model_state_bytes,
     narayanan_params, narayanan_train_seconds, param_count, peak_in_flight, pipeline_seconds, ring_seconds,
     ring_send_bytes, six_nd, zero_paper_volume,
 )
-from shardwise.planner.specs import FFN, Norm, PositionKind
 
 DAY = 86_400
 
@@ -103,10 +102,10 @@ def test_narayanan_table_1_parameter_rows(layers: int, hidden: int, billions: fl
     assert round(p / 1e9, 2) == pytest.approx(billions, abs=1e-9)
 
 
-def _hand_model() -> ModelSpec:
+def _hand_model() -> GPTConfig:
     # 1 layer, d 4, 1 head, d_ff 16, vocab 8, seq 2, no biases, tied: numbers small enough to count by hand
-    return ModelSpec(n_layer=1, d_model=4, n_head=1, d_ff=16, vocab_size=8, seq_len=2, ffn=FFN.GELU,
-                     norm=Norm.RMSNORM, positions=PositionKind.ROTARY, bias=False, tie_embeddings=True, dropout=False)
+    return GPTConfig(n_layer=1, d_model=4, n_head=1, d_ff=16, vocab_size=8, seq_len=2, mlp="gelu", norm="rmsnorm",
+                     positions="rotary", bias=False, tie_embeddings=True, dropout=0.0)
 
 
 def test_hand_counted_params_and_flops() -> None:
