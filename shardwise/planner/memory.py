@@ -30,7 +30,7 @@ from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
-    ClusterSpec, JobSpec, Offload, Optimizer, Plan, Precision, Recompute,
+    ClusterSpec, JobSpec, Offload, Optimizer, Plan, PlannerError, Precision, Recompute,
 )
 
 GB = 1e9
@@ -122,6 +122,18 @@ def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, 
     if not (flash_attention or recompute is Recompute.SELECTIVE):
         split += model.n_head * s * s * b * (e + (mask + e if model.dropout else 0))
     return replicated / sp + split / tp
+
+
+def peak_in_flight(*, stage: int, stages: int, microbatches: int,
+                   schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B) -> int:
+    """Micro-batches whose activations stage `stage` holds at once: m under GPipe; min(p - stage, m)
+    under 1F1B (its warm-up forwards plus one, Megatron's get_pp_rank_microbatches)."""
+    if microbatches < 1 or not 0 <= stage < stages:
+        raise PlannerError(f"pipeline stage {stage} of {stages} with {microbatches} micro-batch(es): needs "
+                           f"0 <= stage < stages and at least one micro-batch")
+    if schedule is PipelineSchedule.GPIPE:
+        return microbatches
+    return min(stages - stage, microbatches)
 
 
 def in_flight_microbatches(*, pp: int, num_microbatches: int,

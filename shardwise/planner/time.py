@@ -3,7 +3,8 @@
 One step, as seen by the slowest pipeline stage:
 
     t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
-    pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal stages)
+    pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal stages
+                                                              and m >= p; interleaving m < p idles longer)
     step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
 
 Compute of one micro-batch (kernels.py): every GEMM at the large-GEMM ceiling plus its operand traffic, so
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from shardwise.config.resolved import PipelineSchedule
 from shardwise.models.presets import GPTConfig
+from shardwise.parallel.pipeline.schedules import bubble_microbatches
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
 from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
 from shardwise.planner.kernels import block_parts, embedding_parts, head_parts
@@ -207,11 +209,14 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     dp = [c for c in collectives if c.axis is Axis.DP]
     comm_mb = (tp + pp) / m
     t_mb = compute_mb + comm_mb
-    # 1F1B / GPipe: the slowest stage sets the pace of all m micro-batches; filling and draining the pipeline
-    # costs one micro-batch of every other stage, (p - 1) t for equal stages, divided by v when interleaved
+    # The slowest stage sets the pace of all m micro-batches. Filling and draining the pipeline costs one
+    # micro-batch of every other stage, `fill` ((p - 1) t for equal stages), divided by v when interleaved;
+    # `stretch` is the schedule's bubble over that one: 1, or more when interleaving fewer micro-batches than stages.
     v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     fill = sum(mb.stages_s) - compute_mb + (plan.pp - 1) * comm_mb
-    pipeline = m * t_mb + fill / v
+    stretch = bubble_microbatches(plan.schedule, num_stages=plan.pp, num_microbatches=m,
+                                  virtual_stages=plan.virtual_stages) * v / (plan.pp - 1) if plan.pp > 1 else 1
+    pipeline = m * t_mb + fill / v * float(stretch)
     zero3 = zero3_shape(model, job, plan) if plan.zero_stage == 3 else None
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
@@ -237,6 +242,15 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
         model_flops=training_flops(fwd) * job.global_batch / plan.micro_batch,   # all terms are linear in b
         hardware_flops=training_flops(fwd, plan.recompute) * job.global_batch / plan.micro_batch,
     )
+
+
+def pipeline_seconds(*, microbatch_seconds: float, stages: int, microbatches: int,
+                     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B, virtual_stages: int = 1) -> float:
+    """Iteration time of equal stages ignoring data-parallel communication: (m + (p - 1) / v) t when m >= p
+    (Narayanan eq. 1), the bubble in general as `schedules.bubble_microbatches` counts it."""
+    bubble = bubble_microbatches(schedule, num_stages=stages, num_microbatches=microbatches,
+                                 virtual_stages=virtual_stages)
+    return float(microbatches + bubble) * microbatch_seconds
 
 
 def mfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> float:

@@ -197,12 +197,13 @@ def test_ring_volumes_and_alpha_beta_times_by_hand() -> None:
 
 
 def test_bubble_by_hand() -> None:
-    assert bubble_fraction(stages=4, microbatches=8) == pytest.approx(3 / 11)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == pytest.approx(3 / 11)
-    assert bubble_ratio(stages=4, microbatches=8) == pytest.approx(3 / 8)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.INTERLEAVED_1F1B,
+    one_f_one_b = PipelineSchedule.ONE_F_ONE_B
+    assert bubble_fraction(one_f_one_b, num_stages=4, num_microbatches=8) == pytest.approx(3 / 11)
+    assert bubble_fraction(PipelineSchedule.GPIPE, num_stages=4, num_microbatches=8) == pytest.approx(3 / 11)
+    assert bubble_ratio(one_f_one_b, num_stages=4, num_microbatches=8) == pytest.approx(3 / 8)
+    assert bubble_fraction(PipelineSchedule.INTERLEAVED_1F1B, num_stages=4, num_microbatches=8,
                            virtual_stages=2) == pytest.approx(1.5 / 9.5)
-    assert bubble_fraction(stages=1, microbatches=8) == 0
+    assert bubble_fraction(one_f_one_b, num_stages=1, num_microbatches=8) == 0
     assert pipeline_seconds(microbatch_seconds=2.0, stages=4, microbatches=8) == pytest.approx(22.0)
     assert [peak_in_flight(stage=r, stages=4, microbatches=8) for r in range(4)] == [4, 3, 2, 1]
     assert peak_in_flight(stage=0, stages=4, microbatches=2) == 2

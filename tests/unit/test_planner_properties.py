@@ -103,12 +103,14 @@ def test_bubble_falls_with_microbatches_and_grows_with_stages(p: int, m1: int, m
                                                               schedule: PipelineSchedule) -> None:
     assume(m1 < m2)
     v = 2 if schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
-    f = lambda stages, m: bubble_fraction(stages=stages, microbatches=m, schedule=schedule, virtual_stages=v)  # noqa
+    f = lambda stages, m: bubble_fraction(schedule, num_stages=stages, num_microbatches=m, virtual_stages=v)  # noqa
+    plain = bubble_fraction(PipelineSchedule.ONE_F_ONE_B, num_stages=p, num_microbatches=m1)
     assert 0 <= f(p, m2) <= f(p, m1) < 1
     if p > 1:
         assert f(p, m2) < f(p, m1)
         assert f(p + 1, m1) > f(p, m1)
-        assert f(p, m1) < bubble_fraction(stages=p, microbatches=m1) or v == 1
+        # interleaving shortens the bubble, except with one micro-batch: nothing to interleave (as simulated)
+        assert v == 1 or (f(p, m1) < plain if m1 > 1 else f(p, m1) == plain)
 
 
 @FAST

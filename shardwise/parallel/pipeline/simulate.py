@@ -22,8 +22,8 @@ Bubble conventions. With idle(s) = makespan - busy(s):
   latency: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with M >= P.
 - ``bubble_ratio`` = sum idle / sum busy: Narayanan's t_pb / t_id. (P-1)/M for GPipe and 1F1B and
   exactly that divided by V, (P-1)/(V*M), for interleaved 1F1B with M >= P.
-The two carry the same information: fraction = ratio / (1 + ratio). `formulas.formula_bubble_fraction` and
-`formulas.formula_bubble_ratio` give the closed forms (also for interleaved with M < P).
+The two carry the same information: fraction = ratio / (1 + ratio). `schedules.bubble_fraction` and
+`schedules.bubble_ratio` give the closed forms (also for interleaved with M < P).
 """
 
 from __future__ import annotations
