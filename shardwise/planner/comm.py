@@ -1,19 +1,5 @@
-"""Communication per training step: which collectives each parallel axis runs, how many bytes, how long.
-
-Two byte counts, kept apart on purpose:
-
-- payload: the full tensor of one collective (what `CommLedger` records: an all-reduce's tensor, a
-  reduce-scatter's input, an all-gather's output). Data parallelism all-reduces psi gradients per step:
-  payload = psi * bytes per gradient.
-- sent: what one rank puts on the wire in a ring. All-reduce 2 (p - 1) / p * payload; reduce-scatter and
-  all-gather (p - 1) / p * payload each; a point-to-point send the payload itself. The ZeRO paper's
-  "2 psi" for DP (3 psi for ZeRO-3) is this ring volume in elements for large p.
-
-Time is the alpha-beta ring model (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
-reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B, with B and alpha those
-of the slowest link the group crosses (NVLink inside a node, the network between nodes), or those a
-calibration measured for reduce-scatter and all-gather themselves (gloo's differ from its all-reduce's).
-The reduction arithmetic itself is not timed.
+"""Communication per training step: which collectives each parallel axis runs, how many bytes (`Collective`:
+payload and ring bytes sent), how long (`ring_seconds`).
 """
 
 from __future__ import annotations
@@ -49,7 +35,11 @@ class Link(str, enum.Enum):
 
 
 def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks."""
+    """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks: all-reduce
+    2 (p - 1) / p * payload; reduce-scatter and all-gather (p - 1) / p * payload each; a point-to-point send the
+    payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in elements for large p.
+    The payload is the full tensor of one collective, what `CommLedger` records (an all-reduce's tensor, a
+    reduce-scatter's input, an all-gather's output): data parallelism all-reduces psi * bytes per gradient."""
     p = group_size
     if op is Op.SEND:
         return payload_bytes
@@ -61,8 +51,12 @@ def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
 
 def ring_seconds(op: Op, payload_bytes: float, group_size: int, *, bandwidth: float, latency_s: float,
                  messages: int = 1) -> float:
-    """Alpha-beta time of `op`; `messages` separate collectives (buckets, layers) share the payload,
-    each paying the latency of its ring steps."""
+    """Alpha-beta time of `op` (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
+    reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B; the reduction
+    arithmetic itself is not timed. `messages` separate collectives (buckets, layers) share the payload, each
+    paying the latency of its ring steps. `_timed` takes B and alpha of the slowest link the group crosses
+    (NVLink inside a node, the network between nodes), or those a calibration measured for reduce-scatter and
+    all-gather themselves (gloo's differ from its all-reduce's)."""
     p = group_size
     if op is not Op.SEND and p == 1:
         return 0.0

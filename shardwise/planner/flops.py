@@ -1,14 +1,6 @@
-"""Parameter counts and training FLOPs.
-
-Two conventions, both stated wherever a number is printed:
-
-- the papers' (Narayanan et al. 2021 eq. 3, Korthikanti et al. 2022 eqs. 7-8): every attention score is
-  computed, so QK^T and AV cost 4 * s^2 * h FLOPs per sequence per layer forward;
-- the causal one (current Megatron code, our GPT's `flops_per_token`): a causal mask leaves half of them,
-  2 * s^2 * h. `JobSpec.causal_flops` selects it.
-
-Forward = 2 FLOPs per weight per token (a multiply and an add); backward = 2 x forward; full activation
-recomputation runs the forward once more. Norms, biases and softmax are not counted (papers' lower bound).
+"""Parameter counts and training FLOPs: forward = 2 FLOPs per weight per token (a multiply and an add), backward
+= 2 x forward, full activation recomputation runs the forward once more; norms, biases and softmax are not
+counted (papers' lower bound). Attention scores by either convention (`forward_flops`).
 """
 
 from __future__ import annotations
@@ -163,6 +155,10 @@ class ForwardFlops:
 
 
 def forward_flops(model: GPTConfig, *, batch: int, seq_len: int, causal: bool = False) -> ForwardFlops:
+    """Two conventions, both stated wherever a number is printed: the papers' (Narayanan et al. 2021 eq. 3,
+    Korthikanti et al. 2022 eqs. 7-8), every attention score computed, so QK^T and AV cost 4 * s^2 * h FLOPs per
+    sequence per layer forward; and the causal one (current Megatron code, our GPT's `flops_per_token`; `causal`,
+    `JobSpec.causal_flops`), where a causal mask leaves half of them, 2 * s^2 * h."""
     b, s, h, L = batch, seq_len, model.d_model, model.n_layer
     return ForwardFlops(dense=2.0 * b * s * L * layer_params(model).matmul,
                         attention=4.0 * b * s * s * h * L * (0.5 if causal else 1.0),

@@ -1,23 +1,5 @@
-"""Memory of one GPU: model states (ZeRO paper), activations (Korthikanti et al. 2022), buffers.
-
-Model states, per parameter (Rajbhandari et al. 2020, sections 3.1 and 5):
-
-    weights w = 2 (bf16/fp16) or 4 (fp32);  grads g = w;  optimizer K (Adam: 12 mixed = fp32 master + m + v,
-    8 in fp32 where the weights are the master)
-    ZeRO-1 shards K over dp, ZeRO-2 also g, ZeRO-3 also w; a shard is ceil(psi / dp) (padded, as ZeRO pads).
-
-Activations per transformer layer and micro-batch, in bytes, for activation dtype size e (2 in the paper),
-1-byte dropout masks, s = sequence, b = micro-batch, h = hidden, f = d_ff, kv = key/value width, a = heads,
-t = tensor-parallel size. For e = 2, f = 4h, kv = h this is the paper's s b h (34 + 5 a s / h), and under
-TP the paper's eq. 2, s b h (10 + 24/t + 5 a s / (h t)):
-
-    replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks)   = 10 sbh
-    split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))                =  8 sbh
-                        + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
-                          silu(gate), product)                                                     = 16 sbh
-                        + scores a s^2 b (e softmax + 1 mask + e dropout output)                     = 5as^2b
-    sequence parallel: the replicated part is split over t too (eq. 4); selective recomputation drops
-    the scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP).
+"""Memory of one GPU: model states per ZeRO stage and offload (Rajbhandari et al. 2020), activations per layer
+with TP, SP and recomputation (Korthikanti et al. 2022), communication and ZeRO-3 buffers, and the reserve.
 """
 
 from __future__ import annotations
@@ -76,8 +58,10 @@ class ModelStates:
 def model_state_bytes(num_params: int, *, precision: Precision = Precision.BF16,
                       optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1,
                       offload: Offload = Offload.NONE) -> ModelStates:
-    """The ZeRO paper's formulas: baseline (2 + 2 + K) psi; P_os 4 psi + K psi / N_d; P_os+g
-    2 psi + (2 + K) psi / N_d; P_os+g+p (4 + K) psi / N_d (mixed-precision Adam: K = 12).
+    """The ZeRO paper's formulas (sections 3.1 and 5): baseline (2 + 2 + K) psi; P_os 4 psi + K psi / N_d; P_os+g
+    2 psi + (2 + K) psi / N_d; P_os+g+p (4 + K) psi / N_d. Per parameter, weights w = 2 (bf16/fp16) or 4 (fp32),
+    grads g = w, optimizer K (Adam: 12 mixed = fp32 master + m + v, 8 in fp32 where the weights are the master).
+    ZeRO-1 shards K over dp, ZeRO-2 also g, ZeRO-3 also w; a shard is ceil(psi / dp) (padded, as ZeRO pads).
 
     Offloading the optimizer moves the K part and an fp32 copy of the gradient shard to host memory
     (ZeRO-Offload steps on the CPU); offloading parameters (stage 3) moves the weight shard as well."""
@@ -108,7 +92,21 @@ def max_trainable_params(memory_bytes: float, *, precision: Precision = Precisio
 def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            act_bytes: int = 2, flash_attention: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank (module doc)."""
+    """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank.
+
+    For activation dtype size e (`act_bytes`, 2 in the paper), 1-byte dropout masks, s = sequence,
+    b = micro-batch, h = hidden, f = d_ff, kv = key/value width, a = heads, t = tensor-parallel size. For e = 2,
+    f = 4h, kv = h this is Korthikanti et al.'s s b h (34 + 5 a s / h), and under TP their eq. 2,
+    s b h (10 + 24/t + 5 a s / (h t)):
+
+        replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks) = 10 sbh
+        split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))              =  8 sbh
+                            + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
+                              silu(gate), product)                                                   = 16 sbh
+                            + scores a s^2 b (e softmax + 1 mask + e dropout output)                   = 5as^2b
+
+    Sequence parallelism splits the replicated part over t too (eq. 4); selective recomputation drops the
+    scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP)."""
     s, b, h, e = seq_len, micro_batch, model.d_model, act_bytes
     sp = tp if sequence_parallel else 1
     if recompute is Recompute.FULL:

@@ -1,16 +1,5 @@
-"""The search: every layout of the cluster's GPUs, ranked by estimated step time, and why others fail.
-
-Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
-MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
-recomputation. Two dominance rules keep it well under a second, and are the only pruning:
-
-- For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
-  selective -> full and offload only when nothing fits without it: each step down costs time in the
-  model and only buys memory, so the first variant that fits is the fastest.
-- With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al.
-  2022) and strictly less activation memory.
-
-A plan that cannot run gets an `Infeasible` naming the rule it breaks.
+"""The search: every layout of the cluster's GPUs, ranked by estimated step time, and why others fail (each
+plan that cannot run gets an `Infeasible` naming the rule it breaks).
 """
 
 from __future__ import annotations
@@ -123,7 +112,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _variants(zero_stage: int) -> list[list[tuple[Offload, Recompute]]]:
-    """Groups tried in order; within a group the first that fits wins (see the module notes)."""
+    """Groups tried in order; within a group the first that fits wins (see `search`)."""
     recomputes = list(Recompute)
     groups = [[(Offload.NONE, r) for r in recomputes]]
     if zero_stage >= 1:
@@ -161,7 +150,18 @@ def _rank_key(e: Evaluation) -> tuple:
 
 
 def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
-    """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time."""
+    """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time.
+
+    Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
+    MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
+    recomputation. Two dominance rules keep it well under a second, and are the only pruning:
+
+    - For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
+      selective -> full and offload only when nothing fits without it (`_variants`): each step down costs time
+      in the model and only buys memory, so the first variant that fits is the fastest.
+    - With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al. 2022)
+      and strictly less activation memory.
+    """
     result = SearchResult(ranked=[], infeasible=[])
     n = cluster.num_gpus
     for tp in _divisors(n):

@@ -1,28 +1,5 @@
-"""Step time of a plan, time to train, utilisation and scaling efficiency.
-
-One step, as seen by the slowest pipeline stage:
-
-    t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
-    pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal stages
-                                                              and m >= p; interleaving m < p idles longer)
-    step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
-
-Compute of one micro-batch (kernels.py): every GEMM at the large-GEMM ceiling plus its operand traffic, so
-efficiency depends on the GEMM shapes (hidden size, micro-batch x sequence, TP split); the memory-bound
-kernels around them (norms, bias + dropout + residual, the nonlinearity, the attention scores) at memory
-bandwidth on datasheet clusters or at the per-element costs `--calibrate` measured; the operators' fixed
-cost (layer_overhead_s, microbatch_overhead_s, measured). Each stage runs its blocks (the partitioner's
-`stage_layers`), the first also the embedding, the last the final norm, the logits and the loss.
-
-Data-parallel communication hides behind backward when `JobSpec.overlap_dp_comm`: gradients are reduced in
-k buckets, each launched when the backward has produced it, one after the other, so of c seconds of reduction
-max(c / k, c - (k - 1) / k * backward) stay exposed (one bucket: all of it). ZeRO-3's gathers hide only behind
-the compute of the block before, as deep as the prefetch bucket allows (zero3.py). Of what could hide, the
-cluster's `comm_overlap` share does (CPU ranks whose collectives need the cores the compute runs on hide
-almost nothing). ZeRO-1/2's all-gather of updated parameters follows the optimizer step and is never hidden.
-The optimizer step streams its states once (memory-bandwidth bound: Adam reads gradient, master, m, v and
-writes master, m, v and the 16-bit weight, 28 bytes per parameter) and pays `optimizer_tensor_s` for every
-tensor it steps (each parameter at stage 0, each flat shard under ZeRO).
+"""Step time of a plan (`step_time`: the slowest pipeline stage's compute and communication, exposed data-parallel
+traffic, the optimizer step, offload), time to train, utilisation and scaling efficiency.
 """
 
 from __future__ import annotations
@@ -72,8 +49,14 @@ class StepTime:
 
 def _dp_exposed(dp: list[Collective], plan: Plan, m: int, mb: "MicrobatchCompute", overlap: bool,
                 share: float, zero3: Zero3Shape | None = None) -> float:
-    """Data-parallel communication left on the critical path; `share` of what could hide does.
-    ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, reduce-scatters only when `overlap`."""
+    """Data-parallel communication left on the critical path; `share` of what could hide does (the cluster's
+    `comm_overlap`: CPU ranks whose collectives need the cores the compute runs on hide almost nothing).
+
+    With `overlap` (`JobSpec.overlap_dp_comm`) gradients are reduced in k buckets, each launched when the backward
+    has produced it, one after the other, so of c seconds of reduction max(c / k, c - (k - 1) / k * backward)
+    stay exposed (one bucket: all of it). ZeRO-1/2's all-gather of updated parameters follows the optimizer step
+    and is never hidden. ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, as deep as the
+    prefetch bucket allows; reduce-scatters only when `overlap`."""
     if not dp:
         return 0.0
     if plan.zero_stage == 3:
@@ -177,8 +160,10 @@ def optimizer_tensor_sizes(model: GPTConfig, plan: Plan) -> list[int]:
 
 
 def optimizer_seconds(sizes: list[int], job: JobSpec, cluster: ClusterSpec, bandwidth: float) -> float:
-    """Each tensor: a fixed cost, then its states streamed at `bandwidth`, or at the cache's when its weight,
-    gradient and states fit there (module notes)."""
+    """Each tensor: a fixed cost (`optimizer_tensor_s`; each parameter at stage 0, each flat shard under ZeRO),
+    then its states streamed once at `bandwidth` (memory-bound: Adam reads gradient, master, m, v and writes
+    master, m, v and the 16-bit weight, 28 bytes per parameter), or at the cache's when its weight, gradient and
+    states fit there."""
     resident = sum(state_bytes_per_param(job.precision, job.optimizer))     # weight, gradient, K
     in_cache = sum(n for n in sizes if n * resident <= cluster.cache_bytes) if cluster.cache_bw > 0 else 0
     per_param = optimizer_step_bytes(job)
@@ -195,7 +180,16 @@ def optimizer_step_bytes(job: JobSpec) -> int:
 
 
 def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
-    """Estimated seconds of one optimizer step of `plan` (module notes); memory is not checked here."""
+    """Estimated seconds of one optimizer step of `plan`; memory is not checked here. As seen by the slowest
+    pipeline stage:
+
+        t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
+        pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal
+                                                                  stages and m >= p)
+        step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
+
+    Each stage runs its blocks (the partitioner's `stage_layers`), the first also the embedding, the last the
+    final norm, the logits and the loss (`microbatch_compute`)."""
     m = plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"step_time: global batch {job.global_batch} is not a multiple of dp * micro_batch = "

@@ -1,28 +1,6 @@
-"""ZeRO-3: what is gathered at once, how far ahead, how much of it hides, and the buffers it takes.
-
-Units. Our engine gathers a transformer block per all-gather (`Zero3Gather.BLOCK`); DeepSpeed gathers each
-module from its hooks (`Zero3Gather.MODULE`: the fused QKV, output, MLP and norm modules of a block), so it
-launches several collectives per block and holds smaller pieces.
-
-Prefetch depth: units gathered ahead of the compute, from the prefetch bucket (the config's
-stage3_prefetch_bucket_size). Our engine launches a unit only if it fits in the bucket:
-depth = bucket // unit. DeepSpeed always launches the next one while the bucket is not full:
-depth = max(1, bucket // unit) for any bucket > 0. Depth 0: every gather waits.
-
-Overlap. A unit's gather can run only while an earlier unit computes, and the link carries one gather at a
-time, so with depth >= 1 a pass over L blocks of compute c and gather g per block leaves exposed
-
-    g (the first block) + (L - 1) max(0, g - c)
-
-and the parameters outside the blocks (embeddings, head, final norm) are gathered before anything computes:
-exposed whole. In backward the link also carries each block's gradient reduce-scatter r when the job overlaps
-gradient reduction (g + r in place of g, and the last r exposed); otherwise every reduce-scatter waits. With
-depth 0 everything is exposed. Of what could hide, the cluster's comm_overlap share does. The gathers run at
-the cluster's gather_efficiency share of the link (comm.py).
-
-Buffers (memory.py): our engine holds two gathered blocks, the one computing and the one prefetched (what the
-engine measures); DeepSpeed the module computing plus the prefetched modules: its largest module plus the
-larger of that module and the bucket.
+"""ZeRO-3: what is gathered at once (a transformer block per all-gather in our engine, `Zero3Gather.BLOCK`; each
+module from its hooks in DeepSpeed, `Zero3Gather.MODULE`, several smaller collectives per block), how far ahead,
+how much of it hides, and the buffers it takes.
 """
 
 from __future__ import annotations
@@ -58,7 +36,9 @@ def units_per_block(model: GPTConfig, job: JobSpec) -> int:
 
 
 def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int) -> int:
-    """Units gathered ahead of the compute (module notes)."""
+    """Units gathered ahead of the compute, from the prefetch bucket (the config's stage3_prefetch_bucket_size).
+    Our engine launches a unit only if it fits in the bucket: bucket // unit. DeepSpeed always launches the next
+    one while the bucket is not full: max(1, bucket // unit) for any bucket > 0. Depth 0: every gather waits."""
     bucket, unit = job.zero3_prefetch_elements, unit_elements(model, job, tp)
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(1, bucket // unit) if bucket > 0 else 0
@@ -66,7 +46,9 @@ def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int) -> int:
 
 
 def buffer_elements(model: GPTConfig, job: JobSpec, plan: Plan) -> int:
-    """Gathered parameters held at once (module notes)."""
+    """Gathered parameters held at once (memory.py): our engine holds two gathered blocks, the one computing and
+    the one prefetched (what the engine measures); DeepSpeed the module computing plus the prefetched modules:
+    its largest module plus the larger of that module and the bucket."""
     unit = unit_elements(model, job, plan.tp)
     if job.zero3_gather is Zero3Gather.MODULE:
         bucket = job.zero3_prefetch_elements
@@ -92,9 +74,20 @@ def shape_of(model: GPTConfig, job: JobSpec, plan: Plan) -> Zero3Shape:
 
 def exposed_seconds(*, gather_s: float, reduce_s: float, block_share: float, layers: int, forward_s: float,
                     backward_s: float, depth: int, overlap_reduce: bool, share: float) -> float:
-    """Exposed seconds of one micro-batch's ZeRO-3 traffic (module notes). `gather_s` / `reduce_s`: one
-    all-gather / reduce-scatter of all the rank's parameters; `block_share`: the blocks' part of them;
-    `forward_s` / `backward_s`: one block's compute in each pass (recomputation in backward)."""
+    """Exposed seconds of one micro-batch's ZeRO-3 traffic. `gather_s` / `reduce_s`: one all-gather /
+    reduce-scatter of all the rank's parameters (at the cluster's gather_efficiency share of the link, comm.py);
+    `block_share`: the blocks' part of them; `forward_s` / `backward_s`: one block's compute in each pass
+    (recomputation in backward).
+
+    A unit's gather can run only while an earlier unit computes, and the link carries one gather at a time, so
+    with depth >= 1 a pass over L blocks of compute c and gather g per block leaves exposed
+
+        g (the first block) + (L - 1) max(0, g - c)
+
+    and the parameters outside the blocks (embeddings, head, final norm) are gathered before anything computes:
+    exposed whole. In backward the link also carries each block's gradient reduce-scatter r when the job overlaps
+    gradient reduction (g + r in place of g, and the last r exposed); otherwise every reduce-scatter waits. With
+    depth 0 everything is exposed. Of what could hide, `share` (the cluster's comm_overlap) does."""
     total = 2 * gather_s + reduce_s
     if depth == 0 or layers == 0:
         return total

@@ -1,20 +1,7 @@
-"""Pipeline schedules as pure data: each stage's ordered list of forward/backward actions.
-
-A schedule says *what* a stage computes and in which order; it never says how it communicates.
-The runtime (and the simulator in `simulate.py`) derive every send and receive from the stage's
-position with :func:`transfers`, so one list serves the runtime, the simulator and the pictures.
-
-Model chunks. With ``virtual_stages`` V the model is cut into P * V contiguous model chunks;
-local chunk ``v`` of stage ``p`` holds model chunk ``v * P + p`` (Megatron's interleaved layout),
-so a micro-batch goes round the stages V times. With V = 1 the chunk is always 0.
-
-Text form. ``str(Action)`` is ``F<microbatch>`` / ``B<microbatch>`` for chunk 0 and
-``F<microbatch>.<chunk>`` for a later local chunk: ``F3`` is the forward of micro-batch 3 on the
-stage's first chunk, ``B3.1`` the backward of micro-batch 3 on its second. :meth:`Action.parse`
-reads it back.
-
-Also the bubble of each schedule in closed form (`bubble_fraction`, `bubble_ratio`), which the planner uses.
-No torch here: the planner imports this module.
+"""Pipeline schedules as pure data: each stage's ordered list of forward/backward actions, and each schedule's
+bubble in closed form. A schedule says *what* a stage computes and in which order, never how it communicates:
+the runtime and the simulator derive every send and receive from the stage's position (`transfers`). No torch
+here: the planner imports this module.
 """
 
 from __future__ import annotations
@@ -44,7 +31,16 @@ class Op(enum.Enum):
 
 @dataclass(frozen=True)
 class Action:
-    """Forward or backward of one micro-batch on one of the stage's local model chunks."""
+    """Forward or backward of one micro-batch on one of the stage's local model chunks.
+
+    Model chunks. With ``virtual_stages`` V the model is cut into P * V contiguous model chunks; local chunk
+    ``v`` of stage ``p`` holds model chunk ``v * P + p`` (Megatron's interleaved layout), so a micro-batch goes
+    round the stages V times. With V = 1 the chunk is always 0.
+
+    Text form. ``str(Action)`` is ``F<microbatch>`` / ``B<microbatch>`` for chunk 0 and
+    ``F<microbatch>.<chunk>`` for a later local chunk: ``F3`` is the forward of micro-batch 3 on the stage's
+    first chunk, ``B3.1`` the backward of micro-batch 3 on its second. :meth:`parse` reads it back.
+    """
 
     op: Op
     microbatch: int
