@@ -403,7 +403,7 @@ def run_programs(programs: Sequence[Sequence[Step]], *, costs: Costs = Costs(), 
                         waiting[stage] = ops
                     done = [completion(op) for op in ops]
                     if any(d is None for d in done):
-                        break   # a rendezvous: the stage waits here until its peers post their side
+                        break   # the stage waits here until its peers post their side
                     clock[stage] = max([clock[stage], *done])
                     received[stage].update(r.message for r in step.recvs)
                     waiting[stage] = None
