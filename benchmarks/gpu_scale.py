@@ -45,10 +45,10 @@ def _predicted_bytes(args: Any, stage: int) -> float:
     from benchmarks.zero_gpu import model_config
     from shardwise.planner.memory import memory_per_rank
     from shardwise.planner.presets import cluster_preset
-    from shardwise.planner.specs import JobSpec, ModelSpec, Plan, Precision
+    from shardwise.planner.specs import JobSpec, Plan, Precision
     cfg = dataclasses.replace(model_config(args.model), seq_len=args.seq)
     job = JobSpec(global_batch=args.micro_batch, seq_len=args.seq, precision=Precision.BF16, flash_attention=True)
-    mem = memory_per_rank(ModelSpec.from_gpt_config(cfg), cluster_preset("h200", num_gpus=1), job,
+    mem = memory_per_rank(cfg, cluster_preset("h200", num_gpus=1), job,
                           Plan(dp=1, zero_stage=stage, micro_batch=args.micro_batch))
     return mem.model_states + mem.activations + mem.buffers
 

@@ -209,7 +209,7 @@ def _gathered_records(bench: Bench) -> list[Any]:
 
 
 def measure(args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, torch_group: Any) -> Row:
-    from shardwise.parallel.pipeline.formulas import formula_bubble_fraction
+    from shardwise.parallel.pipeline.schedules import bubble_fraction
     from shardwise.parallel.pipeline.simulate import Timeline
     bench = Bench(args, kind, sw_group, torch_group)
     has_torch = bench.schedule is not None
@@ -233,8 +233,7 @@ def measure(args: argparse.Namespace, kind: PipelineSchedule, sw_group: Any, tor
                 torch_bubbles.append(float(Timeline.from_records(records, num_stages=bench.p).bubble_fraction))
     dist.all_reduce(times, op=dist.ReduceOp.MAX)     # a step lasts as long as its slowest stage
     bench.close()
-    formula = float(formula_bubble_fraction(kind, num_stages=bench.p, num_microbatches=bench.m,
-                                            virtual_stages=bench.v))
+    formula = float(bubble_fraction(kind, num_stages=bench.p, num_microbatches=bench.m, virtual_stages=bench.v))
     return make_row(kind, bench.v, times[:, 0].tolist(), times[:, 1].tolist() if has_torch else None, bubbles,
                     formula, torch_bubbles or None, loss_diff, grad_diff, bench.torch_note)
 

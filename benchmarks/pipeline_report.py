@@ -25,7 +25,7 @@ class Row:
     bubble_measured: float            # shardwise's Timeline.bubble_fraction
     bubble_simulated: float           # the schedule simulated with shardwise's measured per-(stage, chunk) costs
     bubble_replayed: float            # the schedule simulated with each action's own measured time
-    bubble_formula: float             # formula_bubble_fraction(schedule, P, M, V): equal stages
+    bubble_formula: float             # schedules.bubble_fraction(schedule, P, M, V): equal stages
     torch_bubble_measured: float | None
     stage_ms: list[float]             # shardwise: mean forward + backward of one micro-batch on each stage
     loss_diff: float | None           # |shardwise loss - torch loss| of the warm-up step

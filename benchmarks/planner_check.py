@@ -38,7 +38,7 @@ from benchmarks.common import int_at_least
 from shardwise.planner.calibrate import cluster_from_probes, fit_collective, measure_loopback
 from shardwise.planner.comm import Op
 from shardwise.planner.probes import summarize
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Optimizer, Plan, Precision
+from shardwise.planner.specs import ClusterSpec, JobSpec, Optimizer, Plan, Precision
 from shardwise.planner.time import StepTime, step_time
 
 
@@ -97,7 +97,7 @@ def predict(case: Case, cluster: ClusterSpec) -> StepTime:
     job = JobSpec(global_batch=case.global_batch, seq_len=cfg.seq_len, precision=Precision.FP32,
                   optimizer=Optimizer.ADAM)
     plan = Plan(dp=case.dp, tp=case.tp, pp=case.pp, zero_stage=case.zero, micro_batch=case.micro_batch)
-    return step_time(ModelSpec.from_gpt_config(cfg), cluster, job, plan)
+    return step_time(cfg, cluster, job, plan)
 
 
 # -- the ranks ---------------------------------------------------------------------------------------------

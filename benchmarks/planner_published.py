@@ -34,22 +34,24 @@ from dataclasses import dataclass
 from shardwise.planner.flops import iteration_flops
 from shardwise.planner.memory import memory_per_rank
 from shardwise.planner.presets import cluster_preset
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute, Zero3Gather
+from shardwise.models.presets import GPTConfig
+from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute, Zero3Gather
 from shardwise.planner.time import step_time
 
 VOCAB, SEQ = 51200, 2048
 
 
-def gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
-    return ModelSpec(name=name, n_layer=layers, d_model=hidden, n_head=heads, vocab_size=VOCAB, seq_len=SEQ,
-                     tie_embeddings=True)
+def gpt(layers: int, hidden: int, heads: int) -> GPTConfig:
+    """The papers' GPT: 4h GELU MLP, biases, learned positions, tied head, dropout (its masks are stored)."""
+    return GPTConfig(n_layer=layers, d_model=hidden, n_head=heads, vocab_size=VOCAB, seq_len=SEQ,
+                     tie_embeddings=True, dropout=0.1)
 
 
-MODELS = {m.name: m for m in (
-    gpt("1.7B", 24, 2304, 24), gpt("3.6B", 30, 3072, 32), gpt("7.5B", 36, 4096, 32), gpt("18.4B", 40, 6144, 48),
-    gpt("39.1B", 48, 8192, 64), gpt("76.1B", 60, 10240, 80), gpt("145.6B", 80, 12288, 96),
-    gpt("310.1B", 96, 16384, 128), gpt("529.6B", 105, 20480, 128), gpt("1008.0B", 128, 25600, 160),
-    gpt("22B", 48, 6144, 64), gpt("175B", 96, 12288, 96), gpt("530B", 105, 20480, 128), gpt("1T", 128, 25600, 160))}
+MODELS = {  # the papers' names
+    "1.7B": gpt(24, 2304, 24), "3.6B": gpt(30, 3072, 32), "7.5B": gpt(36, 4096, 32), "18.4B": gpt(40, 6144, 48),
+    "39.1B": gpt(48, 8192, 64), "76.1B": gpt(60, 10240, 80), "145.6B": gpt(80, 12288, 96),
+    "310.1B": gpt(96, 16384, 128), "529.6B": gpt(105, 20480, 128), "1008.0B": gpt(128, 25600, 160),
+    "22B": gpt(48, 6144, 64), "175B": gpt(96, 12288, 96), "530B": gpt(105, 20480, 128), "1T": gpt(128, 25600, 160)}
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _predicted(cfg: Any, seq: int, micro: int, policy: str) -> float:
     """The planner's bytes for what forward saves (SDPA attention: no stored scores; without the one layer that
     full recomputation rebuilds during backward)."""
-    from shardwise.planner import JobSpec, ModelSpec, Plan, Precision, Recompute, activation_bytes
+    from shardwise.planner import JobSpec, Plan, Precision, Recompute, activation_bytes
     recompute = {"none": Recompute.NONE, "selective": Recompute.SELECTIVE, "full": Recompute.FULL}.get(policy)
     if recompute is None:
         return float("nan")            # every_n: between none and full; the planner has no such plan
-    act = activation_bytes(ModelSpec.from_gpt_config(cfg), JobSpec(global_batch=micro, seq_len=seq,
-                                                                  precision=Precision.FP32, flash_attention=True),
+    act = activation_bytes(cfg, JobSpec(global_batch=micro, seq_len=seq, precision=Precision.FP32,
+                                        flash_attention=True),
                            Plan(micro_batch=micro, recompute=recompute))
     return act.total - act.recompute_working
 

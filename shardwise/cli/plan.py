@@ -117,9 +117,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _model(args: argparse.Namespace) -> Any:
+    from shardwise.models.presets import GPTConfig
     from shardwise.planner.hf import model_from_hf_config
     from shardwise.planner.presets import MODEL_PRESETS, model_preset
-    from shardwise.planner.specs import FFN, ModelSpec, Norm, PositionKind
+    from shardwise.planner.specs import PlannerError
 
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")}
     given = [name for name, on in (("--model", args.model), ("--hf-config", args.hf_config),
@@ -136,11 +137,13 @@ def _model(args: argparse.Namespace) -> Any:
     if missing:
         raise UserError(f"a model given as numbers needs {', '.join(missing)} as well")
     llama = args.ffn_kind == "swiglu"
-    return ModelSpec(name="custom", n_layer=args.layers, d_model=args.hidden, n_head=args.heads,
-                     n_kv_head=args.kv_heads, d_ff=args.ffn, vocab_size=args.vocab, seq_len=args.seq,
-                     ffn=FFN(args.ffn_kind), norm=Norm.RMSNORM if llama else Norm.LAYERNORM,
-                     positions=PositionKind.ROTARY if llama else PositionKind.LEARNED, bias=not llama,
-                     tie_embeddings=not llama, dropout=not llama)
+    try:   # GPT-2's dropout rate for the GELU shape: the planner counts dropout's masks, not its rate
+        return GPTConfig(n_layer=args.layers, d_model=args.hidden, n_head=args.heads, n_kv_head=args.kv_heads,
+                         d_ff=args.ffn, vocab_size=args.vocab, seq_len=args.seq, mlp=args.ffn_kind,
+                         norm="rmsnorm" if llama else "layernorm", positions="rotary" if llama else "learned",
+                         bias=not llama, tie_embeddings=not llama, dropout=0.0 if llama else 0.1)
+    except ValueError as e:
+        raise PlannerError(f"the model given as numbers: {e}") from None
 
 
 _CLUSTER_FLAGS = (  # flag -> ClusterSpec field, unit

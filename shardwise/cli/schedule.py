@@ -69,7 +69,6 @@ def _show(x: Fraction | float) -> str:
 def run(args: argparse.Namespace) -> int:
     from shardwise.config import PipelineSchedule
     from shardwise.parallel.pipeline import schedules
-    from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
     from shardwise.parallel.pipeline.simulate import Costs, SendMode, simulate
 
     kind = schedules.parse_schedule_kind(args.schedule)
@@ -86,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
                                     virtual_stages=virtual)
     timeline = simulate(plan, costs=costs, mode=mode, name=kind.value)
     sizes = dict(num_stages=args.stages, num_microbatches=args.micro_batches, virtual_stages=virtual)
-    fraction_formula = formula_bubble_fraction(kind, **sizes)
-    ratio_formula = formula_bubble_ratio(kind, **sizes)
+    fraction_formula = schedules.bubble_fraction(kind, **sizes)
+    ratio_formula = schedules.bubble_ratio(kind, **sizes)
     peaks = [timeline.peak_in_flight(s) for s in range(args.stages)]
 
     if args.out:

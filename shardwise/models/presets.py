@@ -1,8 +1,8 @@
 """GPT configuration, named presets and the pure parameter / FLOP arithmetic (no torch import).
 
-`gpt_num_params` and `gpt_flops_per_token` compute from a `GPTConfig` alone what the built model
-reports (`GPT.num_params`, `GPT.flops_per_token`), so analysis code can size a 1.3B model without
-allocating it. The planner mirrors these two functions; tests keep them equal to the built model.
+`GPTConfig` is also the planner's model description (`shardwise.planner` sizes any config without torch).
+`gpt_num_params` and `gpt_flops_per_token` compute from a config alone what the built model reports
+(`GPT.num_params`, `GPT.flops_per_token`); the planner counts the same by parts, and tests keep the two equal.
 """
 
 from __future__ import annotations
@@ -157,6 +157,11 @@ PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _PRESET_K
 """Preset name -> config. Use `gpt_config(name, **overrides)` to derive variants."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
+
+
+def preset_name(cfg: GPTConfig) -> str | None:
+    """The name of the preset `cfg` equals field for field, or None: what reports call a model."""
+    return next((name for name, preset in PRESETS.items() if preset == cfg), None)
 
 
 def gpt_config(name: str, **overrides: Any) -> GPTConfig:

@@ -1,6 +1,7 @@
 """The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster,
 and the search for the fastest parallel plan. Pure functions over frozen dataclasses; no torch (probes.py,
-which measures this machine for calibrate.py, runs in a child process and is never imported here).
+which measures this machine for calibrate.py, runs in a child process and is never imported here). The model is
+our `GPTConfig` (`shardwise.models`): a preset, a Hugging Face config.json, or any shape.
 
     from shardwise import planner
     model = planner.model_preset("llama-7b")
@@ -20,8 +21,9 @@ from typing import Any
 
 # Re-exported so a Plan can be written with this package alone; it is the config's enum, not a copy.
 from shardwise.config import PipelineSchedule
+# The pipeline's closed-form bubble, the one the planner's step time and `shardwise schedule` use.
+from shardwise.parallel.pipeline.schedules import bubble_fraction, bubble_ratio
 from shardwise.planner.analysis import Analysis, analyze
-from shardwise.planner.bubble import bubble_fraction, bubble_ratio, peak_in_flight, pipeline_seconds
 from shardwise.planner.comm import (
     Axis, Collective, Link, Op, dp_collectives, pp_collectives, ring_seconds, ring_send_bytes, step_collectives,
     tp_collectives, zero_paper_volume,
@@ -34,33 +36,31 @@ from shardwise.planner.flops import (
 from shardwise.planner.hf import model_from_hf_config
 from shardwise.planner.memory import (
     MemoryBreakdown, ModelStates, activation_bytes, layer_activation_bytes, max_trainable_params,
-    memory_per_rank, model_state_bytes,
+    memory_per_rank, model_state_bytes, peak_in_flight,
 )
-from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
+from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_name, model_preset
 from shardwise.planner.rule import Strategy, describe, rule_of_thumb, strategy_of
 from shardwise.planner.search import Evaluation, Infeasible, Reason, SearchResult, evaluate, recommend, search
 from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Optimizer, Plan, PlannerError, PositionKind, Precision,
-    Recompute, Zero3Gather,
+    ClusterSpec, JobSpec, Offload, Optimizer, Plan, PlannerError, Precision, Recompute, Zero3Gather,
 )
-from shardwise.planner.time import StepTime, hfu, mfu, step_time
+from shardwise.planner.time import StepTime, hfu, mfu, pipeline_seconds, step_time
 
 _LAZY = {"calibrate": "shardwise.planner.calibrate", "load_cluster": "shardwise.planner.calibrate",
          "save_cluster": "shardwise.planner.calibrate"}
 
 __all__ = [
-    "Analysis", "Axis", "CLUSTER_PRESETS", "ClusterSpec", "Collective", "Evaluation", "FFN", "Infeasible", "JobSpec",
-    "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelSpec", "ModelStates", "Norm", "Offload", "Op", "Optimizer",
-    "ParamCount", "PipelineSchedule", "Plan", "PlannerError", "PositionKind", "Precision", "Reason", "Recompute",
-    "SearchResult", "StepTime", "Strategy", "TrainingCost", "activation_bytes", "analyze", "bubble_fraction",
-    "bubble_ratio", "calibrate", "cluster_preset", "deepspeed_config", "describe", "dp_collectives", "evaluate",
-    "flops_per_token", "forward_flops", "hfu", "iteration_flops", "layer_activation_bytes", "load_cluster",
-    "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_preset", "model_state_bytes",
+    "Analysis", "Axis", "CLUSTER_PRESETS", "ClusterSpec", "Collective", "Evaluation", "Infeasible", "JobSpec",
+    "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelStates", "Offload", "Op", "Optimizer", "ParamCount",
+    "PipelineSchedule", "Plan", "PlannerError", "Precision", "Reason", "Recompute", "SearchResult", "StepTime",
+    "Strategy", "TrainingCost", "Zero3Gather", "activation_bytes", "analyze", "bubble_fraction", "bubble_ratio",
+    "calibrate", "cluster_preset", "deepspeed_config", "describe", "dp_collectives", "evaluate", "flops_per_token",
+    "forward_flops", "hfu", "iteration_flops", "layer_activation_bytes", "load_cluster", "max_trainable_params",
+    "memory_per_rank", "mfu", "model_from_hf_config", "model_name", "model_preset", "model_state_bytes",
     "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
     "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "rule_of_thumb",
     "save_cluster", "search", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives",
-    "training_cost",
-    "write_config", "Zero3Gather", "zero_paper_volume",
+    "training_cost", "write_config", "zero_paper_volume",
 ]
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.comm import Collective, step_collectives
 from shardwise.planner.flops import ParamCount, TrainingCost, days, narayanan_train_seconds, param_count, training_cost
 from shardwise.planner.memory import MemoryBreakdown, layer_activation_bytes, memory_per_rank
 from shardwise.planner.rule import RuleVerdict, compare_with_search, recommendation_reason, rule_of_thumb
 from shardwise.planner.search import TIE_TOLERANCE, Evaluation, SearchResult, evaluate, recommend, search
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
 from shardwise.planner.time import hfu, mfu, steps_to_train
 
 STRATEGY_ROWS: tuple[tuple[str, int, Offload], ...] = (
@@ -43,7 +44,7 @@ class TrainTime:
 
 @dataclass(frozen=True)
 class Analysis:
-    model: ModelSpec
+    model: GPTConfig
     cluster: ClusterSpec
     job: JobSpec
     params: ParamCount
@@ -60,7 +61,7 @@ class Analysis:
     reason: str | None = None                  # why the search recommends its plan
 
 
-def _train_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, chosen: Evaluation,
+def _train_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, chosen: Evaluation,
                 cost: TrainingCost) -> TrainTime | None:
     if chosen.time is None:
         return None
@@ -75,7 +76,7 @@ def _train_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, chosen: Ev
                      gpu_days_at_peak=cost.gpu_days(cost.flops_6nd, peak))
 
 
-def analyze(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan | None = None) -> Analysis:
+def analyze(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan | None = None) -> Analysis:
     """Search the plans on `cluster` (or evaluate `plan`) and gather the report's figures."""
     count = param_count(model)
     seq = job.sequence_length(model)

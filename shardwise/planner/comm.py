@@ -1,19 +1,5 @@
-"""Communication per training step: which collectives each parallel axis runs, how many bytes, how long.
-
-Two byte counts, kept apart on purpose:
-
-- payload: the full tensor of one collective (what `CommLedger` records: an all-reduce's tensor, a
-  reduce-scatter's input, an all-gather's output). Data parallelism all-reduces psi gradients per step:
-  payload = psi * bytes per gradient.
-- sent: what one rank puts on the wire in a ring. All-reduce 2 (p - 1) / p * payload; reduce-scatter and
-  all-gather (p - 1) / p * payload each; a point-to-point send the payload itself. The ZeRO paper's
-  "2 psi" for DP (3 psi for ZeRO-3) is this ring volume in elements for large p.
-
-Time is the alpha-beta ring model (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
-reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B, with B and alpha those
-of the slowest link the group crosses (NVLink inside a node, the network between nodes), or those a
-calibration measured for reduce-scatter and all-gather themselves (gloo's differ from its all-reduce's).
-The reduction arithmetic itself is not timed.
+"""Communication per training step: which collectives each parallel axis runs, how many bytes (`Collective`:
+payload and ring bytes sent), how long (`ring_seconds`).
 """
 
 from __future__ import annotations
@@ -23,9 +9,10 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.memory import gradient_buckets
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 from shardwise.planner.zero3 import units_per_block
 
 
@@ -48,7 +35,11 @@ class Link(str, enum.Enum):
 
 
 def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks."""
+    """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks: all-reduce
+    2 (p - 1) / p * payload; reduce-scatter and all-gather (p - 1) / p * payload each; a point-to-point send the
+    payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in elements for large p.
+    The payload is the full tensor of one collective, what `CommLedger` records (an all-reduce's tensor, a
+    reduce-scatter's input, an all-gather's output): data parallelism all-reduces psi * bytes per gradient."""
     p = group_size
     if op is Op.SEND:
         return payload_bytes
@@ -60,8 +51,12 @@ def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
 
 def ring_seconds(op: Op, payload_bytes: float, group_size: int, *, bandwidth: float, latency_s: float,
                  messages: int = 1) -> float:
-    """Alpha-beta time of `op`; `messages` separate collectives (buckets, layers) share the payload,
-    each paying the latency of its ring steps."""
+    """Alpha-beta time of `op` (Thakur et al. 2005): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / B,
+    reduce-scatter and all-gather (p - 1) alpha + (p - 1) / p * n / B, send alpha + n / B; the reduction
+    arithmetic itself is not timed. `messages` separate collectives (buckets, layers) share the payload, each
+    paying the latency of its ring steps. `_timed` takes B and alpha of the slowest link the group crosses
+    (NVLink inside a node, the network between nodes), or those a calibration measured for reduce-scatter and
+    all-gather themselves (gloo's differ from its all-reduce's)."""
     p = group_size
     if op is not Op.SEND and p == 1:
         return 0.0
@@ -136,7 +131,7 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
     return Collective(axis, op, purpose, size, payload, calls, link, seconds, messages)
 
 
-def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def dp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Gradient and parameter traffic over the data-parallel group, per step. Stage 0: one all-reduce of
     the gradients (in buckets). ZeRO-1: reduce-scatter at the step + all-gather of the updated params.
     ZeRO-2: the gradient shards are reduce-scattered on every micro-batch's backward (partitioned
@@ -166,7 +161,7 @@ def dp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
             _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, units, eff)]
 
 
-def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def tp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Megatron TP: per layer and micro-batch, 2 all-reduces of b s h in forward and 2 in backward, 2 more
     for the recomputed forward under full recomputation. Sequence parallelism turns each into a
     reduce-scatter + an all-gather of the same volume."""
@@ -181,7 +176,7 @@ def tp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
             _timed(Axis.TP, Op.ALL_GATHER, "layer activations (SP)", plan.tp, payload, calls, cluster, plan)]
 
 
-def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def pp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     """Pipeline: per micro-batch a middle stage sends b s h activations forward and their gradient
     backward (each v times interleaved). Only b s h / t crosses with sequence parallelism (the activation is
     already split) or Megatron's scatter/gather (Narayanan et al. 2021 sec. 4.1: each TP rank sends its 1/t
@@ -198,6 +193,6 @@ def pp_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: P
     return out
 
 
-def step_collectives(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+def step_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     return (dp_collectives(model, cluster, job, plan) + tp_collectives(model, cluster, job, plan)
             + pp_collectives(model, cluster, job, plan))

@@ -1,14 +1,6 @@
-"""Parameter counts and training FLOPs.
-
-Two conventions, both stated wherever a number is printed:
-
-- the papers' (Narayanan et al. 2021 eq. 3, Korthikanti et al. 2022 eqs. 7-8): every attention score is
-  computed, so QK^T and AV cost 4 * s^2 * h FLOPs per sequence per layer forward;
-- the causal one (current Megatron code, our GPT's `flops_per_token`): a causal mask leaves half of them,
-  2 * s^2 * h. `JobSpec.causal_flops` selects it.
-
-Forward = 2 FLOPs per weight per token (a multiply and an add); backward = 2 x forward; full activation
-recomputation runs the forward once more. Norms, biases and softmax are not counted (papers' lower bound).
+"""Parameter counts and training FLOPs: forward = 2 FLOPs per weight per token (a multiply and an add), backward
+= 2 x forward, full activation recomputation runs the forward once more; norms, biases and softmax are not
+counted (papers' lower bound). Attention scores by either convention (`forward_flops`).
 """
 
 from __future__ import annotations
@@ -16,7 +8,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardwise.planner.specs import FFN, ModelSpec, Norm, PositionKind, Recompute
+from shardwise.models.presets import GPTConfig
+from shardwise.planner.specs import Recompute
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -46,16 +39,16 @@ class LayerParams:
         return _ceil_div(self.matmul, tp) + _ceil_div(self.column_bias, tp) + self.replicated
 
 
-def norm_params(model: ModelSpec) -> int:
+def norm_params(model: GPTConfig) -> int:
     """One norm layer: a weight, plus a bias for a LayerNorm in a model with biases."""
-    return model.d_model * (2 if model.norm is Norm.LAYERNORM and model.bias else 1)
+    return model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
 
 
 @functools.cache
-def layer_params(model: ModelSpec) -> LayerParams:
+def layer_params(model: GPTConfig) -> LayerParams:
     d, f, kv, b = model.d_model, model.d_ff, model.kv_dim, int(model.bias)
     assert f is not None
-    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1          # SwiGLU: gate and up projections
+    mlp_in = 2 if model.mlp == "swiglu" else 1          # SwiGLU: gate and up projections
     matmul = 2 * d * d + 2 * d * kv + (mlp_in + 1) * d * f  # q, o: d x d; k, v: d x kv; MLP
     column_bias = b * (d + 2 * kv + mlp_in * f)
     replicated = b * (d + d) + 2 * norm_params(model)      # o and MLP-output biases, two norms
@@ -83,13 +76,13 @@ class ParamCount:
 
 
 @functools.cache
-def param_count(model: ModelSpec) -> ParamCount:
+def param_count(model: GPTConfig) -> ParamCount:
     """Exact parameter count; equals `shardwise.models.gpt_num_params` for our GPT."""
     d = model.d_model
     return ParamCount(
         layers=model.n_layer * layer_params(model).total,
         token_embedding=model.vocab_size * d,
-        position_embedding=model.seq_len * d if model.positions is PositionKind.LEARNED else 0,
+        position_embedding=model.seq_len * d if model.positions == "learned" else 0,
         final_norm=norm_params(model),
         lm_head=0 if model.tie_embeddings else model.vocab_size * d,
     )
@@ -110,7 +103,7 @@ def stage_layers(n_layer: int, pp: int) -> tuple[int, ...]:
 
 
 @functools.cache
-def params_per_stage(model: ModelSpec, *, tp: int, pp: int) -> tuple[int, ...]:
+def params_per_stage(model: GPTConfig, *, tp: int, pp: int) -> tuple[int, ...]:
     """Parameters held by one TP rank of each pipeline stage. The first stage holds the token (and
     position) tables; the last the final norm and the lm head, or with a tied head on pp > 1 a copy of
     the token table (Megatron keeps one there and all-reduces its gradient). Vocabulary-parallel
@@ -126,7 +119,7 @@ def params_per_stage(model: ModelSpec, *, tp: int, pp: int) -> tuple[int, ...]:
     return tuple(stages)
 
 
-def params_per_rank(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> int:
+def params_per_rank(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> int:
     """The most parameters any rank holds (what its memory must fit). tp = pp = 1: the total."""
     return max(params_per_stage(model, tp=tp, pp=pp))
 
@@ -138,7 +131,7 @@ def six_nd(num_params: float, tokens: float) -> float:
     return 6.0 * num_params * tokens
 
 
-def flops_per_token(model: ModelSpec, *, seq_len: int | None = None, causal: bool = True) -> int:
+def flops_per_token(model: GPTConfig, *, seq_len: int | None = None, causal: bool = True) -> int:
     """Training FLOPs per token without recomputation, counted as our GPT does:
     6 * N + (6 if causal else 12) * n_layer * s * d_model, where N is every parameter a token's matmuls
     touch (blocks, final norm, and the lm head's V * d whether or not tied). With causal=True and
@@ -161,14 +154,18 @@ class ForwardFlops:
         return self.dense + self.attention + self.logits
 
 
-def forward_flops(model: ModelSpec, *, batch: int, seq_len: int, causal: bool = False) -> ForwardFlops:
+def forward_flops(model: GPTConfig, *, batch: int, seq_len: int, causal: bool = False) -> ForwardFlops:
+    """Two conventions, both stated wherever a number is printed: the papers' (Narayanan et al. 2021 eq. 3,
+    Korthikanti et al. 2022 eqs. 7-8), every attention score computed, so QK^T and AV cost 4 * s^2 * h FLOPs per
+    sequence per layer forward; and the causal one (current Megatron code, our GPT's `flops_per_token`; `causal`,
+    `JobSpec.causal_flops`), where a causal mask leaves half of them, 2 * s^2 * h."""
     b, s, h, L = batch, seq_len, model.d_model, model.n_layer
     return ForwardFlops(dense=2.0 * b * s * L * layer_params(model).matmul,
                         attention=4.0 * b * s * s * h * L * (0.5 if causal else 1.0),
                         logits=2.0 * b * s * h * model.vocab_size)
 
 
-def iteration_flops(model: ModelSpec, *, batch: int, seq_len: int, recompute: Recompute = Recompute.NONE,
+def iteration_flops(model: GPTConfig, *, batch: int, seq_len: int, recompute: Recompute = Recompute.NONE,
                     causal: bool = False) -> float:
     """FLOPs executed by one training iteration over `batch` sequences (hardware FLOPs).
 
@@ -210,13 +207,13 @@ class TrainingCost:
         return flops / flops_per_gpu / SECONDS_PER_DAY
 
 
-def training_cost(model: ModelSpec, *, tokens: float, seq_len: int, causal: bool = False) -> TrainingCost:
+def training_cost(model: GPTConfig, *, tokens: float, seq_len: int, causal: bool = False) -> TrainingCost:
     """Parameters and the whole run's FLOPs by 6ND and by the Megatron formula (with and without
     full recomputation), over tokens / seq_len sequences."""
     count = param_count(model)
     sequences = tokens / seq_len
-    gpt_like = (model.ffn is FFN.GELU and model.d_ff == 4 * model.d_model and model.bias
-                and model.positions is PositionKind.LEARNED and model.tie_embeddings
+    gpt_like = (model.mlp == "gelu" and model.d_ff == 4 * model.d_model and model.bias
+                and model.positions == "learned" and model.tie_embeddings
                 and model.n_kv_head == model.n_head)
     return TrainingCost(
         params=count.total,

@@ -1,4 +1,4 @@
-"""A `ModelSpec` from a Hugging Face `config.json` (read as JSON: transformers is not needed).
+"""A `GPTConfig` from a Hugging Face `config.json` (read as JSON: transformers is not needed).
 
 Supported `model_type`s: "gpt2" (GELU MLP, LayerNorm with biases, learned positions, tied head) and the
 Llama family "llama", "mistral" (SwiGLU MLP, RMSNorm, rotary, grouped-query attention, no biases).
@@ -10,7 +10,8 @@ import json
 import os
 from typing import Any
 
-from shardwise.planner.specs import FFN, ModelSpec, Norm, PlannerError, PositionKind
+from shardwise.models.presets import GPTConfig
+from shardwise.planner.specs import PlannerError
 
 LLAMA_FAMILY = ("llama", "mistral")
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
@@ -38,21 +39,24 @@ def _get(config: dict[str, Any], key: str, origin: str, default: Any = ...) -> A
     return default
 
 
-def model_from_hf_config(config: dict[str, Any] | str | os.PathLike, *, name: str | None = None) -> ModelSpec:
-    """Translate the keys of a GPT-2 or Llama-family config.json."""
+def model_from_hf_config(config: dict[str, Any] | str | os.PathLike) -> GPTConfig:
+    """Translate the keys of a GPT-2 or Llama-family config.json (absent optional keys take transformers'
+    defaults); the inverse of `shardwise.models.hf.hf_config_dict`."""
     origin = "Hugging Face config"
     if not isinstance(config, dict):
         origin = f"--hf-config {os.fspath(config)!r}"
         config = read_hf_config(config)
     kind = config.get("model_type")
-    label = name or config.get("_name_or_path") or str(kind)
     if kind == "gpt2":
-        dropout = any(float(config.get(k, 0.1) or 0) > 0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
-        return ModelSpec(
-            name=label, n_layer=_get(config, "n_layer", origin), d_model=_get(config, "n_embd", origin),
+        # One dropout rate in our model; the planner only asks whether dropout (and its masks) exists.
+        dropout = max(float(config.get(k, 0.1) or 0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+        return _config(
+            origin, n_layer=_get(config, "n_layer", origin), d_model=_get(config, "n_embd", origin),
             n_head=_get(config, "n_head", origin), d_ff=_get(config, "n_inner", origin, None),
             vocab_size=_get(config, "vocab_size", origin), seq_len=_get(config, "n_positions", origin),
-            ffn=FFN.GELU, norm=Norm.LAYERNORM, positions=PositionKind.LEARNED, bias=True,
+            mlp="gelu", norm="layernorm", positions="learned", bias=True,
+            norm_eps=_get(config, "layer_norm_epsilon", origin, 1e-5),
+            init_std=_get(config, "initializer_range", origin, 0.02),
             tie_embeddings=bool(_get(config, "tie_word_embeddings", origin, True)), dropout=dropout)
     if kind in LLAMA_FAMILY:
         attention_bias = bool(config.get("attention_bias", False))
@@ -65,14 +69,23 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike, *, name: st
             raise PlannerError(f"{origin}: hidden_act = {act!r}: the Llama family is modelled with a SwiGLU "
                                f"(silu) MLP only")
         heads = _get(config, "num_attention_heads", origin)
-        return ModelSpec(
-            name=label, n_layer=_get(config, "num_hidden_layers", origin), d_model=_get(config, "hidden_size", origin),
+        return _config(
+            origin, n_layer=_get(config, "num_hidden_layers", origin), d_model=_get(config, "hidden_size", origin),
             n_head=heads, n_kv_head=_get(config, "num_key_value_heads", origin, heads),
             d_ff=_get(config, "intermediate_size", origin), vocab_size=_get(config, "vocab_size", origin),
-            seq_len=_get(config, "max_position_embeddings", origin), ffn=FFN.SWIGLU, norm=Norm.RMSNORM,
-            positions=PositionKind.ROTARY, bias=False,
+            seq_len=_get(config, "max_position_embeddings", origin), mlp="swiglu", norm="rmsnorm",
+            positions="rotary", bias=False, norm_eps=_get(config, "rms_norm_eps", origin, 1e-6),
+            rope_theta=_get(config, "rope_theta", origin, 10000.0),
+            init_std=_get(config, "initializer_range", origin, 0.02),
             tie_embeddings=bool(_get(config, "tie_word_embeddings", origin, False)),
-            dropout=float(config.get("attention_dropout", 0.0) or 0) > 0)
+            dropout=float(config.get("attention_dropout", 0.0) or 0))
     raise PlannerError(f"{origin}: model_type = {kind!r} is not supported; supported: {', '.join(SUPPORTED)}. "
                        f"Give the shape as numbers instead (--layers, --hidden, --heads, --kv-heads, --ffn, "
                        f"--vocab, --seq)")
+
+
+def _config(origin: str, **fields: Any) -> GPTConfig:
+    try:
+        return GPTConfig(**fields)
+    except ValueError as e:
+        raise PlannerError(f"{origin}: {e}") from None

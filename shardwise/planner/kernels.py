@@ -1,51 +1,29 @@
-"""Seconds of one transformer block and of the model's head on one rank, from the shapes of their kernels.
-
-Why shapes: a GEMM [M, K] x [K, N] does 2 M K N FLOPs but also streams its operands and result,
-e (M K + K N + M N) bytes. Its time is taken as the sum
-
-    t = 2 M K N / (peak * compute_efficiency) + e (M K + K N + M N) / gemm_operand_bw
-
-so small and thin GEMMs (small hidden size, few tokens per micro-batch, a TP split that narrows N or K) run
-further below the ceiling than large ones, and the efficiency rises with the GEMM towards
-compute_efficiency, the large-GEMM ceiling. The forward GEMM, the input-gradient GEMM and the weight-gradient
-GEMM of a linear layer touch the same three matrices, so training costs three of them (four under full
-recomputation). Around the matmuls run memory-bound kernels whose time is bytes over memory bandwidth; relative
-to the matmuls they shrink as 1/h (per-token work: norms, bias + dropout + residual, GELU) and as a s / h^2
-(attention scores: scale + mask + softmax and dropout over a s^2 elements a sequence), which is why achieved
-FLOP/s grow with the model in published weak-scaling tables.
-
-Per block and micro-batch of b sequences of s tokens on one TP rank of t (h hidden, f = d_ff, a heads):
-
-    linear layers   M = b s;  QKV K = h, N = (h + 2 kv) / t;  output K = h / t, N = h;
-                    MLP in K = h, N = f / t (x2 SwiGLU);  MLP out K = f / t, N = h
-    attention core  b a / t pairs of [s, d] x [d, s] and [s, s] x [s, d] (d = h / a), every score computed;
-                    with flash attention one fused causal kernel at the ceiling (half the scores) that
-                    streams q, k, v and the output only
-    pointwise       b s per-token elements: 2 norms of h and 2 bias+dropout+residual of h (split over t only
-                    with sequence parallelism), the MLP nonlinearity over f / t; scores a s^2 b / t (not
-                    with flash attention)
-    head            logits M = b s, K = h, N = V / t on the last stage; the final norm and the loss's softmax
-
-Per-element costs: what `--calibrate` measured (activation_s, norm_s, the attention rate), or, on a datasheet
-cluster that measured none of them, the bytes each kernel moves over memory_bw, e the element size:
-norm and nonlinearity 5 e (forward reads and writes, backward reads input and gradient, writes the
-gradient), bias + dropout + residual 5 e + 2 (the 1-byte mask written, then read), score 9 e + 2 (fused
-softmax 5 e, dropout 4 e + 2). Recomputation repeats the forward: full recomputation every forward kernel
-(the pointwise costs x 1.5), selective the attention core and its scores.
+"""Seconds of one transformer block and of the model's head on one rank, from the shapes of their kernels: each
+GEMM at the large-GEMM ceiling plus its operand traffic (`gemm_seconds`), the memory-bound kernels around the
+matmuls at their per-element costs (`ElementCosts`), and the operators' fixed cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.specs import FFN, ClusterSpec, JobSpec, ModelSpec, Plan, Recompute
+from shardwise.models.presets import GPTConfig
+from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 
 NORM_BYTES, ACTIVATION_BYTES = 5, 5       # x e, forward + backward
 RESIDUAL_BYTES, SCORE_BYTES = (5, 2), (9, 2)   # x e, + mask bytes
 
 
 def gemm_seconds(m: float, k: float, n: float, cluster: ClusterSpec, job: JobSpec, *, count: float = 1) -> float:
-    """`count` GEMMs [m, k] x [k, n] (module notes)."""
+    """`count` GEMMs [m, k] x [k, n]. A GEMM [M, K] x [K, N] does 2 M K N FLOPs but also streams its operands
+    and result, e (M K + K N + M N) bytes, so its time is taken as the sum
+
+        t = 2 M K N / (peak * compute_efficiency) + e (M K + K N + M N) / gemm_operand_bw
+
+    Small and thin GEMMs (small hidden size, few tokens per micro-batch, a TP split that narrows N or K) run
+    further below the ceiling than large ones; the efficiency rises with the GEMM towards compute_efficiency.
+    The forward, input-gradient and weight-gradient GEMMs of a linear layer touch the same three matrices, so
+    training costs three of them (four under full recomputation)."""
     rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
     t = 2.0 * m * k * n / rate
     if cluster.gemm_operand_bw > 0:
@@ -55,7 +33,17 @@ def gemm_seconds(m: float, k: float, n: float, cluster: ClusterSpec, job: JobSpe
 
 @dataclass(frozen=True)
 class ElementCosts:
-    """Seconds per element, forward + backward, of the memory-bound kernels."""
+    """Seconds per element, forward + backward, of the memory-bound kernels around the matmuls. Relative to the
+    matmuls they shrink as 1/h (per-token work: norms, bias + dropout + residual, GELU) and as a s / h^2
+    (attention scores: scale + mask + softmax and dropout over a s^2 elements a sequence), which is why achieved
+    FLOP/s grow with the model in published weak-scaling tables.
+
+    What `--calibrate` measured (activation_s, norm_s, the attention rate), or, on a datasheet cluster that
+    measured none of them, the bytes each kernel moves over memory_bw, e the element size: norm and
+    nonlinearity 5 e (forward reads and writes, backward reads input and gradient, writes the gradient),
+    bias + dropout + residual 5 e + 2 (the 1-byte mask written, then read), score 9 e + 2 (fused softmax 5 e,
+    dropout 4 e + 2).
+    """
 
     norm_s: float
     activation_s: float
@@ -100,7 +88,7 @@ def _passes(recompute: Recompute) -> tuple[int, int]:
             3 if recompute is Recompute.NONE else 4)
 
 
-def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
+def _attention(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
     b, s, t = plan.micro_batch, job.sequence_length(model), plan.tp
     d, heads = model.head_dim, model.n_head / t
     flops = 4.0 * b * s * s * model.d_model / t            # QK^T and AV, every score (papers' count)
@@ -116,13 +104,26 @@ def _attention(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan,
             + gemm_seconds(s, s, d, cluster, job, count=passes * b * heads))
 
 
-def block_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
-    """One transformer block, one micro-batch, one TP rank (module notes)."""
+def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+    """One transformer block, one micro-batch of b sequences of s tokens, one TP rank of t (h hidden,
+    f = d_ff, a heads):
+
+        linear layers   M = b s;  QKV K = h, N = (h + 2 kv) / t;  output K = h / t, N = h;
+                        MLP in K = h, N = f / t (x2 SwiGLU);  MLP out K = f / t, N = h
+        attention core  b a / t pairs of [s, d] x [d, s] and [s, s] x [s, d] (d = h / a), every score
+                        computed; with flash attention one fused causal kernel at the ceiling (half the
+                        scores) that streams q, k, v and the output only
+        pointwise       b s per-token elements: 2 norms of h and 2 bias+dropout+residual of h (split over t
+                        only with sequence parallelism), the MLP nonlinearity over f / t; scores a s^2 b / t
+                        (not with flash attention)
+
+    Recomputation repeats the forward: full recomputation every forward kernel (the pointwise costs x 1.5),
+    selective the attention core and its scores."""
     assert model.d_ff is not None
     b, s, t, h, f = plan.micro_batch, job.sequence_length(model), plan.tp, model.d_model, model.d_ff
     tokens = b * s
     linear_passes, attention_passes = _passes(plan.recompute)
-    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    mlp_in = 2 if model.mlp == "swiglu" else 1
     matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in (
         (h, (h + 2 * model.kv_dim) / t), (h / t, h), (h, mlp_in * f / t), (f / t, h)))
     attention = _attention(model, cluster, job, plan, attention_passes)
@@ -141,7 +142,7 @@ def block_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan
     return Parts(matmul, attention, pointwise + scores, operators)
 
 
-def head_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def head_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The last stage's extra work per micro-batch: the logits GEMM (three passes; recomputation keeps the
     head), the final norm and the loss's softmax over V / t, and the rest of a micro-batch's operators."""
     tokens = plan.micro_batch * job.sequence_length(model)
@@ -152,7 +153,7 @@ def head_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan)
     return Parts(logits, 0.0, pointwise, operators)
 
 
-def embedding_parts(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def embedding_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The first stage's extra work per micro-batch: the embedding lookup (+ positions) and its dropout, a
     bias + dropout + residual's worth of traffic over b s h elements."""
     tokens = plan.micro_batch * job.sequence_length(model)

@@ -1,4 +1,4 @@
-"""The planner's enums: precision, optimizer, model parts, offload, recomputation, ZeRO-3 gathering."""
+"""The planner's enums: precision, optimizer, offload, recomputation, ZeRO-3 gathering."""
 
 from __future__ import annotations
 
@@ -35,21 +35,6 @@ class Optimizer(str, enum.Enum):
         under mixed precision (Adam + bf16/fp16: 4 master + 4 momentum + 4 variance = 12)."""
         moments = {Optimizer.ADAM: 8, Optimizer.SGD_MOMENTUM: 4, Optimizer.SGD: 0}[self]
         return moments + (4 if precision.mixed else 0)
-
-
-class FFN(str, enum.Enum):
-    GELU = "gelu"       # two matrices, d -> d_ff -> d (GPT)
-    SWIGLU = "swiglu"   # three matrices: down(silu(gate(x)) * up(x)) (Llama)
-
-
-class Norm(str, enum.Enum):
-    LAYERNORM = "layernorm"   # weight (+ bias when the model has biases)
-    RMSNORM = "rmsnorm"       # weight only
-
-
-class PositionKind(str, enum.Enum):
-    LEARNED = "learned"   # a [seq_len, d_model] table
-    ROTARY = "rotary"     # no parameters
 
 
 class Offload(str, enum.Enum):

@@ -1,23 +1,5 @@
-"""Memory of one GPU: model states (ZeRO paper), activations (Korthikanti et al. 2022), buffers.
-
-Model states, per parameter (Rajbhandari et al. 2020, sections 3.1 and 5):
-
-    weights w = 2 (bf16/fp16) or 4 (fp32);  grads g = w;  optimizer K (Adam: 12 mixed = fp32 master + m + v,
-    8 in fp32 where the weights are the master)
-    ZeRO-1 shards K over dp, ZeRO-2 also g, ZeRO-3 also w; a shard is ceil(psi / dp) (padded, as ZeRO pads).
-
-Activations per transformer layer and micro-batch, in bytes, for activation dtype size e (2 in the paper),
-1-byte dropout masks, s = sequence, b = micro-batch, h = hidden, f = d_ff, kv = key/value width, a = heads,
-t = tensor-parallel size. For e = 2, f = 4h, kv = h this is the paper's s b h (34 + 5 a s / h), and under
-TP the paper's eq. 2, s b h (10 + 24/t + 5 a s / (h t)):
-
-    replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks)   = 10 sbh
-    split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))                =  8 sbh
-                        + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
-                          silu(gate), product)                                                     = 16 sbh
-                        + scores a s^2 b (e softmax + 1 mask + e dropout output)                     = 5as^2b
-    sequence parallel: the replicated part is split over t too (eq. 4); selective recomputation drops
-    the scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP).
+"""Memory of one GPU: model states per ZeRO stage and offload (Rajbhandari et al. 2020), activations per layer
+with TP, SP and recomputation (Korthikanti et al. 2022), communication and ZeRO-3 buffers, and the reserve.
 """
 
 from __future__ import annotations
@@ -27,10 +9,11 @@ from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule, ZeroConfig
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Offload, Optimizer, Plan, Precision, Recompute,
+    ClusterSpec, JobSpec, Offload, Optimizer, Plan, PlannerError, Precision, Recompute,
 )
 
 GB = 1e9
@@ -76,8 +59,10 @@ class ModelStates:
 def model_state_bytes(num_params: int, *, precision: Precision = Precision.BF16,
                       optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1,
                       offload: Offload = Offload.NONE) -> ModelStates:
-    """The ZeRO paper's formulas: baseline (2 + 2 + K) psi; P_os 4 psi + K psi / N_d; P_os+g
-    2 psi + (2 + K) psi / N_d; P_os+g+p (4 + K) psi / N_d (mixed-precision Adam: K = 12).
+    """The ZeRO paper's formulas (sections 3.1 and 5): baseline (2 + 2 + K) psi; P_os 4 psi + K psi / N_d; P_os+g
+    2 psi + (2 + K) psi / N_d; P_os+g+p (4 + K) psi / N_d. Per parameter, weights w = 2 (bf16/fp16) or 4 (fp32),
+    grads g = w, optimizer K (Adam: 12 mixed = fp32 master + m + v, 8 in fp32 where the weights are the master).
+    ZeRO-1 shards K over dp, ZeRO-2 also g, ZeRO-3 also w; a shard is ceil(psi / dp) (padded, as ZeRO pads).
 
     Offloading the optimizer moves the K part and an fp32 copy of the gradient shard to host memory
     (ZeRO-Offload steps on the CPU); offloading parameters (stage 3) moves the weight shard as well."""
@@ -105,10 +90,24 @@ def max_trainable_params(memory_bytes: float, *, precision: Precision = Precisio
 
 # -- activations -----------------------------------------------------------------------------------
 
-def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1,
+def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
                            act_bytes: int = 2, flash_attention: bool = False) -> float:
-    """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank (module doc)."""
+    """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank.
+
+    For activation dtype size e (`act_bytes`, 2 in the paper), 1-byte dropout masks, s = sequence,
+    b = micro-batch, h = hidden, f = d_ff, kv = key/value width, a = heads, t = tensor-parallel size. For e = 2,
+    f = 4h, kv = h this is Korthikanti et al.'s s b h (34 + 5 a s / h), and under TP their eq. 2,
+    s b h (10 + 24/t + 5 a s / (h t)):
+
+        replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks) = 10 sbh
+        split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))              =  8 sbh
+                            + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
+                              silu(gate), product)                                                   = 16 sbh
+                            + scores a s^2 b (e softmax + 1 mask + e dropout output)                   = 5as^2b
+
+    Sequence parallelism splits the replicated part over t too (eq. 4); selective recomputation drops the
+    scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP)."""
     s, b, h, e = seq_len, micro_batch, model.d_model, act_bytes
     sp = tp if sequence_parallel else 1
     if recompute is Recompute.FULL:
@@ -117,11 +116,23 @@ def layer_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, 
     f = model.d_ff
     assert f is not None
     replicated = s * b * h * (2 * e + e + e + 2 * mask)
-    mlp = (4 if model.ffn is FFN.SWIGLU else 2) * e * s * b * f
+    mlp = (4 if model.mlp == "swiglu" else 2) * e * s * b * f
     split = s * b * (e * h + 2 * e * model.kv_dim + e * h) + mlp
     if not (flash_attention or recompute is Recompute.SELECTIVE):
         split += model.n_head * s * s * b * (e + (mask + e if model.dropout else 0))
     return replicated / sp + split / tp
+
+
+def peak_in_flight(*, stage: int, stages: int, microbatches: int,
+                   schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B) -> int:
+    """Micro-batches whose activations stage `stage` holds at once: m under GPipe; min(p - stage, m)
+    under 1F1B (its warm-up forwards plus one, Megatron's get_pp_rank_microbatches)."""
+    if microbatches < 1 or not 0 <= stage < stages:
+        raise PlannerError(f"pipeline stage {stage} of {stages} with {microbatches} micro-batch(es): needs "
+                           f"0 <= stage < stages and at least one micro-batch")
+    if schedule is PipelineSchedule.GPIPE:
+        return microbatches
+    return min(stages - stage, microbatches)
 
 
 def in_flight_microbatches(*, pp: int, num_microbatches: int,
@@ -155,7 +166,7 @@ class Activations:
         return self.per_layer * self.layers * self.in_flight + self.recompute_working + self.embeddings_and_logits
 
 
-def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
+def activation_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> Activations:
     """The larger of the first stage (most micro-batches in flight, embeddings) and the last (the loss's fp32
     log-probabilities, 4 s b V / t bytes)."""
     return _activation_bytes(model, job, plan.tp, plan.pp, plan.sequence_parallel, plan.micro_batch,
@@ -163,7 +174,7 @@ def activation_bytes(model: ModelSpec, job: JobSpec, plan: Plan) -> Activations:
 
 
 @functools.cache   # the search asks again for every ZeRO stage and offload choice
-def _activation_bytes(model: ModelSpec, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
+def _activation_bytes(model: GPTConfig, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
                       recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int) -> Activations:
     s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
     kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
@@ -220,7 +231,7 @@ class MemoryBreakdown:
         return self.over_budget <= 0 and self.cpu <= self.host_budget
 
 
-def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
+def comm_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan, params_on_rank: int) -> float:
     """Communication buffers: ZeRO-1/2's gradient reduce bucket; ZeRO-3's gathered parameters in the compute
     dtype (zero3.py: two blocks in our engine, DeepSpeed's modules and prefetch bucket); pipeline buffers."""
     e = job.precision.nbytes
@@ -235,7 +246,7 @@ def comm_buffer_bytes(model: ModelSpec, job: JobSpec, plan: Plan, params_on_rank
     return buffers
 
 
-def memory_per_rank(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
+def memory_per_rank(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
     """Model states of the most loaded rank (`params_per_rank`), its activations and buffers."""
     params = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     states = model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,

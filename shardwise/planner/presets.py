@@ -1,7 +1,7 @@
 """Named models and clusters.
 
-Models: every preset of `shardwise.models.presets` (torch-free): our GPT presets and the published shapes
-(GPT-3, LLaMA), so that the planner's parameter count is exactly the built model's.
+Models: the one preset table, `shardwise.models.presets` (torch-free): our GPT presets and the published shapes
+(GPT-3, LLaMA), so that the planner sizes exactly the model `shardwise train --model NAME` builds.
 
 Clusters: one DGX-style node per preset (8 GPUs, each with its own network port); `--gpus N` scales it.
 Figures are the vendors' published ones: dense (no sparsity) peak matmul FLOP/s, HBM size and bandwidth,
@@ -13,13 +13,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from shardwise.models.presets import PRESETS as GPT_PRESETS
-from shardwise.planner.specs import ClusterSpec, ModelSpec, PlannerError
-
-MODEL_PRESETS: dict[str, ModelSpec] = {name: ModelSpec.from_gpt_config(cfg, name=name)
-                                       for name, cfg in GPT_PRESETS.items()}
-"""Preset name -> model: the table `shardwise train --model` builds from (shardwise.models.presets), so the planner
-sizes exactly the model a run trains (GPT presets, GPT-3 sizes, Llama-style presets)."""
+from shardwise.models.presets import PRESETS as MODEL_PRESETS
+from shardwise.models.presets import GPTConfig, preset_name
+from shardwise.planner.specs import ClusterSpec, PlannerError
 
 _DGX_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s, PCIe Gen4 64 GB/s, both bidirectional); DGX A100 user guide "
@@ -71,8 +67,13 @@ def _lookup(table: dict[str, Any], name: str, what: str) -> Any:
     raise PlannerError(f"unknown {what} {name!r}: valid presets are {', '.join(table)}{hint}")
 
 
-def model_preset(name: str) -> ModelSpec:
+def model_preset(name: str) -> GPTConfig:
     return _lookup(MODEL_PRESETS, name, "model preset")
+
+
+def model_name(model: GPTConfig) -> str:
+    """What reports call `model`: its preset's name, or "custom"."""
+    return preset_name(model) or "custom"
 
 
 def cluster_preset(name: str, num_gpus: int | None = None) -> ClusterSpec:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from shardwise.planner.analysis import Analysis
 from shardwise.planner.comm import zero_paper_volume
 from shardwise.planner.memory import GB, MemoryBreakdown
+from shardwise.planner.presets import model_name
 from shardwise.planner.search import Evaluation
 from shardwise.planner.rule import Strategy, describe, strategy_of
 from shardwise.planner.specs import PlannerError
@@ -54,8 +56,8 @@ def to_json(a: Analysis) -> dict[str, Any]:
     """Every figure of the report, JSON-ready (bytes, seconds, FLOPs)."""
     chosen = a.chosen
     out: dict[str, Any] = {
-        "model": {**a.model.to_dict(), "params": a.params.total, "params_non_embedding": a.params.non_embedding,
-                  "params_narayanan_eq2": a.cost.params_narayanan},
+        "model": {"name": model_name(a.model), **dataclasses.asdict(a.model), "params": a.params.total,
+                  "params_non_embedding": a.params.non_embedding, "params_narayanan_eq2": a.cost.params_narayanan},
         "cluster": a.cluster.to_dict(),
         "job": {**a.job.to_dict(), "tokens": a.cost.tokens, "seq_len": a.job.sequence_length(a.model)},
         "flops": {"convention": flops_convention(a), "six_nd": a.cost.flops_6nd,
@@ -109,9 +111,9 @@ def render(a: Analysis, console: Any) -> None:
     from rich.table import Table
 
     m, c, j = a.model, a.cluster, a.job
-    t = Table(title=f"Model {m.name}", show_header=False)
+    t = Table(title=f"Model {model_name(m)}", show_header=False)
     t.add_row("shape", f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} kv), d_ff {m.d_ff} "
-                       f"{m.ffn.value}, vocab {m.vocab_size}, context {m.seq_len}")
+                       f"{m.mlp}, vocab {m.vocab_size}, context {m.seq_len}")
     t.add_row("parameters", f"{a.params.total:,} (non-embedding {a.params.non_embedding:,})")
     t.add_row("cluster", f"{c.num_gpus} x {c.name} in {c.num_nodes} node(s) of {c.gpus_per_node}: "
                          f"{c.peak_flops(j.precision) / 1e12:,.1f} TFLOP/s {j.precision.value} peak x "
@@ -233,7 +235,7 @@ def plot(a: Analysis, path: str | os.PathLike) -> None:
         left = [x + v for x, v in zip(left, values)]
     ax.axvline(a.cluster.memory_bytes / GB, color="black", linestyle="--", label="GPU memory")
     ax.set_xlabel("GB per GPU")
-    ax.set_title(f"{a.model.name} on {a.cluster.num_gpus} x {a.cluster.name}")
+    ax.set_title(f"{model_name(a.model)} on {a.cluster.num_gpus} x {a.cluster.name}")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()

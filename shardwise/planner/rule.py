@@ -1,21 +1,5 @@
-"""The usual rule of thumb for choosing a parallel strategy, and how the search's answer relates to it.
-
-The rule, for a model of psi parameters on N GPUs of memory M each, takes the first strategy that fits:
-    1. data parallelism, if a full replica (weights, gradients, optimizer state, activations) fits in M;
-    2. else ZeRO-2/3, which shard the model states over the N GPUs (Rajbhandari et al. 2020, "ZeRO: Memory
-       Optimizations Toward Training Trillion Parameter Models");
-    3. else ZeRO-3 with the optimizer state and parameters offloaded to CPU memory;
-    4. else 3D parallelism (DP + TP + PP).
-
-It is the search's answer in the special case where memory is the only thing that tells the strategies
-apart: DP and ZeRO-1/2 move the same 2 psi per step, ZeRO-3 moves 3 psi, offload adds PCIe traffic and a
-CPU optimizer step, 3D adds per-layer TP all-reduces and a pipeline bubble; so each step down the list
-costs time and is only worth taking when the previous one does not fit. The search drops the assumption:
-it prices every strategy on the actual links and batch, and can prefer, say, TP over NVLink to ZeRO-3
-over a slow network, or find the rule's choice unusable (a global batch that dp does not divide).
-
-"Fits" here is the rule's own test, the most favourable case for each strategy: micro-batch 1 with full
-recomputation, tp = pp = 1, dp = N.
+"""The usual rule of thumb for choosing a parallel strategy (DP, else ZeRO, else ZeRO-Offload, else 3D: the first
+that fits in memory), and how the search's answer relates to it (`rule_of_thumb`).
 """
 
 from __future__ import annotations
@@ -23,9 +7,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.memory import GB, memory_per_rank
 from shardwise.planner.search import Evaluation, SearchResult
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
 
 
 class Strategy(str, enum.Enum):
@@ -81,7 +66,7 @@ def _rule_step(strategy: Strategy) -> Strategy:
 @dataclass(frozen=True)
 class RuleStep:
     strategy: Strategy
-    plan: Plan           # the most favourable plan of the strategy (see the module notes)
+    plan: Plan           # the most favourable plan of the strategy (see `rule_of_thumb`)
     gpu_bytes: float
     capacity: float
     fits: bool
@@ -103,8 +88,25 @@ class RuleVerdict:
         return out
 
 
-def rule_of_thumb(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
-    """Apply the rule literally (memory only) and say which strategy it picks."""
+def rule_of_thumb(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> RuleVerdict:
+    """Apply the rule literally (memory only) and say which strategy it picks.
+
+    The rule, for a model of psi parameters on N GPUs of memory M each, takes the first strategy that fits:
+        1. data parallelism, if a full replica (weights, gradients, optimizer state, activations) fits in M;
+        2. else ZeRO-2/3, which shard the model states over the N GPUs (Rajbhandari et al. 2020, "ZeRO: Memory
+           Optimizations Toward Training Trillion Parameter Models");
+        3. else ZeRO-3 with the optimizer state and parameters offloaded to CPU memory;
+        4. else 3D parallelism (DP + TP + PP).
+    "Fits" is the rule's own test, the most favourable case for each strategy: micro-batch 1 with full
+    recomputation, tp = pp = 1, dp = N.
+
+    It is the search's answer in the special case where memory is the only thing that tells the strategies
+    apart: DP and ZeRO-1/2 move the same 2 psi per step, ZeRO-3 moves 3 psi, offload adds PCIe traffic and a
+    CPU optimizer step, 3D adds per-layer TP all-reduces and a pipeline bubble; so each step down the list
+    costs time and is only worth taking when the previous one does not fit. The search drops the assumption:
+    it prices every strategy on the actual links and batch, and can prefer, say, TP over NVLink to ZeRO-3
+    over a slow network, or find the rule's choice unusable (a global batch that dp does not divide).
+    """
     base = Plan(dp=cluster.num_gpus, micro_batch=1, recompute=Recompute.FULL)
     candidates = (
         (Strategy.DP, base),

@@ -1,16 +1,5 @@
-"""The search: every layout of the cluster's GPUs, ranked by estimated step time, and why others fail.
-
-Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
-MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
-recomputation. Two dominance rules keep it well under a second, and are the only pruning:
-
-- For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
-  selective -> full and offload only when nothing fits without it: each step down costs time in the
-  model and only buys memory, so the first variant that fits is the fastest.
-- With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al.
-  2022) and strictly less activation memory.
-
-A plan that cannot run gets an `Infeasible` naming the rule it breaks.
+"""The search: every layout of the cluster's GPUs, ranked by estimated step time, and why others fail (each
+plan that cannot run gets an `Infeasible` naming the rule it breaks).
 """
 
 from __future__ import annotations
@@ -19,8 +8,9 @@ import enum
 from dataclasses import dataclass, field
 
 from shardwise.config import PipelineSchedule
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.memory import GB, MemoryBreakdown, memory_per_rank
-from shardwise.planner.specs import ClusterSpec, JobSpec, ModelSpec, Offload, Plan, Recompute
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
 from shardwise.planner.time import StepTime, step_time
 
 MAX_MICRO_BATCH = 64
@@ -60,7 +50,7 @@ class Evaluation:
         return not self.problems
 
 
-def layout_problems(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Infeasible]:
+def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Infeasible]:
     """Rules a plan breaks before memory is even considered."""
     out: list[Infeasible] = []
 
@@ -106,7 +96,7 @@ def _memory_problem(plan: Plan, mem: MemoryBreakdown) -> Infeasible | None:
     return None
 
 
-def evaluate(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Evaluation:
+def evaluate(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Evaluation:
     """Memory, step time and problems of one plan."""
     problems = layout_problems(model, cluster, job, plan)
     if any(p.reason in (Reason.BATCH, Reason.PP_LAYERS) for p in problems):
@@ -122,7 +112,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _variants(zero_stage: int) -> list[list[tuple[Offload, Recompute]]]:
-    """Groups tried in order; within a group the first that fits wins (see the module notes)."""
+    """Groups tried in order; within a group the first that fits wins (see `search`)."""
     recomputes = list(Recompute)
     groups = [[(Offload.NONE, r) for r in recomputes]]
     if zero_stage >= 1:
@@ -159,8 +149,19 @@ def _rank_key(e: Evaluation) -> tuple:
     return (round(e.time.total_s, 12), simplicity(e.plan))
 
 
-def search(model: ModelSpec, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
-    """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time."""
+def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
+    """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time.
+
+    Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
+    MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
+    recomputation. Two dominance rules keep it well under a second, and are the only pruning:
+
+    - For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
+      selective -> full and offload only when nothing fits without it (`_variants`): each step down costs time
+      in the model and only buys memory, so the first variant that fits is the fastest.
+    - With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al. 2022)
+      and strictly less activation memory.
+    """
     result = SearchResult(ranked=[], infeasible=[])
     n = cluster.num_gpus
     for tp in _divisors(n):
@@ -187,7 +188,7 @@ def _variant(plan: Plan, **changes: object) -> Plan:
     return new
 
 
-def _search_layout(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
+def _search_layout(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
     """Add the feasible plans of one (dp, tp, pp) layout; if there are none, its closest miss.
     Micro-batches grow until none of a size fits: memory only grows with the micro-batch."""
     closest: tuple[float, Plan, MemoryBreakdown] | None = None

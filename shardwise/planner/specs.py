@@ -1,7 +1,7 @@
-"""What the planner reasons about: a model shape, a cluster, a training job, and a parallel plan.
+"""What the planner reasons about besides the model (a `GPTConfig`): a cluster, a training job, a parallel plan.
 
-All four are frozen dataclasses of plain ints, floats and enums (no torch), validated on construction.
-A problem with what the user gave raises `PlannerError` naming the field, the value, the rule and the fix.
+Frozen dataclasses of plain ints, floats and enums (no torch), validated on construction. A problem with
+what the user gave raises `PlannerError` naming the field, the value, the rule and the fix.
 Units: bytes, seconds, FLOPs, FLOP/s and bytes/s throughout; "GB" in reports means 1e9 bytes.
 """
 
@@ -15,10 +15,9 @@ from typing import Any
 
 from shardwise.config import PipelineSchedule
 from shardwise.errors import UserError
-# The enums live in kinds.py (this file holds the four specs); imported from here as before.
-from shardwise.planner.kinds import (  # noqa: F401
-    FFN, Norm, Offload, Optimizer, PositionKind, Precision, Recompute, Zero3Gather,
-)
+from shardwise.models.presets import GPTConfig
+# The enums live in kinds.py (this file holds the specs); imported from here as before.
+from shardwise.planner.kinds import Offload, Optimizer, Precision, Recompute, Zero3Gather  # noqa: F401
 
 
 class PlannerError(UserError, ValueError):
@@ -48,70 +47,6 @@ def _enum(owner: str, name: str, value: Any, kind: type[enum.Enum]) -> enum.Enum
 def _coerce_enums(obj: Any, owner: str, fields: dict[str, type[enum.Enum]]) -> None:
     for name, kind in fields.items():
         object.__setattr__(obj, name, _enum(owner, name, getattr(obj, name), kind))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """Shape of a decoder-only transformer. d_ff=None means 4 * d_model (GELU) or Llama's
-    round_up(8 * d_model / 3, 256) (SwiGLU); n_kv_head=None means n_head (no grouped-query attention)."""
-
-    name: str = "custom"
-    n_layer: int
-    d_model: int
-    n_head: int
-    vocab_size: int
-    seq_len: int
-    """Context length the model is built for (learned position table; default job sequence length)."""
-    n_kv_head: int | None = None
-    d_ff: int | None = None
-    ffn: FFN = FFN.GELU
-    norm: Norm = Norm.LAYERNORM
-    positions: PositionKind = PositionKind.LEARNED
-    bias: bool = True
-    """Biases in every linear layer except the lm head, and in LayerNorms."""
-    tie_embeddings: bool = False
-    dropout: bool = True
-    """Dropout layers exist (their 1-byte masks are saved for backward)."""
-
-    def __post_init__(self) -> None:
-        owner = f"model {self.name!r}"
-        _coerce_enums(self, owner, {"ffn": FFN, "norm": Norm, "positions": PositionKind})
-        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len"):
-            _positive_int(owner, name, getattr(self, name))
-        if self.n_kv_head is None:
-            object.__setattr__(self, "n_kv_head", self.n_head)
-        if self.d_ff is None:
-            d_ff = 4 * self.d_model if self.ffn is FFN.GELU else 256 * math.ceil(8 * self.d_model / 3 / 256)
-            object.__setattr__(self, "d_ff", d_ff)
-        _positive_int(owner, "n_kv_head", self.n_kv_head)
-        _positive_int(owner, "d_ff", self.d_ff)
-        if self.d_model % self.n_head:
-            raise PlannerError(f"{owner}: d_model = {self.d_model} is not divisible by n_head = {self.n_head}; "
-                               f"each head gets d_model / n_head features; choose n_head dividing d_model")
-        if self.n_head % self.n_kv_head:
-            raise PlannerError(f"{owner}: n_head = {self.n_head} is not divisible by n_kv_head = "
-                               f"{self.n_kv_head}; choose n_kv_head dividing n_head")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the key (and of the value) projection: n_kv_head * head_dim."""
-        assert self.n_kv_head is not None
-        return self.n_kv_head * self.head_dim
-
-    @classmethod
-    def from_gpt_config(cls, cfg: Any, name: str = "gpt") -> "ModelSpec":
-        """The spec of our reference model (`shardwise.models.GPTConfig`: GPT or Llama-style)."""
-        return cls(name=name, n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head,
-                   n_kv_head=cfg.n_kv_head, d_ff=cfg.d_ff, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                   ffn=FFN(cfg.mlp), norm=Norm(cfg.norm), positions=PositionKind(cfg.positions), bias=cfg.bias,
-                   tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout > 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,7 +211,7 @@ class JobSpec:
         if self.tokens is not None:
             _positive_number("job", "tokens", self.tokens)
 
-    def sequence_length(self, model: ModelSpec) -> int:
+    def sequence_length(self, model: GPTConfig) -> int:
         return self.seq_len if self.seq_len is not None else model.seq_len
 
     def total_tokens(self, num_params: int) -> float:

@@ -1,27 +1,5 @@
-"""Step time of a plan, time to train, utilisation and scaling efficiency.
-
-One step, as seen by the slowest pipeline stage:
-
-    t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
-    pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal stages)
-    step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
-
-Compute of one micro-batch (kernels.py): every GEMM at the large-GEMM ceiling plus its operand traffic, so
-efficiency depends on the GEMM shapes (hidden size, micro-batch x sequence, TP split); the memory-bound
-kernels around them (norms, bias + dropout + residual, the nonlinearity, the attention scores) at memory
-bandwidth on datasheet clusters or at the per-element costs `--calibrate` measured; the operators' fixed
-cost (layer_overhead_s, microbatch_overhead_s, measured). Each stage runs its blocks (the partitioner's
-`stage_layers`), the first also the embedding, the last the final norm, the logits and the loss.
-
-Data-parallel communication hides behind backward when `JobSpec.overlap_dp_comm`: gradients are reduced in
-k buckets, each launched when the backward has produced it, one after the other, so of c seconds of reduction
-max(c / k, c - (k - 1) / k * backward) stay exposed (one bucket: all of it). ZeRO-3's gathers hide only behind
-the compute of the block before, as deep as the prefetch bucket allows (zero3.py). Of what could hide, the
-cluster's `comm_overlap` share does (CPU ranks whose collectives need the cores the compute runs on hide
-almost nothing). ZeRO-1/2's all-gather of updated parameters follows the optimizer step and is never hidden.
-The optimizer step streams its states once (memory-bandwidth bound: Adam reads gradient, master, m, v and
-writes master, m, v and the 16-bit weight, 28 bytes per parameter) and pays `optimizer_tensor_s` for every
-tensor it steps (each parameter at stage 0, each flat shard under ZeRO).
+"""Step time of a plan (`step_time`: the slowest pipeline stage's compute and communication, exposed data-parallel
+traffic, the optimizer step, offload), time to train, utilisation and scaling efficiency.
 """
 
 from __future__ import annotations
@@ -30,13 +8,13 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule
+from shardwise.models.presets import GPTConfig
+from shardwise.parallel.pipeline.schedules import bubble_microbatches
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
 from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
 from shardwise.planner.kernels import block_parts, embedding_parts, head_parts
 from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_bytes_per_param
-from shardwise.planner.specs import (
-    FFN, ClusterSpec, JobSpec, ModelSpec, Norm, Offload, Plan, PlannerError, PositionKind, Recompute,
-)
+from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, PlannerError, Recompute
 from shardwise.planner.zero3 import Zero3Shape, exposed_seconds
 from shardwise.planner.zero3 import shape_of as zero3_shape
 
@@ -71,8 +49,14 @@ class StepTime:
 
 def _dp_exposed(dp: list[Collective], plan: Plan, m: int, mb: "MicrobatchCompute", overlap: bool,
                 share: float, zero3: Zero3Shape | None = None) -> float:
-    """Data-parallel communication left on the critical path; `share` of what could hide does.
-    ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, reduce-scatters only when `overlap`."""
+    """Data-parallel communication left on the critical path; `share` of what could hide does (the cluster's
+    `comm_overlap`: CPU ranks whose collectives need the cores the compute runs on hide almost nothing).
+
+    With `overlap` (`JobSpec.overlap_dp_comm`) gradients are reduced in k buckets, each launched when the backward
+    has produced it, one after the other, so of c seconds of reduction max(c / k, c - (k - 1) / k * backward)
+    stay exposed (one bucket: all of it). ZeRO-1/2's all-gather of updated parameters follows the optimizer step
+    and is never hidden. ZeRO-3 (zero3.py): gathers hide by prefetch behind the block before, as deep as the
+    prefetch bucket allows; reduce-scatters only when `overlap`."""
     if not dp:
         return 0.0
     if plan.zero_stage == 3:
@@ -116,7 +100,7 @@ class MicrobatchCompute:
         return self.matmul_s + self.attention_s + self.pointwise_s + self.operators_s
 
 
-def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
+def microbatch_compute(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MicrobatchCompute:
     """Compute of one micro-batch per pipeline stage (kernels.py): each stage runs its blocks (the
     partitioner's `stage_layers`), the first also the embedding, the last the final norm, the logits and the
     loss; the slowest stage is reported by part."""
@@ -142,26 +126,26 @@ def microbatch_compute(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, pla
                              block_backward_s=backward_share * block.total_s)
 
 
-def param_tensor_sizes(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> list[int]:
+def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> list[int]:
     """Elements of each parameter tensor of the busiest rank (what a for-loop optimizer steps one by one at
     stage 0), laid out as `flops.params_per_stage`: its stage's blocks, TP slices of the split weights, the
     first stage's tables, the last stage's final norm and head (a copy of a tied table when pp > 1)."""
     d, kv, f, b = model.d_model, model.kv_dim, model.d_ff, model.bias
     assert f is not None
-    mlp_in = 2 if model.ffn is FFN.SWIGLU else 1
+    mlp_in = 2 if model.mlp == "swiglu" else 1
     column = [d, kv, kv] + [f] * mlp_in                        # q, k, v, MLP input: split over TP
-    norm = [d, d] if model.norm is Norm.LAYERNORM and b else [d]
+    norm = [d, d] if model.norm == "layernorm" and b else [d]
     block = [math.ceil(n * d / tp) for n in column] + [math.ceil(d * d / tp), math.ceil(f * d / tp)] + 2 * norm
     if b:
         block += [math.ceil(n / tp) for n in column] + [d, d]   # column biases split; o, MLP-output replicated
     table = math.ceil(model.vocab_size / tp) * d
     stages = [block * n for n in stage_layers(model.n_layer, pp)]
-    stages[0] += [table] + ([model.seq_len * d] if model.positions is PositionKind.LEARNED else [])
+    stages[0] += [table] + ([model.seq_len * d] if model.positions == "learned" else [])
     stages[-1] += norm + ([table] if not model.tie_embeddings or pp > 1 else [])
     return max(stages, key=sum)
 
 
-def optimizer_tensor_sizes(model: ModelSpec, plan: Plan) -> list[int]:
+def optimizer_tensor_sizes(model: GPTConfig, plan: Plan) -> list[int]:
     """Elements of each tensor the optimizer steps on the busiest rank: its parameters at stage 0; the shard
     of each reduce bucket at stages 1-2; the shard of each ZeRO-3 unit (every block, and the rest) at stage 3."""
     if plan.zero_stage == 0:
@@ -176,8 +160,10 @@ def optimizer_tensor_sizes(model: ModelSpec, plan: Plan) -> list[int]:
 
 
 def optimizer_seconds(sizes: list[int], job: JobSpec, cluster: ClusterSpec, bandwidth: float) -> float:
-    """Each tensor: a fixed cost, then its states streamed at `bandwidth`, or at the cache's when its weight,
-    gradient and states fit there (module notes)."""
+    """Each tensor: a fixed cost (`optimizer_tensor_s`; each parameter at stage 0, each flat shard under ZeRO),
+    then its states streamed once at `bandwidth` (memory-bound: Adam reads gradient, master, m, v and writes
+    master, m, v and the 16-bit weight, 28 bytes per parameter), or at the cache's when its weight, gradient and
+    states fit there."""
     resident = sum(state_bytes_per_param(job.precision, job.optimizer))     # weight, gradient, K
     in_cache = sum(n for n in sizes if n * resident <= cluster.cache_bytes) if cluster.cache_bw > 0 else 0
     per_param = optimizer_step_bytes(job)
@@ -193,8 +179,17 @@ def optimizer_step_bytes(job: JobSpec) -> int:
     return g + 2 * k + (w if job.precision.mixed else 2 * w)
 
 
-def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
-    """Estimated seconds of one optimizer step of `plan` (module notes); memory is not checked here."""
+def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> StepTime:
+    """Estimated seconds of one optimizer step of `plan`; memory is not checked here. As seen by the slowest
+    pipeline stage:
+
+        t_i      = stage i's compute of one micro-batch (kernels.py) + its TP collectives + its pipeline sends
+        pipeline = m * max_i t_i + (sum_i t_i - max_i t_i) / v    (Narayanan's (m + (p - 1) / v) t for equal
+                                                                  stages and m >= p)
+        step     = pipeline + exposed data-parallel communication + optimizer step + offload traffic
+
+    Each stage runs its blocks (the partitioner's `stage_layers`), the first also the embedding, the last the
+    final norm, the logits and the loss (`microbatch_compute`)."""
     m = plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"step_time: global batch {job.global_batch} is not a multiple of dp * micro_batch = "
@@ -208,11 +203,14 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     dp = [c for c in collectives if c.axis is Axis.DP]
     comm_mb = (tp + pp) / m
     t_mb = compute_mb + comm_mb
-    # 1F1B / GPipe: the slowest stage sets the pace of all m micro-batches; filling and draining the pipeline
-    # costs one micro-batch of every other stage, (p - 1) t for equal stages, divided by v when interleaved
+    # The slowest stage sets the pace of all m micro-batches. Filling and draining the pipeline costs one
+    # micro-batch of every other stage, `fill` ((p - 1) t for equal stages), divided by v when interleaved;
+    # `stretch` is the schedule's bubble over that one: 1, or more when interleaving fewer micro-batches than stages.
     v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     fill = sum(mb.stages_s) - compute_mb + (plan.pp - 1) * comm_mb
-    pipeline = m * t_mb + fill / v
+    stretch = bubble_microbatches(plan.schedule, num_stages=plan.pp, num_microbatches=m,
+                                  virtual_stages=plan.virtual_stages) * v / (plan.pp - 1) if plan.pp > 1 else 1
+    pipeline = m * t_mb + fill / v * float(stretch)
     zero3 = zero3_shape(model, job, plan) if plan.zero_stage == 3 else None
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
@@ -240,6 +238,15 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     )
 
 
+def pipeline_seconds(*, microbatch_seconds: float, stages: int, microbatches: int,
+                     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B, virtual_stages: int = 1) -> float:
+    """Iteration time of equal stages ignoring data-parallel communication: (m + (p - 1) / v) t when m >= p
+    (Narayanan eq. 1), the bubble in general as `schedules.bubble_microbatches` counts it."""
+    bubble = bubble_microbatches(schedule, num_stages=stages, num_microbatches=microbatches,
+                                 virtual_stages=virtual_stages)
+    return float(microbatches + bubble) * microbatch_seconds
+
+
 def mfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> float:
     """Model FLOPs utilisation: useful FLOPs per second over the peak of all GPUs."""
     return step.model_flops / (step.total_s * num_gpus * cluster.peak_flops(job.precision))
@@ -251,7 +258,7 @@ def hfu(step: StepTime, cluster: ClusterSpec, job: JobSpec, num_gpus: int) -> fl
     return step.hardware_flops / (step.total_s * num_gpus * cluster.peak_flops(job.precision))
 
 
-def steps_to_train(job: JobSpec, model: ModelSpec, num_params: int) -> float:
+def steps_to_train(job: JobSpec, model: GPTConfig, num_params: int) -> float:
     return job.total_tokens(num_params) / (job.global_batch * job.sequence_length(model))
 
 

@@ -1,71 +1,54 @@
-"""ZeRO-3: what is gathered at once, how far ahead, how much of it hides, and the buffers it takes.
-
-Units. Our engine gathers a transformer block per all-gather (`Zero3Gather.BLOCK`); DeepSpeed gathers each
-module from its hooks (`Zero3Gather.MODULE`: the fused QKV, output, MLP and norm modules of a block), so it
-launches several collectives per block and holds smaller pieces.
-
-Prefetch depth: units gathered ahead of the compute, from the prefetch bucket (the config's
-stage3_prefetch_bucket_size). Our engine launches a unit only if it fits in the bucket:
-depth = bucket // unit. DeepSpeed always launches the next one while the bucket is not full:
-depth = max(1, bucket // unit) for any bucket > 0. Depth 0: every gather waits.
-
-Overlap. A unit's gather can run only while an earlier unit computes, and the link carries one gather at a
-time, so with depth >= 1 a pass over L blocks of compute c and gather g per block leaves exposed
-
-    g (the first block) + (L - 1) max(0, g - c)
-
-and the parameters outside the blocks (embeddings, head, final norm) are gathered before anything computes:
-exposed whole. In backward the link also carries each block's gradient reduce-scatter r when the job overlaps
-gradient reduction (g + r in place of g, and the last r exposed); otherwise every reduce-scatter waits. With
-depth 0 everything is exposed. Of what could hide, the cluster's comm_overlap share does. The gathers run at
-the cluster's gather_efficiency share of the link (comm.py).
-
-Buffers (memory.py): our engine holds two gathered blocks, the one computing and the one prefetched (what the
-engine measures); DeepSpeed the module computing plus the prefetched modules: its largest module plus the
-larger of that module and the bucket.
+"""ZeRO-3: what is gathered at once (a transformer block per all-gather in our engine, `Zero3Gather.BLOCK`; each
+module from its hooks in DeepSpeed, `Zero3Gather.MODULE`, several smaller collectives per block), how far ahead,
+how much of it hides, and the buffers it takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import layer_params, norm_params, params_per_rank, stage_layers
-from shardwise.planner.specs import FFN, JobSpec, ModelSpec, Plan, Zero3Gather
+from shardwise.planner.specs import JobSpec, Plan, Zero3Gather
 
 
-def module_elements(model: ModelSpec, tp: int) -> list[int]:
+def module_elements(model: GPTConfig, tp: int) -> list[int]:
     """Elements of each module of one block on one TP rank, as DeepSpeed gathers them: QKV (fused), output,
     MLP input (gate and up for SwiGLU), MLP output, two norms. Biases go with their module; the row-parallel
     ones (output, MLP output) are whole on every rank."""
     d, kv, f, b = model.d_model, model.kv_dim, model.d_ff, int(model.bias)
     assert f is not None
-    mlp_in = [f] * (2 if model.ffn is FFN.SWIGLU else 1)
+    mlp_in = [f] * (2 if model.mlp == "swiglu" else 1)
     split = [(d + 2 * kv) * (d + b)] + [n * (d + b) for n in mlp_in]      # column-parallel: weight + bias rows
     return ([-(-n // tp) for n in split] + [-(-d * d // tp) + b * d, -(-f * d // tp) + b * d]
             + [norm_params(model)] * 2)
 
 
-def unit_elements(model: ModelSpec, job: JobSpec, tp: int) -> int:
+def unit_elements(model: GPTConfig, job: JobSpec, tp: int) -> int:
     """The largest unit gathered at once on one TP rank."""
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(module_elements(model, tp))
     return layer_params(model).per_tp_rank(tp)
 
 
-def units_per_block(model: ModelSpec, job: JobSpec) -> int:
+def units_per_block(model: GPTConfig, job: JobSpec) -> int:
     return len(module_elements(model, 1)) if job.zero3_gather is Zero3Gather.MODULE else 1
 
 
-def prefetch_depth(model: ModelSpec, job: JobSpec, tp: int) -> int:
-    """Units gathered ahead of the compute (module notes)."""
+def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int) -> int:
+    """Units gathered ahead of the compute, from the prefetch bucket (the config's stage3_prefetch_bucket_size).
+    Our engine launches a unit only if it fits in the bucket: bucket // unit. DeepSpeed always launches the next
+    one while the bucket is not full: max(1, bucket // unit) for any bucket > 0. Depth 0: every gather waits."""
     bucket, unit = job.zero3_prefetch_elements, unit_elements(model, job, tp)
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(1, bucket // unit) if bucket > 0 else 0
     return bucket // unit
 
 
-def buffer_elements(model: ModelSpec, job: JobSpec, plan: Plan) -> int:
-    """Gathered parameters held at once (module notes)."""
+def buffer_elements(model: GPTConfig, job: JobSpec, plan: Plan) -> int:
+    """Gathered parameters held at once (memory.py): our engine holds two gathered blocks, the one computing and
+    the one prefetched (what the engine measures); DeepSpeed the module computing plus the prefetched modules:
+    its largest module plus the larger of that module and the bucket."""
     unit = unit_elements(model, job, plan.tp)
     if job.zero3_gather is Zero3Gather.MODULE:
         bucket = job.zero3_prefetch_elements
@@ -82,7 +65,7 @@ class Zero3Shape:
     depth: int           # units gathered ahead (`prefetch_depth`)
 
 
-def shape_of(model: ModelSpec, job: JobSpec, plan: Plan) -> Zero3Shape:
+def shape_of(model: GPTConfig, job: JobSpec, plan: Plan) -> Zero3Shape:
     layers = stage_layers(model.n_layer, plan.pp)[0]
     blocks = layers * layer_params(model).per_tp_rank(plan.tp)
     return Zero3Shape(layers, min(1.0, blocks / params_per_rank(model, tp=plan.tp, pp=plan.pp)),
@@ -91,9 +74,20 @@ def shape_of(model: ModelSpec, job: JobSpec, plan: Plan) -> Zero3Shape:
 
 def exposed_seconds(*, gather_s: float, reduce_s: float, block_share: float, layers: int, forward_s: float,
                     backward_s: float, depth: int, overlap_reduce: bool, share: float) -> float:
-    """Exposed seconds of one micro-batch's ZeRO-3 traffic (module notes). `gather_s` / `reduce_s`: one
-    all-gather / reduce-scatter of all the rank's parameters; `block_share`: the blocks' part of them;
-    `forward_s` / `backward_s`: one block's compute in each pass (recomputation in backward)."""
+    """Exposed seconds of one micro-batch's ZeRO-3 traffic. `gather_s` / `reduce_s`: one all-gather /
+    reduce-scatter of all the rank's parameters (at the cluster's gather_efficiency share of the link, comm.py);
+    `block_share`: the blocks' part of them; `forward_s` / `backward_s`: one block's compute in each pass
+    (recomputation in backward).
+
+    A unit's gather can run only while an earlier unit computes, and the link carries one gather at a time, so
+    with depth >= 1 a pass over L blocks of compute c and gather g per block leaves exposed
+
+        g (the first block) + (L - 1) max(0, g - c)
+
+    and the parameters outside the blocks (embeddings, head, final norm) are gathered before anything computes:
+    exposed whole. In backward the link also carries each block's gradient reduce-scatter r when the job overlaps
+    gradient reduction (g + r in place of g, and the last r exposed); otherwise every reduce-scatter waits. With
+    depth 0 everything is exposed. Of what could hide, `share` (the cluster's comm_overlap) does."""
     total = 2 * gather_s + reduce_s
     if depth == 0 or layers == 0:
         return total

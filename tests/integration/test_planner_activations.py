@@ -47,8 +47,8 @@ def _measure(tp: int, sp: bool, dtype: str) -> dict:
 
 def _predicted(tp: int, sp: bool, dtype: str, policy: str) -> float:
     from shardwise.models import gpt_config
-    from shardwise.planner import JobSpec, ModelSpec, Plan, Precision, Recompute, activation_bytes
-    spec = ModelSpec.from_gpt_config(gpt_config("tiny", seq_len=SEQ))
+    from shardwise.planner import JobSpec, Plan, Precision, Recompute, activation_bytes
+    spec = gpt_config("tiny", seq_len=SEQ)
     job = JobSpec(global_batch=MICRO, seq_len=SEQ, precision=Precision(dtype), flash_attention=True)
     plan = Plan(tp=tp, micro_batch=MICRO, recompute=Recompute(policy), sequence_parallel=sp)
     act = activation_bytes(spec, job, plan)

@@ -25,7 +25,7 @@ import torch
 from shardwise.comm.ring import RingPlan
 from shardwise.models import gpt_config
 from shardwise.planner import (
-    JobSpec, ModelSpec, Offload, Op, Optimizer, Plan, Precision, cluster_preset, dp_collectives, model_state_bytes,
+    JobSpec, Offload, Op, Optimizer, Plan, Precision, cluster_preset, dp_collectives, model_state_bytes,
     param_count, ring_send_bytes,
 )
 from shardwise.testing import run_distributed, shard_global_batch
@@ -90,7 +90,7 @@ def measured() -> list[dict]:
 @pytest.mark.parametrize("case", FLAT_CASES)
 def test_predicted_model_states_equal_the_engine(measured: list[dict], case: str) -> None:
     precision, stage, offload, _, _ = CASES[case]
-    psi = param_count(ModelSpec.from_gpt_config(CFG)).total
+    psi = param_count(CFG).total
     assert psi % WORLD == 1
     shard = math.ceil(psi / WORLD)
     p = model_state_bytes(psi, precision=precision, optimizer=Optimizer.ADAM, zero_stage=stage, dp=WORLD,
@@ -112,10 +112,9 @@ def test_predicted_model_states_equal_the_engine(measured: list[dict], case: str
 @pytest.mark.parametrize("case", FLAT_CASES)
 def test_predicted_dp_traffic_equals_the_ledger(measured: list[dict], case: str) -> None:
     precision, stage, offload, gas, extra = CASES[case]
-    spec = ModelSpec.from_gpt_config(CFG)
     job = JobSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
     plan = Plan(dp=WORLD, zero_stage=stage, offload=offload, micro_batch=BATCH // (WORLD * gas))
-    predicted = {c.op: c for c in dp_collectives(spec, cluster_preset("a100-80gb", num_gpus=WORLD), job, plan)}
+    predicted = {c.op: c for c in dp_collectives(CFG, cluster_preset("a100-80gb", num_gpus=WORLD), job, plan)}
     ring = extra.get("communication", {}).get("all_reduce") == "ring"
     ledger_name = {Op.ALL_REDUCE: "ring_all_reduce" if ring else "all_reduce",
                    Op.REDUCE_SCATTER: "reduce_scatter", Op.ALL_GATHER: "all_gather"}
@@ -127,7 +126,7 @@ def test_predicted_dp_traffic_equals_the_ledger(measured: list[dict], case: str)
             got = dp[ledger_name[op]]
             assert (got["count"], got["bytes"], got["dtype"]) == (c.calls, c.total_payload_bytes, dtype), op
     if stage == 0:   # one all-reduce per step whatever the accumulation, psi * bytes per gradient
-        assert predicted[Op.ALL_REDUCE].total_payload_bytes == param_count(spec).total * precision.nbytes
+        assert predicted[Op.ALL_REDUCE].total_payload_bytes == param_count(CFG).total * precision.nbytes
     if stage == 2:   # partitioned gradients are reduce-scattered on every micro-batch
         assert predicted[Op.REDUCE_SCATTER].calls == gas
 
@@ -156,12 +155,11 @@ def test_zero3_model_states_and_traffic_equal_the_planner_up_to_per_unit_padding
     gathered from its forward into its backward, as FSDP2 does, so it is gathered m times, not 2 m."""
     case = "stage3-fp32-gas2"
     precision, stage, offload, gas, _ = CASES[case]
-    spec = ModelSpec.from_gpt_config(CFG)
-    psi = param_count(spec).total
+    psi = param_count(CFG).total
     p = model_state_bytes(psi, precision=precision, optimizer=Optimizer.ADAM, zero_stage=stage, dp=WORLD)
     job = JobSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
     plan = Plan(dp=WORLD, zero_stage=stage, offload=offload, micro_batch=BATCH // (WORLD * gas))
-    predicted = {c.op: c for c in dp_collectives(spec, cluster_preset("a100-80gb", num_gpus=WORLD), job, plan)}
+    predicted = {c.op: c for c in dp_collectives(CFG, cluster_preset("a100-80gb", num_gpus=WORLD), job, plan)}
     for r in (rank[case] for rank in measured):
         flats, e = r["flats_padded"], precision.nbytes
         padded = sum(flats)

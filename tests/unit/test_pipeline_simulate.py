@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.parallel.pipeline.schedules import Action, Op, PipelineError, build_schedule, transfers
-from shardwise.parallel.pipeline.formulas import formula_bubble_fraction, formula_bubble_ratio
+from shardwise.parallel.pipeline.schedules import (
+    Action, Op, PipelineError, bubble_fraction, bubble_ratio, build_schedule, transfers)
 from shardwise.parallel.pipeline.simulate import (
     ActionRecord, Costs, DeadlockError, SendMode, Timeline, measured_costs, replayed_costs, simulate)
 
@@ -31,7 +31,7 @@ def test_gpipe_and_1f1b_bubble_is_exactly_the_formula(kind: str) -> None:
                 assert t.makespan == (m + p - 1) * (f + b)
                 assert t.bubble_fraction == Fraction(p - 1, m + p - 1)   # share of P x makespan
                 assert t.bubble_ratio == Fraction(p - 1, m)              # Narayanan's t_pb / t_id
-                assert t.bubble_fraction == formula_bubble_fraction(kind, num_stages=p, num_microbatches=m)
+                assert t.bubble_fraction == bubble_fraction(kind, num_stages=p, num_microbatches=m)
 
 
 def test_interleaved_bubble_is_the_1f1b_bubble_divided_by_v() -> None:
@@ -57,9 +57,9 @@ def test_interleaved_with_fewer_microbatches_than_stages_matches_its_closed_form
             for v in (2, 3):
                 t = run("interleaved_1f1b", p, m, v, costs=Costs(1, 2))
                 sizes = dict(num_stages=p, num_microbatches=m, virtual_stages=v)
-                assert t.bubble_ratio == formula_bubble_ratio("interleaved_1f1b", **sizes)
+                assert t.bubble_ratio == bubble_ratio("interleaved_1f1b", **sizes)
                 assert t.bubble_ratio == Fraction(p - 1 + (v - 1) * (p - m), v * m)
-                assert t.bubble_fraction == formula_bubble_fraction("interleaved_1f1b", **sizes)
+                assert t.bubble_fraction == bubble_fraction("interleaved_1f1b", **sizes)
 
 
 def test_one_stage_has_no_bubble() -> None:
@@ -181,8 +181,8 @@ def test_per_chunk_costs_and_measured_costs_round_trip() -> None:
     again = simulate(schedule, costs=back)
     assert again.records == trace.records and again.bubble_fraction == trace.bubble_fraction
     equal = simulate(schedule, costs=Costs(forward=[[1, 1], [1, 1]], backward=[[2, 2], [2, 2]]))
-    assert equal.bubble_fraction == formula_bubble_fraction("interleaved_1f1b", num_stages=2, num_microbatches=4,
-                                                            virtual_stages=2)
+    assert equal.bubble_fraction == bubble_fraction("interleaved_1f1b", num_stages=2, num_microbatches=4,
+                                                    virtual_stages=2)
 
 
 def test_per_chunk_costs_are_checked() -> None:

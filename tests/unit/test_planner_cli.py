@@ -69,7 +69,7 @@ def test_user_errors_are_one_line(capsys) -> None:
     assert "give exactly one model" in _error(capsys)
     assert "did you mean 'llama-7b'" in _error(capsys, "--model", "llama-7")
     assert "needs --vocab, --seq as well" in _error(capsys, "--layers", "2", "--hidden", "64", "--heads", "4")
-    assert "d_model = 64 is not divisible by n_head = 5" in _error(
+    assert "d_model=64 is not divisible by n_head=5" in _error(
         capsys, "--layers", "2", "--hidden", "64", "--heads", "5", "--vocab", "10", "--seq", "8")
     assert "unknown cluster preset 'a100'" in _error(capsys, *TINY[:2], "--cluster", "a100")
 

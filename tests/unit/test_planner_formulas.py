@@ -8,14 +8,13 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 
 import pytest
 
-from shardwise.models.presets import PRESETS, gpt_flops_per_token, gpt_num_params
+from shardwise.models.presets import PRESETS, GPTConfig, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    ModelSpec, Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
+    Op, Optimizer, PipelineSchedule, Precision, Recompute, bubble_fraction, bubble_ratio, flops_per_token,
     forward_flops, iteration_flops, layer_activation_bytes, max_trainable_params, model_preset, model_state_bytes,
     narayanan_params, narayanan_train_seconds, param_count, peak_in_flight, pipeline_seconds, ring_seconds,
     ring_send_bytes, six_nd, zero_paper_volume,
 )
-from shardwise.planner.specs import FFN, Norm, PositionKind
 
 DAY = 86_400
 
@@ -103,10 +102,10 @@ def test_narayanan_table_1_parameter_rows(layers: int, hidden: int, billions: fl
     assert round(p / 1e9, 2) == pytest.approx(billions, abs=1e-9)
 
 
-def _hand_model() -> ModelSpec:
+def _hand_model() -> GPTConfig:
     # 1 layer, d 4, 1 head, d_ff 16, vocab 8, seq 2, no biases, tied: numbers small enough to count by hand
-    return ModelSpec(n_layer=1, d_model=4, n_head=1, d_ff=16, vocab_size=8, seq_len=2, ffn=FFN.GELU,
-                     norm=Norm.RMSNORM, positions=PositionKind.ROTARY, bias=False, tie_embeddings=True, dropout=False)
+    return GPTConfig(n_layer=1, d_model=4, n_head=1, d_ff=16, vocab_size=8, seq_len=2, mlp="gelu", norm="rmsnorm",
+                     positions="rotary", bias=False, tie_embeddings=True, dropout=0.0)
 
 
 def test_hand_counted_params_and_flops() -> None:
@@ -198,12 +197,13 @@ def test_ring_volumes_and_alpha_beta_times_by_hand() -> None:
 
 
 def test_bubble_by_hand() -> None:
-    assert bubble_fraction(stages=4, microbatches=8) == pytest.approx(3 / 11)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.GPIPE) == pytest.approx(3 / 11)
-    assert bubble_ratio(stages=4, microbatches=8) == pytest.approx(3 / 8)
-    assert bubble_fraction(stages=4, microbatches=8, schedule=PipelineSchedule.INTERLEAVED_1F1B,
+    one_f_one_b = PipelineSchedule.ONE_F_ONE_B
+    assert bubble_fraction(one_f_one_b, num_stages=4, num_microbatches=8) == pytest.approx(3 / 11)
+    assert bubble_fraction(PipelineSchedule.GPIPE, num_stages=4, num_microbatches=8) == pytest.approx(3 / 11)
+    assert bubble_ratio(one_f_one_b, num_stages=4, num_microbatches=8) == pytest.approx(3 / 8)
+    assert bubble_fraction(PipelineSchedule.INTERLEAVED_1F1B, num_stages=4, num_microbatches=8,
                            virtual_stages=2) == pytest.approx(1.5 / 9.5)
-    assert bubble_fraction(stages=1, microbatches=8) == 0
+    assert bubble_fraction(one_f_one_b, num_stages=1, num_microbatches=8) == 0
     assert pipeline_seconds(microbatch_seconds=2.0, stages=4, microbatches=8) == pytest.approx(22.0)
     assert [peak_in_flight(stage=r, stages=4, microbatches=8) for r in range(4)] == [4, 3, 2, 1]
     assert peak_in_flight(stage=0, stages=4, microbatches=2) == 2

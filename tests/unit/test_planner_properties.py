@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
+from shardwise.models.presets import GPTConfig, MLPKind, Norm, Positions, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    JobSpec, ModelSpec, Offload, Op, Optimizer, PipelineSchedule, Plan, Precision, Recompute, bubble_fraction,
+    JobSpec, Offload, Op, Optimizer, PipelineSchedule, Plan, Precision, Recompute, bubble_fraction,
     cluster_preset, flops_per_token, iteration_flops, layer_activation_bytes, memory_per_rank, model_state_bytes,
     param_count, params_per_rank, ring_send_bytes,
 )
 from shardwise.planner.flops import params_per_stage
-from shardwise.planner.specs import FFN, Norm, PositionKind
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -29,28 +30,28 @@ def gpt_configs(draw: st.DrawFn) -> GPTConfig:
 
 
 @st.composite
-def model_specs(draw: st.DrawFn) -> ModelSpec:
+def model_shapes(draw: st.DrawFn) -> GPTConfig:
     n_head = draw(st.sampled_from([1, 2, 4, 8, 16]))
     n_kv_head = draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if n_head % d == 0]))
-    return ModelSpec(n_layer=draw(st.integers(1, 48)), d_model=n_head * draw(st.sampled_from([8, 32, 64, 128])),
+    return GPTConfig(n_layer=draw(st.integers(1, 48)), d_model=n_head * draw(st.sampled_from([8, 32, 64, 128])),
                      n_head=n_head, n_kv_head=n_kv_head, vocab_size=draw(st.integers(16, 70000)),
-                     seq_len=draw(st.sampled_from([64, 512, 2048])), ffn=draw(st.sampled_from(list(FFN))),
-                     norm=draw(st.sampled_from(list(Norm))), positions=draw(st.sampled_from(list(PositionKind))),
-                     bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()), dropout=draw(st.booleans()))
+                     seq_len=draw(st.sampled_from([64, 512, 2048])), mlp=draw(st.sampled_from(get_args(MLPKind))),
+                     norm=draw(st.sampled_from(get_args(Norm))), positions=draw(st.sampled_from(get_args(Positions))),
+                     bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()),
+                     dropout=draw(st.sampled_from([0.0, 0.1])))
 
 
 @FAST
 @given(gpt_configs())
 def test_count_of_our_gpt_is_exact_for_any_shape(cfg: GPTConfig) -> None:
-    spec = ModelSpec.from_gpt_config(cfg)
-    assert param_count(spec).total == gpt_num_params(cfg)
-    assert param_count(spec).non_embedding == gpt_num_params(cfg, exclude_embeddings=True)
-    assert flops_per_token(spec, causal=True) == gpt_flops_per_token(cfg)
+    assert param_count(cfg).total == gpt_num_params(cfg)
+    assert param_count(cfg).non_embedding == gpt_num_params(cfg, exclude_embeddings=True)
+    assert flops_per_token(cfg, causal=True) == gpt_flops_per_token(cfg)
 
 
 @FAST
-@given(model_specs(), st.integers(1, 16))
-def test_pipeline_stages_partition_the_parameters(model: ModelSpec, pp: int) -> None:
+@given(model_shapes(), st.integers(1, 16))
+def test_pipeline_stages_partition_the_parameters(model: GPTConfig, pp: int) -> None:
     assume(pp <= model.n_layer)
     total = param_count(model).total
     assert params_per_rank(model) == total
@@ -102,17 +103,19 @@ def test_bubble_falls_with_microbatches_and_grows_with_stages(p: int, m1: int, m
                                                               schedule: PipelineSchedule) -> None:
     assume(m1 < m2)
     v = 2 if schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
-    f = lambda stages, m: bubble_fraction(stages=stages, microbatches=m, schedule=schedule, virtual_stages=v)  # noqa
+    f = lambda stages, m: bubble_fraction(schedule, num_stages=stages, num_microbatches=m, virtual_stages=v)  # noqa
+    plain = bubble_fraction(PipelineSchedule.ONE_F_ONE_B, num_stages=p, num_microbatches=m1)
     assert 0 <= f(p, m2) <= f(p, m1) < 1
     if p > 1:
         assert f(p, m2) < f(p, m1)
         assert f(p + 1, m1) > f(p, m1)
-        assert f(p, m1) < bubble_fraction(stages=p, microbatches=m1) or v == 1
+        # interleaving shortens the bubble, except with one micro-batch: nothing to interleave (as simulated)
+        assert v == 1 or (f(p, m1) < plain if m1 > 1 else f(p, m1) == plain)
 
 
 @FAST
-@given(model_specs(), st.integers(1, 8), st.sampled_from([1, 2, 4, 8]), st.booleans())
-def test_activation_memory_orderings(model: ModelSpec, b: int, tp: int, flash: bool) -> None:
+@given(model_shapes(), st.integers(1, 8), st.sampled_from([1, 2, 4, 8]), st.booleans())
+def test_activation_memory_orderings(model: GPTConfig, b: int, tp: int, flash: bool) -> None:
     kw = dict(micro_batch=b, seq_len=model.seq_len, flash_attention=flash)
     none, selective, full = (layer_activation_bytes(model, tp=tp, recompute=r, **kw) for r in Recompute)
     assert full < selective <= none
@@ -121,8 +124,8 @@ def test_activation_memory_orderings(model: ModelSpec, b: int, tp: int, flash: b
 
 
 @FAST
-@given(model_specs(), st.integers(1, 4), st.integers(1, 512))
-def test_recomputation_adds_flops(model: ModelSpec, b: int, s: int) -> None:
+@given(model_shapes(), st.integers(1, 4), st.integers(1, 512))
+def test_recomputation_adds_flops(model: GPTConfig, b: int, s: int) -> None:
     base = iteration_flops(model, batch=b, seq_len=s)
     assert iteration_flops(model, batch=b, seq_len=s, recompute=Recompute.SELECTIVE) >= base
     assert iteration_flops(model, batch=b, seq_len=s, recompute=Recompute.FULL) > base

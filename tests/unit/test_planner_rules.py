@@ -4,10 +4,13 @@ calibration's GEMM fit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from shardwise.models import GPTConfig
 from shardwise.planner import (
-    JobSpec, ModelSpec, Plan, Recompute, analyze, cluster_preset, model_preset, step_time,
+    JobSpec, Plan, Recompute, analyze, cluster_preset, model_preset, step_time,
 )
 from shardwise.planner.comm import Axis, Op, pp_collectives
 from shardwise.planner.kernels import block_parts, gemm_seconds
@@ -23,9 +26,9 @@ A100 = cluster_preset("a100-80gb")
 JOB = JobSpec(global_batch=64)
 
 
-def _gpt(h: int, layers: int = 24, heads: int | None = None) -> ModelSpec:
-    return ModelSpec(name=f"gpt-{h}", n_layer=layers, d_model=h, n_head=heads or h // 128, vocab_size=51200,
-                     seq_len=2048, tie_embeddings=True)
+def _gpt(h: int, layers: int = 24, heads: int | None = None) -> GPTConfig:
+    return GPTConfig(n_layer=layers, d_model=h, n_head=heads or h // 128, vocab_size=51200, seq_len=2048,
+                     tie_embeddings=True, dropout=0.1)
 
 
 def _rate(m: float, k: float, n: float, job: JobSpec = JOB) -> float:
@@ -66,7 +69,7 @@ def test_last_stage_carries_the_output_layer() -> None:
     model, plan = _gpt(4096, layers=32), Plan(pp=4, micro_batch=1)
     stages = microbatch_compute(model, A100, JOB, plan).stages_s
     assert stages[1] == pytest.approx(stages[2]) and stages[-1] > stages[1] and stages[0] > stages[1]
-    bigger_vocab = ModelSpec(**{**model.to_dict(), "vocab_size": 4 * 51200})
+    bigger_vocab = dataclasses.replace(model, vocab_size=4 * 51200)
     wider = microbatch_compute(bigger_vocab, A100, JOB, plan).stages_s
     assert wider[:3] == pytest.approx(stages[:3]) and wider[-1] > stages[-1]
     # the slowest stage sets the pace of every micro-batch; the others only fill and drain the pipeline
@@ -125,8 +128,8 @@ def test_per_module_gathering_holds_less() -> None:
     assert buffer_elements(model, block, plan) == 2 * sum(mods)
     assert buffer_elements(model, module, plan) == 2 * max(mods) < sum(mods)
     # Narayanan et al. 2021 Table 2 ran 530B under ZeRO-3 on 640 A100s at micro-batch 4 (DeepSpeed)
-    big = ModelSpec(name="530b", n_layer=105, d_model=20480, n_head=128, vocab_size=51200, seq_len=2048,
-                    tie_embeddings=True)
+    big = GPTConfig(n_layer=105, d_model=20480, n_head=128, vocab_size=51200, seq_len=2048, tie_embeddings=True,
+                    dropout=0.1)
     cluster = A100.replace(num_gpus=640)
     assert memory_per_rank(big, cluster, module, plan).fits
     assert not memory_per_rank(big, cluster, block, plan).fits

@@ -218,7 +218,7 @@ def test_planner_and_plan_command_import_no_torch() -> None:
 def test_search_answers_in_well_under_a_second() -> None:
     model, job = model_preset("gpt3-175b"), JobSpec(global_batch=1536)
     cluster = cluster_preset("a100-80gb", num_gpus=1024)
-    fresh = dataclasses.replace(model, name="gpt3-timing")     # defeat the caches of earlier tests
+    fresh = dataclasses.replace(model, init_std=0.021)        # defeat the caches of earlier tests
     t0 = time.process_time()                                   # CPU time: other tenants do not count
     analyze(fresh, cluster, job)
     assert time.process_time() - t0 < 1.0

@@ -11,7 +11,7 @@ import pytest
 
 from shardwise.models.presets import PRESETS, gpt_num_params
 from shardwise.planner import (
-    Axis, Collective, JobSpec, Link, ModelSpec, Op, Plan, PlannerError, Precision, cluster_preset, forward_flops,
+    Axis, Collective, JobSpec, Link, Op, Plan, PlannerError, Precision, cluster_preset, forward_flops,
     model_preset, param_count, params_per_rank, step_time,
 )
 from shardwise.planner.calibrate import cluster_from_probes, fit_collective
@@ -20,7 +20,7 @@ from shardwise.planner.time import (
 )
 from shardwise.planner.zero3 import Zero3Shape, exposed_seconds
 
-TINY = ModelSpec.from_gpt_config(PRESETS["tiny"])
+TINY = PRESETS["tiny"]
 FP32 = JobSpec(global_batch=4, precision=Precision.FP32)
 MEASURED = cluster_preset("a100-80gb", num_gpus=2).replace(
     peak_flops_fp32=1e11, compute_efficiency=1.0, attention_flops=5e10, activation_s=1e-8, norm_s=2e-9,
@@ -29,7 +29,7 @@ MEASURED = cluster_preset("a100-80gb", num_gpus=2).replace(
 
 @pytest.mark.parametrize("name,tensors", [("tiny", 4 * 16 + 5), ("gpt2-124m", 12 * 16 + 4), ("llama-7b", 32 * 9 + 3)])
 def test_parameter_tensors_add_up_to_the_exact_count(name: str, tensors: int) -> None:
-    model = ModelSpec.from_gpt_config(PRESETS[name]) if name == "tiny" else model_preset(name)
+    model = PRESETS[name] if name == "tiny" else model_preset(name)
     sizes = param_tensor_sizes(model)
     assert len(sizes) == tensors and sum(sizes) == param_count(model).total
     if name == "tiny":

@@ -1,19 +1,7 @@
-"""Pipeline schedules as pure data: each stage's ordered list of forward/backward actions.
-
-A schedule says *what* a stage computes and in which order; it never says how it communicates.
-The runtime (and the simulator in `simulate.py`) derive every send and receive from the stage's
-position with :func:`transfers`, so one list serves the runtime, the simulator and the pictures.
-
-Model chunks. With ``virtual_stages`` V the model is cut into P * V contiguous model chunks;
-local chunk ``v`` of stage ``p`` holds model chunk ``v * P + p`` (Megatron's interleaved layout),
-so a micro-batch goes round the stages V times. With V = 1 the chunk is always 0.
-
-Text form. ``str(Action)`` is ``F<microbatch>`` / ``B<microbatch>`` for chunk 0 and
-``F<microbatch>.<chunk>`` for a later local chunk: ``F3`` is the forward of micro-batch 3 on the
-stage's first chunk, ``B3.1`` the backward of micro-batch 3 on its second. :meth:`Action.parse`
-reads it back.
-
-No torch here (DESIGN principle 6).
+"""Pipeline schedules as pure data: each stage's ordered list of forward/backward actions, and each schedule's
+bubble in closed form. A schedule says *what* a stage computes and in which order, never how it communicates:
+the runtime and the simulator derive every send and receive from the stage's position (`transfers`). No torch
+here: the planner imports this module.
 """
 
 from __future__ import annotations
@@ -22,6 +10,7 @@ import difflib
 import enum
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Sequence
 
 from shardwise.config import PipelineSchedule
@@ -42,7 +31,16 @@ class Op(enum.Enum):
 
 @dataclass(frozen=True)
 class Action:
-    """Forward or backward of one micro-batch on one of the stage's local model chunks."""
+    """Forward or backward of one micro-batch on one of the stage's local model chunks.
+
+    Model chunks. With ``virtual_stages`` V the model is cut into P * V contiguous model chunks; local chunk
+    ``v`` of stage ``p`` holds model chunk ``v * P + p`` (Megatron's interleaved layout), so a micro-batch goes
+    round the stages V times. With V = 1 the chunk is always 0.
+
+    Text form. ``str(Action)`` is ``F<microbatch>`` / ``B<microbatch>`` for chunk 0 and
+    ``F<microbatch>.<chunk>`` for a later local chunk: ``F3`` is the forward of micro-batch 3 on the stage's
+    first chunk, ``B3.1`` the backward of micro-batch 3 on its second. :meth:`parse` reads it back.
+    """
 
     op: Op
     microbatch: int
@@ -212,6 +210,37 @@ def build_schedule(kind: str | PipelineSchedule, *, num_stages: int, num_microba
                                         virtual_stages=virtual_stages) for s in range(num_stages)]
     build = gpipe if schedule is PipelineSchedule.GPIPE else one_f_one_b
     return [build(num_stages=num_stages, stage=s, num_microbatches=num_microbatches) for s in range(num_stages)]
+
+
+# ----- the bubble in closed form -----
+
+def bubble_microbatches(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
+                        virtual_stages: int = 1) -> Fraction:
+    """Idle time of each stage, in micro-batch times t (one micro-batch's forward + backward through a stage),
+    with equal stage costs and free communication: what `simulate` reproduces exactly with equal costs.
+
+    Filling and draining take P - 1 slots of t / V. Interleaved with M < P, a group of M micro-batches also
+    waits P - M slots at each of its V - 1 returns to the first stage: ((P - 1) + (V - 1) max(0, P - M)) / V.
+    Not interleaved: V = 1 (Huang et al. 2019, GPipe; Narayanan et al. 2021, section 2.2).
+    """
+    _check_sizes(num_stages, 0, num_microbatches, virtual_stages)
+    v = virtual_stages if parse_schedule_kind(kind) is PipelineSchedule.INTERLEAVED_1F1B else 1
+    return Fraction(num_stages - 1 + (v - 1) * max(0, num_stages - num_microbatches), v)
+
+
+def bubble_ratio(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
+                 virtual_stages: int = 1) -> Fraction:
+    """Idle over busy time (Narayanan's t_pb / t_id): (P-1)/M; interleaved with M >= P, (P-1)/(V*M)."""
+    return bubble_microbatches(kind, num_stages=num_stages, num_microbatches=num_microbatches,
+                               virtual_stages=virtual_stages) / num_microbatches
+
+
+def bubble_fraction(kind: str | PipelineSchedule, *, num_stages: int, num_microbatches: int,
+                    virtual_stages: int = 1) -> Fraction:
+    """Idle share of the time: (P-1)/(M+P-1); interleaved with M >= P, (P-1)/(V*M+P-1)."""
+    idle = bubble_microbatches(kind, num_stages=num_stages, num_microbatches=num_microbatches,
+                               virtual_stages=virtual_stages)
+    return idle / (num_microbatches + idle)
 
 
 # ----- what the runtime derives from a stage's position: point-to-point transfers -----

@@ -1,29 +1,8 @@
-"""A discrete-event simulator for pipeline schedules, and the measured-trace form of the same timeline.
+"""The interpreter of pipeline programs: each stage's computes and point-to-point batches, run with times.
 
-Every stage walks its action list in order, one action at a time. Before an action it receives its
-input from the neighbouring model chunk and after it sends its output on (`schedules.transfers`),
-exactly as the runtime does. How a send behaves is the :class:`SendMode`:
-
-- ASYNC (isend/irecv): a send never blocks; a receive waits until the data has arrived.
-- BLOCKING (send/recv rendezvous): a send and its receive each block until the peer posts the other.
-  Plain 1F1B deadlocks this way for P >= 2, M >= 2 (stage 0 sends F1 while stage 1 sends B0).
-- BATCHED: blocking, but the send after an action and the receive before the next action are posted
-  together and waited on together (``dist.batch_isend_irecv`` + wait, Megatron's 1F1B pairing).
-  Enough for GPipe and 1F1B, not for interleaved 1F1B (Megatron batches both directions of a
-  forward/backward pair there, which this mode does not model). The runtime should use ASYNC.
-
-Times follow max-plus rules (an action starts when its stage is free and its input has arrived),
-so they do not depend on the order in which the loop visits stages. Give integer or Fraction costs
-to get exact figures. A schedule that cannot finish is reported as a :class:`Deadlock` naming the
-cycle of waiting stages.
-
-Bubble conventions. With idle(s) = makespan - busy(s):
-- ``bubble_fraction`` = sum idle / (P * makespan): share of the total time. Equal stage costs, no
-  latency: (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with M >= P.
-- ``bubble_ratio`` = sum idle / sum busy: Narayanan's t_pb / t_id. (P-1)/M for GPipe and 1F1B and
-  exactly that divided by V, (P-1)/(V*M), for interleaved 1F1B with M >= P.
-The two carry the same information: fraction = ratio / (1 + ratio). `formulas.formula_bubble_fraction` and
-`formulas.formula_bubble_ratio` give the closed forms (also for interleaved with M < P).
+`simulate` / `check_schedule` run a schedule's programs in action order (`SendMode` says how sends are posted)
+and return its `Timeline` (also built from a measured trace) or the `Deadlock` that stops it; `comm_plan` checks
+its NCCL-safe programs with the same interpreter (`run_programs`), matching sends to receives by order.
 """
 
 from __future__ import annotations
@@ -33,19 +12,66 @@ import enum
 import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from shardwise.errors import UserError
 from shardwise.parallel.pipeline.schedules import (
-    Action, Message, Op, PipelineError, Transfer, transfers, validate_schedule)
+    Action, Message, Op, PipelineError, Transfer, infer_sizes, transfers, validate_schedule)
 
 Number = Union[int, float, Fraction]
 
 
 class SendMode(enum.StrEnum):
+    """How a stage posts the send after an action and the receive before one.
+
+    ASYNC (isend/irecv): a send never blocks; a receive waits until the data has arrived.
+    BLOCKING (send/recv rendezvous): a send and its receive each block until the peer posts the other. Plain
+    1F1B deadlocks this way for P >= 2, M >= 2 (stage 0 sends F1 while stage 1 sends B0).
+    BATCHED: blocking, but the send after an action and the receive before the next action are posted together
+    and waited on together (``dist.batch_isend_irecv`` + wait, Megatron's 1F1B pairing). Enough for GPipe and
+    1F1B, not for interleaved 1F1B (Megatron batches both directions of a forward/backward pair there, which
+    this mode does not model). The runtime posts `comm_plan`'s batches instead.
+    """
+
     ASYNC = "async"
     BLOCKING = "blocking"
     BATCHED = "batched"
+
+
+class Matching(enum.Enum):
+    """How a receive finds its send."""
+
+    BY_MESSAGE = "message"   # by tag (gloo): a receive takes the send of its own message
+    BY_ORDER = "order"       # NCCL: between two stages, per direction, the k-th receive takes the k-th send
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run the stage's action number ``index`` (its position in the stage's action list)."""
+
+    index: int
+    action: Action
+
+    def __str__(self) -> str:
+        return str(self.action)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Point-to-point operations a stage posts together and waits on together (one ``batch_isend_irecv``)."""
+
+    tick: int | None
+    """The comm plan's grid tick it is posted at (`comm_plan`); None in a program made in action order."""
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+
+    def __str__(self) -> str:
+        parts = [f"send {t.message.op.value}{t.message.microbatch}@{t.message.source}->{t.peer}" for t in self.sends]
+        parts += [f"recv {t.message.op.value}{t.message.microbatch}@{t.message.source}<-{t.peer}" for t in self.recvs]
+        return f"[{'' if self.tick is None else f'{self.tick}: '}{', '.join(parts)}]"
+
+
+Step = Union[Batch, Compute]
 
 
 @dataclass(frozen=True)
@@ -161,12 +187,15 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> Number:
-        """Idle share of all stages' time: sum idle / (P * makespan)."""
+        """Idle share of all stages' time: sum idle / (P * makespan), idle = makespan - busy. With equal stage
+        costs and no latency (P-1)/(M+P-1) for GPipe and 1F1B, (P-1)/(V*M+P-1) for interleaved 1F1B with M >= P
+        (`schedules.bubble_fraction` in general). The same information as the ratio: ratio / (1 + ratio)."""
         return sum(self.idle(s) for s in range(self.num_stages)) / (self.num_stages * self.makespan)
 
     @property
     def bubble_ratio(self) -> Number:
-        """Idle over busy time, sum idle / sum busy (Narayanan's t_pb / t_id)."""
+        """Idle over busy time, sum idle / sum busy (Narayanan's t_pb / t_id): (P-1)/M for GPipe and 1F1B with
+        equal costs, that divided by V for interleaved 1F1B with M >= P (`schedules.bubble_ratio`)."""
         return sum(self.idle(s) for s in range(self.num_stages)) / sum(self.busy(s) for s in range(self.num_stages))
 
     def peak_in_flight(self, stage: int) -> int:
@@ -211,23 +240,7 @@ def measured_costs(timeline: Timeline) -> Costs:
                  backward=[[mean(Op.BACKWARD, s, v) for v in chunks] for s in range(timeline.num_stages)])
 
 
-# ----- the simulation -----
-
-@dataclass(frozen=True)
-class _Compute:
-    action: Action
-    duration: Number
-    local_input: Message | None   # produced earlier on this same stage (P = 1 with V > 1)
-    local_output: Message | None  # consumed later on this same stage
-
-
-@dataclass(frozen=True)
-class _Exchange:
-    sends: tuple[Transfer, ...]
-    recvs: tuple[Transfer, ...]
-    after: Action | None   # the action whose output is sent, for explanations
-    before: Action | None  # the action whose input is received
-
+# ----- the interpreter -----
 
 @dataclass(frozen=True)
 class Deadlock:
@@ -254,82 +267,34 @@ class DeadlockError(UserError, RuntimeError):
         self.deadlock = deadlock
 
 
-def _programs(schedule: Sequence[Sequence[Action]], costs: Costs, mode: SendMode,
-              sizes: tuple[int, int, int]) -> list[list[_Compute | _Exchange]]:
-    """Each stage's steps: [recv] compute [send] per action; BATCHED merges a send with the next recv."""
-    num_stages, _, virtual = sizes
-    durations = [{(op, v): costs.duration(op, stage, num_stages, virtual, v) for op in Op for v in range(virtual)}
-                 for stage in range(num_stages)]
+def _programs(schedule: Sequence[Sequence[Action]], mode: SendMode) -> list[list[Step]]:
+    """Each stage's program in action order: [receive] compute [send] per action, as the runtime would post
+    them one by one; BATCHED merges a send with the next receive. Hand-offs inside a stage need no batch."""
+    num_stages, _, virtual = infer_sizes(schedule)
     programs = []
     for stage, actions in enumerate(schedule):
-        steps: list[_Compute | _Exchange] = []
-        for action in actions:
+        steps: list[Step] = []
+        for index, action in enumerate(actions):
             t = transfers(action, stage=stage, num_stages=num_stages, virtual_stages=virtual)
             if t.recv is not None and not t.recv_local:
                 last = steps[-1] if steps else None
-                if mode is SendMode.BATCHED and isinstance(last, _Exchange) and not last.recvs:
-                    steps[-1] = _Exchange(last.sends, (t.recv,), last.after, action)
+                if mode is SendMode.BATCHED and isinstance(last, Batch) and not last.recvs:
+                    steps[-1] = Batch(None, last.sends, (t.recv,))
                 else:
-                    steps.append(_Exchange((), (t.recv,), None, action))
-            exact = costs.actions.get((stage, action)) if costs.actions else None
-            steps.append(_Compute(action, durations[stage][(action.op, action.chunk)] if exact is None else exact,
-                                  t.recv.message if t.recv_local else None,
-                                  t.send.message if t.send_local else None))
+                    steps.append(Batch(None, (), (t.recv,)))
+            steps.append(Compute(index, action))
             if t.send is not None and not t.send_local:
-                steps.append(_Exchange((t.send,), (), action, None))
+                steps.append(Batch(None, (t.send,), ()))
         programs.append(steps)
     return programs
 
 
 def check_schedule(schedule: Sequence[Sequence[Action]], *, costs: Costs = Costs(),
                    mode: SendMode | str = SendMode.ASYNC, name: str = "") -> Timeline | Deadlock:
-    """Run the schedule's dependency graph; the timeline if it can finish, else the deadlock."""
+    """Run the schedule with sends posted as ``mode`` says; the timeline if it can finish, else the deadlock."""
     mode = SendMode(mode)
-    sizes = validate_schedule(schedule)
-    num_stages = sizes[0]
-    programs = _programs(schedule, costs, mode, sizes)
-    clock: list[Number] = [0] * num_stages
-    pc = [0] * num_stages
-    local_ready: dict[tuple[int, Message], Number] = {}  # hand-offs inside a stage: producer's end
-    posted: dict[tuple[bool, Message], Number] = {}        # (is_send, message) -> time its stage posted it
-    records: list[ActionRecord] = []
-
-    def completion(is_send: bool, message: Message) -> Number | None:
-        mine, theirs = posted[(is_send, message)], posted.get((not is_send, message))
-        if mode is SendMode.ASYNC:
-            if is_send:
-                return mine
-            return None if theirs is None else max(mine, theirs + costs.latency)
-        return None if theirs is None else max(mine, theirs) + costs.latency
-
-    progress = True
-    while progress:
-        progress = False
-        for stage in range(num_stages):
-            while pc[stage] < len(programs[stage]):
-                step = programs[stage][pc[stage]]
-                if isinstance(step, _Compute):
-                    if step.local_input is not None and (stage, step.local_input) not in local_ready:
-                        break
-                    start = clock[stage]
-                    clock[stage] = start + step.duration
-                    records.append(ActionRecord(stage, step.action, start, clock[stage]))
-                    if step.local_output is not None:
-                        local_ready[(stage, step.local_output)] = clock[stage]
-                else:
-                    ops = [(True, s.message) for s in step.sends] + [(False, r.message) for r in step.recvs]
-                    for op in ops:
-                        posted.setdefault(op, clock[stage])
-                    done = [completion(*op) for op in ops]
-                    if any(d is None for d in done):
-                        break
-                    clock[stage] = max([clock[stage], *done])
-                pc[stage] += 1
-                progress = True
-    if all(pc[s] == len(programs[s]) for s in range(num_stages)):
-        return Timeline(records=tuple(sorted(records, key=lambda r: (r.stage, r.start))), num_stages=num_stages,
-                        num_microbatches=sizes[1], virtual_stages=sizes[2], name=name)
-    return _explain(programs, pc, posted, mode, tuple(records))
+    validate_schedule(schedule)
+    return run_programs(_programs(schedule, mode), costs=costs, mode=mode, name=name)
 
 
 def simulate(schedule: Sequence[Sequence[Action]], *, costs: Costs = Costs(),
@@ -341,8 +306,134 @@ def simulate(schedule: Sequence[Sequence[Action]], *, costs: Costs = Costs(),
     return result
 
 
-def _explain(programs: list[list[_Compute | _Exchange]], pc: list[int], posted: dict[tuple[bool, Message], Number],
-             mode: SendMode, finished: tuple[ActionRecord, ...]) -> Deadlock:
+_Key = tuple[Any, ...]
+"""A posted send or receive: (is_send, message) when matched by message, (is_send, src, dst, k) by order."""
+
+
+@dataclass(frozen=True)
+class _Posted:
+    key: _Key
+    transfer: Transfer
+    is_send: bool
+
+
+def run_programs(programs: Sequence[Sequence[Step]], *, costs: Costs = Costs(), mode: SendMode = SendMode.ASYNC,
+                 matching: Matching = Matching.BY_MESSAGE, name: str = "") -> Timeline | Deadlock:
+    """Run every stage's program; the timeline if all finish, else the deadlock that stops them. The programs'
+    computes, stage by stage, are a valid schedule (`validate_schedule`; the callers check it).
+
+    A stage runs its steps in order. A compute starts when its stage is free (its remote input was received by
+    an earlier batch; a hand-off inside the stage must have been produced) and lasts its cost. A batch posts its
+    sends and receives at the stage's clock and completes when each operation met its peer's: under ASYNC a
+    send at once and a receive when the data has arrived (its send + latency); otherwise each when both sides
+    posted (the later post + latency). Times follow max-plus rules, so they do not depend on the order the
+    loop visits stages; integer or Fraction costs give exact figures.
+
+    Raises `PipelineError` where a program is wrong whatever the timing: a send before its stage computed the
+    message, a compute before a batch received its input, a send or receive that no peer operation matches,
+    and under BY_ORDER a k-th send that is not the message of the k-th receive it meets (NCCL has no tags).
+    """
+    num_stages, num_microbatches, virtual = infer_sizes(
+        [[s.action for s in steps if isinstance(s, Compute)] for steps in programs])
+    durations = [{(op, v): costs.duration(op, stage, num_stages, virtual, v) for op in Op for v in range(virtual)}
+                 for stage in range(num_stages)]
+    clock: list[Number] = [0] * num_stages
+    pc = [0] * num_stages
+    waiting: list[list[_Posted] | None] = [None] * num_stages   # the posted batch a stage waits on
+    posted: dict[_Key, Number] = {}                             # operation -> time its stage posted it
+    queues: dict[tuple[bool, int, int], list[Message]] = {}     # (is_send, src, dst) -> messages in posting order
+    handed: set[tuple[int, Message]] = set()                    # hand-offs inside a stage, produced
+    produced: list[set[Message]] = [set() for _ in range(num_stages)]
+    received: list[set[Message]] = [set() for _ in range(num_stages)]
+    records: list[ActionRecord] = []
+
+    def post(stage: int, t: Transfer, is_send: bool) -> _Posted:
+        src, dst = (stage, t.peer) if is_send else (t.peer, stage)
+        mine = queues.setdefault((is_send, src, dst), [])
+        theirs = queues.get((not is_send, src, dst), [])
+        k = len(mine)
+        mine.append(t.message)
+        key: _Key = (is_send, t.message)
+        if matching is Matching.BY_ORDER:
+            if len(theirs) > k and theirs[k] != t.message:
+                sent, wanted = (t.message, theirs[k]) if is_send else (theirs[k], t.message)
+                raise PipelineError(f"stages {src} -> {dst}: send number {k} is the {sent} but the receive it "
+                                    f"meets is for the {wanted} (NCCL matches by order, not by tag)")
+            key = (is_send, src, dst, k)
+        posted[key] = clock[stage]
+        return _Posted(key, t, is_send)
+
+    def completion(op: _Posted) -> Number | None:
+        mine, theirs = posted[op.key], posted.get(_peer_key(op.key))
+        if mode is SendMode.ASYNC:
+            if op.is_send:
+                return mine
+            return None if theirs is None else max(mine, theirs + costs.latency)
+        return None if theirs is None else max(mine, theirs) + costs.latency
+
+    progress = True
+    while progress:
+        progress = False
+        for stage in range(num_stages):
+            while pc[stage] < len(programs[stage]):
+                step = programs[stage][pc[stage]]
+                if isinstance(step, Compute):
+                    action = step.action
+                    t = transfers(action, stage=stage, num_stages=num_stages, virtual_stages=virtual)
+                    if t.recv is not None and t.recv_local and (stage, t.recv.message) not in handed:
+                        break   # its input comes from a later action of the same stage: stuck
+                    if t.recv is not None and not t.recv_local and t.recv.message not in received[stage]:
+                        raise PipelineError(f"stage {stage} runs {action} before receiving its input "
+                                            f"{t.recv.message}")
+                    exact = costs.actions.get((stage, action)) if costs.actions else None
+                    start = clock[stage]
+                    clock[stage] = start + (durations[stage][(action.op, action.chunk)] if exact is None else exact)
+                    records.append(ActionRecord(stage, action, start, clock[stage]))
+                    if t.send is not None and t.send_local:
+                        handed.add((stage, t.send.message))
+                    elif t.send is not None:
+                        produced[stage].add(t.send.message)
+                else:
+                    ops = waiting[stage]
+                    if ops is None:   # post the batch once
+                        for s in step.sends:
+                            if s.message not in produced[stage]:
+                                raise PipelineError(f"stage {stage} sends the {s.message} before computing it")
+                        ops = [post(stage, s, True) for s in step.sends] + [post(stage, r, False) for r in step.recvs]
+                        waiting[stage] = ops
+                    done = [completion(op) for op in ops]
+                    if any(d is None for d in done):
+                        break   # the stage waits here until its peers post their side
+                    clock[stage] = max([clock[stage], *done])
+                    received[stage].update(r.message for r in step.recvs)
+                    waiting[stage] = None
+                pc[stage] += 1
+                progress = True
+    if any(pc[s] < len(programs[s]) for s in range(num_stages)):
+        return _explain(programs, pc, waiting, posted, mode, tuple(records), num_stages, virtual)
+    _check_all_matched(queues)
+    return Timeline(records=tuple(sorted(records, key=lambda r: (r.stage, r.start))), num_stages=num_stages,
+                    num_microbatches=num_microbatches, virtual_stages=virtual, name=name)
+
+
+def _peer_key(key: _Key) -> _Key:
+    """The operation that meets ``key``: the other side of the same message, or of the same place in order."""
+    return (not key[0], *key[1:])
+
+
+def _check_all_matched(queues: dict[tuple[bool, int, int], list[Message]]) -> None:
+    """Between every two stages, per direction, as many sends as receives (each receive that completed met
+    its own send, so equal counts mean every send was taken)."""
+    for src, dst in sorted({(src, dst) for _, src, dst in queues}):
+        sends, recvs = queues.get((True, src, dst), []), queues.get((False, src, dst), [])
+        if len(sends) != len(recvs):
+            raise PipelineError(f"stage {src} posts {len(sends)} send(s) to stage {dst}, which posts "
+                                f"{len(recvs)} receive(s)")
+
+
+def _explain(programs: Sequence[Sequence[Step]], pc: list[int], waiting: list[list[_Posted] | None],
+             posted: dict[_Key, Number], mode: SendMode, finished: tuple[ActionRecord, ...], num_stages: int,
+             virtual: int) -> Deadlock:
     """Name what each stuck stage waits for and follow the waits to a cycle."""
     waits_on: dict[int, int] = {}
     text: dict[int, str] = {}
@@ -350,21 +441,20 @@ def _explain(programs: list[list[_Compute | _Exchange]], pc: list[int], posted: 
         if pc[stage] == len(steps):
             continue
         step = steps[pc[stage]]
-        if isinstance(step, _Compute):
+        if isinstance(step, Compute):   # only a hand-off inside the stage stops a compute
+            t = transfers(step.action, stage=stage, num_stages=num_stages, virtual_stages=virtual)
             waits_on[stage] = stage
             text[stage] = (f"stage {stage} runs {step.action} before the same stage produces its input "
-                           f"({step.local_input})")
+                           f"({t.recv.message if t.recv is not None else 'none'})")
             continue
-        for is_send, items in ((False, step.recvs), (True, step.sends)):
-            for item in items:
-                if mode is SendMode.ASYNC and is_send:
-                    continue  # async sends never wait
-                if (not is_send, item.message) in posted:
-                    continue  # matched
-                where = f"after {step.after}" if step.after else f"before {step.before}"
-                verb = f"send the {item.message} to" if is_send else f"receive the {item.message} from"
-                waits_on.setdefault(stage, item.peer)
-                text.setdefault(stage, f"stage {stage} ({where}) waits to {verb} stage {item.peer}")
+        where = _where(steps, pc[stage])
+        for op in sorted(waiting[stage] or (), key=lambda op: op.is_send):   # receives first
+            if (mode is SendMode.ASYNC and op.is_send) or _peer_key(op.key) in posted:
+                continue   # async sends never wait; this one is matched
+            message, peer = op.transfer.message, op.transfer.peer
+            verb = f"send the {message} to" if op.is_send else f"receive the {message} from"
+            waits_on.setdefault(stage, peer)
+            text.setdefault(stage, f"stage {stage} ({where}) waits to {verb} stage {peer}")
     # Every stuck stage waits on a stuck stage, so walking the waits from any of them meets a cycle.
     seen: list[int] = []
     stage = min(waits_on)
@@ -373,3 +463,14 @@ def _explain(programs: list[list[_Compute | _Exchange]], pc: list[int], posted: 
         stage = waits_on[stage]
     cycle = tuple(seen[seen.index(stage):]) if stage in seen else tuple(seen)
     return Deadlock(mode=mode, cycle=cycle, waits=tuple(text[s] for s in cycle), finished=finished)
+
+
+def _where(steps: Sequence[Step], at: int) -> str:
+    """Where batch ``at`` sits: after the compute whose output it sends, else before the compute it feeds."""
+    batch = steps[at]
+    assert isinstance(batch, Batch)
+    before = [s for s in steps[:at] if isinstance(s, Compute)]
+    after = [s for s in steps[at + 1:] if isinstance(s, Compute)]
+    if batch.sends and before:
+        return f"after {before[-1]}"
+    return f"before {after[0]}" if after else f"after {before[-1]}" if before else "at its start"
