@@ -256,7 +256,7 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
     then holds its layers' slices); `model_parameters`, given from the full model, then name the slices."""
     if cfg.tensor_parallel.size == 1:
         return model_parameters
-    from shardwise.parallel.tensor_parallel import parallelize_model
+    from shardwise.models.parallelize import parallelize_model
     info = parallelize_model(model, mesh.comm(Axis.TP, ledger), sequence_parallel=cfg.tensor_parallel.sequence_parallel)
     return info.remap(model_parameters) if model_parameters is not None else None
 

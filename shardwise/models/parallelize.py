@@ -1,12 +1,16 @@
-"""Plans for known model families, their validation, and the engine's entry point `parallelize_model`.
+"""How each model family is split by tensor parallelism: the plans live here, beside the models, so that
+`shardwise.parallel` knows no model (its `apply_tensor_parallel` takes any plan).
 
-- The built-in GPT: `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which also installs the
-  vocabulary-parallel loss, so the full logits are never gathered.
-- Hugging Face models that publish `config.base_model_tp_plan` (Llama family): `hf_tp_plan` reads the
-  plan as transformers resolves it (the base model's plan under its prefix, the input embedding split by
-  vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and `parallelize_hf`
-  applies it and adjusts the attention modules' head counts.
-- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `plan.py`).
+- The built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which
+  also installs the vocabulary-parallel loss, so the full logits are never gathered.
+- Hugging Face models that publish `config.base_model_tp_plan` (GPT2LMHeadModel, LlamaForCausalLM...):
+  `hf_tp_plan` reads the plan as transformers resolves it (the base model's plan under its prefix, the input
+  embedding split by vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and
+  `parallelize_hf` applies it and adjusts the attention modules' head counts.
+- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `parallel/tensor_parallel/plan.py`).
+
+`parallelize_model` picks among them: the engine calls it on the whole model before the pipeline split.
+(The pipeline cut of the built-in GPT is its own `GPT.pipeline_layers()`.)
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from typing import Any, Mapping
 from torch import nn
 
 from shardwise.comm.collectives import Comm
+from shardwise.models.gpt import GPT
 from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
 from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor_parallel.plan import (
-    COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, pattern_regex, resolve_plan,
+    COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, own_plan, pattern_regex, resolve_plan,
 )
 
 # -- the built-in GPT ---------------------------------------------------------------------------------
@@ -27,7 +32,7 @@ from shardwise.parallel.tensor_parallel.plan import (
 
 def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = True,
                 swiglu: bool = False) -> dict[str, Style]:
-    """Megatron's layout for `shardwise.models.GPT`. Per block, without sequence parallelism: the attention
+    """Megatron's layout for the built-in `GPT`. Per block, without sequence parallelism: the attention
     input enters the region once (all-reduce backward), q/k/v column-parallel (heads split), o_proj
     row-parallel (all-reduce forward); fc_in column-parallel (all-reduce backward), fc_out row-parallel
     (all-reduce forward). The token table is split by vocabulary, the lm-head by vocabulary columns (its
@@ -116,7 +121,7 @@ def _raise_if(problems: list[str], tp: int, what: str) -> None:
 
 
 def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
-    """Split a `shardwise.models.GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
+    """Split a `GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
     `model(ids, labels)`) the vocabulary-parallel cross-entropy. `model(ids)` then returns this rank's
     vocabulary shard of the logits, [b, s, vocab / t]."""
     _raise_if(validate_gpt(model.cfg, comm.size), comm.size, "this GPT")
@@ -235,7 +240,6 @@ def parallelize_hf(model: nn.Module, comm: Comm) -> TensorParallelInfo:
 def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
     """Split a model the engine was given: the built-in GPT, a transformers model with a tp plan, or a model
     carrying `shardwise_tp_plan`. Anything else is a `TensorParallelError` saying what to provide."""
-    from shardwise.models.gpt import GPT
     if isinstance(model, GPT):
         return parallelize_gpt(model, comm, sequence_parallel=sequence_parallel)
     if is_hf_model(model):
@@ -244,8 +248,8 @@ def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool =
                                       "sequence-parallel layout; set it to false, or give the model a "
                                       "`shardwise_tp_plan` with sequence-parallel styles")
         return parallelize_hf(model, comm)
-    plan = getattr(model, "shardwise_tp_plan", None)
-    if isinstance(plan, Mapping) and plan:
+    plan = own_plan(model)
+    if plan is not None:
         return apply_tensor_parallel(model, comm, plan)
     raise TensorParallelError(f"tensor_parallel.size = {comm.size}: shardwise does not know how to split a "
                               f"{type(model).__name__}; use shardwise.models.GPT, a Hugging Face model whose config "
