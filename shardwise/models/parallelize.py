@@ -3,7 +3,7 @@
 
 - The built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which
   also installs the vocabulary-parallel loss, so the full logits are never gathered.
-- Hugging Face models that publish `config.base_model_tp_plan` (GPT2LMHeadModel, LlamaForCausalLM...):
+- Hugging Face models that publish `config.base_model_tp_plan` (the Llama family; not GPT-2, which has none):
   `hf_tp_plan` reads the plan as transformers resolves it (the base model's plan under its prefix, the input
   embedding split by vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and
   `parallelize_hf` applies it and adjusts the attention modules' head counts.

@@ -9,7 +9,7 @@ VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (ap
 a model's own plan), `state_dict.py` (the full state dict gathered from or split into the slices), `random.py`
 (per-rank dropout streams). The gradient norm over TP slices is `parallel.grad_norm`'s. Nothing here knows a
 model: the plans of the built-in GPT and of Hugging Face models, and `parallelize_model`, which picks one, are in
-`shardwise/models/parallelize.py`.
+`models/parallelize.py`.
 """
 
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict, load_full_state_dict

@@ -14,7 +14,7 @@ model keeps its structure and parameter names, so `state_dict()` keys are unchan
 
 This module knows no model: a plan comes from the caller, or from the model itself as its `shardwise_tp_plan`
 attribute (`own_plan`). The plans of the built-in GPT and of Hugging Face models live beside the models
-(`shardwise/models/parallelize.py`).
+(`models/parallelize.py`).
 
 Styles (`Style`), with t the TP size:
     colwise / colwise_sp / colwise_rep   ColumnParallelLinear: output [.., out/t]; input replicated /
