@@ -286,7 +286,9 @@ def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, me
         warnings.warn("activation_checkpointing.contiguous_memory_optimization has no effect in shardwise (torch's "
                       "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=3)
     from shardwise.checkpointing import profile_sink
-    apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink())
+    from shardwise.models.parallelize import HuggingFaceAttention
+    apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink(),
+                    attention_functions=HuggingFaceAttention())
 
 
 def _scheduler(lr_scheduler: Any, cfg: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:

@@ -1,5 +1,5 @@
-"""How each model family is split by tensor parallelism: the plans live here, beside the models, so that
-`shardwise.parallel` knows no model (its `apply_tensor_parallel` takes any plan).
+"""How each model family is parallelized: the plans live here, beside the models, so that `shardwise.parallel`
+knows no model (its `apply_tensor_parallel` takes any plan).
 
 - The built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which
   also installs the vocabulary-parallel loss, so the full logits are never gathered.
@@ -10,7 +10,9 @@
 - Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `parallel/tensor_parallel/plan.py`).
 
 `parallelize_model` picks among them: the engine calls it on the whole model before the pipeline split.
-(The pipeline cut of the built-in GPT is its own `GPT.pipeline_layers()`.)
+Also here: `HuggingFaceAttention`, how selective activation recomputation reaches Hugging Face attention cores,
+which are functions looked up by name, not modules. (The pipeline cut of the built-in GPT is its own
+`GPT.pipeline_layers()`.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.models.gpt import GPT
+from shardwise.parallel.recompute import recompute_call
 from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
 from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor_parallel.plan import (
@@ -233,6 +236,63 @@ def parallelize_hf(model: nn.Module, comm: Comm) -> TensorParallelInfo:
     info = apply_tensor_parallel(model, comm, styles, strict=True)
     _adjust_head_counts(model, styles, tp)
     return info
+
+
+# -- Hugging Face attention under selective recomputation -----------------------------------------------
+
+_RECOMPUTED_PREFIX = "shardwise-recompute:"
+
+
+def _hf_attention_configs(blocks: list[nn.Module]) -> list[Any]:
+    """The distinct configs of the Hugging Face attention layers among `blocks` (they look their attention
+    function up by `config._attn_implementation`)."""
+    found = {}
+    for b in blocks:
+        for m in b.modules():
+            config = getattr(m, "config", None)
+            if type(m).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
+                found[id(config)] = config
+    return list(found.values())
+
+
+def recompute_hf_attention(config: Any) -> None:
+    """Selective recomputation for Hugging Face models: their attention core (the function
+    `config._attn_implementation` names: sdpa, eager, flex...) is registered again under a name of ours that runs
+    it under torch's checkpoint, with the mask function of the same core, and the config points at it. q, k, v
+    [b, a, s, d] are kept (and counted); the core's own saved tensors (the scores and probabilities under eager
+    attention) are dropped and recomputed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    inner = config._attn_implementation or "eager"
+    if inner.startswith(_RECOMPUTED_PREFIX):
+        return
+    name = _RECOMPUTED_PREFIX + inner
+
+    def core(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
+            import sys
+            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[inner]
+        return recompute_call(function, module, *args, **kwargs)
+
+    AttentionInterface.register(name, core)
+    # The causal mask is built by the implementation's name too: ours takes the mask its core takes.
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    config._attn_implementation = name
+
+
+class HuggingFaceAttention:
+    """`AttentionFunctions` for Hugging Face models, whose attention layers call the function their config names:
+    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores."""
+
+    def found_in(self, blocks: list[nn.Module]) -> bool:
+        return bool(_hf_attention_configs(blocks))
+
+    def recompute(self, blocks: list[nn.Module]) -> None:
+        for config in _hf_attention_configs(blocks):
+            recompute_hf_attention(config)
 
 
 # -- the engine's entry point -------------------------------------------------------------------------
