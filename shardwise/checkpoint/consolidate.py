@@ -112,7 +112,7 @@ def _tp_slice_shapes(reference: nn.Module, tp: int) -> nn.Module | None:
     if tp == 1:
         return reference
     from shardwise.models.gpt import GPT
-    from shardwise.parallel.tensor_parallel.model_plans import gpt_tp_plan
+    from shardwise.models.parallelize import gpt_tp_plan
     from shardwise.parallel.tensor_parallel.plan import COLWISE_STYLES, ROWWISE_STYLES, VOCAB_STYLES, resolve_plan
     if not isinstance(reference, GPT):
         return None

@@ -256,7 +256,7 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
     then holds its layers' slices); `model_parameters`, given from the full model, then name the slices."""
     if cfg.tensor_parallel.size == 1:
         return model_parameters
-    from shardwise.parallel.tensor_parallel import parallelize_model
+    from shardwise.models.parallelize import parallelize_model
     info = parallelize_model(model, mesh.comm(Axis.TP, ledger), sequence_parallel=cfg.tensor_parallel.sequence_parallel)
     return info.remap(model_parameters) if model_parameters is not None else None
 
@@ -286,7 +286,9 @@ def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, me
         warnings.warn("activation_checkpointing.contiguous_memory_optimization has no effect in shardwise (torch's "
                       "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=3)
     from shardwise.checkpointing import profile_sink
-    apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink())
+    from shardwise.models.parallelize import HuggingFaceAttention
+    apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink(),
+                    attention_functions=HuggingFaceAttention())
 
 
 def _scheduler(lr_scheduler: Any, cfg: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:

@@ -5,7 +5,8 @@
     llama = GPT(gpt_config("llama-tiny"))        # RMSNorm, SwiGLU, rotary, grouped-query attention
 
 The config, presets and pure counts (`presets.py`) import without torch; the torch modules (`gpt.py`)
-are loaded on first use, so the planner can size our GPT without importing torch.
+are loaded on first use, so the planner can size our GPT without importing torch. How these models and Hugging
+Face's are parallelized (tensor-parallel plans, attention under recomputation) is in `parallelize.py`.
 """
 
 from __future__ import annotations

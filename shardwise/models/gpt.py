@@ -7,10 +7,10 @@ The model is written to be cut apart by the parallelism functions, never to know
     model.blocks   nn.ModuleList of Block                        x [b, s, d]  -> x [b, s, d]
     model.head     final LayerNorm + lm-head Linear              x [b, s, d]  -> logits [b, s, vocab]
 
-Pipeline parallelism hands contiguous slices of `blocks` to stages; tensor parallelism swaps
-`attn.q_proj/k_proj/v_proj` and `mlp.fc_in` (and `mlp.fc_gate`) for column-parallel and `attn.o_proj`, `mlp.fc_out` for
-row-parallel layers. Attention reads the number of (local) heads from the projection outputs, so a
-module holding n_head / tp heads runs unchanged.
+Pipeline parallelism hands contiguous slices of `blocks` to stages (`pipeline_layers` says so); tensor
+parallelism swaps `attn.q_proj/k_proj/v_proj` and `mlp.fc_in` (and `mlp.fc_gate`) for column-parallel and
+`attn.o_proj`, `mlp.fc_out` for row-parallel layers (the plan: `parallelize.py`). Attention reads the number of
+(local) heads from the projection outputs, so a module holding n_head / tp heads runs unchanged.
 
 With tie_embeddings the lm-head weight *is* `embed.tok.weight` (one Parameter); a pipeline split
 that puts embed and head on different stages keeps a copy on each and sums their gradients
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,9 @@ from torch import Tensor, nn
 
 from shardwise.models.llama_layers import RMSNorm, SwiGLU, make_norm
 from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
+
+if TYPE_CHECKING:
+    from shardwise.parallel.pipeline.stage import PipelineLayers
 
 IGNORE_INDEX = -100
 """Label value excluded from the loss (torch's cross_entropy default)."""
@@ -236,6 +239,16 @@ class GPT(nn.Module):
     def head_forward(self, x: Tensor) -> Tensor:
         """hidden states [b, s, d_model] -> logits [b, s, vocab_size]."""
         return self.head(x)
+
+    def pipeline_layers(self) -> PipelineLayers:
+        """This model as a pipeline's layers: the blocks are partitioned into stages; the embedding travels with
+        the first block and the head (final norm, lm-head) with the last; the loss is `self.loss` (the
+        vocabulary-parallel one once tensor parallelism has split the head). The sample micro-batch, one
+        sequence of ids [1, s], serves "flops" partitioning."""
+        from shardwise.parallel.pipeline.stage import PipelineLayers
+        sample = torch.zeros(1, self.cfg.seq_len, dtype=torch.long, device=self.embed.tok.weight.device)
+        return PipelineLayers([(f"blocks.{i}", b) for i, b in enumerate(self.blocks)], self.loss,
+                              prefix=[("embed", self.embed)], suffix=[("head", self.head)], sample_input=sample)
 
     @staticmethod
     def loss(logits: Tensor, labels: Tensor) -> Tensor:

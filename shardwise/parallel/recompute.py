@@ -5,10 +5,12 @@ Which modules (`plan_recompute`, from the "activation_checkpointing" config bloc
 - "every_n" with "every": N: blocks N, 2N, ... (1-based) of each stage; with "blocks": K, the first K blocks of
   each pipeline stage (Megatron's "block" method). Memory and time in between "none" and "full".
 - "selective": only the attention core (QK^T, softmax, its dropout, attention over V; modules that declare
-  `is_attention_core = True`, the built-in GPT's `CoreAttention`). With `scaled_dot_product_attention` the core
-  never stores the [b, a, s, s] scores and probabilities that make this policy worthwhile in Korthikanti et
-  al. (2022): the fused kernels keep q, k, v [b, a, s, d], the output and a logsumexp [b, a, s]. Recomputing the
-  core therefore keeps q, k, v (its inputs) and drops only the output copy and the logsumexp: a small saving.
+  `is_attention_core = True`, the built-in GPT's `CoreAttention`; or, where the core is a function the attention
+  layers look up at each call, what the caller's `AttentionFunctions` rewires: Hugging Face's, beside the models).
+  With `scaled_dot_product_attention` the core never stores the [b, a, s, s] scores and probabilities that make
+  this policy worthwhile in Korthikanti et al. (2022): the fused kernels keep q, k, v [b, a, s, d], the output and
+  a logsumexp [b, a, s]. Recomputing the core therefore keeps q, k, v (its inputs) and drops only the output copy
+  and the logsumexp: a small saving.
 
 Blocks are the modules `Pipeline.blocks()` names: the children of the model's largest ModuleList (as for the
 ZeRO-3 units), or a pipeline stage's partitioned layers, so each stage recomputes its own chunks.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -111,9 +113,34 @@ def recompute_module(module: nn.Module, stored: StoredInputs | None = None) -> N
     setattr(module, RECOMPUTED_ATTR, True)
 
 
-def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConfig) -> list[nn.Module]:
+def recompute_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)` recomputed in backward by torch's non-reentrant checkpoint: its tensor arguments
+    are kept (and counted, see `_Kept`), what it saves itself is dropped. Under no_grad it is a plain call."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    args = tuple(_kept(a) for a in args)
+    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class AttentionFunctions(Protocol):
+    """Attention cores that are functions, not modules: the attention layers of some model families look their
+    core up at each call (Hugging Face's, by `config._attn_implementation`). Such a family supplies this, so that
+    "selective" can recompute those functions (with `recompute_call`)."""
+
+    def found_in(self, blocks: list[nn.Module]) -> bool:
+        """Do `blocks` hold attention layers whose core this rewires?"""
+        ...
+
+    def recompute(self, blocks: list[nn.Module]) -> None:
+        """Make the attention cores of `blocks` recompute in backward."""
+        ...
+
+
+def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConfig, *,
+                   attention_functions: AttentionFunctions | None = None) -> list[nn.Module]:
     """The modules `section.policy` recomputes among `blocks` (this rank's: its pipeline stage's, in forward
-    order, so "first K" and "every N-th" count per stage)."""
+    order, so "first K" and "every N-th" count per stage). "selective" without attention-core modules is an
+    error unless `attention_functions` finds function cores in `blocks`."""
     policy = section.policy
     if policy is RecomputePolicy.NONE:
         return []
@@ -125,7 +152,7 @@ def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConf
         n = section.every or 1
         return [b for i, b in enumerate(blocks) if (i + 1) % n == 0]
     cores = [m for b in blocks for m in b.modules() if getattr(m, "is_attention_core", False)]
-    if blocks and not cores and not _hf_attention_configs(blocks):
+    if blocks and not cores and not (attention_functions is not None and attention_functions.found_in(blocks)):
         raise UserError('activation_checkpointing.policy = "selective" needs attention cores as modules (the '
                         'built-in GPT\'s CoreAttention, or a module with is_attention_core = True) or Hugging Face '
                         'attention layers; this model has neither: use "full" or "every_n"')
@@ -133,69 +160,22 @@ def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConf
 
 
 def apply_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConfig, *,
-                    partition_group: Any = None, times: list | None = None) -> list[nn.Module]:
+                    partition_group: Any = None, times: list | None = None,
+                    attention_functions: AttentionFunctions | None = None) -> list[nn.Module]:
     """Recompute what the policy names; returns those modules. DeepSpeed's keys shape how inputs are kept:
     `partition_activations` spreads each over `partition_group` (the TP group, when the blocks' inputs are
     replicated over it), `cpu_checkpointing` keeps them on the host, `synchronize_checkpoint_boundary`
-    synchronizes the device around each, `profile` appends each run's time to `times`."""
+    synchronizes the device around each, `profile` appends each run's time to `times`. Under "selective", blocks
+    without attention-core modules have their function cores recomputed by `attention_functions`."""
     stored = StoredInputs(group=partition_group if section.partition_activations else None,
                           cpu=section.cpu_checkpointing, synchronize=section.synchronize_checkpoint_boundary,
                           times=times if section.profile else None)
-    chosen = plan_recompute(blocks, section)
+    chosen = plan_recompute(blocks, section, attention_functions=attention_functions)
     for m in chosen:
         recompute_module(m, stored)
-    if section.policy is RecomputePolicy.SELECTIVE and not chosen:
-        for config in _hf_attention_configs(blocks):
-            recompute_hf_attention(config)
+    if section.policy is RecomputePolicy.SELECTIVE and not chosen and attention_functions is not None:
+        attention_functions.recompute(blocks)
     return chosen
-
-
-# -- Hugging Face attention: a function the attention layer looks up by name, not a module ----------------
-
-_HF_PREFIX = "shardwise-recompute:"
-
-
-def _hf_attention_configs(blocks: list[nn.Module]) -> list[Any]:
-    """The distinct configs of the Hugging Face attention layers among `blocks` (they look their attention
-    function up by `config._attn_implementation`)."""
-    found = {}
-    for b in blocks:
-        for m in b.modules():
-            config = getattr(m, "config", None)
-            if type(m).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
-                found[id(config)] = config
-    return list(found.values())
-
-
-def recompute_hf_attention(config: Any) -> None:
-    """Selective recomputation for Hugging Face models: their attention core (the function
-    `config._attn_implementation` names: sdpa, eager, flex...) is registered again under a name of ours that runs
-    it under torch's checkpoint, with the mask function of the same core, and the config points at it. q, k, v
-    [b, a, s, d] are kept (and counted); the core's own saved tensors (the scores and probabilities under eager
-    attention) are dropped and recomputed."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-    inner = config._attn_implementation or "eager"
-    if inner.startswith(_HF_PREFIX):
-        return
-    name = _HF_PREFIX + inner
-
-    def core(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
-            import sys
-            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-        else:
-            function = ALL_ATTENTION_FUNCTIONS[inner]
-        if not torch.is_grad_enabled():
-            return function(module, *args, **kwargs)
-        args = tuple(_kept(a) for a in args)
-        return checkpoint(function, module, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-
-    AttentionInterface.register(name, core)
-    # The causal mask is built by the implementation's name too: ours takes the mask its core takes.
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
-    config._attn_implementation = name
 
 
 # -- recomputation with stored inputs under our control (partitioned, on the host) ---------------------------

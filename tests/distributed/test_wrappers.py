@@ -283,7 +283,7 @@ def _tp_fully_shard() -> dict:
     import shardwise
     from shardwise.comm.ledger import CommLedger
     from shardwise.parallel.tensor_parallel import gather_full_state_dict
-    from shardwise.parallel.tensor_parallel.model_plans import parallelize_gpt
+    from shardwise.models.parallelize import parallelize_gpt
     from shardwise.comm.topology import Axis, MeshShape, ParallelMesh
     spec, gas, clip = CASES["adamw_accum_clip"]
     mesh = ParallelMesh.build(MeshShape(dp=2, tp=2))

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.comm.ledger import CommLedger
+from shardwise.models.parallelize import (
+    _adjust_head_counts, gpt_tp_plan, hf_tp_plan, parallelize_gpt, translate_hf_plan, validate_gpt, validate_hf,
+)
 from shardwise.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, Style, TensorParallelError, VocabParallelEmbedding, apply_tensor_parallel,
-    gpt_tp_plan, hf_tp_plan, parallelize_gpt, resolve_plan, validate_gpt, validate_hf, vocab_parallel_cross_entropy,
+    resolve_plan, vocab_parallel_cross_entropy,
 )
-from shardwise.parallel.tensor_parallel.model_plans import _adjust_head_counts, translate_hf_plan
 from shardwise.parallel.tensor_parallel.plan import check_plan
 from shardwise.testing import tiny_gpt
 from shardwise.comm.topology import SoloComm
@@ -215,7 +217,7 @@ def test_attention_head_counts_become_per_rank():
 
 def test_hf_model_at_tp1_is_unchanged_in_function():
     model = _ForCausalLM()
-    from shardwise.parallel.tensor_parallel import parallelize_hf
+    from shardwise.models.parallelize import parallelize_hf
     x = torch.randn(2, 3, 16)
     before = model.lm_head(x).detach()
     parallelize_hf(model, solo())

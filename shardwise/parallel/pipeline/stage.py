@@ -1,15 +1,19 @@
 """Cut a model into pipeline stages: each rank keeps only its own layers, as V model chunks.
 
-A pipelined model is a sequence of L layers plus a loss function. Three forms are accepted:
+A pipelined model is a sequence of L layers plus a loss function, described by a `PipelineLayers`: the named
+layers to partition, modules glued in front of the first layer and behind the last one (an embedding, a final
+norm and lm-head), the loss, and a sample micro-batch for "flops". Two forms are accepted:
 
-- the built-in `GPT`: its ``blocks`` are the L layers; ``embed`` is glued in front of the first model
-  chunk and ``head`` behind the last one, and ``GPT.loss`` is the loss;
-- a `PipelineModel(layers, loss_fn)` (DeepSpeed's PipelineModule without the built-in partitioning);
+- a model that describes itself with `pipeline_layers()` (the `PipelineSplittable` protocol): the built-in GPT
+  does, beside its own code, and so does `PipelineModel(layers, loss_fn)` (DeepSpeed's PipelineModule without
+  the built-in partitioning; `shardwise.pipe.PipelineModule` is one);
 - an ``nn.Sequential`` or a list of layers, with ``loss_fn=`` given to `split_model`.
+
+This module knows no model: whatever is model-specific comes through `pipeline_layers()`.
 
 `split_model` cuts the layers into P * V contiguous model chunks with `partition_layers` (costs: one per
 layer for "uniform", parameter counts for "parameters", forward FLOPs of one sample for "flops"; the
-embed's and head's costs count with the first and last layer, since they always travel with them) and
+glued modules' costs count with the first and last layer, since they always travel with them) and
 returns the `PipelineStage` of one rank: its V chunks, in local order (local chunk v = model chunk
 v * P + stage). The chunks hold the very modules of the full model, so a run that builds the full model
 from one seed on every rank starts bit-identical to the single-process model;
@@ -21,8 +25,9 @@ Layers pass one value along: a tensor or a tuple of tensors (a layer gets it as 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +39,32 @@ from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_h
 
 LossFn = Callable[[Any, Any], Tensor]
 """loss_fn(outputs of the last layer, labels) -> scalar loss of one micro-batch (a mean over its samples)."""
+
+
+@dataclass
+class PipelineLayers:
+    """A model seen as a pipeline: what `split_model` cuts.
+
+    ``layers`` are partitioned into contiguous model chunks; each is named as in the full model, so a stage's state
+    dict keeps the full model's names. ``prefix`` modules run before the first layer and travel with it,
+    ``suffix`` modules run after the last layer and travel with it. ``loss_fn(outputs of the last module,
+    labels)`` is the loss; ``sample_input`` (one micro-batch of inputs, a sample is enough) is needed only by
+    ``"partition": "flops"``, which counts each layer's forward FLOPs on it."""
+
+    layers: list[tuple[str, nn.Module]]
+    loss_fn: LossFn
+    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)
+    suffix: list[tuple[str, nn.Module]] = field(default_factory=list)
+    sample_input: Any = None
+
+
+@runtime_checkable
+class PipelineSplittable(Protocol):
+    """A model that says how it is cut into pipeline stages."""
+
+    def pipeline_layers(self) -> PipelineLayers:
+        """This model as layers: running ``prefix``, ``layers`` and ``suffix`` in order is its forward."""
+        ...
 
 
 class PipelineModel(nn.Module):
@@ -62,27 +93,16 @@ class PipelineModel(nn.Module):
             x = layer(x)
         return x if labels is None else self.loss_fn(x, labels)
 
-
-@dataclass
-class _Layers:
-    """A model seen as a pipeline: named layers to partition, fixed layers glued to both ends, a loss."""
-
-    items: list[tuple[str, nn.Module]]
-    loss_fn: LossFn
-    prefix: list[tuple[str, nn.Module]] = field(default_factory=list)   # travel with the first layer
-    suffix: list[tuple[str, nn.Module]] = field(default_factory=list)   # travel with the last layer
-    sample_input: Any = None
+    def pipeline_layers(self) -> PipelineLayers:
+        return PipelineLayers([(f"layers.{i}", m) for i, m in enumerate(self.layers)], self.loss_fn,
+                              sample_input=self.sample_input)
 
 
-def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
-    from shardwise.models.gpt import GPT
-    if isinstance(model, GPT):
-        sample = torch.zeros(1, model.cfg.seq_len, dtype=torch.long, device=model.embed.tok.weight.device)
-        return _Layers(items=[(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], loss_fn=loss_fn or model.loss,
-                       prefix=[("embed", model.embed)], suffix=[("head", model.head)], sample_input=sample)
-    if isinstance(model, PipelineModel):
-        return _Layers(items=[(f"layers.{i}", m) for i, m in enumerate(model.layers)],
-                       loss_fn=loss_fn or model.loss_fn, sample_input=model.sample_input)
+def _as_layers(model: Any, loss_fn: LossFn | None) -> PipelineLayers:
+    """``model`` as a `PipelineLayers`, its loss replaced by ``loss_fn`` when given."""
+    if isinstance(model, PipelineSplittable):
+        layers = model.pipeline_layers()
+        return layers if loss_fn is None else dataclasses.replace(layers, loss_fn=loss_fn)
     if isinstance(model, nn.Sequential) or (isinstance(model, (list, tuple))
                                             and all(isinstance(m, nn.Module) for m in model)):
         named = list(model.named_children()) if isinstance(model, nn.Sequential) else \
@@ -92,8 +112,9 @@ def _as_layers(model: Any, loss_fn: LossFn | None) -> _Layers:
                                 f"the layers in shardwise.parallel.pipeline.stage.PipelineModel(layers, loss_fn))")
         if not named:
             raise PipelineError("the layer list is empty; give at least one layer per pipeline stage")
-        return _Layers(items=named, loss_fn=loss_fn)
-    raise PipelineError(f"cannot split a {type(model).__name__} into pipeline stages: give the built-in GPT, a "
+        return PipelineLayers(named, loss_fn)
+    raise PipelineError(f"cannot split a {type(model).__name__} into pipeline stages: give the built-in GPT (or a "
+                        f"model with pipeline_layers(), see shardwise.parallel.pipeline.stage.PipelineLayers), a "
                         f"shardwise.parallel.pipeline.stage.PipelineModel(layers, loss_fn), or an nn.Sequential / list "
                         f"of layers together with loss_fn=")
 
@@ -124,14 +145,14 @@ def _no_side_effects(modules: Sequence[nn.Module]) -> Iterator[None]:
             m.train(mode)
 
 
-def _flop_counts(layers: _Layers) -> list[int]:
+def _flop_counts(layers: PipelineLayers) -> list[int]:
     """Forward FLOPs of each layer on ``sample_input`` (prefix counted in the first, suffix in the last)."""
     from torch.utils.flop_counter import FlopCounterMode
     if layers.sample_input is None:
         raise PipelineError('pipeline.partition = "flops" needs a sample micro-batch to count each layer\'s FLOPs: '
                             'build PipelineModel(layers, loss_fn, sample_input=...) (or pass sample_input= to '
                             'split_model), or use partition "parameters" or "uniform"')
-    ordered = [m for _, m in layers.prefix + layers.items + layers.suffix]
+    ordered = [m for _, m in layers.prefix + layers.layers + layers.suffix]
     counts = []
     x = layers.sample_input
     with _no_side_effects(ordered):
@@ -140,30 +161,29 @@ def _flop_counts(layers: _Layers) -> list[int]:
                 x = module(x)
             counts.append(counter.get_total_flops())
     head = len(layers.prefix)
-    per_item = counts[head:head + len(layers.items)]
-    per_item[0] += sum(counts[:head])
-    per_item[-1] += sum(counts[head + len(layers.items):])
-    return per_item
+    per_layer = counts[head:head + len(layers.layers)]
+    per_layer[0] += sum(counts[:head])
+    per_layer[-1] += sum(counts[head + len(layers.layers):])
+    return per_layer
 
 
 def layer_costs(model: Any, method: str | PipelinePartition, *, loss_fn: LossFn | None = None,
                 sample_input: Any = None) -> list[float]:
     """The per-layer costs `partition_layers` balances: 1 each ("uniform"), parameter counts ("parameters")
-    or forward FLOPs of one sample micro-batch ("flops"); embed/head costs are added to the first/last layer."""
+    or forward FLOPs of one sample micro-batch ("flops"); the prefix's and suffix's costs are added to the first
+    and last layer."""
     return _costs(_with_sample(_as_layers(model, loss_fn), sample_input), parse_partition_method(method))
 
 
-def _with_sample(layers: _Layers, sample_input: Any) -> _Layers:
-    if sample_input is not None:
-        layers.sample_input = sample_input
-    return layers
+def _with_sample(layers: PipelineLayers, sample_input: Any) -> PipelineLayers:
+    return layers if sample_input is None else dataclasses.replace(layers, sample_input=sample_input)
 
 
-def _costs(layers: _Layers, method: PipelinePartition) -> list[float]:
+def _costs(layers: PipelineLayers, method: PipelinePartition) -> list[float]:
     if method is PipelinePartition.UNIFORM:
-        return [1.0] * len(layers.items)
+        return [1.0] * len(layers.layers)
     if method is PipelinePartition.PARAMETERS:
-        costs = [float(_param_count([m])) for _, m in layers.items]
+        costs = [float(_param_count([m])) for _, m in layers.layers]
         costs[0] += _param_count([m for _, m in layers.prefix])
         costs[-1] += _param_count([m for _, m in layers.suffix])
         return costs
@@ -182,7 +202,7 @@ class StageChunk(nn.Module):
         self.names = [n for n, _ in layers]
         self.model_chunk = model_chunk
         self.blocks = blocks if blocks is not None else slice(0, len(self.layers))
-        """The partitioned layers (transformer blocks) among `layers`: not the embedding or head glued on."""
+        """The partitioned layers (transformer blocks) among `layers`: not the prefix or suffix glued on."""
 
     def forward(self, x: Any) -> Any:
         for layer in self.layers:
@@ -285,17 +305,17 @@ def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int 
     method = parse_partition_method(partition)
     ranges = partition_layers(_costs(layers, method), num_stages, method, virtual_stages=virtual_stages)
     last = len(ranges) - 1
-    every = [(layers.prefix if k == 0 else []) + layers.items[r.start:r.stop] + (layers.suffix if k == last else [])
+    every = [(layers.prefix if k == 0 else []) + layers.layers[r.start:r.stop] + (layers.suffix if k == last else [])
              for k, r in enumerate(ranges)]                  # each model chunk's named layers
     chunks, local_ranges = [], stage_layers(ranges, stage=stage, num_stages=num_stages)
     for v, r in enumerate(local_ranges):
         k = v * num_stages + stage
         head = len(layers.prefix) if k == 0 else 0
         chunks.append(StageChunk(every[k], model_chunk=k, blocks=slice(head, head + len(r))))
-    # Weights tied across stages: TiedLayer modules by key, and parameters several stages' layers register (the
-    # built-in GPT's embedding and lm-head) by the full name of their first use.
+    # Weights tied across stages: TiedLayer modules by key, and parameters several stages' layers register (a
+    # GPT's tied embedding and lm-head) by the full name of their first use.
     shared = shared_parameters(every, num_stages)
-    holders = tie_holders([m for _, m in layers.items], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
+    holders = tie_holders([m for _, m in layers.layers], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
     return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
                          loss_fn=layers.loss_fn, layer_ranges=local_ranges, tie_holders=dict(sorted(holders.items())),
                          shared={k: p for k, (s, p) in shared.items() if stage in s})

@@ -5,7 +5,7 @@ In the full model one module is shared by several layers: each use is a `TiedLay
 without registering it (the model registers it once, as ``tied_modules.<key>``, DeepSpeed's name). A stage
 registers the tied modules its layers use (``tied.<key>``); where several stages hold one, each keeps a copy.
 `tie_holders` says which stages hold which key (pure); a parameter that layers of several stages register
-(`shared_parameters`: the built-in GPT's tied embedding and lm-head) is tied the same way, under the full name of
+(`shared_parameters`: e.g. a GPT's tied embedding and lm-head) is tied the same way, under the full name of
 its first use, as a whole. `build_ties` makes one process group per key and per (dp, tp) coordinate over the
 holding pp ranks (every rank creates every group, in key order), makes the copies equal from the first holder,
 and hands the update strategies the `TiedParams` whose gradients they sum over the holders before the norm and
@@ -85,7 +85,7 @@ def tie_holders(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages
 
 def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_stages: int
                       ) -> dict[str, tuple[tuple[int, ...], nn.Parameter]]:
-    """Parameters registered in layers of several stages (the built-in GPT's tied embedding and lm-head weight):
+    """Parameters registered in layers of several stages (e.g. a GPT's tied embedding and lm-head weight):
     the full name of the first use -> (the holding stages, the parameter). ``chunks[k]`` are model chunk k's
     named layers; model chunk k lives on stage k % num_stages."""
     first: dict[int, tuple[str, nn.Parameter]] = {}

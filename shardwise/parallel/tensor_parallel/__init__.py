@@ -1,14 +1,15 @@
 """Megatron-style tensor parallelism: layers cut from full layers, conjugate communication operators, a
-vocabulary-parallel loss, and plans that apply them to a model.
+vocabulary-parallel loss, and plans that apply them to any model.
 
-    from shardwise.parallel.tensor_parallel import parallelize_gpt, gather_full_state_dict
-    info = parallelize_gpt(model, tp_comm, sequence_parallel=True)   # in place; model(ids, labels) -> loss
+    from shardwise.parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
+    info = apply_tensor_parallel(model, tp_comm, {"blocks.*.attn.q_proj": "colwise", ...})   # in place
 
 Files: `mappings.py` (autograd comm operators), `layers.py` (ColumnParallelLinear, RowParallelLinear,
-VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (apply_tensor_parallel and the
-styles), `model_plans.py` (GPT and Hugging Face plans, validation, `parallelize_model`), `state_dict.py` (the full
-state dict gathered from or split into the slices), `random.py` (per-rank dropout streams). The gradient norm
-over TP slices is `parallel.grad_norm`'s.
+VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (apply_tensor_parallel, the styles,
+a model's own plan), `state_dict.py` (the full state dict gathered from or split into the slices), `random.py`
+(per-rank dropout streams). The gradient norm over TP slices is `parallel.grad_norm`'s. Nothing here knows a
+model: the plans of the built-in GPT and of Hugging Face models, and `parallelize_model`, which picks one, are in
+`models/parallelize.py`.
 """
 
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict, load_full_state_dict
@@ -21,17 +22,15 @@ from shardwise.parallel.tensor_parallel.mappings import (
     copy_to_region, gather_from_last_dim, gather_from_sequence, reduce_from_region, reduce_scatter_to_sequence,
     scatter_to_last_dim, scatter_to_sequence, sum_grad_over_region,
 )
-from shardwise.parallel.tensor_parallel.model_plans import (
-    gpt_tp_plan, hf_tp_plan, parallelize_gpt, parallelize_hf, parallelize_model, validate_gpt, validate_hf,
+from shardwise.parallel.tensor_parallel.plan import (
+    Style, TensorParallelInfo, apply_tensor_parallel, own_plan, resolve_plan,
 )
-from shardwise.parallel.tensor_parallel.plan import Style, TensorParallelInfo, apply_tensor_parallel, resolve_plan
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "TP_DIM_ATTR", "TensorParallelError",
     "is_tensor_parallel_shard", "vocab_parallel_cross_entropy", "VocabParallelLoss",
     "copy_to_region", "reduce_from_region", "gather_from_sequence", "reduce_scatter_to_sequence",
     "scatter_to_sequence", "gather_from_last_dim", "scatter_to_last_dim", "sum_grad_over_region",
-    "Style", "TensorParallelInfo", "apply_tensor_parallel", "resolve_plan",
-    "gpt_tp_plan", "parallelize_gpt", "validate_gpt", "hf_tp_plan", "parallelize_hf", "validate_hf",
-    "parallelize_model", "gather_full_state_dict", "load_full_state_dict",
+    "Style", "TensorParallelInfo", "apply_tensor_parallel", "own_plan", "resolve_plan",
+    "gather_full_state_dict", "load_full_state_dict",
 ]

@@ -71,8 +71,9 @@ def vocab_parallel_cross_entropy(local_logits: Tensor, labels: Tensor, comm: Com
 
 
 class VocabParallelLoss:
-    """`loss(logits, labels)` with the GPT's signature, bound to a TP group: installed as `model.loss` by
-    `parallelize_gpt`, so `model(ids, labels)` returns the loss of vocabulary-sharded logits."""
+    """`loss(logits, labels)` bound to a TP group, for a model whose lm-head keeps its logits sharded by
+    vocabulary: a plan installs it as `model.loss` (the built-in GPT's does), so `model(ids, labels)` returns the
+    loss of vocabulary-sharded logits."""
 
     def __init__(self, comm: Comm, ignore_index: int = IGNORE_INDEX):
         self.comm = comm

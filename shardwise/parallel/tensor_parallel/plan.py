@@ -12,6 +12,10 @@ matches "blocks.3.mlp"); it must match the whole name. Linear and Embedding modu
 style are replaced in place by a layer cut from them (`layers.py`); the other styles attach hooks. The
 model keeps its structure and parameter names, so `state_dict()` keys are unchanged (tensors are shards).
 
+This module knows no model: a plan comes from the caller, or from the model itself as its `shardwise_tp_plan`
+attribute (`own_plan`). The plans of the built-in GPT and of Hugging Face models live beside the models
+(`models/parallelize.py`).
+
 Styles (`Style`), with t the TP size:
     colwise / colwise_sp / colwise_rep   ColumnParallelLinear: output [.., out/t]; input replicated /
                                          sequence shards / output gathered to [.., out]
@@ -81,6 +85,9 @@ LAYER_STYLES = COLWISE_STYLES | ROWWISE_STYLES | VOCAB_STYLES
 
 Plan = Mapping[str, "Style | str"]
 
+OWN_PLAN_ATTR = "shardwise_tp_plan"
+"""The attribute through which any model may supply its own plan (module-name patterns -> styles)."""
+
 
 def parse_style(value: Style | str, key: str) -> Style:
     try:
@@ -123,6 +130,12 @@ def resolve_plan(module_names: Iterable[str], plan: Plan, *, strict: bool = True
         raise TensorParallelError(f"tensor-parallel plan entries match no module of the model: {', '.join(lines)}; "
                                   f"fix the names (modules are named as in model.named_modules(), `*` for an index)")
     return out
+
+
+def own_plan(model: nn.Module) -> Plan | None:
+    """The plan `model` carries as `shardwise_tp_plan`, or None when it carries none (or an empty one)."""
+    plan = getattr(model, OWN_PLAN_ATTR, None)
+    return plan if isinstance(plan, Mapping) and plan else None
 
 
 @dataclass

@@ -1,12 +1,18 @@
-"""Plans for known model families, their validation, and the engine's entry point `parallelize_model`.
+"""How each model family is parallelized: the plans live here, beside the models, so that `shardwise.parallel`
+knows no model (its `apply_tensor_parallel` takes any plan).
 
-- The built-in GPT: `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which also installs the
-  vocabulary-parallel loss, so the full logits are never gathered.
-- Hugging Face models that publish `config.base_model_tp_plan` (Llama family): `hf_tp_plan` reads the
-  plan as transformers resolves it (the base model's plan under its prefix, the input embedding split by
-  vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and `parallelize_hf`
-  applies it and adjusts the attention modules' head counts.
-- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `plan.py`).
+- The built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which
+  also installs the vocabulary-parallel loss, so the full logits are never gathered.
+- Hugging Face models that publish `config.base_model_tp_plan` (the Llama family; not GPT-2, which has none):
+  `hf_tp_plan` reads the plan as transformers resolves it (the base model's plan under its prefix, the input
+  embedding split by vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and
+  `parallelize_hf` applies it and adjusts the attention modules' head counts.
+- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `parallel/tensor_parallel/plan.py`).
+
+`parallelize_model` picks among them: the engine calls it on the whole model before the pipeline split.
+Also here: `HuggingFaceAttention`, how selective activation recomputation reaches Hugging Face attention cores,
+which are functions looked up by name, not modules. (The pipeline cut of the built-in GPT is its own
+`GPT.pipeline_layers()`.)
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from typing import Any, Mapping
 from torch import nn
 
 from shardwise.comm.collectives import Comm
+from shardwise.models.gpt import GPT
+from shardwise.parallel.recompute import recompute_call
 from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
 from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor_parallel.plan import (
-    COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, pattern_regex, resolve_plan,
+    COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, own_plan, pattern_regex, resolve_plan,
 )
 
 # -- the built-in GPT ---------------------------------------------------------------------------------
@@ -27,7 +35,7 @@ from shardwise.parallel.tensor_parallel.plan import (
 
 def gpt_tp_plan(sequence_parallel: bool = False, *, learned_positions: bool = True,
                 swiglu: bool = False) -> dict[str, Style]:
-    """Megatron's layout for `shardwise.models.GPT`. Per block, without sequence parallelism: the attention
+    """Megatron's layout for the built-in `GPT`. Per block, without sequence parallelism: the attention
     input enters the region once (all-reduce backward), q/k/v column-parallel (heads split), o_proj
     row-parallel (all-reduce forward); fc_in column-parallel (all-reduce backward), fc_out row-parallel
     (all-reduce forward). The token table is split by vocabulary, the lm-head by vocabulary columns (its
@@ -116,7 +124,7 @@ def _raise_if(problems: list[str], tp: int, what: str) -> None:
 
 
 def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
-    """Split a `shardwise.models.GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
+    """Split a `GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
     `model(ids, labels)`) the vocabulary-parallel cross-entropy. `model(ids)` then returns this rank's
     vocabulary shard of the logits, [b, s, vocab / t]."""
     _raise_if(validate_gpt(model.cfg, comm.size), comm.size, "this GPT")
@@ -230,12 +238,68 @@ def parallelize_hf(model: nn.Module, comm: Comm) -> TensorParallelInfo:
     return info
 
 
+# -- Hugging Face attention under selective recomputation -----------------------------------------------
+
+_RECOMPUTED_PREFIX = "shardwise-recompute:"
+
+
+def _hf_attention_configs(blocks: list[nn.Module]) -> list[Any]:
+    """The distinct configs of the Hugging Face attention layers among `blocks` (they look their attention
+    function up by `config._attn_implementation`)."""
+    found = {}
+    for b in blocks:
+        for m in b.modules():
+            config = getattr(m, "config", None)
+            if type(m).__name__.endswith("Attention") and hasattr(config, "_attn_implementation"):
+                found[id(config)] = config
+    return list(found.values())
+
+
+def recompute_hf_attention(config: Any) -> None:
+    """Selective recomputation for Hugging Face models: their attention core (the function
+    `config._attn_implementation` names: sdpa, eager, flex...) is registered again under a name of ours that runs
+    it under torch's checkpoint, with the mask function of the same core, and the config points at it. q, k, v
+    [b, a, s, d] are kept (and counted); the core's own saved tensors (the scores and probabilities under eager
+    attention) are dropped and recomputed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    inner = config._attn_implementation or "eager"
+    if inner.startswith(_RECOMPUTED_PREFIX):
+        return
+    name = _RECOMPUTED_PREFIX + inner
+
+    def core(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if inner == "eager" or inner not in ALL_ATTENTION_FUNCTIONS:
+            import sys
+            function = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[inner]
+        return recompute_call(function, module, *args, **kwargs)
+
+    AttentionInterface.register(name, core)
+    # The causal mask is built by the implementation's name too: ours takes the mask its core takes.
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    if inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    config._attn_implementation = name
+
+
+class HuggingFaceAttention:
+    """`AttentionFunctions` for Hugging Face models, whose attention layers call the function their config names:
+    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores."""
+
+    def found_in(self, blocks: list[nn.Module]) -> bool:
+        return bool(_hf_attention_configs(blocks))
+
+    def recompute(self, blocks: list[nn.Module]) -> None:
+        for config in _hf_attention_configs(blocks):
+            recompute_hf_attention(config)
+
+
 # -- the engine's entry point -------------------------------------------------------------------------
 
 def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
     """Split a model the engine was given: the built-in GPT, a transformers model with a tp plan, or a model
     carrying `shardwise_tp_plan`. Anything else is a `TensorParallelError` saying what to provide."""
-    from shardwise.models.gpt import GPT
     if isinstance(model, GPT):
         return parallelize_gpt(model, comm, sequence_parallel=sequence_parallel)
     if is_hf_model(model):
@@ -244,8 +308,8 @@ def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool =
                                       "sequence-parallel layout; set it to false, or give the model a "
                                       "`shardwise_tp_plan` with sequence-parallel styles")
         return parallelize_hf(model, comm)
-    plan = getattr(model, "shardwise_tp_plan", None)
-    if isinstance(plan, Mapping) and plan:
+    plan = own_plan(model)
+    if plan is not None:
         return apply_tensor_parallel(model, comm, plan)
     raise TensorParallelError(f"tensor_parallel.size = {comm.size}: shardwise does not know how to split a "
                               f"{type(model).__name__}; use shardwise.models.GPT, a Hugging Face model whose config "
