@@ -196,7 +196,7 @@ def _show(value: object) -> str:
     return _REPR.repr(value)
 
 
-def _need(value: object, keys: tuple[str, ...], where: str) -> dict:
+def _need(value: object, keys: tuple[str, ...], where: str) -> dict[Any, Any]:
     found = _dict(value, where)
     missing = [k for k in keys if k not in found]
     if missing:
@@ -204,19 +204,19 @@ def _need(value: object, keys: tuple[str, ...], where: str) -> dict:
     return found
 
 
-def _dict(value: object, where: str) -> dict:
+def _dict(value: object, where: str) -> dict[Any, Any]:
     if not isinstance(value, dict):
         raise DamagedIndex(f"{where} is {_show(value)}, not a dict")
     return value
 
 
-def _list(value: object, where: str) -> list | tuple:
+def _list(value: object, where: str) -> list[Any] | tuple[Any, ...]:
     if not isinstance(value, (list, tuple)):
         raise DamagedIndex(f"{where} is {_show(value)}, not a list")
     return value
 
 
-def _record(value: object, where: str, fields: tuple[str, ...] | None = None) -> tuple:
+def _record(value: object, where: str, fields: tuple[str, ...] | None = None) -> tuple[Any, ...]:
     """A tuple (or list) of `fields`; any length when None."""
     if not isinstance(value, (list, tuple)) or (fields is not None and len(value) != len(fields)):
         what = f"({', '.join(fields)})" if fields is not None else "a tuple"

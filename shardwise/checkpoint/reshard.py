@@ -108,6 +108,7 @@ class _Assembler:
         if old == new:
             return [tp_rank if old > 1 else self.holder(name, key, tp_rank)]
         split = saved_dim if saved_dim is not None else dim
+        assert split is not None        # old != new: the checkpoint or this model splits it
         n_new, n_old = full[split] // new, full[split] // old
         start = (tp_rank if new > 1 else 0) * n_new
         return [j if old > 1 else self.holder(name, key, tp_rank) for j in range(old)
@@ -124,6 +125,7 @@ class _Assembler:
         if old == new:
             return self._saved_run(name, self.slices(name, tp_rank, tp_size, dim, key)[0], lo, hi, key)
         split = saved_dim if saved_dim is not None else dim
+        assert split is not None        # old != new: the checkpoint or this model splits it
         n_new, n_old = full[split] // new, full[split] // old
         start = (tp_rank if new > 1 else 0) * n_new
         old_shape = [n_old if d == split else n for d, n in enumerate(full)]
@@ -310,7 +312,8 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
         ctx.naming.load_module_state(ctx.module, chunk, False)
     if not plan.optimizer:
         return
-    values, states, options = [], [], []
+    values: list[torch.Tensor | None] = []
+    states, options = [], []
     scaler = None
     for pieces, stepped in zip(plan.stepped, ctx.state.stepped):
         values.append(_stepped(build, plan, pieces, stepped, VALUE))
