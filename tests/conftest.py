@@ -6,8 +6,14 @@ The pieces that spawned ranks import as well (the tiny GPT, token batches, the r
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Callable
+
 import pytest
 import torch
+
+FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 
 
 @pytest.fixture
@@ -25,8 +31,6 @@ def one_thread():
 def private_peak_cache(tmp_path_factory):
     """Runs started by the tests (and their spawned ranks, which inherit the environment) keep their
     measured peak FLOP/s in a temporary cache, never in the user's."""
-    import os
-
     from shardwise.telemetry.peak_cache import CACHE_ENV
 
     before = os.environ.get(CACHE_ENV)
@@ -36,3 +40,17 @@ def private_peak_cache(tmp_path_factory):
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = before
+
+
+@pytest.fixture
+def kill_rank_after_step() -> Callable[..., dict[str, str]]:
+    """`kill_rank_after_step(rank=R, step=S)`: the environment for a launched `shardwise train` in which global
+    rank R kills itself with SIGKILL once step S is done, on the first attempt only. Its ranks load
+    tests/fault_injection/sitecustomize.py at start-up (put first on PYTHONPATH), which does it."""
+    from fault_injection.sitecustomize import KILL_ENV
+
+    def env(*, rank: int, step: int) -> dict[str, str]:
+        path = [str(FAULT_INJECTION)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return {"PYTHONPATH": os.pathsep.join(path), KILL_ENV: f"{rank}:{step}"}
+
+    return env

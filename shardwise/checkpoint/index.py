@@ -3,31 +3,34 @@
 DeepSpeed's files hold what each rank holds: TP slices in `mp_rank_MM_*` files, ZeRO shards (flat, padded
 buckets of several parameters) in `zero_pp_rank_D_*` files. Read at another (dp, tp, pp, ZeRO stage), a rank
 needs parts of many files; DeepSpeed first needs an offline `ds_to_universal` pass. Every save here also writes
+TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`:
 
-    TAG/shardwise_index.pt      world rank 0; plain dicts, tuples and numbers (loads with weights_only=True)
-
-    "dims":      {"dp": D, "tp": T, "pp": P} of the writer
-    "tensors":   {full name: (full shape, TP split dim or None)}   every module tensor (parameters, buffers)
-    "module":    {full name: {tp rank: model-states file}}         files holding its value (TP slice)
-    "entries":   [(file, key, optimizer index, master index or None, numel, group options)]
-                 one per stepped tensor (a ZeRO shard master, or one whole parameter at stage 0);
-                 `file[key]` is the updater's state dict (`Update.state_dict`)
-    "fragments": {full name: [(tp rank, lo, hi, entry, dst)]}
+    dims         the writer's `Dims` (dp, tp, pp)
+    tensors      {full name: TensorInfo(full shape, TP split dim or None)}  every module tensor (parameters, buffers)
+    module       {full name: {tp rank: model-states file}}                  files holding its value (TP slice)
+    entries      [IndexEntry(file, key, optimizer index, master index, numel, options)]
+                 one per stepped tensor (a ZeRO shard master, or one whole parameter at stage 0)
+    fragments    {full name: [Fragment(tp rank, lo, hi, entry, dst)]}
                  elements [lo, hi) of that TP rank's slice, flattened, are entry's [dst, dst + hi - lo)
 
-A loader reads the index, then memory-maps only the files holding what it needs and copies only the
-fragments overlapping its own pieces (`checkpoint_reshard`).
+On disk it is plain dicts, tuples and numbers (`to_dict`; it loads with `torch.load(weights_only=True)`), the
+layout of version 1, which every shardwise that writes indexes has written. A loader reads the index, then
+memory-maps only the files holding what it needs and copies only the fragments overlapping its own pieces
+(`reshard.py`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import reprlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from shardwise.checkpoint import files as ckpt
+from shardwise.comm.topology import Axis, ParallelMesh
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
-from shardwise.comm.topology import Axis
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.context import CheckpointContext
@@ -36,13 +39,217 @@ INDEX = "shardwise_index.pt"
 VERSION = 1
 
 
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of a run's parallel axes: of the run that wrote a checkpoint, or of this one."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def of(cls, mesh: ParallelMesh) -> Dims:
+        return cls(dp=mesh.size(Axis.DP), tp=mesh.size(Axis.TP), pp=mesh.size(Axis.PP))
+
+    def __str__(self) -> str:
+        return f"dp={self.dp}, tp={self.tp}, pp={self.pp}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the full model."""
+
+    shape: tuple[int, ...]
+    """Its full shape (all TP slices together)."""
+    tp_dim: int | None
+    """The dim tensor parallelism splits it along; None: every TP rank holds it whole."""
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One saved stepped tensor: a ZeRO shard's fp32 master, or one whole parameter at stage 0."""
+
+    file: str
+    key: str
+    """`file[key]` is the updater's state dict (`ShardedState.state_dict`) holding it."""
+    optimizer_index: int
+    """Its slot in that state dict's `["optimizer"]["state"]`."""
+    master_index: int | None
+    """Its slot in `["masters"]`; None: the optimizer steps the parameter itself, whose value the module
+    states hold."""
+    numel: int
+    options: Mapping[str, Any]
+    """Its param group's options (lr, betas, ...) when saved."""
+
+    def same_tensor(self, other: IndexEntry) -> bool:
+        """Whether both name the same saved tensor: file, slots and size. The options may differ (a scheduler
+        moves the lr between saves)."""
+        return (self.file, self.key, self.optimizer_index, self.master_index, self.numel) == \
+            (other.file, other.key, other.optimizer_index, other.master_index, other.numel)
+
+
+@dataclass(frozen=True, order=True)
+class Fragment:
+    """Elements [lo, hi) of TP rank `tp_rank`'s slice of a tensor, flattened, are elements [dst, dst + hi - lo)
+    of entry `entry` (its position in `CheckpointIndex.entries`)."""
+
+    tp_rank: int
+    lo: int
+    hi: int
+    entry: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Where each tensor of the full model lives in a tag's files (the module docstring shows the fields)."""
+
+    dims: Dims
+    tensors: Mapping[str, TensorInfo]
+    module: Mapping[str, Mapping[int, str]]
+    entries: tuple[IndexEntry, ...]
+    fragments: Mapping[str, tuple[Fragment, ...]]
+
+    @classmethod
+    def merged(cls, parts: Sequence[CheckpointIndex]) -> CheckpointIndex:
+        """The ranks' contributions as one index: entries concatenated in order, the fragments' entry numbers
+        shifted to match. The dims are the first part's (every rank of a run has the same)."""
+        tensors: dict[str, TensorInfo] = {}
+        module: dict[str, dict[int, str]] = {}
+        entries: list[IndexEntry] = []
+        fragments: dict[str, list[Fragment]] = {}
+        for part in parts:
+            base = len(entries)
+            entries += part.entries
+            tensors.update(part.tensors)
+            for name, files in part.module.items():
+                module.setdefault(name, {}).update(files)
+            for name, frags in part.fragments.items():
+                fragments.setdefault(name, []).extend(
+                    Fragment(f.tp_rank, f.lo, f.hi, base + f.entry, f.dst) for f in frags)
+        return cls(dims=parts[0].dims, tensors=tensors, module=module, entries=tuple(entries),
+                   fragments={n: tuple(f) for n, f in fragments.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stored form, version 1: plain dicts, tuples and numbers, which `weights_only=True` loads."""
+        return {"version": VERSION,
+                "tensors": {n: (tuple(t.shape), t.tp_dim) for n, t in self.tensors.items()},
+                "module": {n: dict(files) for n, files in self.module.items()},
+                "entries": [(e.file, e.key, e.optimizer_index, e.master_index, e.numel, dict(e.options))
+                            for e in self.entries],
+                "fragments": {n: [(f.tp_rank, f.lo, f.hi, f.entry, f.dst) for f in frags]
+                              for n, frags in self.fragments.items()},
+                "dims": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> CheckpointIndex:
+        """The index `to_dict` stored (its version checked by the caller). Raises `DamagedIndex` saying what is
+        wrong when a key is missing, a value has the wrong type, or a fragment names an entry or TP rank the
+        index does not have."""
+        _need(raw, ("dims", "tensors", "module", "entries", "fragments"), "the index")
+        d = _need(raw["dims"], ("dp", "tp", "pp"), "'dims'")
+        dims = Dims(**{k: _int(d[k], f"'dims'[{k!r}]", minimum=1) for k in ("dp", "tp", "pp")})
+        tensors: dict[str, TensorInfo] = {}
+        for name, value in _dict(raw["tensors"], "'tensors'").items():
+            where = f"'tensors'[{_show(name)}]"
+            shape, dim = _record(value, where, ("full shape", "TP dim"))
+            shape = tuple(_int(n, f"{where} shape") for n in _record(shape, f"{where} shape"))
+            tensors[_str(name, where)] = TensorInfo(shape, None if dim is None else _int(dim, f"{where} TP dim"))
+        module: dict[str, dict[int, str]] = {}
+        for name, files in _dict(raw["module"], "'module'").items():
+            where = f"'module'[{_show(name)}]"
+            module[_str(name, where)] = {_tp_rank(t, where, dims): _str(f, where)
+                                         for t, f in _dict(files, where).items()}
+        entries: list[IndexEntry] = []
+        for i, value in enumerate(_list(raw["entries"], "'entries'")):
+            where = f"'entries'[{i}]"
+            file, key, opt, master, numel, options = _record(
+                value, where, ("file", "key", "optimizer index", "master index", "numel", "options"))
+            entries.append(IndexEntry(_str(file, where), _str(key, where), _int(opt, f"{where} optimizer index"),
+                                      None if master is None else _int(master, f"{where} master index"),
+                                      _int(numel, f"{where} numel"), _dict(options, f"{where} options")))
+        fragments: dict[str, tuple[Fragment, ...]] = {}
+        for name, frags in _dict(raw["fragments"], "'fragments'").items():
+            where = f"'fragments'[{_show(name)}]"
+            out: list[Fragment] = []
+            for j, value in enumerate(_list(frags, where)):
+                at = f"{where}[{j}]"
+                t, lo, hi, entry, dst = (_int(x, at) for x in
+                                         _record(value, at, ("tp rank", "lo", "hi", "entry", "dst")))
+                if not (t < dims.tp and lo <= hi and entry < len(entries)
+                        and dst + hi - lo <= entries[entry].numel):
+                    raise DamagedIndex(f"{at} = {_show(value)} names no TP rank, run or entry of the index")
+                out.append(Fragment(t, lo, hi, entry, dst))
+            fragments[_str(name, where)] = tuple(out)
+        return cls(dims=dims, tensors=tensors, module=module, entries=tuple(entries), fragments=fragments)
+
+
+class DamagedIndex(ValueError):
+    """What is wrong with a stored index, in a few words (`read_index` names the file)."""
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother = 120, 60       # whole tensor names; a short view of anything else
+
+
+def _show(value: object) -> str:
+    return _REPR.repr(value)
+
+
+def _need(value: object, keys: tuple[str, ...], where: str) -> dict[Any, Any]:
+    found = _dict(value, where)
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise DamagedIndex(f"{where} has no {missing[0]!r}")
+    return found
+
+
+def _dict(value: object, where: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise DamagedIndex(f"{where} is {_show(value)}, not a dict")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise DamagedIndex(f"{where} is {_show(value)}, not a list")
+    return value
+
+
+def _record(value: object, where: str, fields: tuple[str, ...] | None = None) -> tuple[Any, ...]:
+    """A tuple (or list) of `fields`; any length when None."""
+    if not isinstance(value, (list, tuple)) or (fields is not None and len(value) != len(fields)):
+        what = f"({', '.join(fields)})" if fields is not None else "a tuple"
+        raise DamagedIndex(f"{where} is {_show(value)}, not {what}")
+    return tuple(value)
+
+
+def _int(value: object, where: str, *, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise DamagedIndex(f"{where} is {_show(value)}, not an integer >= {minimum}")
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise DamagedIndex(f"{where} holds {_show(value)}, not a name")
+    return value
+
+
+def _tp_rank(value: object, where: str, dims: Dims) -> int:
+    t = _int(value, f"{where} TP rank")
+    if t >= dims.tp:
+        raise DamagedIndex(f"{where} names TP rank {t} of a checkpoint written at {dims}")
+    return t
+
+
 def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
     if dim is None:
         return tuple(local)
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
-def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False) -> dict[str, Any]:
+def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False) -> CheckpointIndex:
     """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
     on a dp rank other than 0, what it would write of the model states (what it reads back at this layout)."""
     tp, tp_rank = where["tp_size"], where["tp_rank"]
@@ -53,30 +260,31 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
     local_shape = {id(p.param): p.shape for e in stepped for p in e.pieces}
     writes_model = ctx.dp_rank == 0 or as_writer
     model_file = ckpt.model_states_name(where["mp_rank"])
-    tensors: dict[str, tuple] = {}
+    tensors: dict[str, TensorInfo] = {}
     module: dict[str, dict[int, str]] = {}
     for local, t in own.items():
         full, dim = names[local], getattr(t, TP_DIM_ATTR, None)
         # A ZeRO-3 parameter between uses is an empty placeholder: its shape comes from its pieces.
         shape = tuple(t.shape) if t.numel() > 0 else local_shape.get(id(t))
         if shape is not None:
-            tensors[full] = (_full_shape(shape, dim, tp), dim)
+            tensors[full] = TensorInfo(_full_shape(shape, dim, tp), dim)
         if writes_model and t.numel() > 0:
             module[full] = {tp_rank: model_file}
-    entries: list[tuple] = []
-    fragments: dict[str, list[tuple]] = {}
+    entries: list[IndexEntry] = []
+    fragments: dict[str, list[Fragment]] = {}
     if state.checkpoint_per_rank or writes_model:
         file, key = ((ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"]), "optimizer_state_dict")
                      if state.checkpoint_per_rank else (model_file, "optimizer"))
         param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
         for k, (e, t) in enumerate(zip(stepped, state.stepped)):
-            entries.append((file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
+            entries.append(IndexEntry(file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
             for p in e.pieces:
-                fragments.setdefault(param_name[id(p.param)], []).append((tp_rank, p.lo, p.hi, k, p.dst))
-    return {"tensors": tensors, "module": module, "entries": entries, "fragments": fragments}
+                fragments.setdefault(param_name[id(p.param)], []).append(Fragment(tp_rank, p.lo, p.hi, k, p.dst))
+    return CheckpointIndex(dims=Dims.of(ctx.mesh), tensors=tensors, module=module, entries=tuple(entries),
+                           fragments={n: tuple(f) for n, f in fragments.items()})
 
 
-def gather_index(ctx: CheckpointContext, contribution: dict[str, Any]) -> dict[str, Any] | None:
+def gather_index(ctx: CheckpointContext, contribution: CheckpointIndex) -> CheckpointIndex | None:
     """Every rank's contribution merged into the index, on world rank 0 (None elsewhere). Collective: the
     contributions travel over dp, then tp, then pp, so after the three every rank's has arrived."""
     parts = [contribution]
@@ -85,41 +293,35 @@ def gather_index(ctx: CheckpointContext, contribution: dict[str, Any]) -> dict[s
         parts = [p for group in comm.all_gather_object(parts) for p in group]
     if ctx.mesh.global_rank != 0:
         return None
-    mesh = ctx.mesh
-    index: dict[str, Any] = {"version": VERSION, "tensors": {}, "module": {}, "entries": [], "fragments": {},
-                             "dims": {"dp": mesh.size(Axis.DP), "tp": mesh.size(Axis.TP), "pp": mesh.size(Axis.PP)}}
-    for part in parts:
-        base = len(index["entries"])
-        index["entries"] += part["entries"]
-        index["tensors"].update(part["tensors"])
-        for name, files in part["module"].items():
-            index["module"].setdefault(name, {}).update(files)
-        for name, frags in part["fragments"].items():
-            index["fragments"].setdefault(name, []).extend(
-                (t, lo, hi, base + entry, dst) for t, lo, hi, entry, dst in frags)
-    return index
+    return CheckpointIndex.merged(parts)
 
 
-def read_index(path) -> dict[str, Any] | None:
-    """The tag's index, or None for a checkpoint written before indexes existed."""
+def read_index(path: Path) -> CheckpointIndex | None:
+    """The tag's index, or None for a checkpoint written before indexes existed. A file that does not load, or
+    holds no index this shardwise reads, is one `CheckpointError` line naming it."""
     file = path / INDEX
     if not file.is_file():
         return None
     try:
-        index = torch.load(file, map_location="cpu", weights_only=True)
+        raw = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
         raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt "
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                                    f"restore it or load another tag") from None
-    if not isinstance(index, dict) or index.get("version") != VERSION:
-        raise ckpt.CheckpointError(f"checkpoint file {file} has index version {index.get('version')!r}; this "
-                                   f"shardwise reads version {VERSION}: load it with the shardwise that wrote it")
-    return index
+    try:
+        version = _dict(raw, "the index").get("version")
+        if version != VERSION:
+            raise ckpt.CheckpointError(f"checkpoint file {file} has index version {version!r}; this shardwise "
+                                       f"reads version {VERSION}: load it with the shardwise that wrote it")
+        return CheckpointIndex.from_dict(raw)
+    except DamagedIndex as e:
+        raise ckpt.CheckpointError(f"checkpoint file {file} is a damaged index: {e}; restore it or load another "
+                                   f"tag") from None
 
 
-def covered(frags: list[tuple], tp_rank: int, numel: int) -> bool:
+def covered(frags: Sequence[Fragment], tp_rank: int, numel: int) -> bool:
     """Whether the fragments of `tp_rank` cover a TP slice of `numel` elements."""
-    runs = sorted((lo, hi) for t, lo, hi, _, _ in frags if t == tp_rank)
+    runs = sorted((f.lo, f.hi) for f in frags if f.tp_rank == tp_rank)
     end = 0
     for lo, hi in runs:
         if lo > end:
@@ -128,20 +330,20 @@ def covered(frags: list[tuple], tp_rank: int, numel: int) -> bool:
     return end >= numel
 
 
-def same_layout(index: dict[str, Any], mine: dict[str, Any], dims: dict[str, int]) -> bool:
+def same_layout(index: CheckpointIndex, mine: CheckpointIndex) -> bool:
     """Whether the files this rank reads at its own layout hold exactly its pieces (`mine`, a
     `rank_contribution(as_writer=True)`): the same dims, stepped tensors and fragments. Then it reads them as
     they are, as before indexes existed."""
-    if index["dims"] != dims:
+    if index.dims != mine.dims:
         return False
-    files = {e[0] for e in mine["entries"]}
-    saved = [(i, e) for i, e in enumerate(index["entries"]) if e[0] in files]
-    if [e[:5] for _, e in saved] != [e[:5] for e in mine["entries"]]:     # options (lr) may have moved
+    files = {e.file for e in mine.entries}
+    saved = [(i, e) for i, e in enumerate(index.entries) if e.file in files]
+    if len(saved) != len(mine.entries) or not all(s.same_tensor(e) for (_, s), e in zip(saved, mine.entries)):
         return False
     local = {i: k for k, (i, _) in enumerate(saved)}
-    theirs: dict[str, list[tuple]] = {}
-    for name, frags in index["fragments"].items():
-        for t, lo, hi, entry, dst in frags:
-            if entry in local:
-                theirs.setdefault(name, []).append((t, lo, hi, local[entry], dst))
-    return {n: sorted(f) for n, f in theirs.items()} == {n: sorted(f) for n, f in mine["fragments"].items()}
+    theirs: dict[str, list[Fragment]] = {}
+    for name, frags in index.fragments.items():
+        for f in frags:
+            if f.entry in local:
+                theirs.setdefault(name, []).append(Fragment(f.tp_rank, f.lo, f.hi, local[f.entry], f.dst))
+    return {n: sorted(f) for n, f in theirs.items()} == {n: sorted(f) for n, f in mine.fragments.items()}

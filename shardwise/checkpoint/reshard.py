@@ -19,13 +19,14 @@ Assembling elements [lo, hi) of this rank's TP slice of a tensor (`_Assembler.lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise.checkpoint import files as ckpt
-from shardwise.checkpoint.index import covered
+from shardwise.checkpoint.index import CheckpointIndex, IndexEntry, covered
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
 from shardwise.comm.topology import Axis
 
@@ -63,50 +64,51 @@ class FileReader:
 class _Assembler:
     """Reads TP slices (or runs of them) of saved tensors out of the fragments and module files."""
 
-    def __init__(self, index: dict[str, Any], read: FileReader):
+    def __init__(self, index: CheckpointIndex, read: FileReader):
         self.index, self.read = index, read
-        self.tp = index["dims"]["tp"]
+        self.tp = index.dims.tp
 
     def _source(self, entry: int, key: str, name: str) -> torch.Tensor:
-        file, field, opt_index, master_index, _, _ = self.index["entries"][entry]
-        state = self.read(file)[field]
+        saved = self.index.entries[entry]
+        state = self.read(saved.file)[saved.key]
         if key != VALUE:
-            return state["optimizer"]["state"][opt_index][key]
-        if master_index is not None:
-            return state["masters"][master_index]
-        return self.read(file)["module"][name]      # stage 0 in fp32: the optimizer steps the parameter
+            return state["optimizer"]["state"][saved.optimizer_index][key]
+        if saved.master_index is not None:
+            return state["masters"][saved.master_index]
+        return self.read(saved.file)["module"][name]    # stage 0 in fp32: the optimizer steps the parameter
 
     def _saved_run(self, name: str, tp_rank: int, lo: int, hi: int, key: str) -> torch.Tensor:
         """Elements [lo, hi) of TP rank `tp_rank`'s saved slice of `name`, flattened."""
-        files = self.index["module"].get(name, {})
         if key == "module":
-            return self.read(files[tp_rank])["module"][name].reshape(-1)[lo:hi]
+            return self.read(self.index.module[name][tp_rank])["module"][name].reshape(-1)[lo:hi]
         out: torch.Tensor | None = None
-        for t, f_lo, f_hi, entry, dst in self.index["fragments"][name]:
-            a, b = max(lo, f_lo), min(hi, f_hi)
-            if t != tp_rank or a >= b:
+        for f in self.index.fragments[name]:
+            a, b = max(lo, f.lo), min(hi, f.hi)
+            if f.tp_rank != tp_rank or a >= b:
                 continue
-            src = self._source(entry, key, name).reshape(-1)
+            src = self._source(f.entry, key, name).reshape(-1)
             if out is None:
                 out = torch.empty(hi - lo, dtype=src.dtype)
-            out[a - lo:b - lo] = src[dst + a - f_lo:dst + b - f_lo]
+            out[a - lo:b - lo] = src[f.dst + a - f.lo:f.dst + b - f.lo]
         assert out is not None, f"{name}: no fragment of TP rank {tp_rank} overlaps [{lo}, {hi})"
         return out
 
     def holder(self, name: str, key: str, prefer: int) -> int:
         """A saved TP rank holding `name` (`prefer` if it does): any holds a tensor TP does not split whole."""
-        held = set(self.index["module"].get(name, {})) if key == "module" else \
-            {t for t, *_ in self.index["fragments"].get(name, [])}
+        held = set(self.index.module.get(name, {})) if key == "module" else \
+            {f.tp_rank for f in self.index.fragments.get(name, ())}
         return prefer if prefer in held else min(held)
 
     def slices(self, name: str, tp_rank: int, tp_size: int, dim: int | None, key: str) -> list[int]:
         """The saved TP ranks whose slices of `name` overlap this rank's (`dim`: this model's split dim)."""
-        full, saved_dim = self.index["tensors"][name]
+        info = self.index.tensors[name]
+        full, saved_dim = info.shape, info.tp_dim
         old = self.tp if saved_dim is not None else 1
         new = tp_size if dim is not None else 1
         if old == new:
             return [tp_rank if old > 1 else self.holder(name, key, tp_rank)]
         split = saved_dim if saved_dim is not None else dim
+        assert split is not None        # old != new: the checkpoint or this model splits it
         n_new, n_old = full[split] // new, full[split] // old
         start = (tp_rank if new > 1 else 0) * n_new
         return [j if old > 1 else self.holder(name, key, tp_rank) for j in range(old)
@@ -116,12 +118,14 @@ class _Assembler:
               key: str) -> torch.Tensor:
         """Elements [lo, hi) of this rank's TP slice (`tp_rank` of `tp_size`, split along `dim` or whole) of
         `name`, flattened. A tensor saved whole counts as one slice, as does one this model holds whole."""
-        full, saved_dim = self.index["tensors"][name]
+        info = self.index.tensors[name]
+        full, saved_dim = info.shape, info.tp_dim
         old = self.tp if saved_dim is not None else 1
         new = tp_size if dim is not None else 1
         if old == new:
             return self._saved_run(name, self.slices(name, tp_rank, tp_size, dim, key)[0], lo, hi, key)
         split = saved_dim if saved_dim is not None else dim
+        assert split is not None        # old != new: the checkpoint or this model splits it
         n_new, n_old = full[split] // new, full[split] // old
         start = (tp_rank if new > 1 else 0) * n_new
         old_shape = [n_old if d == split else n for d, n in enumerate(full)]
@@ -138,14 +142,37 @@ class _Assembler:
         return mine.reshape(-1)[lo:hi]
 
 
+@dataclass(frozen=True)
+class LocalTensor:
+    """One of this rank's module tensors, as the plan loads it."""
+
+    source: str
+    """The full name its fragments are under: its own, or a tied weight's first name."""
+    shape: tuple[int, ...] | None
+    """Its local shape (this rank's TP slice); None when unknown here (a ZeRO-3 placeholder stepped elsewhere)."""
+    tp_dim: int | None
+    """The dim this model splits it along under tensor parallelism; None: held whole."""
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """Elements [lo, hi) of this rank's TP slice of `name`, flattened, at [dst, dst + hi - lo) of a tensor this
+    rank steps."""
+
+    name: str
+    lo: int
+    hi: int
+    dst: int
+
+
 class Plan:
     """What this rank will load, checked against the index (`problem`: the first reason it cannot)."""
 
-    def __init__(self, ctx: CheckpointContext, index: dict[str, Any], read: FileReader, *, strict: bool,
+    def __init__(self, ctx: CheckpointContext, index: CheckpointIndex, read: FileReader, *, strict: bool,
                  optimizer: bool):
         self.ctx, self.index, self.read = ctx, index, read
         self.tp_rank, self.tp_size = ctx.mesh.rank(Axis.TP), ctx.mesh.size(Axis.TP)
-        self.dims = {"dp": ctx.mesh.size(Axis.DP), "tp": self.tp_size, "pp": ctx.mesh.size(Axis.PP)}
         self.optimizer = optimizer
         names = ctx.naming.full_names(ctx.module)
         # Every tensor name of the pipeline's stages, gathered before any check can return (a collective).
@@ -155,12 +182,11 @@ class Plan:
         stepped = ctx.state.entries()
         shape_of = {id(p.param): p.shape for e in stepped for p in e.pieces}
         param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
-        # full name -> (the name its fragments are under (a tied weight's first name), local shape or None when
-        # unknown here, split dim, dtype)
-        self.module = {names[k]: (param_name.get(id(t), names[k]),
-                                  tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
-                                  getattr(t, TP_DIM_ATTR, None), t.dtype) for k, t in own.items()}
-        self.stepped = [[(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in e.pieces] for e in stepped]
+        self.module = {names[k]: LocalTensor(param_name.get(id(t), names[k]),
+                                             tuple(t.shape) if t.numel() > 0 else shape_of.get(id(t)),
+                                             getattr(t, TP_DIM_ATTR, None), t.dtype) for k, t in own.items()}
+        # Per tensor this rank steps (the order of `ctx.state.stepped`): the pieces it holds, and its options.
+        self.stepped = [[LocalPiece(param_name[id(p.param)], p.lo, p.hi, p.dst) for p in e.pieces] for e in stepped]
         self.options = [e.options for e in stepped]
         self.frozen = {names[k] for k, t in own.items()
                        if isinstance(t, torch.nn.Parameter) and not t.requires_grad}
@@ -169,31 +195,36 @@ class Plan:
 
     def local_shape(self, name: str, dim: int | None) -> tuple[int, ...]:
         """This rank's TP slice shape of `name` (split along `dim`), from the checkpoint's full shape."""
-        full = self.index["tensors"][name][0]
+        full = self.index.tensors[name].shape
         return tuple(n // self.tp_size if d == dim else n for d, n in enumerate(full))
 
+    def saved_entry(self, pieces: list[LocalPiece]) -> IndexEntry:
+        """The saved tensor holding the first fragment of a stepped tensor's first piece: its options and scalar
+        optimizer states (Adam's step) stand for the whole stepped tensor. The first entry when it has none."""
+        return self.index.entries[self.index.fragments[pieces[0].name][0].entry if pieces else 0]
+
     def _check_module(self, strict: bool) -> str | None:
-        tensors, dims = self.index["tensors"], self.index["dims"]
-        written = f"(written at dp={dims['dp']}, tp={dims['tp']}, pp={dims['pp']})"
+        tensors = self.index.tensors
+        written = f"(written at {self.index.dims})"
         if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
             self.module = {n: v for n, v in self.module.items() if n in tensors}
-        for name, (source, shape, dim, _) in self.module.items():
+        for name, mine in self.module.items():
             if name not in tensors:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
                         f"another model; load it into the model that wrote it")
-            full, saved_dim = tensors[name]
+            full, saved_dim, dim = tensors[name].shape, tensors[name].tp_dim, mine.tp_dim
             if saved_dim is not None and dim is not None and saved_dim != dim:
                 return (f"{name!r} is split by tensor parallelism along dim {saved_dim} in the checkpoint and "
                         f"along {dim} in this model: it was written for another model or TP plan")
             if dim is not None and full[dim] % self.tp_size:
                 return (f"{name!r} has {full[dim]} rows along dim {dim} in the checkpoint, not divisible by "
                         f"tensor_parallel.size = {self.tp_size}: choose a size that divides it")
-            if shape is not None:
-                want = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(shape))
+            if mine.shape is not None:
+                want = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(mine.shape))
                 if want != tuple(full):
                     return (f"{name!r} has shape {list(full)} in the checkpoint but {list(want)} in this model "
                             f"{written}: it was written for another model")
-            if name not in self.index["module"] and source not in self.index["fragments"]:
+            if name not in self.index.module and mine.source not in self.index.fragments:
                 if name in self.frozen:     # a frozen ZeRO-3 shard is in no file: it keeps the built value
                     continue
                 return f"the checkpoint holds no values for {name!r} {written}: save it again with this shardwise"
@@ -205,32 +236,33 @@ class Plan:
         return None
 
     def _check_optimizer(self) -> str | None:
-        fragments, tensors, entries = self.index["fragments"], self.index["tensors"], self.index["entries"]
+        fragments, tensors = self.index.fragments, self.index.tensors
         build = _Assembler(self.index, self.read)
         for pieces, options in zip(self.stepped, self.options):
-            for name, _, _, _ in pieces:
+            for piece in pieces:
+                name = piece.name
                 if name not in fragments:
                     return (f"the checkpoint holds no optimizer state for {name!r} (it was not trained when "
                             f"saved): pass load_optimizer_states=False, or load_module_only=True")
-                full, saved_dim = tensors[name]
-                ranks = build.slices(name, self.tp_rank, self.tp_size, self.module[name][2], VALUE)
-                numel = int(torch.Size(full).numel()) // (build.tp if saved_dim is not None else 1)
+                ranks = build.slices(name, self.tp_rank, self.tp_size, self.module[name].tp_dim, VALUE)
+                numel = int(torch.Size(tensors[name].shape).numel())
+                numel //= build.tp if tensors[name].tp_dim is not None else 1
                 if not all(covered(fragments[name], t, numel) for t in ranks):
                     return f"the checkpoint's optimizer shards do not cover {name!r}: some of its files are missing"
             if pieces:
-                saved = entries[fragments[pieces[0][0]][0][3]][5]
+                saved = self.saved_entry(pieces).options
                 if set(saved) != set(options):
                     return (f"the checkpoint's optimizer has options {sorted(saved)} and this run's "
                             f"{sorted(options)}: it was written with another optimizer; configure the same one")
         return None
 
     def _needed_files(self) -> list[str]:
-        files = set(self.index["module"].get(n, {}).get(t) for n in self.module
-                    for t in range(self.index["dims"]["tp"])) - {None}
-        names = {v[0] for n, v in self.module.items() if n not in self.index["module"]}   # from the masters
+        index = self.index
+        files = {f for n in self.module for t, f in index.module.get(n, {}).items()}
+        names = {v.source for n, v in self.module.items() if n not in index.module}     # from the masters
         if self.optimizer:
-            names |= {name for pieces in self.stepped for name, *_ in pieces}
-        files |= {self.index["entries"][f[3]][0] for n in names for f in self.index["fragments"].get(n, [])}
+            names |= {piece.name for pieces in self.stepped for piece in pieces}
+        files |= {index.entries[f.entry].file for n in names for f in index.fragments.get(n, ())}
         return sorted(files | {ckpt.model_states_name(0)})
 
     def _open_files(self) -> str | None:
@@ -264,14 +296,14 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
     ctx, build = plan.ctx, _Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for name, (source, shape, dim, dtype) in plan.module.items():
-        key = "module" if name in plan.index["module"] else VALUE      # ZeRO-3 placeholders: from the masters
-        if key == VALUE and source not in plan.index["fragments"]:
+    for name, mine in plan.module.items():
+        key = "module" if name in plan.index.module else VALUE      # ZeRO-3 placeholders: from the masters
+        if key == VALUE and mine.source not in plan.index.fragments:
             continue                    # frozen and saved nowhere (checked by the plan)
-        local = shape if shape is not None else plan.local_shape(name, dim)
+        local = mine.shape if mine.shape is not None else plan.local_shape(name, mine.tp_dim)
         numel = int(torch.Size(local).numel())
-        chunk[name] = build.local(name if key != VALUE else source, plan.tp_rank, plan.tp_size, dim, 0, numel,
-                                  key).view(local).to(dtype)
+        chunk[name] = build.local(name if key != VALUE else mine.source, plan.tp_rank, plan.tp_size, mine.tp_dim,
+                                  0, numel, key).view(local).to(mine.dtype)
         size += numel * chunk[name].element_size()
         if size >= _CHUNK_BYTES:
             ctx.naming.load_module_state(ctx.module, chunk, False)
@@ -280,17 +312,16 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
         ctx.naming.load_module_state(ctx.module, chunk, False)
     if not plan.optimizer:
         return
-    values, states, options = [], [], []
+    values: list[torch.Tensor | None] = []
+    states, options = [], []
     scaler = None
     for pieces, stepped in zip(plan.stepped, ctx.state.stepped):
         values.append(_stepped(build, plan, pieces, stepped, VALUE))
-        entry = plan.index["entries"][plan.index["fragments"][pieces[0][0]][0][3]] if pieces else \
-            plan.index["entries"][0]
-        file, field, opt_index, _, _, saved_options = entry
-        saved = plan.read(file)[field]
+        entry = plan.saved_entry(pieces)
+        saved = plan.read(entry.file)[entry.key]
         scaler = saved["scaler"]
-        options.append(dict(saved_options))
-        state = saved["optimizer"]["state"].get(opt_index, {})
+        options.append(dict(entry.options))
+        state = saved["optimizer"]["state"].get(entry.optimizer_index, {})
         # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
         states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
                        (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
@@ -303,9 +334,11 @@ def _per_element(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def _stepped(build: _Assembler, plan: Plan, pieces: list[tuple], stepped: torch.Tensor, key: str) -> torch.Tensor:
+def _stepped(build: _Assembler, plan: Plan, pieces: list[LocalPiece], stepped: torch.Tensor,
+             key: str) -> torch.Tensor:
     """A tensor shaped like `stepped` (fp32, on the CPU) holding the saved `key` of each piece; padding 0."""
     out = torch.zeros(stepped.numel(), dtype=torch.float32)
-    for name, lo, hi, dst in pieces:
-        out[dst:dst + hi - lo] = build.local(name, plan.tp_rank, plan.tp_size, plan.module[name][2], lo, hi, key)
+    for p in pieces:
+        out[p.dst:p.dst + p.hi - p.lo] = build.local(p.name, plan.tp_rank, plan.tp_size, plan.module[p.name].tp_dim,
+                                                     p.lo, p.hi, key)
     return out.view(stepped.shape)

@@ -79,7 +79,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
 
     index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where))
     if index is not None:                       # world rank 0
-        files[checkpoint_index.INDEX] = index
+        files[checkpoint_index.INDEX] = index.to_dict()
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
                    any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest)
     return True
@@ -116,7 +116,7 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
                 problem = plan.problem
                 # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
                 mine = checkpoint_index.rank_contribution(ctx, layout(ctx), as_writer=True)
-                same = not load_module_only and checkpoint_index.same_layout(index, mine, plan.dims)
+                same = not load_module_only and checkpoint_index.same_layout(index, mine)
             if index is None or (same and problem is None):
                 # Read whole, as before indexes: what it returns becomes the optimizer's state.
                 own = _read_own(ctx, path, reshard.FileReader(path, mmap=False), load_module_only,

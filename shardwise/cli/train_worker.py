@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -57,7 +56,6 @@ from shardwise.telemetry import (
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
-FAULT_ENV = "SHARDWISE_TEST_KILL_AT"
 
 
 @dataclass(frozen=True)
@@ -117,18 +115,6 @@ def _write_pipeline_trace(engine, out: Path, is_main: bool) -> None:
          "records": [{"stage": s, "action": a, "start": b, "end": e} for s, a, b, e in records]}, indent=1))
     print(f"pipeline: measured bubble fraction {timeline.bubble_fraction:.3f} (last step); wrote "
           f"{out / 'pipeline_timeline.png'}", flush=True)
-
-
-def _fault_hook(rank: int, step: int) -> None:
-    """Tests of restarts and crash reports: FAULT_ENV="R:S" makes global rank R kill itself (SIGKILL, as
-    `kill -9` or the kernel's OOM killer would) after step S, on the first attempt only."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    fault_rank, fault_step = (int(x) for x in spec.split(":"))
-    if (rank, step) == (fault_rank, fault_step):
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
@@ -215,7 +201,6 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
                 path = save(step) if not saved else str(checkpoints / f"global_step{engine.global_steps}")
                 stopped = Stopped(signum=signum, step=step, checkpoint=path)
                 break
-            _fault_hook(rank, step)
     if writer is not None:
         writer.close()
     if stopped is not None:

@@ -134,7 +134,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str
 
 
 def test_killed_rank_restarts_then_sigterm_and_sigint_stop_with_a_checkpoint_and_resume(
-        matrix: tuple[Path, dict], tmp_path: Path) -> None:
+        matrix: tuple[Path, dict], tmp_path: Path, kill_rank_after_step) -> None:
     corpus, results = matrix
     config = tmp_path / "dp.json"
     config.write_text(json.dumps(BASE))
@@ -147,7 +147,7 @@ def test_killed_rank_restarts_then_sigterm_and_sigint_stop_with_a_checkpoint_and
 
     # Rank 1 dies (SIGKILL) after step 3 on the first attempt; the restarted ranks resume from step 2 and redo
     # step 3. Once they are past it, SIGTERM: the ranks finish their step, save it and stop; exit 143.
-    proc = _launch(command, SHARDWISE_TEST_KILL_AT="1:3")
+    proc = _launch(command, **kill_rank_after_step(rank=1, step=3))
     _signal_after(proc, metrics, 5, signal.SIGTERM)
     code, stdout, stderr = _finish(proc)
     assert code == 143, stdout[-2000:] + stderr[-3000:]
@@ -176,12 +176,12 @@ def test_killed_rank_restarts_then_sigterm_and_sigint_stop_with_a_checkpoint_and
     assert json.loads((out / "summary.json").read_text())["final_loss"] == results["dp"][0][-1]["loss"]
 
 
-def test_kill_9_of_a_rank_prints_a_few_lines(matrix: tuple[Path, dict], tmp_path: Path) -> None:
+def test_kill_9_of_a_rank_prints_a_few_lines(matrix: tuple[Path, dict], tmp_path: Path, kill_rank_after_step) -> None:
     corpus = matrix[0]
     out = tmp_path / "run"
     code, stdout, stderr = _finish(_launch(["--nproc", "2", "--data", str(corpus), "--seq-len", str(SEQ_LEN),
                                             "--steps", "3", "--peak-tflops", "0.1", "--out", str(out)],
-                                           SHARDWISE_TEST_KILL_AT="1:1"))
+                                           **kill_rank_after_step(rank=1, step=1)))
     assert code == 1, stdout[-2000:] + stderr[-3000:]
     lines = stderr.strip().splitlines()
     assert 1 <= len(lines) <= 3 and "Traceback" not in stderr, stderr

@@ -1,0 +1,61 @@
+"""Kills one rank of a launched `shardwise train` after a given step: the fault the survive tests inject.
+
+Python imports `sitecustomize` at start-up from the first folder of its path that holds one; the
+`kill_rank_after_step` fixture (tests/conftest.py) puts this folder first on PYTHONPATH and sets
+SHARDWISE_TEST_KILL_AT="R:S". torchrun's agent starts each rank as a new process that inherits that
+environment, so each rank runs this file; without the variable it does nothing.
+
+The rank whose global RANK is R, on the first attempt only (TORCHELASTIC_RESTART_COUNT 0: a restarted attempt
+runs through), kills itself with SIGKILL, as `kill -9` or the kernel's OOM killer would, once step S is done:
+where the step loop of `shardwise.cli.train_worker.train` ends an iteration. That is after `StopRequest.agreed`
+(the ranks' agreement whether a signal asked them to stop, the loop's last call) returns, unless the ranks agreed
+to stop before the last step, when the loop leaves without finishing the iteration. The loop's step number and
+its number of steps are those it passed to `NodeLog.step` earlier in the same iteration. So every rank has
+finished step S (its metrics row, its checkpoint if one was due) before rank R dies.
+"""
+
+from __future__ import annotations
+
+import os
+
+KILL_ENV = "SHARDWISE_TEST_KILL_AT"
+
+
+def _kill_after_step(step: int) -> None:
+    """Wrap the two calls of the worker's step loop that mark the step and its end (see the module docstring)."""
+    import signal
+    import sys
+
+    from shardwise.cli.stop import StopRequest
+    from shardwise.telemetry.node_log import NodeLog
+
+    loop: dict[str, int] = {}       # the step the loop is in, and its number of steps
+
+    log_step = NodeLog.step
+    agreed = StopRequest.agreed
+
+    def step_logged(self, at: int, total: int, *args, **kwargs):
+        loop.update(step=at, total=total)
+        return log_step(self, at, total, *args, **kwargs)
+
+    def agreed_then_maybe_killed(self, *args, **kwargs):
+        signum = agreed(self, *args, **kwargs)
+        if loop.get("step") == step and not (signum and step < loop["total"]):
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return signum
+
+    NodeLog.step = step_logged
+    StopRequest.agreed = agreed_then_maybe_killed
+
+
+def _install() -> None:
+    spec = os.environ.get(KILL_ENV)
+    if not spec or "RANK" not in os.environ or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return          # not asked, not a rank (torchrun's agent, the launching process) or a restarted attempt
+    rank, step = (int(x) for x in spec.split(":"))
+    if int(os.environ["RANK"]) == rank:
+        _kill_after_step(step)
+
+
+_install()
