@@ -23,7 +23,7 @@ import torch
 
 from shardwise.errors import UserError
 from shardwise.parallel.zero.homes import HOME_ATTR, ParamHome
-from shardwise.parallel.zero.params import Unit, UnitState
+from shardwise.parallel.zero.params import ShardedState, Unit
 
 
 class GatheredParameters:
@@ -52,7 +52,7 @@ class GatheredParameters:
             if u is None or id(u) in seen:
                 continue
             seen.add(id(u))
-            if u.state is not UnitState.GATHERED:
+            if u.sharded_state is not ShardedState.UNSHARDED:
                 home.keeper.gather_unit(u)
                 self._gathered.append((home, u))
         return self

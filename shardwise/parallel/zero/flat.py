@@ -18,6 +18,7 @@ holds the right values again once the unit is re-gathered for backward, and no m
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,21 @@ from shardwise.parallel.zero.partition import FlatLayout, RowLayout
 class FlatKey:
     group: int | None          # optimizer param-group index; None: not optimized (frozen or not passed)
     dtype: torch.dtype
+
+
+class ReduceState(enum.Enum):
+    """Where a flat's gradients of the current backward are."""
+
+    COLLECTING = "collecting"    # arriving into grad_full (none yet, some, or all while gradient sync is off)
+    REDUCING = "reducing"        # the reduce-scatter of grad_full is launched and not waited on yet
+    REDUCED = "reduced"          # its result is added into grad_shard; back to COLLECTING when the backward ends
+
+
+_REDUCE_MOVES = {
+    ReduceState.COLLECTING: {ReduceState.REDUCING},
+    ReduceState.REDUCING: {ReduceState.REDUCED},
+    ReduceState.REDUCED: {ReduceState.COLLECTING},
+}
 
 
 def _resize(t: torch.Tensor, numel: int) -> None:
@@ -60,7 +76,7 @@ class FlatShard:
     # backward bookkeeping, owned by stage3.ZeroParamRuntime
     grad_full: torch.Tensor | None = None     # [padded] this micro-batch's gradients, while being reduced
     ready: int = 0                            # parameters whose gradient arrived in this backward
-    launched: bool = False
+    reduce_state: ReduceState = ReduceState.COLLECTING
     received: torch.Tensor | None = None      # [S] reduce-scatter output
     handle: Handle | None = None
     # ZeRO-Offload of parameters: the shard lives on the CPU between uses and is copied to this device
@@ -74,7 +90,9 @@ class FlatShard:
     # dim-0 rows under RowLayout), and its .grad the same piece of grad_shard, so an optimizer built on the
     # module's parameters steps the shard in place.
     rest_on_shard: bool = False
-    grads_held: bool = False                  # grad_shard holds gradients the free parameters show as .grad
+    # grad_shard got its first reduction: from then on the free parameters show their pieces of it as .grad
+    # (before, they have none, as on one process before the first backward)
+    has_grads: bool = False
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
@@ -88,6 +106,12 @@ class FlatShard:
                    torch.zeros_like(shard) if key.group is not None and grad_shard else None)
         flat.pieces = {i: (lo, hi, dst) for i, lo, hi, dst in layout.pieces_in_shard(rank)}
         return flat
+
+    def move_reduce(self, to: ReduceState) -> None:
+        if to not in _REDUCE_MOVES[self.reduce_state]:
+            raise AssertionError(f"ZeRO-3 flat of unit {self.unit}: reduce state {self.reduce_state.name} -> "
+                                 f"{to.name} is not a legal transition")
+        self.reduce_state = to
 
     @property
     def group(self) -> int | None:
@@ -181,7 +205,7 @@ class FlatShard:
             pieces, grads = self.resting_views()
             for p, v in zip(self.params, pieces):
                 p.data = v
-            if self.grads_held:
+            if self.has_grads:
                 for p, g in zip(self.params, grads):
                     p.grad = g
         else:
@@ -201,7 +225,7 @@ class FlatShard:
         """Before a gather: what the user did to the shown gradients goes into grad_shard (a .grad set to None,
         optimizer.zero_grad's default, zeroes its piece; a replaced one is copied in); then .grad is cleared so
         that autograd accumulates this backward's full-shape gradient afresh."""
-        if self.grads_held:
+        if self.has_grads:
             _, grads = self.resting_views()
             for p, g in zip(self.params, grads):
                 if p.grad is None:

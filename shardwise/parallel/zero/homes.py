@@ -40,8 +40,7 @@ class UnitKeeper:
         self.comm = comm
 
     def gather_unit(self, u: Unit) -> None:
-        u.launch_gather(self.comm)
-        u.wait()
+        u.gather(self.comm)
 
     def free_unit(self, u: Unit) -> None:
         u.free()

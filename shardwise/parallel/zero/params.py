@@ -25,47 +25,108 @@ from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
 
 
-class UnitState(enum.Enum):
-    FREE = "free"              # only the shard exists
-    GATHERING = "gathering"    # all-gather launched (a prefetch), not waited on yet
-    GATHERED = "gathered"      # parameters point into the full buffer
+class ShardedState(enum.Enum):
+    """Where a unit's parameters are (FSDP2's `ShardedState`, plus the all-gather in flight between the two)."""
+
+    SHARDED = "sharded"        # only this rank's shard exists; the parameters are its placeholders (see FlatShard)
+    GATHERING = "gathering"    # the all-gather is launched (a prefetch) and not waited on yet
+    UNSHARDED = "unsharded"    # the parameters view the whole gathered buffer
+
+
+class TrainingState(enum.Enum):
+    """What a unit's module is in the middle of (FSDP2's `TrainingState`)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"                # between its forward pre-hook and post-hook
+    PRE_BACKWARD = "pre_backward"      # the gradient of its outputs arrived: gathered again for its backward
+    POST_BACKWARD = "post_backward"    # every gradient of its parameters arrived: freed, reduce-scatters launched
+
+
+_SHARDED_MOVES = {
+    ShardedState.SHARDED: {ShardedState.GATHERING},
+    ShardedState.GATHERING: {ShardedState.UNSHARDED},     # a free waits for the gather first
+    ShardedState.UNSHARDED: {ShardedState.SHARDED},
+}
+_TRAINING_MOVES = {
+    # POST_BACKWARD from IDLE: gradients can arrive with no hook on the outputs (a reentrant checkpoint recomputes
+    # the unit inside backward, where its post-hook adds none)
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD},
+    # FORWARD again: the last forward raised before its post-hook
+    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD},
+    # PRE_BACKWARD again: a module run twice in one forward gets one hook per call; IDLE: the backward ended
+    # before all its parameters got gradients (some took no part)
+    TrainingState.PRE_BACKWARD: {TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD, TrainingState.IDLE},
+    TrainingState.POST_BACKWARD: {TrainingState.IDLE},
+}
 
 
 @dataclass(eq=False)
 class Unit:
+    """Parameters gathered and freed together, one FlatShard per key. The two states change only through
+    `_move_sharded` / `move_training`, which refuse a transition the tables above do not list."""
+
     index: int
     name: str
     module: nn.Module
     flats: list[FlatShard]
     is_root: bool = False
     reshard_after_forward: bool = True        # False: stays gathered from its training forward to its backward
-    state: UnitState = UnitState.FREE
+    sharded_state: ShardedState = ShardedState.SHARDED
+    training_state: TrainingState = TrainingState.IDLE
     handles: list[Handle] = field(default_factory=list)
 
     @property
     def padded_numel(self) -> int:
         return sum(f.layout.padded_numel for f in self.flats)
 
-    def launch_gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
-        if self.state is UnitState.FREE:
-            self.handles = [f.launch_gather(comm, copies) for f in self.flats]
-            self.state = UnitState.GATHERING
+    def _move_sharded(self, to: ShardedState) -> None:
+        if to not in _SHARDED_MOVES[self.sharded_state]:
+            raise AssertionError(f"ZeRO-3 unit {self.name}: {self.sharded_state.name} -> {to.name} is not a legal "
+                                 f"transition (from {self.sharded_state.name} only to "
+                                 f"{sorted(s.name for s in _SHARDED_MOVES[self.sharded_state])})")
+        self.sharded_state = to
 
-    def wait(self) -> None:
-        if self.state is UnitState.GATHERING:
-            for h in self.handles:
-                h.wait()
-            self.handles = []
-            for f in self.flats:
-                f.attach()
-            self.state = UnitState.GATHERED
+    def move_training(self, to: TrainingState) -> None:
+        if to not in _TRAINING_MOVES[self.training_state]:
+            raise AssertionError(f"ZeRO-3 unit {self.name}: {self.training_state.name} -> {to.name} is not a legal "
+                                 f"transition (from {self.training_state.name} only to "
+                                 f"{sorted(s.name for s in _TRAINING_MOVES[self.training_state])})")
+        self.training_state = to
+
+    def start_gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
+        """SHARDED -> GATHERING: launch the all-gather of every flat."""
+        self._move_sharded(ShardedState.GATHERING)
+        self.handles = [f.launch_gather(comm, copies) for f in self.flats]
+
+    def finish_gather(self) -> None:
+        """GATHERING -> UNSHARDED: wait for the all-gathers; the parameters view the full buffers."""
+        self._move_sharded(ShardedState.UNSHARDED)
+        for h in self.handles:
+            h.wait()
+        self.handles = []
+        for f in self.flats:
+            f.attach()
+
+    def reshard(self) -> None:
+        """UNSHARDED -> SHARDED: the full buffers give their memory back; the parameters are placeholders again."""
+        self._move_sharded(ShardedState.SHARDED)
+        for f in self.flats:
+            f.release()
+
+    def gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
+        """Whole now, from any state (a prefetch in flight is waited on)."""
+        if self.sharded_state is ShardedState.SHARDED:
+            self.start_gather(comm, copies)
+        if self.sharded_state is ShardedState.GATHERING:
+            self.finish_gather()
 
     def free(self) -> None:
-        self.wait()          # never resize a buffer an all-gather is still writing into
-        if self.state is UnitState.GATHERED:
-            for f in self.flats:
-                f.release()
-            self.state = UnitState.FREE
+        """Sharded now, from any state: an all-gather in flight is waited on first (never resize a buffer it is
+        still writing into)."""
+        if self.sharded_state is ShardedState.GATHERING:
+            self.finish_gather()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self.reshard()
 
 
 @dataclass(eq=False)
@@ -199,8 +260,7 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
             for f in u.flats:
                 same_layout[id(f.params[0])].shard.copy_(f.shard)     # converts dtype/device
         else:
-            u.launch_gather(comm)
-            u.wait()
+            u.gather(comm)
             for f in u.flats:
                 for p, view in zip(f.params, f.views):
                     target, i = where[id(p)]

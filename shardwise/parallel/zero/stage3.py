@@ -25,6 +25,7 @@ every rank's forward runs the same modules (ZeRO-3's and FSDP's requirement).
 
 from __future__ import annotations
 
+import enum
 import functools
 from typing import Any
 
@@ -35,11 +36,28 @@ from torch.utils._pytree import tree_leaves
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.copies import CopyStream, HostGrad, discard_sent
 from shardwise.parallel.zero.grads import ZeroGradReducer
-from shardwise.parallel.zero.flat import FlatShard
-from shardwise.parallel.zero.params import Partition, Unit, UnitState, load_full_tensors
+from shardwise.parallel.zero.flat import FlatShard, ReduceState
+from shardwise.parallel.zero.params import Partition, ShardedState, TrainingState, Unit, load_full_tensors
 
 
 _FLAT_TAG_BASE = 1 << 20
+
+
+class BackwardState(enum.Enum):
+    """Whether the runtime owes a backward its end: the reduce-scatters no gradient launched, the wait for all of
+    them, every unit freed (`_finish_backward`)."""
+
+    NONE = "none"          # nothing to finish
+    DUE = "due"            # a forward hooked its outputs; no backward has reached a hook yet (the engine's
+                           # end_backward finishes one that never does)
+    RUNNING = "running"    # a backward reached a hook and queued autograd's final callback, which finishes it
+
+
+_BACKWARD_MOVES = {
+    BackwardState.NONE: {BackwardState.DUE, BackwardState.RUNNING},
+    BackwardState.DUE: {BackwardState.RUNNING, BackwardState.NONE},
+    BackwardState.RUNNING: {BackwardState.NONE},
+}
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -94,8 +112,7 @@ class ZeroParamRuntime:
         self._current = id(module)
         self._running: list[Unit] = []
         self._in_flight: list[FlatShard] = []
-        self._expect_backward = False
-        self._callback_queued = False
+        self.backward_state = BackwardState.NONE
         self._where = partition.where()
         # exchange tags of the flats' reduce-scatters, apart from the persistent buckets' (their bucket indices)
         self._tags = {id(f): _FLAT_TAG_BASE + i for i, f in enumerate(partition.flats)}
@@ -134,7 +151,7 @@ class ZeroParamRuntime:
             self._copies.stream.synchronize()
 
     def end_backward(self, boundary: bool) -> None:
-        if self._expect_backward:               # autograd's callback did not run (no unit took part)
+        if self.backward_state is not BackwardState.NONE:    # autograd's callback did not run (no unit took part)
             self._finish_backward()
 
     def zero_grad(self) -> None:
@@ -180,32 +197,46 @@ class ZeroParamRuntime:
         if self.persistent is not None:
             self.persistent.close()
 
+    def _move_backward(self, to: BackwardState) -> None:
+        if to not in _BACKWARD_MOVES[self.backward_state]:
+            raise AssertionError(f"ZeRO-3 runtime: backward state {self.backward_state.name} -> {to.name} is not a "
+                                 f"legal transition")
+        self.backward_state = to
+
+    def _backward_due(self) -> None:
+        """A forward hooked its outputs: a backward will come (or the engine's end_backward ends it)."""
+        if self.backward_state is BackwardState.NONE:
+            self._move_backward(BackwardState.DUE)
+
     # -- gather / free ------------------------------------------------------------------------------
     def _launch(self, u: Unit) -> None:
-        if u.state is UnitState.FREE:
-            u.launch_gather(self.comm, self._copies)
+        if u.sharded_state is ShardedState.SHARDED:
+            u.start_gather(self.comm, self._copies)
             self.live_numel += u.padded_numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _gather_now(self, u: Unit) -> None:
         self._launch(u)
-        u.wait()
+        if u.sharded_state is ShardedState.GATHERING:
+            u.finish_gather()
 
     def _free(self, u: Unit) -> None:
-        if u.state is not UnitState.FREE:
-            u.wait()
-            if self.poison_freed:
-                for f in u.flats:
-                    f.full.fill_(float("nan"))
-            u.free()
-            self.live_numel -= u.padded_numel
+        if u.sharded_state is ShardedState.SHARDED:
+            return
+        if u.sharded_state is ShardedState.GATHERING:
+            u.finish_gather()           # never resize a buffer an all-gather is still writing into
+        if self.poison_freed:
+            for f in u.flats:
+                f.full.fill_(float("nan"))
+        u.reshard()
+        self.live_numel -= u.padded_numel
 
     def _prefetch(self, upcoming: list[Unit]) -> None:
         """Launch all-gathers of the next units (in the order they will be needed) within the bounds."""
         ahead = 0
         for v in upcoming:
             n = v.padded_numel
-            if v.state is UnitState.FREE:
+            if v.sharded_state is ShardedState.SHARDED:
                 if ahead + n > self.prefetch_numel or self.live_numel + n > self.max_live_numel:
                     return
                 self._launch(v)
@@ -215,16 +246,22 @@ class ZeroParamRuntime:
 
     # -- forward hooks ------------------------------------------------------------------------------
     def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():                      # recomputation: gathered for the backward that follows
+            if self.root is not None:
+                self._gather_now(self.root)
+            return
         self._running = []
         if self.root is not None:
+            self.root.move_training(TrainingState.FORWARD)
             self._gather_now(self.root)
         self._current = id(module)
         self._prefetch(self._orders.get(id(module), []))
 
     def _pre_forward(self, u: Unit, module: nn.Module, args: Any) -> None:
-        if _in_backward():
+        if _in_backward():                      # recomputation: gathered for the backward that follows
             self._gather_now(u)
             return
+        u.move_training(TrainingState.FORWARD)
         self._running.append(u)
         self._gather_now(u)
         root, pos = self._position.get(id(u), (None, None))
@@ -234,9 +271,10 @@ class ZeroParamRuntime:
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
             return
+        u.move_training(TrainingState.IDLE)
         tensors = _grad_tensors(output)
         if tensors:
-            self._expect_backward = True
+            self._backward_due()
             torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, u),
                                                           mode="any")
             if not u.reshard_after_forward and module.training:
@@ -244,6 +282,10 @@ class ZeroParamRuntime:
         self._free(u)
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
+        if self.root is not None:
+            self.root.move_training(TrainingState.IDLE)
         self._orders[id(module)] = self._running
         self._position.update({id(u): (id(module), i) for i, u in enumerate(self._running)})
         kept = {id(u) for u in self._running if not u.reshard_after_forward and module.training}
@@ -252,7 +294,7 @@ class ZeroParamRuntime:
                 self._free(u)
         tensors = _grad_tensors(output)
         if tensors:
-            self._expect_backward = True
+            self._backward_due()
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, functools.partial(self._pre_backward_root, id(module)), mode="any")
         if self.root is not None and not (tensors and module.training and not self.reshard_root_after_forward):
@@ -263,6 +305,7 @@ class ZeroParamRuntime:
         """Fires when the gradient of unit u's forward outputs is ready: gather u, prefetch the units its
         root's forward ran before it (in reverse)."""
         self._backward_starts()
+        u.move_training(TrainingState.PRE_BACKWARD)
         self._gather_now(u)
         if id(u) in self._position:
             root, pos = self._position[id(u)]
@@ -276,13 +319,14 @@ class ZeroParamRuntime:
         root unit, prefetch every unit of that root's forward, last first."""
         self._backward_starts()
         if self.root is not None:
+            self.root.move_training(TrainingState.PRE_BACKWARD)
             self._gather_now(self.root)
         self._prefetch(self._orders.get(root, [])[::-1])
 
     def _backward_starts(self) -> None:
-        self._expect_backward = True            # a backward runs: it must be finished (pipelines run several)
-        if not self._callback_queued:
-            self._callback_queued = True
+        """Every backward that reaches a hook is finished by autograd's final callback (pipelines run several)."""
+        if self.backward_state is not BackwardState.RUNNING:
+            self._move_backward(BackwardState.RUNNING)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -302,6 +346,7 @@ class ZeroParamRuntime:
                 self._launch_reduce(flat)
             u = self.units[flat.unit]
             if all(f.ready == len(f.params) for f in u.flats if f.group is not None):
+                u.move_training(TrainingState.POST_BACKWARD)
                 self._free(u)
 
     def _launch_reduce(self, flat: FlatShard) -> None:
@@ -309,17 +354,18 @@ class ZeroParamRuntime:
         if flat.grad_full is None:              # no parameter of it got a gradient in this backward
             flat.grad_full = _zeros_full(flat)
         # A separate [S] output in the reduce dtype, on the gradients' device: the input must not alias it.
+        flat.move_reduce(ReduceState.REDUCING)
         flat.received = flat.grad_full.new_empty(flat.grad_shard.shape)
-        flat.grads_held = True
+        flat.has_grads = True
         flat.handle = self.comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)],
                                                    async_op=True)
-        flat.launched = True
         self._in_flight.append(flat)
 
     def _drain(self, keep: int) -> None:
         """Complete launched reduce-scatters, oldest first, until at most `keep` remain in flight."""
         while len(self._in_flight) > keep:
             flat = self._in_flight.pop(0)
+            flat.move_reduce(ReduceState.REDUCED)
             flat.handle.wait()
             flat.handle = None
             flat.received.div_(self.comm.size)
@@ -334,19 +380,22 @@ class ZeroParamRuntime:
                 host.send(flat.grad_shard)
 
     def _finish_backward(self) -> None:
-        self._callback_queued = False
-        if not self._expect_backward:
+        if self.backward_state is BackwardState.NONE:
             return
-        self._expect_backward = False
+        self._move_backward(BackwardState.NONE)
         for u in self.units:                    # unit order: the same on every rank
             for f in u.flats:
-                if f.group is not None and not f.launched and self.reduce_grads:
+                if f.group is not None and f.reduce_state is ReduceState.COLLECTING and self.reduce_grads:
                     self._launch_reduce(f)
         self._drain(0)
         for u in self.units:
             self._free(u)
+            if u.training_state is not TrainingState.IDLE:
+                u.move_training(TrainingState.IDLE)
             for f in u.flats:
-                f.ready, f.launched = 0, False
+                f.ready = 0
+                if f.reduce_state is ReduceState.REDUCED:
+                    f.move_reduce(ReduceState.COLLECTING)
         if self.persistent is not None:
             self.persistent.end_backward(True)
 
@@ -362,7 +411,7 @@ class ZeroParamRuntime:
         keep = not rank0_only or self.comm.rank == 0
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
-            was_free = u.state is UnitState.FREE
+            was_free = u.sharded_state is ShardedState.SHARDED
             self._gather_now(u)
             if keep:
                 for f in u.flats:
