@@ -1,12 +1,14 @@
-"""DeepSpeed's `deepspeed.zero` names for scripts:
+"""DeepSpeed's `deepspeed.zero` names for scripts (`import shardwise as deepspeed`):
 
     with shardwise.zero.Init(config_dict_or_path=ds_config):
         model = GPT(cfg)                        # built sharded: no rank ever holds the whole model
     with shardwise.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
         ...                                     # whole on every rank; rank 0's changes kept on exit
+
+Re-exports only; the implementation is `shardwise.parallel.zero` (`init_context.py`, `gathered.py`).
 """
 
-from shardwise.zero.gathered import GatheredParameters
-from shardwise.zero.init import Init
+from shardwise.parallel.zero.gathered import GatheredParameters
+from shardwise.parallel.zero.init_context import Init
 
 __all__ = ["GatheredParameters", "Init"]

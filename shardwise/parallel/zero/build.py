@@ -29,7 +29,7 @@ from shardwise.parallel.tied import TiedParams, uncounted
 from shardwise.parallel.update import UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket, build_zero_buckets
 from shardwise.parallel.zero.grads import ZeroGradReducer
-from shardwise.parallel.zero.homes import mark_homes
+from shardwise.parallel.zero.gathered import record_locations
 from shardwise.parallel.zero.optimizer import ShardedUpdate, Stage3Update, make_shard_masters
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, rekey, shard_model
@@ -105,7 +105,7 @@ def _stage3(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, 
                                prefetch_numel=section.stage3_prefetch_bucket_size,
                                max_live_numel=section.stage3_max_live_parameters,
                                roots=units.roots if units is not None else None)
-    mark_homes(partition, runtime, dp_comm)
+    record_locations(partition, runtime, dp_comm)
     # offload_param alone keeps the optimizer on the compute device (as DeepSpeed does): the masters then cannot
     # be the parameter shards, which wait on the CPU.
     separate = recipe.dtype != torch.float32 or section.offloads_optimizer or section.offloads_params

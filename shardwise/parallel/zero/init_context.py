@@ -1,19 +1,6 @@
-"""`shardwise.zero.Init`: models constructed inside the block are built as ZeRO-3 shards (DeepSpeed's zero.Init);
-``Init(module=model)`` shards a model built already.
-
-Inside the block tensors are created on the meta device (shapes only, no memory, no random draws). On exit
-each model constructed in it (a module that no other module constructed in it holds) is materialized by
-`parallel.zero.materialize.materialize_sharded`: one module at a time, initialized, broadcast from rank 0, cut
-to this rank's shards. `shardwise.initialize` under zero_optimization.stage 3 then takes the shards as they are.
-
-How the values are drawn: `init=` (a callable of the model that walks `model.named_modules()` once, touching
-each module's own parameters; see materialize.py), else the model's own `init_weights()` when it has one (the
-GPT's, which draws exactly what a direct build draws: the same weights under the same seed), else each module's
-`reset_parameters()`. Initialization a constructor performs itself is lost on the meta device, so a model that
-initializes only in its constructor needs `init=`. Buffers must be set by the init (they are allocated empty).
-
-Build only the model inside the block: every tensor created there is a meta tensor.
-"""
+"""DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards,
+so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already. `shardwise.initialize`
+under zero_optimization.stage 3 then takes the shards as they are."""
 
 from __future__ import annotations
 
@@ -25,19 +12,32 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from shardwise.comm.collectives import Comm
+from shardwise.comm.dist_api import init_distributed
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
-from shardwise.parallel.zero.homes import UnitKeeper, mark_homes
-from shardwise.parallel.zero.materialize import materialize_sharded
 from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.gathered import StandaloneGatherer, record_locations
+from shardwise.parallel.zero.materialize import broadcast_in_place, materialize_sharded
 from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
 
 
 class Init:
-    """DeepSpeed's `zero.Init`, plus `init=` (see the module docstring). ``module=`` shards a model built already
-    (the parameters are broadcast from rank 0, then cut one unit at a time); the context manager builds models
-    sharded. The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
+    """DeepSpeed's `zero.Init`, plus `init=`. As a context manager it builds models sharded: inside the block
+    tensors are created on the meta device (shapes only, no memory, no random draws); on exit each model
+    constructed in it (a module that no other module constructed in it holds) is materialized by
+    `materialize_sharded`: one module at a time, initialized, broadcast from rank 0, cut to this rank's shards.
+    Build only the model inside the block: every tensor created there is a meta tensor. ``module=`` shards a model
+    built already (the parameters are broadcast from rank 0, then cut one unit at a time).
+
+    How the values are drawn: `init=` (a callable of the model that walks `model.named_modules()` once, touching
+    each module's own parameters; see `materialize_sharded`), else the model's own `init_weights()` when it has
+    one (the GPT's, which draws exactly what a direct build draws: the same weights under the same seed), else
+    each module's `reset_parameters()`. Initialization a constructor performs itself is lost on the meta device,
+    so a model that initializes only in its constructor needs `init=`. Buffers must be set by the init (they are
+    allocated empty).
+
+    The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
     must match, and, as in DeepSpeed, its offload_param block overrides ``remote_device`` / ``pin_memory``.
     ``mpu`` serves the config's batch arithmetic only (DeepSpeed's use); the group defaults to the world, which
     is the data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard).
@@ -72,26 +72,27 @@ class Init:
         self.remote_device, self.pin_memory = remote_device, pin_memory
         self._hooks: list[Any] = []
         self._device: torch.device | None = None
-        self._holders: dict[int, nn.Module] = {}      # modules given parameters or children, first-seen order
-        self._held: set[int] = set()                   # modules registered as another module's child
+        # modules built in the block (given parameters or children there), first-seen order; and the ones among
+        # them registered as another module's child: the others are the models to materialize
+        self._built: dict[int, nn.Module] = {}
+        self._children: set[int] = set()
         if module is not None and enabled:
             self._shard_module(module)
 
     # -- which modules are built inside --------------------------------------------------------------------
     def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
-        self._holders.setdefault(id(module), module)
+        self._built.setdefault(id(module), module)
 
     def _on_child(self, module: nn.Module, name: str, child: Any) -> None:
-        self._holders.setdefault(id(module), module)
+        self._built.setdefault(id(module), module)
         if child is not None:
-            self._held.add(id(child))
+            self._children.add(id(child))
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        from shardwise.engine.initialize import init_distributed
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
-        self._holders, self._held = {}, set()
+        self._built, self._children = {}, set()
         self._hooks = [module_hooks.register_module_parameter_registration_hook(self._on_param),
                        module_hooks.register_module_module_registration_hook(self._on_child)]
         self._device = torch.device("meta")
@@ -107,7 +108,7 @@ class Init:
         self._hooks = []
         if exc_type is not None:
             return
-        roots = [m for k, m in self._holders.items() if k not in self._held]
+        roots = [m for k, m in self._built.items() if k not in self._children]
         for model in roots:
             if any(p.device.type == "meta" for p in model.parameters()) and not hasattr(model, PARTITION_ATTR):
                 self._materialize(model)
@@ -126,7 +127,6 @@ class Init:
         """DeepSpeed's ``Init(module=model)``: a model built whole on every rank becomes rank 0's weights, cut to
         this rank's shards (a model built on the meta device is materialized instead; one sharded already is
         left as it is)."""
-        from shardwise.engine.initialize import init_distributed
         init_distributed()
         if hasattr(module, PARTITION_ATTR):
             return
@@ -147,7 +147,7 @@ class Init:
         self._place(module, zero, comm)
 
     def _place(self, model: nn.Module, zero: ZeroConfig, comm: Comm) -> None:
-        """Record where each parameter lives; shards wait in host memory with remote_device "cpu" (the config's
+        """Record each parameter's location (for GatheredParameters); shards wait in host memory with remote_device "cpu" (the config's
         offload_param block decides instead when it has one, as in DeepSpeed)."""
         remote, pin = self.remote_device, self.pin_memory
         if zero.offload_param is not None:
@@ -156,7 +156,7 @@ class Init:
         if remote == "cpu":
             for f in partition.flats:
                 f.offload(torch.device("cpu"), pin_memory=pin)
-        mark_homes(partition, UnitKeeper(comm), comm)
+        record_locations(partition, StandaloneGatherer(comm), comm)
 
     def _init_for(self, model: nn.Module) -> Callable[[nn.Module], None] | None:
         if self.init is not None:
@@ -201,12 +201,10 @@ def _refuse_unbuilt(**given: Any) -> None:
 def _broadcast_by_module(model: nn.Module, comm: Comm) -> None:
     """Rank 0's parameters and buffers on every rank, one flat broadcast per module and dtype (a copy of one
     module at a time, not of the model)."""
-    from shardwise.engine.initialize import broadcast_tensors
-
     if comm.size == 1:
         return
     seen: set[int] = set()
     for m in model.modules():
         own = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and id(t) not in seen]
         seen.update(id(t) for t in own)
-        broadcast_tensors(own, comm)
+        broadcast_in_place(own, comm)
