@@ -115,10 +115,10 @@ def two_ranks() -> dict:
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     train(model, opt, batches()[:3], world)
     out["report"] = model.comm_report()
-    group = model._sharded_group()
+    sharding = model._fully_shard_state()
     # (gathered again in backward, bytes of each flat's shard): the root stays gathered, as FSDP2's does
     out["units"] = [(u.reshard_after_forward and not u.is_root, [f.shard.numel() * f.shard.element_size()
-                                                                 for f in u.flats]) for u in group.runtime.units]
+                                                                 for f in u.flats]) for u in sharding.runtime.units]
     out["full"] = _clone(shardwise.get_state_dict(model, opt, full_state_dict=True))
     out["rank0"] = shardwise.get_state_dict(model, opt, full_state_dict=True, cpu_offload=True)
 

@@ -4,12 +4,7 @@
     optimizer = torch.optim.AdamW(model.parameters())
     loss = model(ids, labels); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-The runtime is the engine's stage-0 `BucketedAllReduce` (`parallel/data_parallel.py`): each `.grad` views a
-slot of a flat bucket [numel_k], buckets fill in reverse registration order and launch from
-post-accumulate-grad hooks in index order while backward runs. What a plain loop lacks is the engine's calls
-around backward: the forward arms the buckets (off inside `no_sync()`), and the first gradient of a backward
-queues autograd's final callback, which waits for every bucket (each divided by the dp size as it launched,
-as torch DDP divides).
+The runtime is the engine's stage-0 `BucketedAllReduce`; `_LoopReducer` adds what a plain loop lacks.
 """
 
 from __future__ import annotations
@@ -148,8 +143,12 @@ def broadcast_coalesced(comm, tensors: list[torch.Tensor], bucket_bytes: int = B
 
 
 class _LoopReducer(BucketedAllReduce):
-    """The engine's reducer plus what a plain loop lacks: the first gradient of a communicating backward queues
-    autograd's final callback, which waits for every bucket. One Python hook per parameter (the reducer's)."""
+    """The engine's reducer (each `.grad` views a slot of a flat bucket [numel_k]; buckets fill in reverse
+    registration order and launch from post-accumulate-grad hooks in index order while backward runs) plus what a
+    plain loop lacks, the engine's calls around backward: the wrapper's forward arms the buckets (off inside
+    `no_sync()`), and the first gradient of a communicating backward queues autograd's final callback, which waits
+    for every bucket (each divided by the dp size as it launched, as torch DDP divides). One Python hook per
+    parameter (the reducer's)."""
 
     _callback_queued = False
     comm_hook: tuple[Any, CommHook, str] | None = None     # (state, hook, its name): register_comm_hook's

@@ -1,21 +1,8 @@
 """Sharded state dicts as FSDP2 gives them: each sharded parameter (and optimizer state laid out like it) as a
-`DTensor` over the data-parallel group, Shard(0), whose local tensor is this rank's rows.
-
-Why: `torch.distributed.checkpoint` (and everything built on it: torchtitan's checkpointer, DCP's resharding on
-load) treats a plain tensor as replicated and writes it from one rank only. This rank's rows under the parameter's
-name would be saved from one rank and the others' rows lost. A DTensor tells DCP the global shape and where
-each rank's rows lie, so it writes every piece and loads any other world size's.
-
-Our `RowLayout` cuts dim 0 into ceil(d0 / W) rows per rank, the last ranks possibly holding fewer or none:
-`torch.chunk`'s rule, which is also Shard(0)'s. So the local tensor is used as it is (no copy, no
-communication). A 0-dim parameter lives on rank 0 only; its entry is a Replicate DTensor of rank 0's value. That
-broadcast makes `state_dict()` collective for a model with a scalar parameter, as DCP calls it: on every rank.
-
-Not converted (plain local tensors, as before): wrappers over a (dp, tp) mesh, whose parameters are TP slices
-sharded again over dp (a 2-D placement this module does not build).
-
-Loading takes DTensors or plain tensors. A DTensor laid out as this rank's rows gives its local tensor, and any
-other layout gives its whole value cut to this rank's rows (`rank_piece`).
+`DTensor` over the data-parallel group, Shard(0), whose local tensor is this rank's rows. Why: `torch.distributed.
+checkpoint` (and what is built on it: torchtitan's checkpointer, DCP's resharding on load) writes a plain tensor
+from one rank only, as if replicated, so the other ranks' rows would be lost; a DTensor tells it the global shape
+and where each rank's rows lie, so it writes every piece and loads at any other world size.
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ import torch
 from torch import nn
 
 PLAIN_ATTR = "_shardwise_plain_state_dict"
-"""Set on a `ShardedGroup` while the wrappers read their own state dicts: plain tensors, no collective."""
+"""Set on a `FullyShardState` while the wrappers read their own state dicts: plain tensors, no collective."""
 
 
 def is_dtensor(value: Any) -> bool:
@@ -35,87 +22,94 @@ def is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def dp_mesh(group) -> Any | None:
-    """The 1-D DeviceMesh over `group`'s dp ranks (built once), or None when its entries stay plain tensors."""
-    mesh = getattr(group, "_dtensor_mesh", False)
+def dp_mesh(sharding) -> Any | None:
+    """The 1-D DeviceMesh over `group`'s dp ranks (built once), or None when its entries stay plain tensors:
+    wrappers over a (dp, tp) mesh, whose parameters are TP slices sharded again over dp (a 2-D placement this
+    module does not build)."""
+    mesh = getattr(sharding, "_dtensor_mesh", False)
     if mesh is not False:
         return mesh
     mesh = None
-    if group.groups.tp.size == 1:
+    if sharding.groups.tp.size == 1:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
-        flats = group.runtime.partition.flats
+        flats = sharding.runtime.partition.flats
         device = flats[0].compute_device or flats[0].shard.device if flats else torch.device("cpu")
-        mesh = DeviceMesh.from_group(group.groups.dp.group or dist.group.WORLD, device.type)
-    group._dtensor_mesh = mesh
+        mesh = DeviceMesh.from_group(sharding.groups.dp.group or dist.group.WORLD, device.type)
+    sharding._dtensor_mesh = mesh
     return mesh
 
 
 @contextlib.contextmanager
-def plain_state_dicts(group) -> Iterator[None]:
+def plain_state_dicts(sharding) -> Iterator[None]:
     """The wrappers' own reads of `state_dict()`: this rank's plain tensors, without the DTensor hook."""
-    before = getattr(group, PLAIN_ATTR, False)
-    setattr(group, PLAIN_ATTR, True)
+    before = getattr(sharding, PLAIN_ATTR, False)
+    setattr(sharding, PLAIN_ATTR, True)
     try:
         yield
     finally:
-        setattr(group, PLAIN_ATTR, before)
+        setattr(sharding, PLAIN_ATTR, before)
 
 
-def to_dtensor(group, flat, i: int, local: torch.Tensor) -> torch.Tensor:
-    """`local`, laid out as parameter i of `flat` rests on this rank, as a DTensor of the whole parameter."""
+def to_dtensor(sharding, flat, i: int, local: torch.Tensor) -> torch.Tensor:
+    """`local`, laid out as this rank holds parameter i of `flat` (its rows), as a DTensor of the whole parameter.
+
+    `RowLayout` cuts dim 0 into ceil(d0 / W) rows per rank, the last ranks possibly holding fewer or none:
+    `torch.chunk`'s rule, which is also Shard(0)'s, so `local` is used as it is (no copy, no communication). A
+    0-dim parameter lives on rank 0 only; its entry is a Replicate DTensor of rank 0's value, broadcast, which
+    makes `state_dict()` collective for a model with a scalar parameter (DCP calls it on every rank)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    mesh = dp_mesh(group)
+    mesh = dp_mesh(sharding)
     shape = tuple(flat.shapes[i])
     if not shape:                   # a scalar: rank 0's value, everywhere
         value = local.detach().reshape(()) if local.numel() else torch.zeros((), dtype=local.dtype,
                                                                                device=local.device)
         value = value.clone()
-        group.groups.dp.broadcast(value)
+        sharding.groups.dp.broadcast(value)
         return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def to_local(group, flat, i: int, value: Any) -> Any:
-    """A loaded entry of parameter i of `flat` as it rests on this rank: a DTensor's rows (its local tensor when
-    it is laid out as ours, else its whole value cut); anything else as it is."""
+def to_local(sharding, flat, i: int, value: Any) -> Any:
+    """A loaded entry of parameter i of `flat` as this rank holds it (its rows): a DTensor's local tensor when it
+    is laid out as ours, else its whole value cut (`rank_piece`); anything else (a plain tensor) as it is."""
     if not is_dtensor(value):
         return value
     from torch.distributed.tensor import Shard
     from shardwise.parallel.wrappers.module import rank_piece
     mesh = value.device_mesh
     if tuple(flat.shapes[i]) and tuple(value.placements) == (Shard(0),) and mesh.ndim == 1 \
-            and mesh.size() == group.groups.dp.size and mesh.get_local_rank() == group.groups.dp.rank:
+            and mesh.size() == sharding.groups.dp.size and mesh.get_local_rank() == sharding.groups.dp.rank:
         return value.to_local()
     return rank_piece(flat, i, value.full_tensor())
 
 
-def rows_of(group, module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
+def rows_of(sharding, module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
     """In place: each sharded parameter's DTensor entry in `state` (named under `prefix`) as this rank's rows."""
-    where = group.runtime.partition.where()
+    where = sharding.runtime.partition.where()
     for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
         if id(p) in where and is_dtensor(state.get(name)):
             flat, i = where[id(p)]
-            state[name] = to_local(group, flat, i, state[name])
+            state[name] = to_local(sharding, flat, i, state[name])
 
 
-def install(module: nn.Module, group_of) -> None:
+def install(module: nn.Module, state_of) -> None:
     """State-dict hooks on a module `fully_shard` wrapped: out, its sharded parameters as DTensors; in, DTensors
-    back to this rank's rows. `group_of(module)` is its current `ShardedGroup` (the root's, once wrapped above)."""
+    back to this rank's rows. `state_of(module)` is its current `FullyShardState` (the root's, once wrapped above)."""
 
     def out(m: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-        group = group_of(m)
-        if getattr(group, PLAIN_ATTR, False) or dp_mesh(group) is None:
+        sharding = state_of(m)
+        if getattr(sharding, PLAIN_ATTR, False) or dp_mesh(sharding) is None:
             return
-        where = group.runtime.partition.where()
+        where = sharding.runtime.partition.where()
         for name, p in m.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if id(p) in where and name in state and not is_dtensor(state[name]):
                 flat, i = where[id(p)]
-                state[name] = to_dtensor(group, flat, i, state[name])
+                state[name] = to_dtensor(sharding, flat, i, state[name])
 
     def into(m: nn.Module, state: dict[str, Any], prefix: str, *_rest: Any) -> None:
-        rows_of(group_of(m), m, state, prefix.rstrip("."))
+        rows_of(state_of(m), m, state, prefix.rstrip("."))
 
     module.register_state_dict_post_hook(out)
     handle = module.register_load_state_dict_pre_hook(into)

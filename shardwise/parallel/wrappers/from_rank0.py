@@ -48,7 +48,7 @@ def broadcast_from_rank0(comm, trees: list[Any]) -> list[Any]:
 def dp_comm(model: torch.nn.Module, target):
     """The group over which the model's replicas or shards live: the wrapper's, else every rank."""
     if target.sharded is not None:
-        return target.sharded._sharded_group().groups.dp
+        return target.sharded._fully_shard_state().groups.dp
     groups = getattr(model, "groups", None)          # the DDP wrapper's
     if groups is not None:
         return groups.dp

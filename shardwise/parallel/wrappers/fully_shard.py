@@ -4,28 +4,6 @@
         fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     fully_shard(model)                              # the outermost call last: one runtime for the whole model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)    # steps this rank's shards
-
-Each call shards at once: the module's parameters not already wrapped below it become one ZeRO-3 unit
-(`parallel/zero/params.py` and `flat.py`, one buffer per dtype, split over the dp group), and the units wrapped
-below are adopted, so the outermost call leaves one `ZeroParamRuntime` (`parallel/zero/stage3.py`) that gathers,
-frees, prefetches and reduce-scatters exactly as the engine's stage 3 does.
-
-The wrappers' units use `RowLayout` (`parallel/zero/partition.py`), FSDP2's dim-0 sharding: parameter i of
-shape [d_i, *rest] is cut into chunks of R_i = ceil(d_i / W) rows, and rank r holds rows
-[r R_i, min((r+1) R_i, d_i)), possibly none. Rank r's shard [S] is its chunk of each parameter in order, each
-padded to R_i rows. The all-gather gives [W, S] (rank-major); one `split_with_sizes_copy` moves it into the
-parameter-major buffer [W S] the full parameters view (stable storage across gather / free / re-gather, for the
-views autograd saves). In backward each gradient is added straight into rank-major order (two strided adds per
-parameter) before the reduce-scatter. The engine's units keep `FlatLayout` (its checkpoints depend on it).
-
-Where the optimizer steps: each parameter, while its unit is free, is its rows of the shard, shape
-[rows_r, *shape[1:]] (0 rows on the last ranks when d_i < W R_i), and its `.grad` the same rows of the averaged
-gradient (`FlatShard.rest_on_shard`), so any `torch.optim` optimizer built afterwards steps the shards in place,
-and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on one
-process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0] elsewhere.
-`model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group) whose
-local tensor is this rank's rows, as FSDP2's, so `torch.distributed.checkpoint` saves and reshards it
-(`dtensors.py`); `full_state_dict()` gathers the whole.
 """
 
 from __future__ import annotations
@@ -52,13 +30,13 @@ SHARDED_ATTR = "_shardwise_sharded"
 """Set on every parameter a `fully_shard` call has sharded."""
 
 STATE_ATTR = "_shardwise_fully_shard"
-"""Attribute of every wrapped module: its `ShardedGroup` (the one of the outermost wrapped module above it)."""
+"""Attribute of every wrapped module: its `FullyShardState` (the one of the outermost wrapped module above it)."""
 
 
 @dataclass(eq=False)
-class ShardedGroup:
-    """One runtime and what it drives: the outermost module wrapped so far (`root`); every wrapped module below
-    it holds this same object. `ledger` records the collectives of its groups, in the steps `clock` tells."""
+class FullyShardState:
+    """What `fully_shard` keeps for a model (FSDP2's `FSDPState`): one runtime and what it drives, the outermost
+    module wrapped so far (`root`); every wrapped module below it holds this same object. `ledger` records the collectives of its groups, in the steps `clock` tells."""
 
     root: nn.Module
     runtime: ZeroParamRuntime
@@ -96,7 +74,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters over the data-parallel group of `mesh` (see `policies.groups_of`); apply it to
-    each block, then to the root. Returns the module itself, its class now also a `FSDPModule`."""
+    each block, then to the root. Returns the module itself, its class now also a `FSDPModule`.
+
+    Each call shards at once: the module's parameters not already wrapped below it become one ZeRO-3 unit
+    (`_new_unit`), and the units wrapped below are adopted, so the outermost call leaves one `ZeroParamRuntime`
+    that gathers, frees, prefetches and reduce-scatters exactly as the engine's stage 3 does. The units use
+    `RowLayout`, FSDP2's dim-0 sharding; the engine's keep `FlatLayout` (its checkpoints depend on it).
+    `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
+    whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -152,10 +137,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
                                max_live_numel=1 << 62)
-    group = ShardedGroup(module, runtime, groups, ledger, clock)
+    sharding = FullyShardState(module, runtime, groups, ledger, clock)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
-            setattr(m, STATE_ATTR, group)
+            setattr(m, STATE_ATTR, sharding)
     wrap_class(module)
     dtensors.install(module, lambda m: getattr(m, STATE_ATTR))
     # first of the root's forward pre-hooks, ahead of the runtime's gathers: they count in the step it opens
@@ -172,19 +157,26 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
 
 
 def _tick(module: nn.Module, _args: Any) -> None:
-    group = getattr(module, STATE_ATTR)
-    if group.root is not module:
+    sharding = getattr(module, STATE_ATTR)
+    if sharding.root is not module:
         return
     if torch.is_grad_enabled():
-        group.clock.forward_started(group.runtime.reduce_grads)
+        sharding.clock.forward_started(sharding.runtime.reduce_grads)
     else:
-        group.clock.eval_forward_started()
+        sharding.clock.eval_forward_started()
 
 
 def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,
               mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool) -> Unit | None:
-    """The unit of `module`'s own parameters (those no wrapped module below holds), sharded and resting on its
-    shard; None when there are none."""
+    """The unit of `module`'s own parameters (those no wrapped module below holds), sharded; None when there are
+    none.
+
+    Where the optimizer steps: each parameter, while its unit is sharded, is its rows of the shard, shape
+    [rows_r, *shape[1:]] (fewer or 0 rows on the last ranks: `RowLayout`), and its `.grad` the same rows of the
+    averaged gradient (`FlatShard.params_view_shard`), so any `torch.optim` optimizer built afterwards steps the shards in
+    place, and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on
+    one process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0]
+    elsewhere."""
     if not params:
         return None
     key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
@@ -195,7 +187,7 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
     with torch.no_grad():
         for f in unit.flats:
             for i, p in enumerate(f.params):
-                f.take(i, p.detach())
+                f.copy_piece(i, p.detach())
                 setattr(p, SHARDED_ATTR, True)
             if isinstance(offload, CPUOffloadPolicy):
                 pin = offload.pin_memory and torch.cuda.is_available()
@@ -205,6 +197,6 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
             f.compute_dtype = mp.param_dtype if mp.param_dtype is not None and f.key.dtype.is_floating_point \
                 else None
             f.reduce_dtype = mp.reduce_dtype or f.compute_dtype
-            f.rest_on_shard = True
+            f.params_view_shard = True
             f.release()
     return unit

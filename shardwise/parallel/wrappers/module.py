@@ -38,7 +38,7 @@ class FSDPModule:
     """Mixed into the class of every module `fully_shard` wrapped. Collective methods say so: every rank of the
     data-parallel group must call them in the same order."""
 
-    def _sharded_group(self):
+    def _fully_shard_state(self):
         from shardwise.parallel.wrappers.fully_shard import STATE_ATTR
         return getattr(self, STATE_ATTR)
 
@@ -46,15 +46,15 @@ class FSDPModule:
         """False: the following backwards accumulate full gradients locally without communicating (gradient
         accumulation); the first backward with True reduce-scatters the sum. Applies to the whole model the
         outermost wrapper drives."""
-        self._sharded_group().runtime.reduce_grads = bool(requires_gradient_sync)
+        self._fully_shard_state().runtime.reduce_grads = bool(requires_gradient_sync)
 
     def reshard(self) -> None:
         """Free every gathered unit now (the next forward gathers what it needs)."""
-        self._sharded_group().runtime.release_gathered()
+        self._fully_shard_state().runtime.release_gathered()
 
     def _my_flats(self) -> list[FlatShard]:
         mine = {id(p) for p in self.parameters()}  # type: ignore[attr-defined]
-        return [f for u in self._sharded_group().runtime.units for f in u.flats
+        return [f for u in self._fully_shard_state().runtime.units for f in u.flats
                 if any(id(p) in mine for p in f.params)]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -64,16 +64,16 @@ class FSDPModule:
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
         return clip_sharded_(list(self.parameters()), max_norm,  # type: ignore[attr-defined]
-                             self._sharded_group().groups, dp_sharded=True)
+                             self._fully_shard_state().groups, dp_sharded=True)
 
     @torch.no_grad()
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The whole state dict, parameters in their sharded dtype, on the CPU; with `rank0_only` the other
         ranks get None. Collective: gathers one flat at a time."""
-        group = self._sharded_group()
-        comm = group.groups.dp
+        sharding = self._fully_shard_state()
+        comm = sharding.groups.dp
         keep = not rank0_only or comm.rank == 0
-        group.runtime.release_gathered()            # every parameter rests on its piece of the shard
+        sharding.runtime.release_gathered()            # every parameter is its piece of the shard again
         values: dict[int, torch.Tensor] = {}
         for f in self._my_flats():
             full = full_tensors(f, comm, [p.data for p in f.params])
@@ -82,7 +82,7 @@ class FSDPModule:
                     values[id(p)] = value.to("cpu", copy=True)
         if not keep:
             return None
-        with plain_state_dicts(group):
+        with plain_state_dicts(sharding):
             state = {k: v.detach().to("cpu", copy=True)
                      for k, v in self.state_dict().items()}  # type: ignore[attr-defined]
         for name, p in self.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
@@ -94,10 +94,10 @@ class FSDPModule:
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (a `full_state_dict()`, or the unwrapped model's state dict): each rank keeps its
         rows. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
-        group = self._sharded_group()
-        group.runtime.release_gathered()
+        sharding = self._fully_shard_state()
+        sharding.runtime.release_gathered()
         named = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
-        where = group.runtime.partition.where()
+        where = sharding.runtime.partition.where()
         wanted = set(named) | {n for n, _ in self.named_buffers()}  # type: ignore[attr-defined]
         missing = sorted(wanted - state_dict.keys())
         if missing:
@@ -110,14 +110,14 @@ class FSDPModule:
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
-            p.data.copy_(rank_piece(flat, i, value))          # p rests on its piece of the shard
+            p.data.copy_(rank_piece(flat, i, value))          # p is its piece of the shard
         for name, b in self.named_buffers():  # type: ignore[attr-defined]
             b.copy_(state_dict[name])
 
     def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
         """The collectives of the last complete training step (or `step`, counted from 0), in the engine's rows:
         op, group, group_size, dtype, count, bytes, seconds. See `steps.py` for what a step is here."""
-        return self._sharded_group().clock.report(step)
+        return self._fully_shard_state().clock.report(step)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Every sharded parameter as a DTensor whose local tensor is this rank's rows ([rows, *shape[1:]], as
@@ -127,14 +127,14 @@ class FSDPModule:
         return self.state_dict()  # type: ignore[attr-defined]
 
 
-# The one conversion between "a tensor laid out as a parameter rests on this rank" (its rows of the shard: the
+# The one conversion between "a tensor laid out as this rank holds a parameter" (its rows of the shard: the
 # parameter itself, or optimizer state shaped like it) and "full per-parameter tensors". Only these two functions
 # and the flat's layout (`parallel/zero/partition.py`) know how a parameter is cut over the ranks.
 
 def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Each parameter of `flat` whole ([shapes[i]], on the compute device), given per parameter a tensor laid out
-    as it rests on this rank or None (zeros). All entries share one dtype, which the result keeps. Collective: one
-    all-gather over `comm`, then the layout's copy out of rank-major order."""
+    as this rank holds it (its rows) or None (zeros). All entries share one dtype, which the result keeps.
+    Collective: one all-gather over `comm`, then the layout's copy out of rank-major order."""
     device = flat.compute_device or flat.shard.device
     dtype = next((t.dtype for t in local if t is not None), flat.shard.dtype)
     mine = torch.zeros(flat.layout.shard_numel, dtype=dtype, device=device)           # [S]
@@ -151,7 +151,7 @@ def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> lis
 
 
 def rank_piece(flat: FlatShard, i: int, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of parameter i's whole value `full` [shapes[i]], shaped as the parameter rests here (a view
+    """This rank's part of parameter i's whole value `full` [shapes[i]], shaped as this rank holds it (a view
     of `full`; empty where this rank holds none of it): the inverse of `full_tensors`. Not collective."""
     lo, hi, _ = flat.pieces.get(i, (0, 0, 0))
     return full.reshape(-1)[lo:hi].view(flat.layout.local_shape(i, flat.rank))

@@ -7,15 +7,6 @@
     ckpt = torch.load(path)                                               # on every rank, at any world size
     shardwise.set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
                              full_state_dict=True)
-
-A torch optimizer over `fully_shard`ed parameters holds, per parameter, state laid out like this rank's piece of
-it, keyed by index: `optimizer.state_dict()` cannot be loaded at another world size. Here the optimizer state is
-keyed by parameter name (FQN, the unwrapped model's, as torch's): {"state": {fqn: {"step": tensor [],
-"exp_avg": ...}}, "param_groups": [{"lr": ..., "params": [fqn, ...]}]}. Full: every state tensor shaped like its
-parameter's piece is gathered to the parameter's whole shape (one all-gather per flat and state key), scalar state
-(step) as it is; loading keeps each rank's part. Sharded: this rank's pieces, for a world of the same size and
-wrapping. How a parameter is cut over the ranks is known only to `module.full_tensors` / `module.rank_piece`, the
-pair the model's own `full_state_dict()` uses. Replicated models (DDP, an unwrapped module) need no communication.
 """
 
 from __future__ import annotations
@@ -51,12 +42,12 @@ class _Target:
 
     def where(self) -> dict[int, tuple[Any, int]]:
         """id(parameter) -> (its flat, its index there), for sharded parameters."""
-        return {} if self.sharded is None else self.sharded._sharded_group().runtime.partition.where()
+        return {} if self.sharded is None else self.sharded._fully_shard_state().runtime.partition.where()
 
-    def settle(self) -> None:
-        """Every sharded parameter back on its piece, where the optimizer's state follows it."""
+    def reshard(self) -> None:
+        """Every sharded parameter back on its piece of the shard, which the optimizer's state is laid out like."""
         if self.sharded is not None:
-            self.sharded._sharded_group().runtime.release_gathered()
+            self.sharded._fully_shard_state().runtime.release_gathered()
 
 
 def _target(model: nn.Module, fn: str) -> _Target:
@@ -65,7 +56,7 @@ def _target(model: nn.Module, fn: str) -> _Target:
     if isinstance(model, (FullyShardedDataParallel, DistributedDataParallel)):
         model = model.module
     if isinstance(model, FSDPModule):
-        if model._sharded_group().root is not model:
+        if model._fully_shard_state().root is not model:
             raise UserError(f"{fn}: {type(model).__name__} is wrapped inside another fully_shard'ed module; pass "
                             f"the outermost one (the model)")
         return _Target(model, model)
@@ -91,7 +82,7 @@ def _param_names(target: _Target, optim: torch.optim.Optimizer, fn: str) -> list
     return [names[id(p)] for p in params]
 
 
-def _follows(value: Any, p: torch.Tensor) -> bool:
+def _laid_out_like(value: Any, p: torch.Tensor) -> bool:
     """State laid out like its parameter (exp_avg, momentum_buffer): what gathers to the whole shape."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape
 
@@ -114,17 +105,17 @@ def _named_optim_state(target: _Target, optims: Iterable[torch.optim.Optimizer],
 def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by the whole tensor.
     Collective over dp: flats in the partition's order, state keys sorted, the same on every rank."""
-    comm = target.sharded._sharded_group().groups.dp
+    comm = target.sharded._fully_shard_state().groups.dp
     names = target.names()
     state = named[STATE]
-    for flat in target.sharded._sharded_group().runtime.partition.flats:
+    for flat in target.sharded._fully_shard_state().runtime.partition.flats:
         fqns = [names.get(id(p)) for p in flat.params]
         held = [(i, state[n]) for i, n in enumerate(fqns) if n in state]
-        keys = sorted({k for i, s in held for k, v in s.items() if _follows(v, flat.params[i])})
+        keys = sorted({k for i, s in held for k, v in s.items() if _laid_out_like(v, flat.params[i])})
         for key in keys:
             local: list[torch.Tensor | None] = [None] * len(flat.params)
             for i, s in held:
-                if _follows(s.get(key), flat.params[i]):
+                if _laid_out_like(s.get(key), flat.params[i]):
                     local[i] = s[key]
             whole = full_tensors(flat, comm, local)
             for i, s in held:
@@ -135,30 +126,30 @@ def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
 def _place_optim_state(target: _Target, named: dict[str, Any]) -> None:
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
     (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
-    group = target.sharded._sharded_group()
-    if dp_mesh(group) is None:
+    sharding = target.sharded._fully_shard_state()
+    if dp_mesh(sharding) is None:
         return
     names = target.names()
     state = named[STATE]
     scalars = []
-    for flat in group.runtime.partition.flats:
+    for flat in sharding.runtime.partition.flats:
         for i, p in enumerate(flat.params):
             held = state.get(names.get(id(p)), {})
             if not tuple(flat.shapes[i]):
                 scalars.append((flat, i, held))
                 continue
-            for key in [k for k, v in held.items() if _follows(v, p)]:
-                held[key] = to_dtensor(group, flat, i, held[key])
-    if not scalars or group.groups.dp.size == 1:
+            for key in [k for k, v in held.items() if _laid_out_like(v, p)]:
+                held[key] = to_dtensor(sharding, flat, i, held[key])
+    if not scalars or sharding.groups.dp.size == 1:
         return
     # A 0-dim parameter's piece is [] on rank 0, like its scalar state: only the other ranks (pieces [0]) can
     # tell which keys follow it. Collective: rank 1's answer, then each piece broadcast from rank 0.
     pieces = [sorted(k for k, v in held.items() if isinstance(v, torch.Tensor) and tuple(v.shape) == (0,))
               for _, _, held in scalars]
-    pieces = group.groups.dp.all_gather_object(pieces)[1]
+    pieces = sharding.groups.dp.all_gather_object(pieces)[1]
     for (flat, i, held), keys in zip(scalars, pieces):
         for key in keys:
-            held[key] = to_dtensor(group, flat, i, held[key])
+            held[key] = to_dtensor(sharding, flat, i, held[key])
 
 
 def _to_cpu(tree: Any) -> Any:
@@ -177,7 +168,7 @@ def _to_cpu(tree: Any) -> Any:
 
 def _rank(target: _Target) -> int:
     if target.sharded is not None:
-        return target.sharded._sharded_group().groups.dp.rank
+        return target.sharded._fully_shard_state().groups.dp.rank
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -186,7 +177,7 @@ def optim_state(model: nn.Module, optimizers: Any, *, full: bool, to_cpu: bool, 
     """The optimizers' state keyed by FQN, full or this rank's pieces; {} off rank 0 with `rank0_only`.
     Collective when `full` and the model is sharded."""
     target = _target(model, fn)
-    target.settle()
+    target.reshard()
     if natives is None:
         for optim in _optimizers(optimizers):
             init_optim_state(optim)
@@ -217,7 +208,17 @@ def get_state_dict(model: nn.Module, optimizers: Any, *, full_state_dict: bool =
     """(model state dict, optimizer state dict), both keyed by the unwrapped model's names. `full_state_dict`:
     whole tensors (collective over the data-parallel group; the model's on the CPU); else this rank's pieces.
     `cpu_offload`: on the CPU, and with `full_state_dict` on rank 0 only (the other ranks get two empty dicts),
-    as torch's `get_state_dict` with `StateDictOptions(full_state_dict=..., cpu_offload=...)`."""
+    as torch's `get_state_dict` with `StateDictOptions(full_state_dict=..., cpu_offload=...)`.
+
+    A torch optimizer over `fully_shard`ed parameters holds, per parameter, state laid out like this rank's piece
+    of it, keyed by index: `optimizer.state_dict()` cannot be loaded at another world size. Here the optimizer
+    state is keyed by parameter name (FQN, the unwrapped model's, as torch's): {"state": {fqn: {"step": tensor [],
+    "exp_avg": ...}}, "param_groups": [{"lr": ..., "params": [fqn, ...]}]}. Full: every state tensor shaped like
+    its parameter's piece is gathered to the parameter's whole shape (one all-gather per flat and state key),
+    scalar state (step) as it is; loading keeps each rank's part. Sharded: this rank's pieces, for a world of the
+    same size and wrapping. How a parameter is cut over the ranks is known only to `module.full_tensors` /
+    `module.rank_piece`, the pair the model's own `full_state_dict()` uses. Replicated models (DDP, an unwrapped
+    module) need no communication."""
     rank0_only = full_state_dict and cpu_offload
     model_sd = model_state(model, full=full_state_dict, to_cpu=cpu_offload, rank0_only=rank0_only)
     optim_sd = optim_state(model, optimizers, full=full_state_dict, to_cpu=cpu_offload, rank0_only=rank0_only)
@@ -268,7 +269,7 @@ def _optim_rows(target: _Target, p: torch.Tensor, value: Any) -> torch.Tensor:
     if target.sharded is None:
         return value.full_tensor()
     flat, i = target.where()[id(p)]
-    return to_local(target.sharded._sharded_group(), flat, i, value)
+    return to_local(target.sharded._fully_shard_state(), flat, i, value)
 
 
 def optim_state_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any], *, full: bool,
@@ -280,7 +281,7 @@ def optim_state_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dic
         raise UserError(f'{fn}: the optimizer state dict needs "{STATE}" and "{GROUPS}" (keyed by parameter '
                         f"name, as get_state_dict gives it)")
     target = _target(model, fn)
-    target.settle()
+    target.reshard()
     names = _param_names(target, optim, fn)
     groups = osd[GROUPS] if groups is None else groups
     _check_keys([n for g in groups for n in g[PARAMS]], names, "the optimizer state dict's param_groups", fn)
@@ -350,12 +351,12 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
 def load_model_state(target: _Target, sd: dict[str, torch.Tensor], *, full: bool, fn: str) -> None:
     """Checks every key and shape, then loads (whole tensors: each rank keeps its part; DTensors: their rows)."""
     if target.sharded is not None:
-        group = target.sharded._sharded_group()
-        with plain_state_dicts(group):
+        sharding = target.sharded._fully_shard_state()
+        with plain_state_dicts(sharding):
             here = target.module.state_dict()
         if not full:                # shapes are checked on this rank's rows (the caller's dict is left as it is)
             sd = dict(sd)
-            rows_of(group, target.module, sd)
+            rows_of(sharding, target.module, sd)
     else:
         here = target.module.state_dict()
     _check_keys(sd.keys(), here.keys(), "the model state dict", fn)

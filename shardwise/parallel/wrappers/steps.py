@@ -1,13 +1,5 @@
 """Training steps of a wrapped model, for its `comm_report()`: the wrappers see no `optimizer.step()`, so a step
-is told from the forwards. A forward with grad enabled whose backward will synchronize gradients (outside
-`no_sync()`, with `set_requires_gradient_sync(True)`) is the last of its step; the next such forward opens the
-next step in the wrappers' `CommLedger`. Micro-batches of gradient accumulation thus share one step, and what
-runs between a step's backward and the next forward (clipping, a state dict) counts in that step. A forward
-without grad after a complete step (evaluation) is a step of its own.
-
-Steps are numbered from 0 as the engine's are; the collectives of wrapping itself (DDP's broadcasts of rank 0's
-weights) fall in step -1.
-"""
+is told from the forwards (`StepClock`)."""
 
 from __future__ import annotations
 
@@ -19,7 +11,14 @@ from shardwise.comm.ledger import CommLedger
 
 @dataclass(eq=False)
 class StepClock:
-    """Moves `ledger` on to the next step at the forward that follows a synchronizing one."""
+    """Moves `ledger` on to the next step at the forward that follows a synchronizing one.
+
+    A forward with grad enabled whose backward will synchronize gradients (outside `no_sync()`, with
+    `set_requires_gradient_sync(True)`) is the last of its step; the next such forward opens the next step in the
+    wrappers' `CommLedger`. Micro-batches of gradient accumulation thus share one step, and what runs between a
+    step's backward and the next forward (clipping, a state dict) counts in that step. A forward without grad
+    after a complete step (evaluation) is a step of its own. Steps are numbered from 0 as the engine's are; the
+    collectives of wrapping itself (DDP's broadcasts of rank 0's weights) fall in step -1."""
 
     ledger: CommLedger
     closes: bool = True

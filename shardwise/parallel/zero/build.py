@@ -1,18 +1,5 @@
-"""ZeRO stages 1-3 assembled: buckets or unit shards, shard masters, the update and the runtime the engine drives.
-
-Model states per rank (psi parameters, N = dp size, e = model dtype bytes, K = optimizer bytes per parameter,
-padding aside):
-
-    stage   params        grads         optimizer
-    1       e * psi       e * psi       K * psi / N     gradients reduce-scattered on the boundary
-    2       e * psi       e * psi / N   K * psi / N     reduce-scattered on every micro-batch
-    3       e * psi / N   e * psi / N   K * psi / N     parameters gathered per unit around its use
-
-Under bf16/fp16 or offload the masters are separate fp32 shards (inside K). Checkpoints are per rank: the
-optimizer file of each rank holds its masters. Under ZeRO-3 rank 0's module states hold empty placeholders
-for sharded parameters (as DeepSpeed's files do); a full state dict is `runtime.gathered_state_dict(module)`
-(collective), and loading a full state dict into the module splits it into the shards.
-"""
+"""ZeRO stages 1-3 assembled (`build_zero`): buckets or unit shards, shard masters, the update and the runtime the
+engine drives."""
 
 from __future__ import annotations
 
@@ -50,8 +37,22 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
                dp_comm: Comm, norms: GradNormReducer, device: torch.device, units: ShardingUnits | None = None,
                tied: TiedParams = TiedParams()) -> tuple[ShardedUpdate, ZeroGradReducer | ZeroParamRuntime]:
     """The update and the runtime of ZeRO stage `section.stage` (1-3) over `groups`, this rank's trainable
-    parameters of `model`, sharded over `dp_comm`. Each `tied` copy gets a bucket of its own: its shard is then
-    the same elements on every holder (same size, same dp split), summed over the holders like a whole tensor."""
+    parameters of `model`, sharded over `dp_comm`. Each `tied` copy (a weight several pipeline stages hold) gets a
+    bucket of its own: its shard is then the same elements on every stage holding it (same size, same dp split),
+    summed over those stages like a whole tensor.
+
+    Model states per rank (psi parameters, N = dp size, e = model dtype bytes, K = optimizer bytes per parameter,
+    padding aside):
+
+        stage   params        grads         optimizer
+        1       e * psi       e * psi       K * psi / N     gradients reduce-scattered on the boundary
+        2       e * psi       e * psi / N   K * psi / N     reduce-scattered on every micro-batch
+        3       e * psi / N   e * psi / N   K * psi / N     parameters gathered per unit around its use
+
+    Under bf16/fp16 or offload the masters are separate fp32 shards (inside K). Checkpoints are per rank: the
+    optimizer file of each rank holds its masters. Under ZeRO-3 rank 0's module states hold empty placeholders
+    for sharded parameters (as DeepSpeed's files do); a full state dict is `runtime.gathered_state_dict(module)`
+    (collective), and loading a full state dict into the module splits it into the shards."""
     if section.stage == 3:
         if tied:
             raise UserError("zero_optimization.stage = 3 with weights tied across pipeline stages (TiedLayerSpec) "
@@ -73,7 +74,8 @@ def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, rec
                      norms: GradNormReducer, *, separate: bool, uncounted: frozenset[int] = frozenset()
                      ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], GradNormReducer]:
     """Shard masters (on the CPU under offload_optimizer), the user's optimizer over them, and the norm
-    reducer bound to their layout: dp ranks hold disjoint shards, so they are holders of one model."""
+    reducer bound to their layout: dp ranks hold disjoint shards, so the norm sums over them as over the parts of
+    one model."""
     offload = section.offload_optimizer if section.offloads_optimizer else None
     master_groups, masters = make_shard_masters(
         buckets, groups, separate=separate, offload_device=torch.device("cpu") if offload else None,

@@ -1,19 +1,6 @@
-"""One flat buffer of a ZeRO-3 unit (one key: optimizer param group, dtype), sharded over the dp group: its
-gather, free, views, offload and gradient pieces. Units and their planning are in `params.py`.
-
-    shard      [S]        model dtype   this rank's part, S = padded // dp: the only copy kept between uses
-    full       [padded]   model dtype   gathered buffer, padded = dp * S: allocated at the first gather, its
-                                        storage resized to 0 bytes while the unit is free
-    param.data full[off : off + numel].view(shape) while gathered; an empty [0] tensor while free
-
-The flat's layout (`partition.py`) says where each parameter sits. The engine's `FlatLayout` is contiguous
-element ranges, and the all-gather writes `full` directly. The wrappers' `RowLayout` gives each rank dim-0 rows
-of every parameter: the all-gather lands in a transient rank-major [dp, S] buffer, and `layout.copy_out` moves
-it into `full` (parameter-major) in one split-copy.
-
-Freeing resizes the buffer's storage to 0 bytes rather than dropping it: autograd may have saved a view of a
-weight during forward (F.linear saves `weight.t()`), and that view keeps pointing at the same storage, which
-holds the right values again once the unit is re-gathered for backward, and no memory in between.
+"""`FlatShard`: one flat buffer of a ZeRO-3 unit (one key: optimizer param group, dtype), sharded over the dp
+group; its gather, free, offload and the views its parameters take. Units and their planning are in `params.py`,
+where each parameter sits in the buffer in the layout (`partition.py`).
 """
 
 from __future__ import annotations
@@ -58,8 +45,20 @@ def _resize(t: torch.Tensor, numel: int) -> None:
 
 @dataclass(eq=False)
 class FlatShard:
-    """One padded flat buffer of a unit (one key), sharded over the dp group. Quacks like a ZeroBucket for
-    `ShardedUpdate` (`group`, `params`, `param_shard`, `grad_shard`, `layout`)."""
+    """One padded flat buffer of a unit (one key), sharded over the dp group:
+
+        shard      [S]        model dtype   this rank's part, S = padded // dp: the only copy kept between uses
+        full       [padded]   model dtype   gathered buffer, padded = dp * S: allocated at the first gather, its
+                                            storage resized to 0 bytes while the unit is sharded
+        param.data full[off : off + numel].view(shape) while gathered; while sharded an empty [0] placeholder
+                   (the engine) or a view of its piece of the shard (`params_view_shard`: the module wrappers)
+
+    Freeing resizes the buffer's storage to 0 bytes rather than dropping it: autograd may have saved a view of a
+    weight during forward (F.linear saves `weight.t()`), and that view keeps pointing at the same storage, which
+    holds the right values again once the unit is gathered again for backward, and no memory in between.
+
+    It has the members `ShardedUpdate` reads of a `ZeroBucket` (`group`, `params`, `param_shard`, `grad_shard`,
+    `layout`), so the update steps unit shards as it steps buckets."""
 
     unit: int
     key: FlatKey
@@ -89,7 +88,7 @@ class FlatShard:
     # The module wrappers: while free, parameter i views its piece of the shard, shaped layout.local_shape (its
     # dim-0 rows under RowLayout), and its .grad the same piece of grad_shard, so an optimizer built on the
     # module's parameters steps the shard in place.
-    rest_on_shard: bool = False
+    params_view_shard: bool = False
     # grad_shard got its first reduction: from then on the free parameters show their pieces of it as .grad
     # (before, they have none, as on one process before the first backward)
     has_grads: bool = False
@@ -122,15 +121,15 @@ class FlatShard:
         return self.shard
 
     @torch.no_grad()
-    def take(self, i: int, value: torch.Tensor, into: torch.Tensor | None = None) -> None:
-        """Copy this rank's part of parameter i, given its full value (any shape), into the shard (or into
-        `into`, a tensor laid out like the shard)."""
+    def copy_piece(self, i: int, value: torch.Tensor) -> None:
+        """Copy this rank's piece of parameter i, given its full value (any shape), into the shard."""
         if i in self.pieces:
             lo, hi, dst = self.pieces[i]
-            (self.shard if into is None else into)[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
+            self.shard[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
 
     def local_views(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Per parameter, its piece of `t` (a tensor laid out like the shard), shaped as the parameter rests."""
+        """Per parameter, its piece of `t` (a tensor laid out like the shard), shaped `layout.local_shape` (its
+        dim-0 rows under RowLayout; empty where this rank holds none of it)."""
         out = []
         for i in range(len(self.params)):
             lo, hi, dst = self.pieces.get(i, (0, 0, 0))
@@ -146,9 +145,12 @@ class FlatShard:
         self.shard = host.copy_(self.shard)
 
     def launch_gather(self, comm: Comm, copies: CopyStream | None = None) -> Handle:
-        """All-gather the unit's buffer. An offloaded shard is copied to the device and gathered on `copies`' side
-        stream (after the work queued so far), so a prefetch overlaps the compute queued after it; waiting on the
-        handle makes the current stream wait for both."""
+        """All-gather the unit's buffer. `FlatLayout` (the engine's: contiguous element ranges) gathers into `full`
+        directly; `RowLayout` (the wrappers': each rank's dim-0 rows of every parameter) gathers into a transient
+        rank-major [dp, S] buffer, and `layout.copy_out` moves it into `full` (parameter-major) in one split-copy.
+        An offloaded shard is copied to the device and gathered on `copies`' side stream (after the work queued so
+        far), so a prefetch overlaps the compute queued after it; waiting on the handle makes the current stream
+        wait for both."""
         device = self.compute_device or self.shard.device
         dtype = self.compute_dtype or self.key.dtype
         if self.layout.gathers_in_place:
@@ -195,14 +197,16 @@ class FlatShard:
         return Handle(wait, lambda: None)
 
     def attach(self) -> None:
-        if self.rest_on_shard:
+        """The parameters view the gathered buffer."""
+        if self.params_view_shard:
             self._take_back_grads()
         for p, v in zip(self.params, self.views):
             p.data = v
 
     def release(self) -> None:
-        if self.rest_on_shard:
-            pieces, grads = self.resting_views()
+        """The parameters back on their placeholders (or shard pieces); the buffer's storage to 0 bytes."""
+        if self.params_view_shard:
+            pieces, grads = self.shard_pieces()
             for p, v in zip(self.params, pieces):
                 p.data = v
             if self.has_grads:
@@ -214,7 +218,7 @@ class FlatShard:
         if self.full is not None:
             _resize(self.full, 0)
 
-    def resting_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def shard_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per parameter: its piece of the shard (shaped `layout.local_shape`, empty when none is on this rank),
         and of grad_shard."""
         grads = self.local_views(self.grad_shard) if self.grad_shard is not None else [None] * len(self.params)
@@ -226,7 +230,7 @@ class FlatShard:
         optimizer.zero_grad's default, zeroes its piece; a replaced one is copied in); then .grad is cleared so
         that autograd accumulates this backward's full-shape gradient afresh."""
         if self.has_grads:
-            _, grads = self.resting_views()
+            _, grads = self.shard_pieces()
             for p, g in zip(self.params, grads):
                 if p.grad is None:
                     g.zero_()

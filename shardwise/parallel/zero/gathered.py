@@ -116,7 +116,7 @@ class GatheredParameters:
                 for p, at in self._located:
                     at.comm.broadcast(p.data, src_group_rank=self.modifier_rank)
                     if at.flat is not None:
-                        at.flat.take(at.index, p.data)
+                        at.flat.copy_piece(at.index, p.data)
         finally:
             for at, u in self._gathered:
                 at.gatherer.free_unit(u)

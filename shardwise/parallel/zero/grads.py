@@ -1,18 +1,4 @@
-"""ZeRO-1/2 gradient reduction: reduce-scatter buckets as they fill during backward.
-
-Stage 1 (`partition_grads=False`): full gradients are kept (each .grad a view of its bucket's persistent
-`grad_buffer` [padded]) and accumulate locally over micro-batches; on the accumulation boundary each bucket is
-reduce-scattered into `grad_shard` [S] as soon as backward has produced all of its gradients.
-
-Stage 2 (`partition_grads=True`): no full gradient survives backward. When a parameter's gradient is ready it
-is copied into its bucket's transient `grad_buffer` and `.grad` is dropped; a complete bucket is
-reduce-scattered at once (every micro-batch) and the result added into `grad_shard`; at most `max_in_flight`
-bucket buffers exist at a time, so gradient memory is the shard plus a few buckets.
-
-Both average by summing over the dp group and dividing by its size. Buckets launch in index order on every
-rank, so collectives match across ranks. On gloo the reduce-scatter is a pairwise exchange
-(`Comm.reduce_scatter_sum`): gloo's own runs a full all-reduce, 3x slower at 1M fp32 elements on 2 ranks.
-"""
+"""ZeRO-1/2 gradient reduction (`ZeroGradReducer`): buckets reduce-scattered as backward fills them."""
 
 from __future__ import annotations
 
@@ -25,6 +11,19 @@ from shardwise.parallel.zero.copies import discard_sent
 
 
 class ZeroGradReducer(OrderedLauncher):
+    """Stage 1 (`partition_grads=False`): full gradients are kept (each .grad a view of its bucket's persistent
+    `grad_buffer` [padded]) and accumulate locally over micro-batches; on the accumulation boundary each bucket is
+    reduce-scattered into `grad_shard` [S] as soon as backward has produced all of its gradients.
+
+    Stage 2 (`partition_grads=True`): no full gradient survives backward. When a parameter's gradient is ready it
+    is copied into its bucket's transient `grad_buffer` and `.grad` is dropped; a complete bucket is
+    reduce-scattered at once (every micro-batch) and the result added into `grad_shard`; at most `max_in_flight`
+    bucket buffers exist at a time, so gradient memory is the shard plus a few buckets.
+
+    Both average by summing over the dp group and dividing by its size. Buckets launch in index order on every
+    rank, so collectives match across ranks. On gloo the reduce-scatter is a pairwise exchange
+    (`Comm.reduce_scatter_sum`): gloo's own runs a full all-reduce, 3x slower at 1M fp32 elements on 2 ranks."""
+
     def __init__(self, buckets: list[ZeroBucket], comm: Comm, *, partition_grads: bool, max_in_flight: int = 2):
         self.buckets = buckets
         self.comm = comm

@@ -147,8 +147,8 @@ class Init:
         self._place(module, zero, comm)
 
     def _place(self, model: nn.Module, zero: ZeroConfig, comm: Comm) -> None:
-        """Record each parameter's location (for GatheredParameters); shards wait in host memory with remote_device "cpu" (the config's
-        offload_param block decides instead when it has one, as in DeepSpeed)."""
+        """Record each parameter's location (for GatheredParameters); shards wait in host memory with remote_device
+        "cpu" (the config's offload_param block decides instead when it has one, as in DeepSpeed)."""
         remote, pin = self.remote_device, self.pin_memory
         if zero.offload_param is not None:
             remote, pin = zero.offload_param.device.value, zero.offload_param.pin_memory

@@ -1,25 +1,4 @@
-"""Build a ZeRO-3 model without ever holding it whole on one rank.
-
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(cfg)                                 # shapes only: no memory, no RNG draws
-    materialize_sharded(model, init=GPT.init_weights, comm=Comm(None, CommLedger()))
-    engine, *_ = shardwise.initialize(model=model, config={..., "zero_optimization": {"stage": 3}})
-
-The parameters are materialized and initialized one module at a time, in `named_modules()` order: each
-module's own parameters are allocated, initialized, broadcast from dp rank 0 (so every rank agrees whatever its
-seed), and cut down to this rank's part of their unit's flat shard; only then is the next module allocated.
-Peak memory is the shards plus one module's parameters (a parameter shared by several modules lives from its
-first holder to its last). Persistent parameters (tiny) stay whole.
-
-`init(model)` must walk `model.named_modules()` (or `model.modules()`) once and, at each module, touch only that
-module's own parameters: during the call `model.named_modules` yields each module with exactly those
-parameters materialized. GPT.init_weights is written that way, so the weights are bit-identical to `GPT(cfg)`
-built directly under the same seed (the meta build draws no random numbers). An init that reaches into other
-modules' parameters (nn.MultiheadAttention.reset_parameters initializes its out_proj child) initializes
-nothing there, and the values differ from a direct build. Buffers are allocated uninitialized: an init must
-set any buffer the model needs.
-"""
+"""`materialize_sharded`: build a ZeRO-3 model from the meta device without ever holding it whole on one rank."""
 
 from __future__ import annotations
 
@@ -78,7 +57,27 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
                         device: torch.device | str | None = None, persistence_threshold: int = 100_000,
                         model_persistence_threshold: int = 2 ** 63 - 1,
                         broadcast_from_rank0: bool = True) -> nn.Module:
-    """Materialize a meta-device `model` as ZeRO-3 shards over `comm`'s group (see the module docstring).
+    """Materialize a meta-device `model` as ZeRO-3 shards over `comm`'s group.
+
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(cfg)                                 # shapes only: no memory, no RNG draws
+        materialize_sharded(model, init=GPT.init_weights, comm=Comm(None, CommLedger()))
+        engine, *_ = shardwise.initialize(model=model, config={..., "zero_optimization": {"stage": 3}})
+
+    The parameters are materialized and initialized one module at a time, in `named_modules()` order: each
+    module's own parameters are allocated, initialized, broadcast from dp rank 0 (so every rank agrees whatever
+    its seed), and cut down to this rank's part of their unit's flat shard; only then is the next module
+    allocated. Peak memory is the shards plus one module's parameters (a parameter shared by several modules
+    lives from the first module that registers it to the last). Persistent parameters (tiny) stay whole.
+
+    `init(model)` must walk `model.named_modules()` (or `model.modules()`) once and, at each module, touch only
+    that module's own parameters: during the call `model.named_modules` yields each module with exactly those
+    parameters materialized. GPT.init_weights is written that way, so the weights are bit-identical to `GPT(cfg)`
+    built directly under the same seed (the meta build draws no random numbers). An init that reaches into other
+    modules' parameters (nn.MultiheadAttention.reset_parameters initializes its out_proj child) initializes
+    nothing there, and the values differ from a direct build. Buffers are allocated uninitialized: an init must
+    set any buffer the model needs.
 
     The thresholds must equal the config's `zero_optimization.stage3_param_persistence_threshold` and
     `stage3_model_persistence_threshold` (DeepSpeed's defaults here); `shardwise.initialize` checks. Returns
@@ -98,7 +97,7 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
                         grad_shards=False)          # the engine re-keys the flats by param group and adds them
     where = {id(p): (f, i) for u in units for f in u.flats for i, p in enumerate(f.params)}
     modules = list(model.named_modules())
-    last_holder = {id(p): k for k, (_, m) in enumerate(modules) for p in m._parameters.values() if p is not None}
+    last_module = {id(p): k for k, (_, m) in enumerate(modules) for p in m._parameters.values() if p is not None}
     done: set[int] = set()
     alive: set[int] = set()
     state = {"walks": 0, "finished": False}
@@ -109,7 +108,7 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
         for p in params:
             if id(p) in where:            # sharded: keep this rank's part only
                 flat, i = where[id(p)]
-                flat.take(i, p)
+                flat.copy_piece(i, p)
                 p.data = flat.empty
 
     def streamed(*args, **kwargs) -> Iterator[tuple[str, nn.Module]]:
@@ -120,14 +119,14 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
         for k, (name, module) in enumerate(modules):
             own = list({id(p): p for p in module._parameters.values() if p is not None and id(p) not in done}.values())
             for p in own:
-                if id(p) not in alive:         # a shared parameter is allocated at its first holder only
+                if id(p) not in alive:         # a shared parameter is allocated at its first module only
                     alive.add(id(p))
                     p.data = torch.empty(shape_of[id(p)], dtype=p.dtype, device=device)
             for bname, b in module._buffers.items():
                 if b is not None and b.device.type == "meta":
                     module._buffers[bname] = torch.empty_like(b, device=device)
             yield name, module
-            ready = [p for p in own if last_holder[id(p)] == k]
+            ready = [p for p in own if last_module[id(p)] == k]
             done.update(id(p) for p in ready)
             finish(ready)
         state["finished"] = True
@@ -139,7 +138,7 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
         del model.named_modules
     if not state["finished"]:
         raise UserError("materialize_sharded: init did not walk model.named_modules() (or model.modules()) to the "
-                        "end, so some parameters were never materialized; see the materialize module docstring")
+                        "end, so some parameters were never materialized; see materialize_sharded's docstring")
     setattr(model, PARTITION_ATTR, Partition(units, persistent, comm.size, comm.rank, persistence_threshold,
                                              model_persistence_threshold))
     return model

@@ -4,7 +4,7 @@ Per bucket b, rank r holds a master of its shard: `masters[b]` [S_b]. In fp32 it
 the shard of the bucket's own parameter buffer (no copy: the optimizer updates the model's storage); under
 bf16/fp16 it is a separate fp32 tensor (ZeRO's K*psi/N includes these masters). The step:
 
-    master.grad = grad_shard.float() (/ loss scale)   overflow flag and squared norm agreed by the holders
+    master.grad = grad_shard.float() (/ loss scale)   overflow flag and squared norm agreed by all ranks
     clip by the global norm; optimizer.step() on the shards; shard -> model dtype; all-gather each bucket
 
 Stage 3 (`Stage3Update`) keeps unit shards sharded after the step (only separate masters are written back into

@@ -1,13 +1,6 @@
-"""ZeRO stage 3 parameter partitioning: units, flat shards, gather and free.
-
-A *unit* is a set of parameters gathered together. By default each child of the model's largest
-`nn.ModuleList` (a transformer block) is a unit, and one root unit (whose module is the model itself) holds
-every other parameter: embeddings, final norm, lm-head, and any parameter shared by two units. Parameters
-with at most `stage3_param_persistence_threshold` elements (DeepSpeed's rule: `numel <= threshold`, taken in
-`named_parameters()` order while their total stays within `stage3_model_persistence_threshold`) stay whole on
-every rank ("persistent") and belong to no unit; stage3.py treats them like ZeRO-2 buckets.
-
-Each unit holds one FlatShard (`flat.py`) per key (optimizer param group, dtype) of its parameters.
+"""ZeRO-3's units: sets of parameters gathered and freed together (`Unit`, with its two lifecycle states), how a
+model is cut into them (`plan_units`), and sharding a model into them (`shard_model`, `rekey`). Each unit holds
+one `FlatShard` (`flat.py`) per key (optimizer param group, dtype) of its parameters.
 """
 
 from __future__ import annotations
@@ -145,6 +138,7 @@ class Partition:
         return [f for u in self.units for f in u.flats]
 
     def where(self) -> dict[int, tuple[FlatShard, int]]:
+        """id(parameter) -> (its flat, its index there), for every sharded parameter."""
         return {id(p): (f, i) for f in self.flats for i, p in enumerate(f.params)}
 
 
@@ -156,6 +150,8 @@ PARTITION_ATTR = "_shardwise_zero3_partition"
 
 @dataclass(frozen=True, eq=False)
 class UnitPlan:
+    """A unit before its flats exist: which parameters, gathered around which module's forward."""
+
     name: str
     module: nn.Module
     params: list[nn.Parameter]
@@ -178,8 +174,15 @@ def default_unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistence_threshold: int,
                modules: list[tuple[str, nn.Module]] | None = None) -> tuple[list[UnitPlan], list[nn.Parameter]]:
-    """Assign every parameter (shared ones once) to a unit, the root unit, or the persistent set.
-    Needs real shapes: call it on a full or meta-device model, before sharding."""
+    """Assign every parameter (shared ones once) to a unit, the root unit, or the persistent set. Needs real
+    shapes: call it on a full or meta-device model, before sharding.
+
+    Each of `modules` (default: the children of the model's largest `nn.ModuleList`, the transformer blocks) is a
+    unit of the parameters it alone holds; one root unit (whose module is the model itself) holds every other
+    parameter: embeddings, final norm, lm-head, and any parameter shared by two units. Parameters with at most
+    `persistence_threshold` elements (DeepSpeed's rule: `numel <= threshold`, taken in `named_parameters()` order
+    while their total stays within `model_persistence_threshold`) stay whole on every rank ("persistent") and
+    belong to no unit; the stage-3 runtime reduces their gradients as ZeRO-2 buckets."""
     modules = default_unit_modules(model) if modules is None else modules
     owners: dict[int, list[int]] = {}
     for k, (_, module) in enumerate(modules):
@@ -207,7 +210,8 @@ def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatK
                 shape_of: Callable[[nn.Parameter], torch.Size], dp_size: int, dp_rank: int,
                 device: torch.device, grad_shards: bool = True,
                 layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> list[Unit]:
-    """Units with zeroed shards (fill them with FlatShard.take); one flat per key, keys in first-seen order."""
+    """Units with zeroed shards (fill them with FlatShard.copy_piece); one flat per key, keys in first-seen
+    order."""
     units = []
     for index, plan in enumerate(plans):
         by_key: dict[FlatKey, list[nn.Parameter]] = {}
@@ -235,7 +239,7 @@ def shard_model(model: nn.Module, *, key_of: Callable[[nn.Parameter], FlatKey], 
                         device=device, grad_shards=grad_shards)
     for f in (f for u in units for f in u.flats):
         for i, p in enumerate(f.params):
-            f.take(i, p.detach())
+            f.copy_piece(i, p.detach())
         f.release()
     return Partition(units, persistent, dp_size, dp_rank, persistence_threshold, model_persistence_threshold)
 
@@ -264,7 +268,7 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
             for f in u.flats:
                 for p, view in zip(f.params, f.views):
                     target, i = where[id(p)]
-                    target.take(i, view)
+                    target.copy_piece(i, view)
             u.free()
         for f in new.flats:
             f.unit = u.index
@@ -287,15 +291,15 @@ def load_full_tensors(partition: Partition, named: dict[str, nn.Parameter], stat
             continue
         flat, i = where[id(p)]
         value = state_dict[name]
-        if flat.rest_on_shard and value.shape == p.shape:
+        if flat.params_view_shard and value.shape == p.shape:
             continue                            # this rank's piece (a wrapper's sharded state dict): loaded as is
         if value.numel() == flat.layout.sizes[i] and value.numel() > 0:
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise ValueError(f'state_dict["{name}"] has shape {tuple(value.shape)}, the parameter '
                                  f'{tuple(flat.shapes[i])}')
-            flat.take(i, value.to(flat.shard.device))
-            if flat.rest_on_shard:              # the piece now holds the value: load_state_dict copies it onto itself
-                state_dict[name] = flat.resting_views()[0][i]
+            flat.copy_piece(i, value.to(flat.shard.device))
+            if flat.params_view_shard:          # the piece now holds the value: load_state_dict copies it onto itself
+                state_dict[name] = flat.shard_pieces()[0][i]
                 continue
         elif value.numel() == 0:
             placeholders.append(name)

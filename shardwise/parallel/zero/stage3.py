@@ -1,27 +1,6 @@
-"""ZeRO stage 3 runtime: gather each unit around its forward and its backward, reduce-scatter its gradients.
-
-    forward, unit u    pre-hook: all-gather u (or wait for its prefetch); prefetch the next units in the
-                       order the previous forward ran them. post-hook: free u; hook u's outputs for backward.
-                       The root unit (the model itself) stays gathered from its forward into backward when
-                       training, as in FSDP2: backward needs the lm-head at once (`reshard_root_after_forward`
-                       frees it too, for exactly 3 psi of traffic per step).
-    backward, unit u   a hook on u's forward outputs fires when their gradient is ready, before u's backward
-                       runs: all-gather u again; prefetch the previous units. Each parameter's
-                       post-accumulate-grad hook copies its gradient into its flat's [padded] buffer and drops
-                       .grad; a complete flat is reduce-scattered (async) into [S], divided by dp and added to
-                       grad_shard (gradients accumulate as shards over micro-batches; communication every
-                       micro-batch, as in ZeRO-2); when all of u's flats are launched, u is freed.
-    end of backward    (autograd's final callback, or the engine's end_backward) flats that got no gradient
-                       are reduce-scattered as zeros in unit order (the same on every rank); every
-                       reduce-scatter is waited on; every unit is freed.
-
-Prefetch launches all-gathers ahead while the elements gathered ahead stay within
-`stage3_prefetch_bucket_size` and the elements gathered at once within `stage3_max_live_parameters` (a unit
-needed now is gathered whatever the bound). Persistent parameters (whole on every rank) are ZeRO-2 buckets:
-a `ZeroGradReducer(partition_grads=True)` reduces their gradients and `Stage3Update` all-gathers them after
-each step. Collectives are launched from module and autograd hooks, in the same order on every rank as long as
-every rank's forward runs the same modules (ZeRO-3's and FSDP's requirement).
-"""
+"""ZeRO-3's runtime (`ZeroParamRuntime`): hooks that gather each unit around its forward and its backward and
+reduce-scatter its gradients, driven by the lifecycle states of `params.py` and `flat.py` and its own
+`BackwardState`."""
 
 from __future__ import annotations
 
@@ -71,8 +50,28 @@ def _in_backward() -> bool:
 
 
 class ZeroParamRuntime:
-    """The engine's data-parallel runtime for stage 3 (`interfaces.DataParallelRuntime`): the hooks that gather
-    and free the parameters of `module`, and the reduce-scatter of its gradients."""
+    """The engine's data-parallel runtime for stage 3 (`interfaces.DataParallelRuntime`), also what `fully_shard`
+    drives: the hooks that gather and free the parameters of `module`, and the reduce-scatter of its gradients.
+
+        forward, unit u    pre-hook: all-gather u (or wait for its prefetch); prefetch the next units in the
+                           order the previous forward ran them. post-hook: free u; hook u's outputs for backward.
+                           The root unit (the model itself) stays gathered from its forward into backward when
+                           training, as in FSDP2: backward needs the lm-head at once (`reshard_root_after_forward`
+                           frees it too, for exactly 3 psi of traffic per step, psi = parameters).
+        backward, unit u   a hook on u's forward outputs fires when their gradient is ready, before u's backward
+                           runs: all-gather u again; prefetch the previous units. Each parameter's
+                           post-accumulate-grad hook adds its gradient into its flat's [padded] buffer and drops
+                           .grad; a complete flat is reduce-scattered (async) into [S], divided by dp and added to
+                           grad_shard (gradients accumulate as shards over micro-batches; communication every
+                           micro-batch, as in ZeRO-2); when all of u's gradients arrived, u is freed.
+        end of backward    (autograd's final callback, or the engine's end_backward) flats that got no gradient
+                           are reduce-scattered as zeros in unit order (the same on every rank); every
+                           reduce-scatter is waited on; every unit is freed.
+
+    Persistent parameters (whole on every rank) are ZeRO-2 buckets: `persistent`, a
+    `ZeroGradReducer(partition_grads=True)`, reduces their gradients and `Stage3Update` all-gathers them after each
+    step. Collectives are launched from module and autograd hooks, in the same order on every rank as long as
+    every rank's forward runs the same modules (ZeRO-3's and FSDP's requirement)."""
 
     def __init__(self, module: nn.Module, partition: Partition, comm: Comm, *,
                  persistent: ZeroGradReducer | None, prefetch_numel: int, max_live_numel: int,
@@ -106,12 +105,12 @@ class ZeroParamRuntime:
         self._copies = CopyStream(offloaded[0].compute_device) if offloaded else None
         # offload_optimizer: flat id -> the pinned host copy its final gradient shard is sent to, on the boundary's
         # backward (`send_final_grads`); `_boundary` is that backward's (True when no engine says otherwise).
-        self._host: dict[int, HostGrad] = {}
+        self._host_grads: dict[int, HostGrad] = {}
         self._boundary = True
         self._position: dict[int, tuple[int, int]] = {}   # unit id -> (root id, index in that order)
-        self._current = id(module)
-        self._running: list[Unit] = []
-        self._in_flight: list[FlatShard] = []
+        self._current_root = id(module)                    # the root whose forward ran last
+        self._ran: list[Unit] = []                         # units the current root's forward ran, in order
+        self._in_flight: list[FlatShard] = []              # flats whose reduce-scatter is launched, oldest first
         self.backward_state = BackwardState.NONE
         self._where = partition.where()
         # exchange tags of the flats' reduce-scatters, apart from the persistent buckets' (their bucket indices)
@@ -135,14 +134,14 @@ class ZeroParamRuntime:
     def begin_backward(self, boundary: bool) -> None:
         """Stage 3 reduce-scatters on every micro-batch; only the boundary's shards are final (sent to the host)."""
         self._boundary = boundary
-        discard_sent(self._host.values())
+        discard_sent(self._host_grads.values())
         if self.persistent is not None:
             self.persistent.begin_backward(boundary)
 
     def send_final_grads(self, flat: FlatShard, host: HostGrad) -> None:
         """From now on, `flat`'s gradient shard goes to `host` as soon as its reduction on the boundary's
         backward is done (offload_optimizer: the step then reads it on the host)."""
-        self._host[id(flat)] = host
+        self._host_grads[id(flat)] = host
 
     def wait_shard_reads(self) -> None:
         """Block the host until the copy stream has read the offloaded (host) shards it was given: before the
@@ -158,7 +157,7 @@ class ZeroParamRuntime:
         for f in self.partition.flats:
             if f.grad_shard is not None:
                 f.grad_shard.zero_()
-        discard_sent(self._host.values())
+        discard_sent(self._host_grads.values())
         if self.persistent is not None:
             self.persistent.zero_grad()
 
@@ -232,7 +231,9 @@ class ZeroParamRuntime:
         self.live_numel -= u.padded_numel
 
     def _prefetch(self, upcoming: list[Unit]) -> None:
-        """Launch all-gathers of the next units (in the order they will be needed) within the bounds."""
+        """Launch all-gathers of the next units (in the order they will be needed) while the elements gathered
+        ahead stay within `prefetch_numel` (stage3_prefetch_bucket_size) and the elements gathered at once within
+        `max_live_numel` (stage3_max_live_parameters). A unit needed now is gathered whatever the bound."""
         ahead = 0
         for v in upcoming:
             n = v.padded_numel
@@ -250,11 +251,11 @@ class ZeroParamRuntime:
             if self.root is not None:
                 self._gather_now(self.root)
             return
-        self._running = []
+        self._ran = []
         if self.root is not None:
             self.root.move_training(TrainingState.FORWARD)
             self._gather_now(self.root)
-        self._current = id(module)
+        self._current_root = id(module)
         self._prefetch(self._orders.get(id(module), []))
 
     def _pre_forward(self, u: Unit, module: nn.Module, args: Any) -> None:
@@ -262,7 +263,7 @@ class ZeroParamRuntime:
             self._gather_now(u)
             return
         u.move_training(TrainingState.FORWARD)
-        self._running.append(u)
+        self._ran.append(u)
         self._gather_now(u)
         root, pos = self._position.get(id(u), (None, None))
         if pos is not None:
@@ -286,9 +287,9 @@ class ZeroParamRuntime:
             return
         if self.root is not None:
             self.root.move_training(TrainingState.IDLE)
-        self._orders[id(module)] = self._running
-        self._position.update({id(u): (id(module), i) for i, u in enumerate(self._running)})
-        kept = {id(u) for u in self._running if not u.reshard_after_forward and module.training}
+        self._orders[id(module)] = self._ran
+        self._position.update({id(u): (id(module), i) for i, u in enumerate(self._ran)})
+        kept = {id(u) for u in self._ran if not u.reshard_after_forward and module.training}
         for u in self.units:                    # prefetched but not run (the forward took another path)
             if not u.is_root and id(u) not in kept:
                 self._free(u)
@@ -310,7 +311,7 @@ class ZeroParamRuntime:
         if id(u) in self._position:
             root, pos = self._position[id(u)]
         else:                                   # not run under a root's forward: all of the current root's
-            root = self._current
+            root = self._current_root
             pos = len(self._orders.get(root, []))
         self._prefetch(self._orders.get(root, [])[:pos][::-1])
 
@@ -373,7 +374,7 @@ class ZeroParamRuntime:
             flat.grad_shard.add_(flat.received.to(flat.grad_shard.device))
             flat.received = None
             flat.grad_full = None
-            host = self._host.get(id(flat))
+            host = self._host_grads.get(id(flat))
             if host is not None and self._boundary:
                 # Offloaded masters: the final shard leaves for the host now, on a side stream, while backward
                 # goes on with the next units (the step then waits for this flat's event only).
