@@ -68,6 +68,11 @@ class ZeroParamRuntime:
                            are reduce-scattered as zeros in unit order (the same on every rank); every
                            reduce-scatter is waited on; every unit is freed.
 
+    The states follow these phases: a unit is FORWARD between its forward hooks, PRE_BACKWARD from its backward
+    hook until all its gradients arrived (POST_BACKWARD), IDLE again when the backward ends; a flat's gradients are
+    COLLECTING, then REDUCING while its reduce-scatter is in flight, then REDUCED; the runtime's `backward_state`
+    is DUE after a training forward and RUNNING once a backward reached a hook.
+
     Persistent parameters (whole on every rank) are ZeRO-2 buckets: `persistent`, a
     `ZeroGradReducer(partition_grads=True)`, reduces their gradients and `Stage3Update` all-gathers them after each
     step. Collectives are launched from module and autograd hooks, in the same order on every rank as long as
