@@ -144,7 +144,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     wrap_class(module)
     dtensors.install(module, lambda m: getattr(m, STATE_ATTR))
     # first of the root's forward pre-hooks, ahead of the runtime's gathers: they count in the step it opens
-    module.register_forward_pre_hook(_tick, prepend=True)
+    module.register_forward_pre_hook(_clock_forward, prepend=True)
     if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
         dtype = mp_policy.param_dtype
         module.register_forward_pre_hook(lambda _m, args, kwargs: (cast_floating(args, dtype),
@@ -156,7 +156,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     return module
 
 
-def _tick(module: nn.Module, _args: Any) -> None:
+def _clock_forward(module: nn.Module, _args: Any) -> None:
+    """Tell the step clock a forward of the root starts (`steps.StepClock`)."""
     sharding = getattr(module, STATE_ATTR)
     if sharding.root is not module:
         return

@@ -137,7 +137,8 @@ class ZeroParamRuntime:
 
     # -- engine interface ---------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
-        """Stage 3 reduce-scatters on every micro-batch; only the boundary's shards are final (sent to the host)."""
+        """Stage 3 reduce-scatters on every micro-batch; only the boundary's (the last micro-batch before the
+        optimizer step, DeepSpeed's gradient accumulation boundary) shards are final (sent to the host)."""
         self._boundary = boundary
         discard_sent(self._host_grads.values())
         if self.persistent is not None:
