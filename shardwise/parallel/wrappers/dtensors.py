@@ -1,8 +1,8 @@
 """Sharded state dicts as FSDP2 gives them: each sharded parameter (and optimizer state laid out like it) as a
-`DTensor` over the data-parallel group, Shard(0), whose local tensor is this rank's rows. Why: `torch.distributed.
-checkpoint` (and what is built on it: torchtitan's checkpointer, DCP's resharding on load) writes a plain tensor
-from one rank only, as if replicated, so the other ranks' rows would be lost; a DTensor tells it the global shape
-and where each rank's rows lie, so it writes every piece and loads at any other world size.
+`DTensor` over the data-parallel group, Shard(0), whose local tensor is this rank's rows. Why: DCP
+(`torch.distributed.checkpoint`, and what is built on it: torchtitan's checkpointer, resharding on load) writes a
+plain tensor from one rank only, as if replicated, so the other ranks' rows would be lost; a DTensor tells it the
+global shape and where each rank's rows lie, so it writes every piece and loads at any other world size.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def is_dtensor(value: Any) -> bool:
 
 
 def dp_mesh(sharding) -> Any | None:
-    """The 1-D DeviceMesh over `group`'s dp ranks (built once), or None when its entries stay plain tensors:
+    """The 1-D DeviceMesh over the dp ranks of `sharding` (a `FullyShardState`; built once), or None when its entries stay plain tensors:
     wrappers over a (dp, tp) mesh, whose parameters are TP slices sharded again over dp (a 2-D placement this
     module does not build)."""
     mesh = getattr(sharding, "_dtensor_mesh", False)
