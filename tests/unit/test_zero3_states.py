@@ -1,4 +1,4 @@
-"""ZeRO-3's lifecycle states on one process (a data-parallel group of one): each unit's `ShardedState` and
+"""ZeRO-3's lifecycle states on one process (a data-parallel group of one): each unit's `GatherState` and
 `TrainingState`, each flat's `ReduceState` and the runtime's `BackwardState` through a forward, a backward and a
 prefetch, and an illegal transition refused with a message naming the unit and both states."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.parallel.zero.flat import FlatKey, ReduceState
-from shardwise.parallel.zero.params import ShardedState, TrainingState, shard_model
-from shardwise.parallel.zero.stage3 import BackwardState, ZeroParamRuntime
+from shardwise.parallel.zero.flat import FlatKey
+from shardwise.parallel.zero.params import shard_model
+from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+from shardwise.parallel.zero.states import BackwardState, ReduceState, GatherState, TrainingState
 from shardwise.testing import lm_pair, tiny_gpt, token_batches
 from shardwise.topology import SoloComm
 
@@ -33,23 +34,23 @@ def test_forward_and_backward_walk_the_states() -> None:
     seen: dict[str, list] = {u.name: [] for u in blocks}
 
     def record(u, *_):
-        seen[u.name].append((u.training_state, u.sharded_state))
+        seen[u.name].append((u.training_state, u.gather_state))
 
     hooks = [u.module.register_forward_hook(lambda m, a, o, u=u: record(u), prepend=True) for u in blocks]
-    assert all(u.sharded_state is ShardedState.SHARDED and u.training_state is TrainingState.IDLE
+    assert all(u.gather_state is GatherState.SHARDED and u.training_state is TrainingState.IDLE
                for u in partition.units)
     ids, labels = lm_pair(token_batches(1, 2, 17, seed=0)[0])
     loss = model(ids, labels)
     # at the end of its forward (the recording hook runs ahead of the runtime's post-hook) a block is gathered
-    assert all(v == [(TrainingState.FORWARD, ShardedState.UNSHARDED)] for v in seen.values())
+    assert all(v == [(TrainingState.FORWARD, GatherState.UNSHARDED)] for v in seen.values())
     # after forward: blocks freed and idle; the root stays gathered for backward, which is now due
-    assert all(u.sharded_state is ShardedState.SHARDED and u.training_state is TrainingState.IDLE for u in blocks)
-    assert runtime.root.sharded_state is ShardedState.UNSHARDED
+    assert all(u.gather_state is GatherState.SHARDED and u.training_state is TrainingState.IDLE for u in blocks)
+    assert runtime.root.gather_state is GatherState.UNSHARDED
     assert runtime.backward_state is BackwardState.DUE
     loss.backward()
     # autograd's final callback finished the backward: every gradient reduced, every unit freed and idle again
     assert runtime.backward_state is BackwardState.NONE
-    assert all(u.sharded_state is ShardedState.SHARDED and u.training_state is TrainingState.IDLE
+    assert all(u.gather_state is GatherState.SHARDED and u.training_state is TrainingState.IDLE
                for u in partition.units)
     assert all(f.reduce_state is ReduceState.COLLECTING and f.ready == 0 and f.has_grads for f in partition.flats)
     assert runtime.live_numel == 0
@@ -64,14 +65,14 @@ def test_prefetch_leaves_the_next_block_gathering_and_a_free_waits_for_it() -> N
     with torch.no_grad():
         model(ids, labels)                  # records the order the blocks run in
     states = []
-    hook = blocks[0].module.register_forward_hook(lambda *_: states.append(blocks[1].sharded_state))
+    hook = blocks[0].module.register_forward_hook(lambda *_: states.append(blocks[1].gather_state))
     with torch.no_grad():
         model(ids, labels)
     hook.remove()
-    assert states == [ShardedState.GATHERING]         # launched ahead during block 0's forward, not waited on
+    assert states == [GatherState.GATHERING]         # launched ahead during block 0's forward, not waited on
     assert runtime.backward_state is BackwardState.NONE    # no gradient: no backward due
     runtime.release_gathered()
-    assert all(u.sharded_state is ShardedState.SHARDED for u in partition.units) and runtime.live_numel == 0
+    assert all(u.gather_state is GatherState.SHARDED for u in partition.units) and runtime.live_numel == 0
 
 
 def test_illegal_transitions_are_refused() -> None:
@@ -85,7 +86,7 @@ def test_illegal_transitions_are_refused() -> None:
     with pytest.raises(AssertionError, match="GATHERING -> SHARDED"):
         u.reshard()
     u.free()                                # waits for the gather, then frees
-    assert u.sharded_state is ShardedState.SHARDED
+    assert u.gather_state is GatherState.SHARDED
     with pytest.raises(AssertionError, match="IDLE -> IDLE"):
         u.move_training(TrainingState.IDLE)
     u.move_training(TrainingState.PRE_BACKWARD)

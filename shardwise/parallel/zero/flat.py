@@ -5,7 +5,6 @@ where each parameter sits in the buffer in the layout (`partition.py`).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -14,27 +13,13 @@ from torch import nn
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.parallel.zero.copies import CopyStream, wait_stream
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
+from shardwise.parallel.zero.states import REDUCE_MOVES, ReduceState, advance
 
 
 @dataclass(frozen=True)
 class FlatKey:
     group: int | None          # optimizer param-group index; None: not optimized (frozen or not passed)
     dtype: torch.dtype
-
-
-class ReduceState(enum.Enum):
-    """Where a flat's gradients of the current backward are."""
-
-    COLLECTING = "collecting"    # arriving into grad_full (none yet, some, or all while gradient sync is off)
-    REDUCING = "reducing"        # the reduce-scatter of grad_full is launched and not waited on yet
-    REDUCED = "reduced"          # its result is added into grad_shard; back to COLLECTING when the backward ends
-
-
-_REDUCE_MOVES = {
-    ReduceState.COLLECTING: {ReduceState.REDUCING},
-    ReduceState.REDUCING: {ReduceState.REDUCED},
-    ReduceState.REDUCED: {ReduceState.COLLECTING},
-}
 
 
 def _resize(t: torch.Tensor, numel: int) -> None:
@@ -107,10 +92,8 @@ class FlatShard:
         return flat
 
     def move_reduce(self, to: ReduceState) -> None:
-        if to not in _REDUCE_MOVES[self.reduce_state]:
-            raise AssertionError(f"ZeRO-3 flat of unit {self.unit}: reduce state {self.reduce_state.name} -> "
-                                 f"{to.name} is not a legal transition")
-        self.reduce_state = to
+        self.reduce_state = advance(REDUCE_MOVES, self.reduce_state, to,
+                                    f"ZeRO-3 flat of unit {self.unit} ({self.key.dtype}), its reduce state")
 
     @property
     def group(self) -> int | None:

@@ -12,7 +12,8 @@ import torch
 from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
 from shardwise.parallel.zero.flat import FlatShard
-from shardwise.parallel.zero.params import Partition, ShardedState, Unit
+from shardwise.parallel.zero.params import Partition, Unit
+from shardwise.parallel.zero.states import GatherState
 
 LOCATION_ATTR = "_shardwise_zero3_location"
 """Attribute of every parameter of a ZeRO-3 model: its `ParamLocation`."""
@@ -104,7 +105,7 @@ class GatheredParameters:
             if u is None or id(u) in seen:
                 continue
             seen.add(id(u))
-            if u.sharded_state is not ShardedState.UNSHARDED:
+            if u.gather_state is not GatherState.UNSHARDED:
                 at.gatherer.gather_unit(u)
                 self._gathered.append((at, u))
         return self

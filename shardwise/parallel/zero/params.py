@@ -5,7 +5,6 @@ one `FlatShard` (`flat.py`) per key (optimizer param group, dtype) of its parame
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,47 +15,14 @@ from shardwise.comm.collectives import Comm, Handle
 from shardwise.parallel.zero.copies import CopyStream
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
-
-
-class ShardedState(enum.Enum):
-    """Where a unit's parameters are (FSDP2's `ShardedState`, plus the all-gather in flight between the two)."""
-
-    SHARDED = "sharded"        # only this rank's shard exists; the parameters are its placeholders (see FlatShard)
-    GATHERING = "gathering"    # the all-gather is launched (a prefetch) and not waited on yet
-    UNSHARDED = "unsharded"    # the parameters view the whole gathered buffer
-
-
-class TrainingState(enum.Enum):
-    """What a unit's module is in the middle of (FSDP2's `TrainingState`)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"                # between its forward pre-hook and post-hook
-    PRE_BACKWARD = "pre_backward"      # the gradient of its outputs arrived: gathered again for its backward
-    POST_BACKWARD = "post_backward"    # every gradient of its parameters arrived: freed, reduce-scatters launched
-
-
-_SHARDED_MOVES = {
-    ShardedState.SHARDED: {ShardedState.GATHERING},
-    ShardedState.GATHERING: {ShardedState.UNSHARDED},     # a free waits for the gather first
-    ShardedState.UNSHARDED: {ShardedState.SHARDED},
-}
-_TRAINING_MOVES = {
-    # POST_BACKWARD from IDLE: gradients can arrive with no hook on the outputs (a reentrant checkpoint recomputes
-    # the unit inside backward, where its post-hook adds none)
-    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD},
-    # FORWARD again: the last forward raised before its post-hook
-    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD},
-    # PRE_BACKWARD again: a module run twice in one forward gets one hook per call; IDLE: the backward ended
-    # before all its parameters got gradients (some took no part)
-    TrainingState.PRE_BACKWARD: {TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD, TrainingState.IDLE},
-    TrainingState.POST_BACKWARD: {TrainingState.IDLE},
-}
+from shardwise.parallel.zero.states import GATHER_MOVES, TRAINING_MOVES, GatherState, TrainingState, advance
 
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters gathered and freed together, one FlatShard per key. The two states change only through
-    `_move_sharded` / `move_training`, which refuse a transition the tables above do not list."""
+    """Parameters gathered and freed together, one FlatShard per key, with its two lifecycle states (`states.py`):
+    the sharded state changes through `start_gather` / `finish_gather` / `reshard`, the training state through
+    `move_training`."""
 
     index: int
     name: str
@@ -64,7 +30,7 @@ class Unit:
     flats: list[FlatShard]
     is_root: bool = False
     reshard_after_forward: bool = True        # False: stays gathered from its training forward to its backward
-    sharded_state: ShardedState = ShardedState.SHARDED
+    gather_state: GatherState = GatherState.SHARDED
     training_state: TrainingState = TrainingState.IDLE
     handles: list[Handle] = field(default_factory=list)
 
@@ -72,28 +38,20 @@ class Unit:
     def padded_numel(self) -> int:
         return sum(f.layout.padded_numel for f in self.flats)
 
-    def _move_sharded(self, to: ShardedState) -> None:
-        if to not in _SHARDED_MOVES[self.sharded_state]:
-            raise AssertionError(f"ZeRO-3 unit {self.name}: {self.sharded_state.name} -> {to.name} is not a legal "
-                                 f"transition (from {self.sharded_state.name} only to "
-                                 f"{sorted(s.name for s in _SHARDED_MOVES[self.sharded_state])})")
-        self.sharded_state = to
+    def _move_gather(self, to: GatherState) -> None:
+        self.gather_state = advance(GATHER_MOVES, self.gather_state, to, f"ZeRO-3 unit {self.name}")
 
     def move_training(self, to: TrainingState) -> None:
-        if to not in _TRAINING_MOVES[self.training_state]:
-            raise AssertionError(f"ZeRO-3 unit {self.name}: {self.training_state.name} -> {to.name} is not a legal "
-                                 f"transition (from {self.training_state.name} only to "
-                                 f"{sorted(s.name for s in _TRAINING_MOVES[self.training_state])})")
-        self.training_state = to
+        self.training_state = advance(TRAINING_MOVES, self.training_state, to, f"ZeRO-3 unit {self.name}")
 
     def start_gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
         """SHARDED -> GATHERING: launch the all-gather of every flat."""
-        self._move_sharded(ShardedState.GATHERING)
+        self._move_gather(GatherState.GATHERING)
         self.handles = [f.launch_gather(comm, copies) for f in self.flats]
 
     def finish_gather(self) -> None:
         """GATHERING -> UNSHARDED: wait for the all-gathers; the parameters view the full buffers."""
-        self._move_sharded(ShardedState.UNSHARDED)
+        self._move_gather(GatherState.UNSHARDED)
         for h in self.handles:
             h.wait()
         self.handles = []
@@ -102,23 +60,23 @@ class Unit:
 
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED: the full buffers give their memory back; the parameters are placeholders again."""
-        self._move_sharded(ShardedState.SHARDED)
+        self._move_gather(GatherState.SHARDED)
         for f in self.flats:
             f.release()
 
     def gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
         """Whole now, from any state (a prefetch in flight is waited on)."""
-        if self.sharded_state is ShardedState.SHARDED:
+        if self.gather_state is GatherState.SHARDED:
             self.start_gather(comm, copies)
-        if self.sharded_state is ShardedState.GATHERING:
+        if self.gather_state is GatherState.GATHERING:
             self.finish_gather()
 
     def free(self) -> None:
         """Sharded now, from any state: an all-gather in flight is waited on first (never resize a buffer it is
         still writing into)."""
-        if self.sharded_state is ShardedState.GATHERING:
+        if self.gather_state is GatherState.GATHERING:
             self.finish_gather()
-        if self.sharded_state is ShardedState.UNSHARDED:
+        if self.gather_state is GatherState.UNSHARDED:
             self.reshard()
 
 

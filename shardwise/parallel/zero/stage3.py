@@ -1,10 +1,8 @@
 """ZeRO-3's runtime (`ZeroParamRuntime`): hooks that gather each unit around its forward and its backward and
-reduce-scatter its gradients, driven by the lifecycle states of `params.py` and `flat.py` and its own
-`BackwardState`."""
+reduce-scatter its gradients, moving the lifecycle states of `states.py`."""
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Any
 
@@ -15,28 +13,14 @@ from torch.utils._pytree import tree_leaves
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.copies import CopyStream, HostGrad, discard_sent
 from shardwise.parallel.zero.grads import ZeroGradReducer
-from shardwise.parallel.zero.flat import FlatShard, ReduceState
-from shardwise.parallel.zero.params import Partition, ShardedState, TrainingState, Unit, load_full_tensors
+from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.params import Partition, Unit, load_full_tensors
+from shardwise.parallel.zero.states import (
+    BACKWARD_MOVES, BackwardState, ReduceState, GatherState, TrainingState, advance,
+)
 
 
 _FLAT_TAG_BASE = 1 << 20
-
-
-class BackwardState(enum.Enum):
-    """Whether the runtime owes a backward its end: the reduce-scatters no gradient launched, the wait for all of
-    them, every unit freed (`_finish_backward`)."""
-
-    NONE = "none"          # nothing to finish
-    DUE = "due"            # a forward hooked its outputs; no backward has reached a hook yet (the engine's
-                           # end_backward finishes one that never does)
-    RUNNING = "running"    # a backward reached a hook and queued autograd's final callback, which finishes it
-
-
-_BACKWARD_MOVES = {
-    BackwardState.NONE: {BackwardState.DUE, BackwardState.RUNNING},
-    BackwardState.DUE: {BackwardState.RUNNING, BackwardState.NONE},
-    BackwardState.RUNNING: {BackwardState.NONE},
-}
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -203,10 +187,7 @@ class ZeroParamRuntime:
             self.persistent.close()
 
     def _move_backward(self, to: BackwardState) -> None:
-        if to not in _BACKWARD_MOVES[self.backward_state]:
-            raise AssertionError(f"ZeRO-3 runtime: backward state {self.backward_state.name} -> {to.name} is not a "
-                                 f"legal transition")
-        self.backward_state = to
+        self.backward_state = advance(BACKWARD_MOVES, self.backward_state, to, "ZeRO-3 runtime's backward state")
 
     def _backward_due(self) -> None:
         """A forward hooked its outputs: a backward will come (or the engine's end_backward ends it)."""
@@ -215,20 +196,20 @@ class ZeroParamRuntime:
 
     # -- gather / free ------------------------------------------------------------------------------
     def _launch(self, u: Unit) -> None:
-        if u.sharded_state is ShardedState.SHARDED:
+        if u.gather_state is GatherState.SHARDED:
             u.start_gather(self.comm, self._copies)
             self.live_numel += u.padded_numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _gather_now(self, u: Unit) -> None:
         self._launch(u)
-        if u.sharded_state is ShardedState.GATHERING:
+        if u.gather_state is GatherState.GATHERING:
             u.finish_gather()
 
     def _free(self, u: Unit) -> None:
-        if u.sharded_state is ShardedState.SHARDED:
+        if u.gather_state is GatherState.SHARDED:
             return
-        if u.sharded_state is ShardedState.GATHERING:
+        if u.gather_state is GatherState.GATHERING:
             u.finish_gather()           # never resize a buffer an all-gather is still writing into
         if self.poison_freed:
             for f in u.flats:
@@ -243,7 +224,7 @@ class ZeroParamRuntime:
         ahead = 0
         for v in upcoming:
             n = v.padded_numel
-            if v.sharded_state is ShardedState.SHARDED:
+            if v.gather_state is GatherState.SHARDED:
                 if ahead + n > self.prefetch_numel or self.live_numel + n > self.max_live_numel:
                     return
                 self._launch(v)
@@ -418,7 +399,7 @@ class ZeroParamRuntime:
         keep = not rank0_only or self.comm.rank == 0
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
-            was_free = u.sharded_state is ShardedState.SHARDED
+            was_free = u.gather_state is GatherState.SHARDED
             self._gather_now(u)
             if keep:
                 for f in u.flats:
