@@ -13,7 +13,7 @@ from shardwise.parallel.zero.params import shard_model
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 from shardwise.parallel.zero.states import BackwardState, ReduceState, GatherState, TrainingState
 from shardwise.testing import lm_pair, tiny_gpt, token_batches
-from shardwise.topology import SoloComm
+from shardwise.comm.topology import SoloComm
 
 
 def _sharded(n_layer: int = 3):
