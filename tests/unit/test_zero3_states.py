@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from shardwise.comm.ledger import CommLedger
+from shardwise.comm.topology import SoloComm
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.params import shard_model
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
-from shardwise.parallel.zero.states import BackwardState, ReduceState, GatherState, TrainingState
+from shardwise.parallel.zero.states import BackwardState, GatherState, ReduceState, TrainingState
 from shardwise.testing import lm_pair, tiny_gpt, token_batches
-from shardwise.comm.topology import SoloComm
 
 
 def _sharded(n_layer: int = 3):

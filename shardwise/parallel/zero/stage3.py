@@ -12,11 +12,11 @@ from torch.utils._pytree import tree_leaves
 
 from shardwise.comm.collectives import Comm
 from shardwise.parallel.zero.copies import CopyStream, HostGrad, discard_sent
-from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.params import Partition, Unit, load_full_tensors
 from shardwise.parallel.zero.states import (
-    BACKWARD_MOVES, BackwardState, ReduceState, GatherState, TrainingState, advance,
+    BACKWARD_MOVES, BackwardState, GatherState, ReduceState, TrainingState, advance,
 )
 
 
