@@ -21,7 +21,7 @@ from shardwise.parallel.zero.states import GATHER_MOVES, TRAINING_MOVES, GatherS
 @dataclass(eq=False)
 class Unit:
     """Parameters gathered and freed together, one FlatShard per key, with its two lifecycle states (`states.py`):
-    the sharded state changes through `start_gather` / `finish_gather` / `reshard`, the training state through
+    the gather state changes through `start_gather` / `finish_gather` / `reshard`, the training state through
     `move_training`."""
 
     index: int
