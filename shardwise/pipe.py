@@ -16,7 +16,7 @@ in order, optionally each under its own seed as DeepSpeed's ``seed_layers``) or 
 seed and then keeps its stage's (DeepSpeed builds only its own): the start is bit-identical to one process.
 
 `TiedLayerSpec(key, ...)` layers share one module per key (``net.tied_modules[key]``); pipelined, every stage
-holding a use keeps a copy whose gradient is summed over the holders (`parallel/pipeline/tied.py`).
+holding a use keeps a copy whose gradient is summed over the stages sharing it (`parallel/pipeline/tied.py`).
 
 Refused with a message that names the fix, rather than half-supported: ``topology=`` (give num_stages, and
 tensor/data parallelism in the config), ``partition_method="type:..."``, ``activation_checkpoint_interval > 0`` and
@@ -58,9 +58,9 @@ class LayerSpec:
 class TiedLayerSpec(LayerSpec):
     """A layer whose module is shared by every TiedLayerSpec of the same ``key`` (DeepSpeed's): built once, at
     its first use; a later use may call it through ``forward_fn(module, inputs)``, e.g. the embedding as the
-    output projection. Across pipeline stages each holder keeps a copy of the weights named by
+    output projection. Across pipeline stages each stage using it keeps a copy of the weights named by
     ``tied_weight_attr`` (a name or a list; dotted names reach into submodules), made equal at the start and
-    after a checkpoint load, their gradients summed over the holders before clipping and the step."""
+    after a checkpoint load, their gradients summed over those stages before clipping and the step."""
 
     def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable[[nn.Module, Any], Any]
                  | None = None, tied_weight_attr: str | Sequence[str] = "weight", **module_kwargs: Any) -> None:

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from shardwise.comm.ledger import CommLedger
 
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+"""The most a coalesced broadcast flattens at once (torch DDP's broadcast_bucket_size)."""
+
 if TYPE_CHECKING:
     from shardwise.comm.shm import SharedBuffers
 
@@ -198,6 +201,34 @@ class Comm:
             return _Done()
         return self._run("broadcast", tensor,
                          lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True), async_op)
+
+    @torch.no_grad()
+    def broadcast_coalesced(self, tensors: Sequence[torch.Tensor], src_group_rank: int = 0,
+                            bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+        """`src_group_rank`'s values of `tensors` on every rank, in place: one broadcast per bucket of one dtype and
+        device (each tensor flattened into it [sum of numels] and copied back), not one per tensor; a BatchNorm
+        network's hundreds of buffers would otherwise pay a collective's latency each. Buckets stop at
+        `bucket_bytes` so the flat copy stays small beside a large model."""
+        if self.local or not tensors:
+            return
+        groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+        filled: dict[tuple[torch.dtype, torch.device], int] = {}
+        for t in tensors:
+            key = (t.dtype, t.device)
+            buckets = groups.setdefault(key, [[]])
+            if buckets[-1] and filled[key] + t.nbytes > bucket_bytes:
+                buckets.append([])
+                filled[key] = 0
+            buckets[-1].append(t)
+            filled[key] = filled.get(key, 0) + t.nbytes
+        for buckets in groups.values():
+            for bucket in buckets:
+                flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+                self.broadcast(flat, src_group_rank=src_group_rank)
+                offset = 0
+                for t in bucket:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def all_gather_into_tensor(self, output: torch.Tensor, shard: torch.Tensor,
                                async_op: bool = False) -> Handle:

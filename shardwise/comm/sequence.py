@@ -15,7 +15,7 @@ ran since the last check to the store (a side channel, not the communicators) an
 the first differing operation and the ranks on each side. Cost: 8 * (6 + 4P) bytes per step, and no host read
 of its own on the engine's path: the all-reduce is launched as the step opens (`launch`, on the device when the
 group has no CPU backend) and its result is read in the step's one host read, beside the verdict
-(`Riders.carry`; [Note: one host read per step]); `settle` then judges it. A check the step did not read
+(`ExtraSums.agreed`; [Note: one host read per step]); `settle` then judges it. A check the step did not read
 (a pipeline's global batch, the end of training) is read by itself when the next one opens.
 Every value stays below 2**53 (the hash goes as two 31-bit halves) so that it survives that float64 read.
 """

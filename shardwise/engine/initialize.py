@@ -64,27 +64,6 @@ def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
 
 
-@torch.no_grad()
-def broadcast_module(module: torch.nn.Module, comm: Comm) -> None:
-    """Make every rank start from dp rank 0's parameters and buffers (one flat broadcast per dtype)."""
-    if comm.local:
-        return
-    broadcast_tensors(list(module.parameters()) + list(module.buffers()), comm)
-
-
-@torch.no_grad()
-def broadcast_tensors(tensors: list[torch.Tensor], comm: Comm) -> None:
-    """Group rank 0's values of `tensors` on every rank: one flat broadcast per dtype, copied back in place."""
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        same = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        comm.broadcast(flat, src_group_rank=0)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.optim.Optimizer:
     if optimizer is None:
         if config.optimizer is None:
@@ -247,7 +226,7 @@ def _start_identical(model: torch.nn.Module, device: torch.device, dtype: torch.
     model.to(device)
     if dtype != torch.float32:
         model.to(dtype)
-    broadcast_module(model, Comm(None, ledger, name="dp:init"))
+    Comm(None, ledger, name="dp:init").broadcast_coalesced([*model.parameters(), *model.buffers()])
 
 
 def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | None, cfg: EngineConfig,

@@ -47,7 +47,7 @@ class SkipGuard:
     def seed(self, scaled: torch.Tensor, loss: torch.Tensor) -> torch.Tensor | None:
         """The gradient backward starts from: 1 for a finite loss (bitwise torch's own seed), nan for an inf/nan
         one, without a host sync. An inf loss can have finite gradients (cross-entropy of a -inf logit); seeded
-        with nan, its micro-batch's gradients are nan, the all-reduce spreads them, and the verdict every holder
+        with nan, its micro-batch's gradients are nan, the all-reduce spreads them, and the verdict every rank
         agrees on skips the step on every replica. None (torch's seed) when such steps are not skipped."""
         self.last_loss = loss.detach()
         if not self.enabled:

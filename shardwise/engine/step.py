@@ -26,7 +26,7 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.config.batch import BatchSizes
 from shardwise.engine.skips import SkipGuard
 from shardwise.errors import UserError
-from shardwise.parallel.grad_norm import Riders
+from shardwise.parallel.grad_norm import ExtraSums
 from shardwise.parallel.interfaces import DataParallelRuntime, Updater
 from shardwise.parallel.outputs import loss_of
 from shardwise.telemetry.activations import SavedTensorMeter
@@ -154,15 +154,15 @@ class TrainingSteps:
         """The boundary step of a global batch whose micro-batch losses average to `loss_mean` (a device scalar) on
         this rank: the loss is summed over data-parallel ranks in the step's own all-reduce when the groups match,
         and read with its one host read. Returns the mean over micro-batches and ranks, the same on every rank."""
-        riders = Riders(loss_mean.detach().float().reshape(1), self.metrics_comm)
-        self._step(riders)
-        if riders.values is None:         # not a boundary (inside no_sync): agree on the loss by itself
-            total = riders.tensor.to(torch.float64)
+        extra = ExtraSums(loss_mean.detach().float().reshape(1), self.metrics_comm)
+        self._step(extra)
+        if extra.values is None:         # not a boundary (inside no_sync): agree on the loss by itself
+            total = extra.tensor.to(torch.float64)
             self.metrics_comm.all_reduce(total)
-            riders.values = total.tolist()
-        return riders.values[0] / self.metrics_comm.size
+            extra.values = total.tolist()
+        return extra.values[0] / self.metrics_comm.size
 
-    def _step(self, riders: Riders | None) -> None:
+    def _step(self, extra: ExtraSums | None) -> None:
         if self.inside_no_sync:
             raise UserError("engine.step() inside engine.no_sync(): leave the no_sync block before stepping")
         if not self.is_gradient_accumulation_boundary():
@@ -170,13 +170,13 @@ class TrainingSteps:
             return
         check = self.sequence_check
         if check is not None and check.pending is not None:     # its result rides in the verdict's read
-            if riders is None:
-                riders = Riders(check.pending.new_zeros(0, dtype=torch.float32), self.metrics_comm)
-            riders.carry = check.pending
+            if extra is None:
+                extra = ExtraSums(check.pending.new_zeros(0, dtype=torch.float32), self.metrics_comm)
+            extra.agreed = check.pending
         with self.monitor.timed(STEP):
-            applied = self.updater.step(riders)
-            if riders is not None and riders.carry is not None:
-                self._settle_check(riders)
+            applied = self.updater.step(extra)
+            if extra is not None and extra.agreed is not None:
+                self._settle_check(extra)
             self.step_applied = applied
             if applied:
                 if self.lr_scheduler is not None:
@@ -192,11 +192,11 @@ class TrainingSteps:
         self.micro_steps += 1
         self.skips.after_step(applied, step=self.global_steps - 1, lr=self.get_lr()[0], loss_scale=self.loss_scale)
 
-    def _settle_check(self, riders: Riders) -> None:
-        """Judge the desync check from the values that rode after the riders' own sums (or read it alone)."""
+    def _settle_check(self, extra: ExtraSums) -> None:
+        """Judge the desync check from the values read after the extra sums (or read it alone)."""
         assert self.sequence_check is not None
-        ours = riders.tensor.numel()
-        values, riders.values = riders.values, (riders.values[:ours] if riders.values is not None else None)
+        ours = extra.tensor.numel()
+        values, extra.values = extra.values, (extra.values[:ours] if extra.values is not None else None)
         self.sequence_check.settle(values[ours:] if values is not None else None)
 
     def stage_forwards(self) -> ContextManager[Callable[[int], Any] | None]:

@@ -6,18 +6,18 @@ elements are of two kinds:
 - replicated: part of a parameter every TP rank holds whole (norm weights, row-parallel biases), whose
   gradient is equal on all TP ranks, so it must be counted once.
 Other parts of this rank's TP slice sit on other ranks: the layers of the other pipeline stages, and under ZeRO
-the other dp ranks' shards. Call those ranks the holders (pp ranks for stage 0, pp x dp ranks for ZeRO). Then
+the other dp ranks' shards. Call those ranks the model group (pp ranks for stage 0, pp x dp ranks for ZeRO). Then
 
-    ||g||^2 = sum over TP of (sum over holders of sliced ||g||^2)  +  sum over holders of replicated ||g||^2
+    ||g||^2 = sum over TP of (sum over the model group of sliced ||g||^2)  +  its sum of replicated ||g||^2
 
-Per step: one all-reduce of float64 [sliced, replicated] over the holders (16 bytes) and one of the sliced
+Per step: one all-reduce of float64 [sliced, replicated] over the model group (16 bytes) and one of the sliced
 part over TP (8 bytes). The overflow flag is the max over the same two groups, so every rank that holds part of
 one model skips a step together.
 
 [Note: one host read per step]
 `agree` computes the step's verdict on the gradients' device without reading it: the squares, a count of
 ranks that saw inf/nan (summed: > 0 iff any did, so it rides in the same SUM all-reduce as the squares), and
-metrics the caller adds (`Riders`: train_batch's loss) in one float64 vector per group. Clipping then
+metrics the caller adds (`ExtraSums`: train_batch's loss) in one float64 vector per group. Clipping then
 scales by a device coefficient, and `StepVerdict.read` is the step's one device-to-host read.
 """
 
@@ -54,34 +54,34 @@ def shard_layout(buckets: Sequence) -> list[Ranges]:
 
 
 @dataclass
-class Riders:
+class ExtraSums:
     """Device metrics summed over `comm` alongside the step's verdict (fused into its all-reduce when `comm` is the
-    holders' group) and read with its one host read; `values` holds the sums after the step."""
+    model group) and read with its one host read; `values` holds the sums after the step."""
 
     tensor: Tensor
-    """float [k], on the compute device (k may be 0: only `carry` rides)."""
+    """float [k], on the compute device (k may be 0: only `agreed` is read)."""
     comm: Comm
-    carry: Tensor | None = None
+    agreed: Tensor | None = None
     """[c] values already agreed elsewhere (the desync check's), read in the same copy, after the sums."""
     values: list[float] | None = field(default=None, init=False)
 
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What the holders agreed on, still on the device (see [Note: one host read per step])."""
+    """What the model group agreed on, still on the device (see [Note: one host read per step])."""
 
     overflow: Tensor | None
     """0-dim float64: how many ranks saw inf/nan (None: not checked)."""
     norm: Tensor | None
     """0-dim: the whole model's gradient norm (None: not wanted)."""
-    riders: Tensor | None
-    """[k] float64: the riders' sums."""
+    extra: Tensor | None
+    """[k] float64: the extra sums (then the agreed values)."""
 
     def read(self) -> tuple[bool, float | None, list[float]]:
-        """(overflow, norm, rider sums) as Python values: the parts on a device go to the host in ONE copy (parts
+        """(overflow, norm, extra sums) as Python values: the parts on a device go to the host in ONE copy (parts
         on the host, e.g. the norm of offloaded gradients, in one more that waits for nothing)."""
         parts = [(name, t.reshape(-1).to(torch.float64)) for name, t in
-                 (("overflow", self.overflow), ("norm", self.norm), ("riders", self.riders)) if t is not None]
+                 (("overflow", self.overflow), ("norm", self.norm), ("extra", self.extra)) if t is not None]
         fetched: dict[bool, Iterator[float]] = {}
         for on_host in (False, True):
             mine = [t for _, t in parts if (t.device.type == "cpu") == on_host]
@@ -90,37 +90,37 @@ class StepVerdict:
         values = {name: [next(fetched[t.device.type == "cpu"]) for _ in range(t.numel())] for name, t in parts}
         overflow = "overflow" in values and values["overflow"][0] > 0
         norm = values["norm"][0] if "norm" in values else None
-        return overflow, norm, values.get("riders", [])
+        return overflow, norm, values.get("extra", [])
 
 
-def _with_carry(rider: Tensor | None, carry: Tensor | None) -> Tensor | None:
-    """The riders' sums followed by the carried values, float64 on the riders' device: one part of the read."""
-    if carry is None:
-        return rider
-    carry = carry.reshape(-1).to(torch.float64)
-    return carry if rider is None else torch.cat([rider, carry.to(rider.device)])
+def _with_agreed(extra_vec: Tensor | None, agreed: Tensor | None) -> Tensor | None:
+    """The extra sums followed by the agreed values, float64 on the sums' device: one part of the read."""
+    if agreed is None:
+        return extra_vec
+    agreed = agreed.reshape(-1).to(torch.float64)
+    return agreed if extra_vec is None else torch.cat([extra_vec, agreed.to(extra_vec.device)])
 
 
 @dataclass(frozen=True)
 class GradNormReducer:
     """Built once from the mesh (`from_mesh`); each update strategy binds it to its stepped tensors
-    (`for_tensors`). `clip_` and `overflow` are collective over the holders and the TP group."""
+    (`for_tensors`). `clip_` and `overflow` are collective over the model group and the TP group."""
 
     stage_comm: Comm
-    """The pipeline's stages ("pp:metrics"): the holders of a stage-0 slice."""
+    """The pipeline's stages ("pp:metrics"): the model group of a stage-0 slice."""
     model_comm: Comm
-    """pp x dp ranks of one TP coordinate ("dp:metrics", "pp*dp:metrics" under a pipeline): ZeRO's holders."""
+    """pp x dp ranks of one TP coordinate ("dp:metrics", "pp*dp:metrics" under a pipeline): ZeRO's model group."""
     tp_comm: Comm
     """The TP group ("tp:metrics"), over which sliced squares are summed."""
     layout: tuple[Ranges, ...] | None = None
     dp_sharded: bool = False
     uncounted: frozenset[int] = frozenset()
-    """Stepped tensors left out of the norm: tied copies whose weight another holder counts."""
+    """Stepped tensors left out of the norm: tied copies whose weight another stage's copy counts."""
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh, ledger: CommLedger) -> "GradNormReducer":
         pipelined = mesh.size(Axis.PP) > 1
-        # Without a pipeline the dp group is the holders' group: no extra process group is needed for it.
+        # Without a pipeline the dp group is the model group: no extra process group is needed for it.
         model = (mesh.comm_sharing_tp(ledger, name="pp*dp:metrics") if pipelined
                  else mesh.comm(Axis.DP, ledger, name="dp:metrics"))
         return cls(stage_comm=mesh.comm(Axis.PP, ledger, name="pp:metrics"), model_comm=model,
@@ -134,42 +134,42 @@ class GradNormReducer:
         return replace(self, layout=tuple(layout), dp_sharded=dp_sharded, uncounted=frozenset(uncounted))
 
     @property
-    def holders(self) -> Comm:
+    def model_group(self) -> Comm:
         return self.model_comm if self.dp_sharded else self.stage_comm
 
     @property
     def alone(self) -> bool:
         """No other rank holds a part of this rank's gradients."""
-        return self.holders.size == 1 and self.tp_comm.size == 1 and not self.uncounted
+        return self.model_group.size == 1 and self.tp_comm.size == 1 and not self.uncounted
 
     def agree(self, params: Sequence[Tensor], *, check_overflow: bool, want_norm: bool,
-              riders: Riders | None = None) -> StepVerdict:
-        """The step's verdict on the `p.grad`s of `params`, agreed by the holders and the TP group, without a host
+              extra: ExtraSums | None = None) -> StepVerdict:
+        """The step's verdict on the `p.grad`s of `params`, agreed by the model group and the TP group, without a host
         read. Alone, the norm is torch's `get_total_norm` (bitwise the reference's clip_grad_norm_)."""
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         flag = nonfinite_flag(grads, device) if check_overflow else None
-        rider = riders.tensor.reshape(-1).to(torch.float64) if riders is not None else None
-        if rider is not None and rider.numel() == 0:
-            rider = None
-        fuse = rider is not None and riders.comm.size > 1 and riders.comm.group is self.holders.group \
+        extra_vec = extra.tensor.reshape(-1).to(torch.float64) if extra is not None else None
+        if extra_vec is not None and extra_vec.numel() == 0:
+            extra_vec = None
+        fuse = extra_vec is not None and extra.comm.size > 1 and extra.comm.group is self.model_group.group \
             and not self.alone
-        if rider is not None and not fuse:
-            riders.comm.all_reduce(rider)
-        carry = riders.carry if riders is not None else None
+        if extra_vec is not None and not fuse:
+            extra.comm.all_reduce(extra_vec)
+        agreed = extra.agreed if extra is not None else None
         if self.alone:
             norm = torch.nn.utils.get_total_norm(grads) if want_norm and grads else None
             if want_norm and not grads:
                 norm = torch.zeros((), dtype=torch.float64)
-            return StepVerdict(flag, norm, _with_carry(rider, carry))
-        # holders: float64 [sliced, replicated]? [flag]? [riders]?  then TP: [sliced]? [flag]?
+            return StepVerdict(flag, norm, _with_agreed(extra_vec, agreed))
+        # model group: float64 [sliced, replicated]? [flag]? [extra]?  then TP: [sliced]? [flag]?
         pieces = ([self._local_squares(params)] if want_norm else []) \
             + ([flag.reshape(1).to(device)] if flag is not None else [])
         if fuse:
-            pieces.append(rider.to(device))
+            pieces.append(extra_vec.to(device))
         vec = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
         if vec.numel():
-            self.holders.all_reduce(vec)
+            self.model_group.all_reduce(vec)
         at = 2 if want_norm else 0
         tp_pieces = ([vec[:1]] if want_norm else []) + ([vec[at:at + 1]] if flag is not None else [])
         tp_vec = torch.cat(tp_pieces) if tp_pieces else vec[:0]
@@ -178,8 +178,8 @@ class GradNormReducer:
         norm = torch.sqrt(tp_vec[0].clamp_min(0.0) + vec[1]) if want_norm else None
         overflow = tp_vec[-1] if flag is not None else None
         if fuse:
-            rider = vec[vec.numel() - rider.numel():]
-        return StepVerdict(overflow, norm, _with_carry(rider, carry))
+            extra_vec = vec[vec.numel() - extra_vec.numel():]
+        return StepVerdict(overflow, norm, _with_agreed(extra_vec, agreed))
 
     def clip_with_norm_(self, params: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:
         """Scale every `p.grad` by min(1, max_norm / (norm + 1e-6)) on the device (no host read); alone, torch's
@@ -195,10 +195,10 @@ class GradNormReducer:
                                 coef.to(device=device, dtype=dtype))
 
     def overflow(self, local: bool) -> bool:
-        """True on every rank if any holder or TP peer saw inf/nan (each checks only what it steps)."""
+        """True on every rank if any rank of the model group or a TP peer saw inf/nan (each checks only what it steps)."""
         if self.alone:
             return local
-        flag = self.holders.all_reduce_object_max(float(local))
+        flag = self.model_group.all_reduce_object_max(float(local))
         return self.tp_comm.all_reduce_object_max(flag) > 0
 
     def clip_(self, params: Sequence[Tensor], max_norm: float) -> float:
@@ -220,7 +220,7 @@ class GradNormReducer:
 
     def norm(self, params: Sequence[Tensor]) -> float:
         sq = self._local_squares(params)
-        self.holders.all_reduce(sq)
+        self.model_group.all_reduce(sq)
         sliced = sq[:1].clone()
         self.tp_comm.all_reduce(sliced)
         return math.sqrt(max(float(sliced), 0.0) + float(sq[1]))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Proto
 import torch
 
 if TYPE_CHECKING:
-    from shardwise.parallel.grad_norm import Riders
+    from shardwise.parallel.grad_norm import ExtraSums
     from shardwise.parallel.precision import LossScaler
     from shardwise.parallel.tied import TiedParams
     from shardwise.parallel.zero.build import ShardingUnits
@@ -89,8 +89,8 @@ class Updater(Protocol):
     scaler: LossScaler
     last_grad_norm: float | None
 
-    def step(self, riders: Riders | None = None) -> bool:
-        """The update; False when an overflow skipped it (on every rank alike). `riders`: device metrics (the
+    def step(self, extra: ExtraSums | None = None) -> bool:
+        """The update; False when an overflow skipped it (on every rank alike). `extra`: device metrics (the
         train_batch loss) summed over their group and read with the step's one host read."""
         ...
 

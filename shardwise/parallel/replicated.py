@@ -96,7 +96,7 @@ def build_replicated(groups: list[dict], *, section: DataParallelConfig, recipe:
                      norms: GradNormReducer, tied: TiedParams = TiedParams()
                      ) -> tuple[ReplicatedUpdate, BucketedAllReduce]:
     """The update and the gradient all-reduce of stage 0 over `groups` (this rank's trainable parameters);
-    `tied` copies are whole stepped tensors here, summed over their holders after the dp all-reduce."""
+    `tied` copies are whole stepped tensors here, summed over the stages sharing them after the dp all-reduce."""
     model_params = [p for g in groups for p in g["params"]]
     masters = None
     if recipe.dtype != torch.float32:

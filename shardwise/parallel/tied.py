@@ -1,11 +1,11 @@
 """Parameters that several ranks of one model hold as equal copies: weights tied across pipeline stages (a
 GPT-2 embedding reused as the output projection on the last stage).
 
-Each holder computes only its own uses' part of the gradient. Before the update every holder sums the parts
-over `comm` (the holders with this rank's dp and tp coordinates), so all copies take the same step and stay
-equal. In the global gradient norm the weight counts once: only the `counted` copy (the first holder's) adds
-its square. An update strategy turns `TiedParams` into `TiedSlot`s: which of its stepped tensors is the
-copy (the strategy keeps each tied parameter in a stepped tensor of its own, identical on every holder).
+Each stage holding a copy computes only its own uses' part of the gradient. Before the update the copies sum the
+parts over `comm` (the ranks of the sharing stages with this rank's dp and tp coordinates), so all copies take the
+same step and stay equal. In the global gradient norm the weight counts once: only the `counted` copy (the first
+sharing stage's) adds its square. An update strategy turns `TiedParams` into `TiedSlot`s: which of its stepped tensors is the
+copy (the strategy keeps each tied parameter in a stepped tensor of its own, identical on every sharing stage).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from shardwise.comm.collectives import Comm
 class TiedParam:
     param: torch.nn.Parameter
     comm: Comm
-    """This rank and the other holders of the weight (one per holding stage, same dp and tp coordinates)."""
+    """This rank and the other ranks holding a copy of the weight (one per holding stage, same dp and tp coordinates)."""
     counted: bool
-    """Whether this copy counts in the global gradient norm (the first holder's does, the others' do not)."""
+    """Whether this copy counts in the global gradient norm (the first sharing stage's does, the others' do not)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class TiedParams:
 
     def slots(self, stepped_index: dict[int, int]) -> list["TiedSlot"]:
         """`stepped_index`: id(parameter) -> index of the stepped tensor that holds exactly that parameter. A
-        frozen weight is stepped nowhere (every holder leaves it out alike)."""
+        frozen weight is stepped nowhere (every copy leaves it out alike)."""
         return [TiedSlot(stepped_index[id(t.param)], t.comm, t.counted) for t in self.entries
                 if id(t.param) in stepped_index]
 
@@ -56,8 +56,8 @@ class TiedSlot:
 
 
 def sum_tied_grads(stepped: Sequence[torch.Tensor], slots: Sequence[TiedSlot]) -> None:
-    """Sum each tied copy's gradient over its holders, in place (every holder then has the whole gradient).
-    A copy without a gradient contributes zeros, so the holders still meet in the collective."""
+    """Sum each tied copy's gradient over the ranks holding copies, in place (each then has the whole gradient).
+    A copy without a gradient contributes zeros, so every copy still meets the others in the collective."""
     for slot in slots:
         p = stepped[slot.index]
         if p.grad is None:
@@ -66,5 +66,5 @@ def sum_tied_grads(stepped: Sequence[torch.Tensor], slots: Sequence[TiedSlot]) -
 
 
 def uncounted(slots: Sequence[TiedSlot]) -> frozenset[int]:
-    """The stepped tensors this rank leaves out of the global norm: copies another holder counts."""
+    """The stepped tensors this rank leaves out of the global norm: copies another stage's copy counts."""
     return frozenset(s.index for s in slots if not s.counted)

@@ -2,8 +2,9 @@
 
 Whatever holds the gradients (whole replicated tensors, ZeRO shards, offloaded masters), one step is
 
-    load grads into what the optimizer steps -> sum tied copies over their holders -> overflow verdict (all holders agree) -> unscale -> clip by the
-    whole model's norm -> optimizer.step() -> publish the new values to the model -> update the loss scale
+    load grads into what the optimizer steps -> sum tied copies over the stages sharing them -> overflow verdict
+    (every rank holding part of the model agrees) -> unscale -> clip by the whole model's norm -> optimizer.step()
+    -> publish the new values to the model -> update the loss scale
 
 `Update.step` is that skeleton; a strategy supplies only `_load_grads` and `_publish` (and its checkpoint
 state). The norm and the overflow verdict come from a `GradNormReducer` bound to the stepped tensors.
@@ -16,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from shardwise.parallel.grad_norm import GradNormReducer, Riders
+from shardwise.parallel.grad_norm import GradNormReducer, ExtraSums
 from shardwise.parallel.interfaces import HeldBytes, Piece, SteppedEntry
 from shardwise.parallel.tied import TiedSlot, sum_tied_grads
 from shardwise.parallel.precision import LossScaler
@@ -79,8 +80,8 @@ class Update:
         self.compute_norm = recipe.compute_norm
         self.last_grad_norm: float | None = None
 
-    def step(self, riders: Riders | None = None) -> bool:
-        """One update; False when it was skipped because some holder's gradients overflowed. `riders`: metrics
+    def step(self, extra: ExtraSums | None = None) -> bool:
+        """One update; False when it was skipped because some rank's gradients overflowed. `extra`: metrics
         summed over their group with the verdict and read with it (`grad_norm.py`, [Note: one host read per step]).
 
         Everything up to the verdict's read stays on the device: unscale, the overflow count and the norm (one
@@ -94,12 +95,12 @@ class Update:
             torch._foreach_mul_(grads, 1.0 / scale)
         want_norm = self.clip > 0 or self.compute_norm     # DeepSpeed reports the norm without clipping too
         verdict = self.norms.agree(self.stepped, check_overflow=self.check_overflow, want_norm=want_norm,
-                                   riders=riders)
+                                   extra=extra)
         if self.clip > 0 and verdict.norm is not None:
             self.norms.clip_with_norm_(self.stepped, self.clip, verdict.norm)
-        overflow, norm, rider_sums = verdict.read()
-        if riders is not None:
-            riders.values = rider_sums
+        overflow, norm, extra_sums = verdict.read()
+        if extra is not None:
+            extra.values = extra_sums
         if overflow:
             self.scaler.update(overflow=True)
             self.last_grad_norm = float("inf") if want_norm else None

@@ -99,13 +99,13 @@ def test_split_stages_each_hold_a_copy_of_the_tied_module() -> None:
     # DeepSpeed counts a tied module in every layer that uses it: 40 + 20 + 0 + 40
     assert layer_costs(net, "parameters") == [40.0, 20.0, 0.0, 40.0]
     first, last = (split_model(net, num_stages=2, stage=s, partition="uniform") for s in (0, 1))
-    assert first.tie_holders == last.tie_holders == {"embed": (0, 1)}
+    assert first.tie_stages == last.tie_stages == {"embed": (0, 1)}
     assert first.tied["embed"] is last.tied["embed"] is net.tied_modules["embed"]
     assert "tied_modules.embed.weight" in first.full_state_dict() and "tied_modules.embed.weight" in \
         last.full_state_dict()
     assert sum(p.numel() for p in last.parameters()) == 40          # the copy counts once per stage
     alone = split_model(net, num_stages=1, stage=0)
-    assert alone.tie_holders == {"embed": (0,)}
+    assert alone.tie_stages == {"embed": (0,)}
 
 
 def test_a_parameter_registered_on_two_stages_is_tied_under_its_first_name() -> None:
@@ -113,7 +113,7 @@ def test_a_parameter_registered_on_two_stages_is_tied_under_its_first_name() -> 
     from shardwise.testing import tiny_gpt
     gpt = tiny_gpt(tie_embeddings=True)                  # lm_head.weight is embed.tok.weight
     first, last = (split_model(gpt, num_stages=2, stage=s) for s in (0, 1))
-    assert first.tie_holders == last.tie_holders == {"embed.tok.weight": (0, 1)}
+    assert first.tie_stages == last.tie_stages == {"embed.tok.weight": (0, 1)}
     assert first.tied_weights() == {"embed.tok.weight": [gpt.embed.tok.weight]}
     assert last.tied_weights()["embed.tok.weight"][0] is gpt.head.lm_head.weight
-    assert split_model(gpt, num_stages=1, stage=0).tie_holders == {}
+    assert split_model(gpt, num_stages=1, stage=0).tie_stages == {}

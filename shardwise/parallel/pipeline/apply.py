@@ -52,7 +52,7 @@ class PipelineRunner:
     dp_metrics: Comm
     """The stage's dp group, for the loss average."""
     ties: TiedParams = TiedParams()
-    """This stage's copies of weights tied across stages, with the groups of their holders."""
+    """This stage's copies of weights tied across stages, with the groups of the stages sharing them."""
     last: StepResult | None = None
     """The last step's result: its loss, peak in-flight micro-batches and per-action trace (for timelines)."""
     reads_in_order: ClassVar[bool] = True      # DeepSpeed's PipelineEngine reads its training data in order
@@ -73,8 +73,8 @@ class PipelineRunner:
         return self.ties
 
     def _saved_elsewhere(self, full_name: str) -> bool:
-        """A tied module's tensor that an earlier stage holds too: checkpoints keep the first holder's copy."""
-        for key, stages in self.stage.tie_holders.items():
+        """A tied module's tensor that an earlier stage holds too: checkpoints keep the first sharing stage's copy."""
+        for key, stages in self.stage.tie_stages.items():
             if full_name.startswith(f"tied_modules.{key}.") and stages[0] != self.stage.stage:
                 return True
         return False
@@ -134,8 +134,8 @@ class PipelineRunner:
         return {k: v for k, v in self.stage.full_state_dict().items() if not self._saved_elsewhere(k)}
 
     def load_module_state(self, module: torch.nn.Module, full: dict[str, Any], strict: bool) -> None:
-        """This stage's tensors from ``full``; tied weights then come from their first holder (collective over
-        the holders), whose file alone has them."""
+        """This stage's tensors from ``full``; tied weights then come from the first stage sharing them
+        (collective over those stages), whose file alone has them."""
         names = self.stage.full_names()           # local name -> full name
         local = {k: full[f] for k, f in names.items() if f in full}
         absent = [f for f in names.values() if f not in full]
@@ -175,4 +175,4 @@ def apply_pipeline(model: torch.nn.Module, *, section: PipelineConfig, num_micro
                               device=device)
     return PipelineRunner(stage=stage, runtime=runtime, pp_comm=pp_comm,
                           dp_metrics=mesh.comm(Axis.DP, ledger, name="dp:metrics"),
-                          ties=build_ties(stage.tied_weights(), stage.tie_holders, mesh, ledger))
+                          ties=build_ties(stage.tied_weights(), stage.tie_stages, mesh, ledger))

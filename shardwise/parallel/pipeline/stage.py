@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from shardwise.config import PipelinePartition
 from shardwise.parallel.pipeline.partition import parse_partition_method, partition_layers, stage_layers
 from shardwise.parallel.pipeline.schedules import PipelineError
-from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_holders, tied_modules_of, tied_weight
+from shardwise.parallel.pipeline.tied import TiedLayer, shared_parameters, tie_stages, tied_modules_of, tied_weight
 
 LossFn = Callable[[Any, Any], Tensor]
 """loss_fn(outputs of the last layer, labels) -> scalar loss of one micro-batch (a mean over its samples)."""
@@ -218,14 +218,14 @@ class PipelineStage(nn.Module):
 
     def __init__(self, chunks: Sequence[StageChunk], *, stage: int, num_stages: int, virtual_stages: int,
                  loss_fn: LossFn, layer_ranges: Sequence[range],
-                 tie_holders: dict[str, tuple[int, ...]] | None = None,
+                 tie_stages: dict[str, tuple[int, ...]] | None = None,
                  shared: dict[str, nn.Parameter] | None = None) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.tied_layers = tied_modules_of([layer for c in chunks for layer in c.layers])
         """key -> a use of each tied module this stage holds (its layers refer to the module, unregistered)."""
         self.tied = nn.ModuleDict({k: t.tied_module for k, t in self.tied_layers.items()})
-        self.tie_holders = dict(tie_holders or {})
+        self.tie_stages = dict(tie_stages or {})
         """key -> the stages holding a copy of that tied module or shared parameter (all keys of the model)."""
         self.shared = dict(shared or {})
         """Parameters this stage's layers register that other stages' layers register too, by full name."""
@@ -315,9 +315,9 @@ def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int 
     # Weights tied across stages: TiedLayer modules by key, and parameters several stages' layers register (a
     # GPT's tied embedding and lm-head) by the full name of their first use.
     shared = shared_parameters(every, num_stages)
-    holders = tie_holders([m for _, m in layers.layers], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
+    sharing = tie_stages([m for _, m in layers.layers], ranges, num_stages) | {k: s for k, (s, _) in shared.items()}
     return PipelineStage(chunks, stage=stage, num_stages=num_stages, virtual_stages=virtual_stages,
-                         loss_fn=layers.loss_fn, layer_ranges=local_ranges, tie_holders=dict(sorted(holders.items())),
+                         loss_fn=layers.loss_fn, layer_ranges=local_ranges, tie_stages=dict(sorted(sharing.items())),
                          shared={k: p for k, (s, p) in shared.items() if stage in s})
 
 

@@ -4,12 +4,12 @@ projection.
 In the full model one module is shared by several layers: each use is a `TiedLayer` that refers to the module
 without registering it (the model registers it once, as ``tied_modules.<key>``, DeepSpeed's name). A stage
 registers the tied modules its layers use (``tied.<key>``); where several stages hold one, each keeps a copy.
-`tie_holders` says which stages hold which key (pure); a parameter that layers of several stages register
+`tie_stages` says which stages hold which key (pure); a parameter that layers of several stages register
 (`shared_parameters`: e.g. a GPT's tied embedding and lm-head) is tied the same way, under the full name of
 its first use, as a whole. `build_ties` makes one process group per key and per (dp, tp) coordinate over the
-holding pp ranks (every rank creates every group, in key order), makes the copies equal from the first holder,
-and hands the update strategies the `TiedParams` whose gradients they sum over the holders before the norm and
-the step.
+sharing pp ranks (every rank creates every group, in key order), makes the copies equal from the first sharing
+stage, and hands the update strategies the `TiedParams` whose gradients they sum over the sharing stages before
+the norm and the step.
 """
 
 from __future__ import annotations
@@ -72,15 +72,15 @@ def tied_modules_of(layers: Sequence[nn.Module]) -> dict[str, TiedLayer]:
     return found
 
 
-def tie_holders(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages: int) -> dict[str, tuple[int, ...]]:
+def tie_stages(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages: int) -> dict[str, tuple[int, ...]]:
     """key -> the stages holding a use of it, ascending. ``chunks[k]`` are model chunk k's layer indices; model
     chunk k lives on stage k % num_stages."""
-    holders: dict[str, set[int]] = {}
+    stages: dict[str, set[int]] = {}
     for k, r in enumerate(chunks):
         for i in r:
             if isinstance(layers[i], TiedLayer):
-                holders.setdefault(layers[i].tied_key, set()).add(k % num_stages)
-    return {key: tuple(sorted(s)) for key, s in sorted(holders.items())}
+                stages.setdefault(layers[i].tied_key, set()).add(k % num_stages)
+    return {key: tuple(sorted(s)) for key, s in sorted(stages.items())}
 
 
 def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_stages: int
@@ -98,14 +98,14 @@ def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_sta
     return {first[i][0]: (tuple(sorted(s)), first[i][1]) for i, s in stages.items() if len(s) > 1}
 
 
-def build_ties(weights: dict[str, list[nn.Parameter]], holders: dict[str, tuple[int, ...]], mesh: ParallelMesh,
+def build_ties(weights: dict[str, list[nn.Parameter]], sharing: dict[str, tuple[int, ...]], mesh: ParallelMesh,
                ledger: CommLedger) -> TiedParams:
     """``weights``: this stage's tied weights by key. The groups of every key held by more than one stage
     (collective over the world: every rank creates every group in the same order, as `dist.new_group` requires),
-    this rank's copies broadcast from the first holder, and this rank's `TiedParams`, in key order."""
+    this rank's copies broadcast from the first sharing stage, and this rank's `TiedParams`, in key order."""
     shape, here = mesh.shape, mesh.global_rank
     entries: list[TiedParam] = []
-    for key, stages in holders.items():
+    for key, stages in sharing.items():
         if len(stages) < 2:
             continue          # one stage holds every use: autograd already sums them
         mine: Comm | None = None
@@ -127,6 +127,6 @@ def build_ties(weights: dict[str, list[nn.Parameter]], holders: dict[str, tuple[
 
 @torch.no_grad()
 def synchronize(ties: TiedParams) -> None:
-    """Copy the first holder's tied weights to the others (after a checkpoint's weights were loaded)."""
+    """Copy the first sharing stage's tied weights to the others (after a checkpoint's weights were loaded)."""
     for t in ties.entries:
         t.comm.broadcast(t.param.data, src_group_rank=0)

@@ -25,7 +25,6 @@ from shardwise.parallel.wrappers.policies import groups_of
 from shardwise.parallel.wrappers.steps import StepClock
 
 MIB = 1 << 20
-BROADCAST_BUCKET_BYTES = 250 * MIB      # torch DDP's broadcast_bucket_size
 
 
 class DistributedDataParallel(nn.Module):
@@ -64,7 +63,7 @@ class DistributedDataParallel(nn.Module):
         if not params:
             raise UserError("DistributedDataParallel: the module has no parameter that requires grad")
         with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
-            broadcast_coalesced(self.groups.dp, [*module.parameters(), *module.buffers()])
+            self.groups.dp.broadcast_coalesced([*module.parameters(), *module.buffers()])
         numel = int(bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
         # it is final, so the division overlaps backward and the launch waits for none
@@ -78,7 +77,7 @@ class DistributedDataParallel(nn.Module):
             self.reducer.reclaim_grads()
             if self.broadcast_buffers and self.require_sync:
                 with torch.no_grad():
-                    broadcast_coalesced(self.groups.dp, list(self.module.buffers()))
+                    self.groups.dp.broadcast_coalesced(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -114,32 +113,6 @@ class DistributedDataParallel(nn.Module):
     def close(self) -> None:
         """Remove the hooks (the module keeps its parameters and gradients)."""
         self.reducer.close()
-
-
-def broadcast_coalesced(comm, tensors: list[torch.Tensor], bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Rank 0's values of `tensors` on every rank of `comm`: one broadcast per bucket of one dtype and device
-    (each tensor flattened into it and copied back), not one per tensor; a BatchNorm network's hundreds of
-    buffers would otherwise pay a collective's latency each, every forward."""
-    if comm.local or not tensors:
-        return
-    groups: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
-    filled: dict[tuple[torch.dtype, torch.device], int] = {}
-    for t in tensors:
-        key = (t.dtype, t.device)
-        buckets = groups.setdefault(key, [[]])
-        if buckets[-1] and filled[key] + t.nbytes > bucket_bytes:
-            buckets.append([])
-            filled[key] = 0
-        buckets[-1].append(t)
-        filled[key] = filled.get(key, 0) + t.nbytes
-    for buckets in groups.values():
-        for bucket in buckets:
-            flat = torch.cat([t.detach().reshape(-1) for t in bucket])     # [sum of numels]
-            comm.broadcast(flat)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
 
 
 class _LoopReducer(BucketedAllReduce):

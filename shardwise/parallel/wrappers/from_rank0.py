@@ -27,7 +27,6 @@ class _Slot:
 def broadcast_from_rank0(comm, trees: list[Any]) -> list[Any]:
     """`trees` as rank 0 of `comm` holds them, on every rank (collective; the others' `trees` are ignored).
     Tensors arrive on the host over gloo, on this rank's GPU over NCCL alone."""
-    from shardwise.parallel.wrappers.ddp import broadcast_coalesced
     if comm.local:
         return trees
     device = torch.device("cpu") if comm.carries_host_tensors else torch.device("cuda", torch.cuda.current_device())
@@ -40,7 +39,7 @@ def broadcast_from_rank0(comm, trees: list[Any]) -> list[Any]:
         tensors = [x.detach().to(device) for x in leaves if isinstance(x, torch.Tensor)]
     else:
         tensors = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in shape if isinstance(s, _Slot)]
-    broadcast_coalesced(comm, tensors)
+    comm.broadcast_coalesced(tensors)
     arrived = iter(tensors)
     return tree_unflatten([next(arrived) if isinstance(s, _Slot) else s for s in shape], spec)
 

@@ -18,7 +18,7 @@ from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.gathered import StandaloneGatherer, record_locations
-from shardwise.parallel.zero.materialize import broadcast_in_place, materialize_sharded
+from shardwise.parallel.zero.materialize import materialize_sharded
 from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
 
 
@@ -207,4 +207,4 @@ def _broadcast_by_module(model: nn.Module, comm: Comm) -> None:
     for m in model.modules():
         own = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and id(t) not in seen]
         seen.update(id(t) for t in own)
-        broadcast_in_place(own, comm)
+        comm.broadcast_coalesced(own)

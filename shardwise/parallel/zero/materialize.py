@@ -21,20 +21,6 @@ def _default_init(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def broadcast_in_place(tensors: list[torch.Tensor], comm: Comm) -> None:
-    """Group rank 0's values of `tensors` on every rank of `comm`: one flat broadcast per dtype, copied back."""
-    if comm.size == 1:
-        return
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        same = [t for t in tensors if t.dtype == dtype]
-        flat = torch.cat([t.reshape(-1) for t in same])
-        comm.broadcast(flat, src_group_rank=0)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 def _replace_meta_params(model: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
     """Swap every meta Parameter for an empty placeholder Parameter on `device`, keeping sharing (a tied
     parameter stays one object). Returns {id(old): new}."""
@@ -104,7 +90,7 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
 
     def finish(params: list[nn.Parameter]) -> None:
         if broadcast_from_rank0:
-            broadcast_in_place(params, comm)
+            comm.broadcast_coalesced(params)
         for p in params:
             if id(p) in where:            # sharded: keep this rank's part only
                 flat, i = where[id(p)]

@@ -29,7 +29,7 @@ from shardwise.parallel.zero.flat import FlatShard
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 if TYPE_CHECKING:
-    from shardwise.parallel.grad_norm import Riders
+    from shardwise.parallel.grad_norm import ExtraSums
 
 OFFLOADED_ATTR = "_shardwise_offloaded_master"
 """Set on a master that offload_optimizer keeps on the host (`make_shard_masters`)."""
@@ -268,8 +268,8 @@ class Stage3Update(ShardedUpdate):
         self.runtime.wait_shard_reads()
         super()._publish()
 
-    def step(self, riders: Riders | None = None) -> bool:
-        applied = super().step(riders)
+    def step(self, extra: ExtraSums | None = None) -> bool:
+        applied = super().step(extra)
         if applied:
             self._gather_persistent()
         return applied

@@ -1,7 +1,7 @@
 """ZeRO-3's lifecycle as explicit states, each with the table of its legal transitions: a unit's `GatherState` and
-`TrainingState` (FSDP2's `ShardedState` and `TrainingState`), a flat's `ReduceState` and the runtime's `BackwardState`. Their holders
-(`params.Unit`, `flat.FlatShard`, `stage3.ZeroParamRuntime`) change them only through `advance`, which refuses any
-transition its table does not list."""
+`TrainingState` (FSDP2's `ShardedState` and `TrainingState`), a flat's `ReduceState` and the runtime's
+`BackwardState`. Their owners (`params.Unit`, `flat.FlatShard`, `stage3.ZeroParamRuntime`) change them only
+through `advance`, which refuses any transition its table does not list."""
 
 from __future__ import annotations
 
