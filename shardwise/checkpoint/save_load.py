@@ -121,6 +121,13 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
                 # Read whole, as before indexes: what it returns becomes the optimizer's state.
                 own = _read_own(ctx, path, reshard.FileReader(path, mmap=False), load_module_only,
                                 indexed=index is not None)
+                # The same pieces in another state format (ZeRO-2's buckets read at ZeRO-3, whose units hold
+                # the same elements): the index reshards it; without an index it is refused before any change.
+                mismatch = None if load_module_only else ctx.state.state_dict_mismatch(own["optimizer"])
+                if mismatch is not None:
+                    if index is None:
+                        raise ckpt.CheckpointError(mismatch)
+                    same, own = False, None
         except ckpt.CheckpointError as e:
             problem = str(e)
     same = reshard.agree(ctx, problem, same_layout=same)

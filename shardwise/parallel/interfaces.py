@@ -139,6 +139,11 @@ class ShardedState(Protocol):
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         """Load a `state_dict()` written at this very layout."""
 
+    def state_dict_mismatch(self, state: dict) -> str | None:
+        """Why `load_state_dict(state)` would refuse `state` (written by another data-parallel size or ZeRO
+        stage), in one line naming the fix; None when it takes it. Changes nothing."""
+        ...
+
     def sync_masters_from_model(self) -> None:
         """After loading module weights only: restart what the optimizer steps from them."""
 

@@ -141,6 +141,10 @@ class Update:
     def held_bytes(self) -> HeldBytes:
         return HeldBytes(params=self.param_bytes(), optimizer=self.state_bytes(), staging=self.staging_bytes())
 
+    def state_dict_mismatch(self, state: dict) -> str | None:
+        """Replicated state loads wherever the layout index matched it."""
+        return None
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.masters] if self.masters else None}

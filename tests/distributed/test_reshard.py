@@ -4,7 +4,8 @@ summation order is not). One spawn per save layout; each loads at several layout
 
 Also here: a checkpoint that cannot be loaded (another model, a damaged file) is refused with the same line on
 every rank before anything changes; a changed gradient_accumulation_steps resumes at the step boundary; SGD's
-momentum, bf16 with fp32 masters and tied embeddings under ZeRO-3 reshard too; a checkpoint without its index
+momentum, bf16 with fp32 masters and tied embeddings under ZeRO-3 reshard too; ZeRO-2 shards read at a ZeRO-3 layout
+holding the same pieces (every parameter persistent) are resharded, not read as-is; a checkpoint without its index
 (an earlier shardwise's) loads exactly at its own layout and is refused at another.
 """
 
@@ -26,8 +27,9 @@ def _engine(layout: dict, *, seed: int = 1234, **model):
     import torch.distributed as dist
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     dp = dist.get_world_size() // (tp * pp)
+    # "persist": every ZeRO-3 parameter persistent, so its buckets hold what ZeRO-2's hold, in ZeRO-3's format
     zero = {"stage": layout.get("zero", 0), "reduce_bucket_size": 1500,
-            "stage3_param_persistence_threshold": 40}
+            "stage3_param_persistence_threshold": 10**9 if layout.get("persist") else 40}
     if layout.get("offload"):
         zero["offload_optimizer"] = {"device": "cpu"}
     lr = 0.3 if layout.get("sgd") else 3e-3       # SGD's steps move a loss far less than Adam's at one lr
@@ -160,7 +162,8 @@ EXTRA = {"sgd": ({"zero": 2, "sgd": True}, [{"zero": 0, "tp": 2, "sgd": True}, {
 # the same checkpoint without its index is refused
 CASES = {
     "zero2-dp4": ({"zero": 2}, 4, [{"zero": 0}, {"zero": 3, "ga": 1}, {"zero": 1, "tp": 2},
-                                   {"zero": 3, "pp": 2, "offload": True}, {"zero": 0, "tp": 2, "pp": 2}], True, None),
+                                   {"zero": 3, "pp": 2, "offload": True}, {"zero": 0, "tp": 2, "pp": 2},
+                                   {"zero": 3, "persist": True}], True, None),
     "zero1-tp2-pp2": ({"zero": 1, "tp": 2, "pp": 2}, 4, [{"zero": 2, "ga": 1}, {"zero": 3, "tp": 2},
                                                          {"zero": 0, "pp": 2}, {"zero": 1, "tp": 2, "pp": 2}],
                       False, None),

@@ -229,11 +229,20 @@ class ShardedUpdate(Update):
         return out.view(bucket.shapes[i])
 
     @torch.no_grad()
+    def state_dict_mismatch(self, state: dict) -> str | None:
+        if state.get("dp_size") != self.comm.size:
+            return (f"this ZeRO optimizer shard was written by {state.get('dp_size')} data-parallel ranks "
+                    f"and is being loaded by {self.comm.size}: load it with {state.get('dp_size')} ranks, "
+                    f"or through engine.load_checkpoint, which reshards")
+        if state.get("zero_stage", 2) == 3:
+            return ("this optimizer shard was written at ZeRO stage 3, whose shards are laid out by unit: load it "
+                    "at stage 3, or through engine.load_checkpoint, which reshards")
+        return None
+
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
-        if state["dp_size"] != self.comm.size:
-            raise CheckpointError(f"this ZeRO optimizer shard was written by {state['dp_size']} data-parallel ranks "
-                                  f"and is being loaded by {self.comm.size}: load it with {state['dp_size']} ranks, "
-                                  f"or through engine.load_checkpoint, which reshards")
+        mismatch = self.state_dict_mismatch(state)
+        if mismatch is not None:
+            raise CheckpointError(mismatch)
         self._load_common(state, load_optimizer_states)
         self._publish()
 
@@ -295,12 +304,16 @@ class Stage3Update(ShardedUpdate):
         return dict(super().state_dict(), zero_stage=3, flat_numels=self._layout())
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
+    def state_dict_mismatch(self, state: dict) -> str | None:
         if state.get("zero_stage") != 3 or state.get("flat_numels") != self._layout():
-            raise CheckpointError(
-                f"this optimizer shard (ZeRO stage {state.get('zero_stage', '1 or 2')}) does not match this ZeRO-3 "
-                f"model's layout: load it with the same model, zero_optimization.stage, "
-                f"stage3_param_persistence_threshold and param groups it was saved with")
+            return (f"this optimizer shard (ZeRO stage {state.get('zero_stage', '1 or 2')}) does not match this "
+                    f"ZeRO-3 model's layout: load it with the same model, zero_optimization.stage, "
+                    f"stage3_param_persistence_threshold and param groups it was saved with")
+        if state.get("dp_size") != self.comm.size:
+            return super().state_dict_mismatch(state)
+        return None
+
+    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         super().load_state_dict(state, load_optimizer_states=load_optimizer_states)
         self._gather_persistent()
 
