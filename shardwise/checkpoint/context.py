@@ -39,7 +39,7 @@ class CheckpointContext:
     """Gathers ZeRO-3 shards for a consolidated state dict; its gradients are zeroed after a load."""
     lr_scheduler: Any
     progress: Progress
-    raw_config: dict | None
+    raw_config: dict[str, Any]
     """The config as the user gave it, saved as DeepSpeed's ds_config."""
 
     def comm(self, axis: Axis) -> Comm:

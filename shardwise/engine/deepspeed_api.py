@@ -25,6 +25,7 @@ from shardwise.config.resolved import DType
 from shardwise.errors import UserError
 
 if TYPE_CHECKING:
+    from shardwise.comm.collectives import Comm
     from shardwise.comm.sequence import SequenceCheck
     from shardwise.config.resolved import EngineConfig
     from shardwise.engine.step import TrainingSteps
@@ -44,7 +45,7 @@ class DeepSpeedEngineAPI:
     pipeline: BatchSchedule
     steps: TrainingSteps
     sequence_check: SequenceCheck | None
-    dp_size: int
+    dp_comm: Comm
     close: Callable[[], None]
 
     # -- identity: attributes in DeepSpeed --------------------------------------------------------------
@@ -70,7 +71,7 @@ class DeepSpeedEngineAPI:
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's rule: the micro-batch stays, gradient accumulation steps become
         train_batch_size / (micro-batch * dp size). Call it between global batches."""
-        micro, dp = self.config.batch.micro_batch, self.dp_size
+        micro, dp = self.config.batch.micro_batch, self.dp_comm.size
         if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
                 or train_batch_size % (micro * dp):
             raise BatchSizeError(f"set_train_batch_size({train_batch_size!r}): it must be a positive multiple of "
@@ -130,5 +131,5 @@ class DeepSpeedEngineAPI:
         Collective with the desync check on: a rank that ran fewer steps than the others is named here."""
         if self.sequence_check is not None:
             from shardwise.comm.sequence import END
-            self.sequence_check.verify(self.global_steps, kind=END)
+            self.sequence_check.verify(self.steps.global_steps, kind=END)
         self.close()   # Engine's

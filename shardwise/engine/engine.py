@@ -109,7 +109,7 @@ class Engine(DeepSpeedEngineAPI):
     def eval(self) -> "Engine":
         return self.train(False)
 
-    def parameters(self):
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters()
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -210,9 +210,9 @@ class Engine(DeepSpeedEngineAPI):
         return CheckpointContext(module=self.module, mesh=self.mesh, ledger=self.ledger, naming=self._naming,
                                  state=self._sharded_state, dp_runtime=self.dp_runtime,
                                  lr_scheduler=self.lr_scheduler, progress=self.steps,
-                                 raw_config=getattr(self.config, "raw", None))
+                                 raw_config=self.config.raw)
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True) -> bool:
         """Collective: every rank calls it. DeepSpeed's layout, per model-parallel rank (`checkpoint.save_load`).
         With save_latest=False the tag is written but `latest` keeps naming the tag it named."""
@@ -220,7 +220,7 @@ class Engine(DeepSpeedEngineAPI):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Returns (checkpoint path, client_state), or (None, None) when `load_dir` holds no checkpoint."""
         return save_load.load(self.checkpoint_context(), load_dir, tag, strict=load_module_strict,
                               load_optimizer_states=load_optimizer_states,
@@ -264,9 +264,9 @@ def repeating(loader: Any) -> Iterator[Any]:
     sampler (a DistributedSampler reshuffles per epoch)."""
     epoch = 0
     while True:
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
         empty = True
         for batch in loader:
             empty = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
-from typing import Any, Callable, Iterable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
-    model, pipeline = _pipeline(model, cfg, mesh, ledger, device)
+    model, pipeline, stage_names = _pipeline(model, cfg, mesh, ledger, device)
     _recompute(model, pipeline, cfg, mesh, ledger)
     groups = param_groups_of(pipeline.owned(model_parameters) if model_parameters is not None
                              else model.parameters())
@@ -144,7 +144,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                               # under a pipeline each stage's first rank profiles its own modules
                               profiles=(mesh.rank(Axis.DP), mesh.rank(Axis.TP)) == (0, 0) if stages > 1 else None,
                               pipeline_stage=(mesh.rank(Axis.PP), stages) if stages > 1 else None,
-                              module_names=model.module_names() if stages > 1 else None)
+                              module_names=stage_names)
     engine = Engine(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
                     sequence_check=check, watchdog=watchdog)
@@ -155,8 +155,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         if isinstance(training_data, DataLoader):   # its batch size filled "auto"; we shard its dataset
             collate_fn = collate_fn or training_data.collate_fn
             training_data = training_data.dataset
-        sampler = DistributedSampler(training_data, num_replicas=dp_comm.size, rank=dp_comm.rank,
-                                     shuffle=not pipeline.reads_in_order)
+        sampler: DistributedSampler[Any] = DistributedSampler(training_data, num_replicas=dp_comm.size,
+                                                              rank=dp_comm.rank, shuffle=not pipeline.reads_in_order)
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
         engine.training_dataloader = loader
@@ -182,9 +182,10 @@ def _config_source(model: torch.nn.Module, config: Any, config_params: dict | No
     if config is None:
         raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict) or "
                         "args.deepspeed_config (--deepspeed_config, see shardwise.add_config_arguments)")
-    if getattr(model, "num_stages", None) is not None and hasattr(model, "pipeline_block"):
+    from shardwise.pipe import PipelineModule
+    if isinstance(model, PipelineModule) and model.num_stages is not None:
         from shardwise.config.load import read_config
-        config = model.pipeline_block(read_config(config))   # shardwise.pipe.PipelineModule(num_stages=...)
+        config = model.pipeline_block(read_config(config))
     return config
 
 
@@ -194,8 +195,9 @@ def _timeout_minutes(config: Any) -> float:
     from shardwise.config.load import read_config
     from shardwise.config.resolved import CommConfig
     value = (read_config(config).get("communication") or {}).get("timeout_minutes")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e7
-    return float(value) if ok else CommConfig().timeout_minutes
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e7:
+        return float(value)
+    return CommConfig().timeout_minutes
 
 
 def hidden_size_of(model: torch.nn.Module) -> int | None:
@@ -241,15 +243,16 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
 
 
 def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, ledger: CommLedger,
-              device: torch.device) -> tuple[torch.nn.Module, Pipeline]:
+              device: torch.device) -> tuple[torch.nn.Module, Pipeline, dict[str, str] | None]:
     """This rank's module and how a global batch runs on it: under a pipeline the rank's stage (every strategy
-    built after this sees only the stage's parameters), else the whole model."""
+    built after this sees only the stage's parameters), else the whole model. Third: under a pipeline, the
+    stage's layer names in the full model (what the monitor's profiler reports them as)."""
     if cfg.pipeline.stages == 1:
-        return model, SingleStage(mesh.comm(Axis.DP, ledger, name="dp:metrics"))
+        return model, SingleStage(mesh.comm(Axis.DP, ledger, name="dp:metrics")), None
     from shardwise.parallel.pipeline.apply import apply_pipeline
     runner = apply_pipeline(model, section=cfg.pipeline, num_microbatches=cfg.batch.grad_accum, mesh=mesh,
                             ledger=ledger, device=device)
-    return runner.stage, runner
+    return runner.stage, runner, runner.stage.module_names()
 
 
 def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, mesh: ParallelMesh,
@@ -290,3 +293,30 @@ def exit_rank(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.context import Progress
+    from shardwise.engine.step import TrainingSteps
+    from shardwise.parallel.data_parallel import BucketedAllReduce
+    from shardwise.parallel.interfaces import StepDriver
+    from shardwise.parallel.pipeline.apply import PipelineRunner
+    from shardwise.parallel.replicated import ReplicatedUpdate
+    from shardwise.parallel.zero.grads import ZeroGradReducer
+    from shardwise.parallel.zero.optimizer import ShardedUpdate, Stage3Update
+    from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+    from shardwise.telemetry.monitor import StepProgress
+
+    def _implements_protocols(replicated: ReplicatedUpdate, sharded: ShardedUpdate, stage3: Stage3Update,
+                              all_reduce: BucketedAllReduce, zero_grads: ZeroGradReducer,
+                              zero_params: ZeroParamRuntime, single: SingleStage, runner: PipelineRunner,
+                              steps: TrainingSteps) -> None:
+        """Never called. The strategies implement the Protocols of `parallel/interfaces.py` structurally and the
+        builders return concrete classes, so here the type checker verifies every implementation against every
+        Protocol it is handed out as (a missing member or a changed signature fails CI)."""
+        updates: list[UpdateStrategy] = [replicated, sharded, stage3]
+        runtimes: list[DataParallelRuntime] = [all_reduce, zero_grads, zero_params]
+        pipelines: list[Pipeline] = [single, runner]
+        driver: StepDriver = steps
+        progress: StepProgress = steps
+        saved: Progress = steps

@@ -108,7 +108,8 @@ class TrainingSteps:
             if isinstance(inputs[0], (tuple, list)):
                 inputs = tuple(inputs[0])
             elif isinstance(inputs[0], dict):
-                inputs, kwargs = (), dict(inputs[0])
+                kwargs = dict(inputs[0])
+                inputs = ()
         inputs = tuple(_to_device(x, self.device) for x in inputs)
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
         if not (self.module.training and torch.is_grad_enabled()):

@@ -20,7 +20,7 @@ builder returns, which `initialize` hands out as its narrow views.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -134,9 +134,9 @@ class ShardedState(Protocol):
     stepped: list[torch.nn.Parameter]
     """What the optimizer steps: the model's parameters, or fp32 masters (whole, or ZeRO shards)."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
         """Load a `state_dict()` written at this very layout."""
 
     def state_dict_mismatch(self, state: dict) -> str | None:
@@ -151,8 +151,8 @@ class ShardedState(Protocol):
         """Per stepped tensor (the order of `stepped`): its pieces, optimizer slot, master slot and options."""
         ...
 
-    def load_stepped(self, values: list[torch.Tensor | None], states: list[dict] | None,
-                     options: list[dict] | None, scaler: dict | None) -> None:
+    def load_stepped(self, values: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]] | None,
+                     options: Sequence[dict[str, Any]] | None, scaler: dict[str, Any] | None) -> None:
         """Load values (and optimizer states) assembled for this layout, then publish them to the model."""
 
 
@@ -220,10 +220,16 @@ class StepDriver(Protocol):
 class BatchSchedule(Protocol):
     """How a global batch runs: `SingleStage` (the whole model) or `PipelineRunner` (this rank's stage)."""
 
-    reads_in_order: bool
-    """Whether `initialize(training_data=...)` is read in order (DeepSpeed's PipelineEngine) or shuffled."""
-    fixed_micro_batches: bool
-    """Whether the micro-batches per global batch were fixed at build time (a schedule was built for them)."""
+    # Read-only capabilities (an implementation may make them class constants).
+    @property
+    def reads_in_order(self) -> bool:
+        """Whether `initialize(training_data=...)` is read in order (DeepSpeed's PipelineEngine) or shuffled."""
+        ...
+
+    @property
+    def fixed_micro_batches(self) -> bool:
+        """Whether the micro-batches per global batch were fixed at build time (a schedule was built for them)."""
+        ...
 
     def train_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None) -> float:
         """One global batch and one optimizer step; the mean loss, equal on every rank."""

@@ -13,7 +13,7 @@ state). The norm and the overflow verdict come from a `GradNormReducer` bound to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -165,8 +165,8 @@ class Update:
                 for t, ps in zip(self.stepped, self.pieces())]
 
     @torch.no_grad()
-    def load_stepped(self, values: list[torch.Tensor | None], states: list[dict] | None,
-                     options: list[dict] | None, scaler: dict | None) -> None:
+    def load_stepped(self, values: Sequence[torch.Tensor | None], states: Sequence[dict[str, Any]] | None,
+                     options: Sequence[dict[str, Any]] | None, scaler: dict[str, Any] | None) -> None:
         """Set every stepped tensor from values assembled for this layout (None: keep it), and with `states`
         the optimizer's per-tensor state, each group's options (from its first tensor) and the loss scaler;
         then publish to the model as after a step."""
