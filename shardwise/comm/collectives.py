@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,10 +43,19 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_T = TypeVar("_T")
+
+
+class Waitable(Protocol):
+    """What an asynchronous launch returns: torch's `Work`, or our own exchanges."""
+
+    def wait(self) -> object: ...
+
+
 class Handle:
     """Completion of one asynchronous operation; `wait()` is idempotent."""
 
-    def __init__(self, wait_fn: Callable[[], None], on_done: Callable[[], None],
+    def __init__(self, wait_fn: Callable[[], object], on_done: Callable[[], None],
                  test_fn: Callable[[], bool] | None = None):
         self._wait_fn = wait_fn
         self._on_done = on_done
@@ -110,9 +119,9 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def _explained(self, fn: Callable[[], object]) -> Callable[[], object]:
+    def _explained(self, fn: Callable[[], _T]) -> Callable[[], _T]:
         """`fn` whose backend failure (a timeout, a peer gone) is re-raised as the ledger's explanation."""
-        def run() -> object:
+        def run() -> _T:
             try:
                 return fn()
             except RuntimeError as e:
@@ -122,7 +131,7 @@ class Comm:
                 raise explained from e
         return run
 
-    def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], object], async_op: bool,
+    def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], Waitable | None], async_op: bool,
              payload: int | None = None) -> Handle:
         dtype = str(tensor.dtype).removeprefix("torch.")
         token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}", device=tensor.device)
@@ -133,7 +142,7 @@ class Comm:
             self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
 
         work = self._explained(launch)()
-        handle = Handle(self._explained(work.wait) if work is not None else (lambda: None), on_done)
+        handle = Handle(self._explained(work.wait) if work is not None else _nothing, on_done)
         if not async_op:
             handle.wait()
         return handle
@@ -152,7 +161,7 @@ class Comm:
             return None
         return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle:
         if self.local:
             return _Done()
@@ -166,7 +175,7 @@ class Comm:
                          lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), async_op)
 
     def ring_all_reduce(self, tensor: torch.Tensor, async_op: bool = False, *,
-                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> Handle:
+                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         """Our ring all-reduce (`shardwise.comm.ring`), in place, recorded as ONE ledger entry whose
         bytes are the tensor's (the ring's internal sends are not recorded separately).
 
@@ -241,7 +250,7 @@ class Comm:
                          async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor,
-                              op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
+                              op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False) -> Handle:
         """full: [size * output.numel()]; this rank receives the reduced chunk of its group rank.
         Recorded bytes: the input (the full tensor every rank contributes)."""
         if self.local:
@@ -323,11 +332,19 @@ class Comm:
                         dtype: str = str(t.dtype).removeprefix("torch.")) -> None:
                 self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
 
-            handles.append(Handle(self._explained(lambda ws=mine: _wait_all(ws)), on_done,
-                                  lambda ws=mine: all(w.is_completed() for w in ws)))
+            handles.append(Handle(self._explained(functools.partial(_wait_all, mine)), on_done,
+                                  functools.partial(_all_completed, mine)))
         return handles
 
 
-def _wait_all(works: list) -> None:
+def _nothing() -> None:
+    """The wait of an operation that completed when it was launched."""
+
+
+def _wait_all(works: list[dist.Work]) -> None:
     for w in works:
         w.wait()
+
+
+def _all_completed(works: list[dist.Work]) -> bool:
+    return all(w.is_completed() for w in works)

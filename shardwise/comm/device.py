@@ -73,6 +73,8 @@ def backend_device_types(group: dist.ProcessGroup | None = None) -> frozenset[st
     if known is not None:
         return frozenset(known)
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("backend_device_types: the default process group is not initialized")
     found = set()
     for kind in ("cpu", "cuda"):
         try:

@@ -59,7 +59,7 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = ReduceOp.SUM, group: Any = None,
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None,
                async_op: bool = False) -> Any:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 

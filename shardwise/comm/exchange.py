@@ -37,16 +37,29 @@ class PairwiseReduceScatter:
         self.own = full.view(-1)[rank * shard:(rank + 1) * shard]
         peers = [(rank + k) % size for k in range(1, size)]
         # scratch [N-1, S]: row k receives chunk `rank` from peer rank + k + 1
-        self.scratch = torch.empty((size - 1, shard), dtype=full.dtype, device=full.device)
-        self.works = [dist.irecv(self.scratch[k], src=to_global(p), group=group, tag=tag)
+        scratch = torch.empty((size - 1, shard), dtype=full.dtype, device=full.device)
+        self.scratch: torch.Tensor | None = scratch
+        self.works = [_posted(dist.irecv(scratch[k], src=to_global(p), group=group, tag=tag))
                       for k, p in enumerate(peers)]
-        self.works += [dist.isend(full.view(-1)[p * shard:(p + 1) * shard], dst=to_global(p), group=group, tag=tag)
+        self.works += [_posted(dist.isend(full.view(-1)[p * shard:(p + 1) * shard], dst=to_global(p), group=group,
+                                          tag=tag))
                        for p in peers]
 
     def wait(self) -> None:
+        scratch = self.scratch
+        if scratch is None:
+            raise RuntimeError("PairwiseReduceScatter.wait() was called twice")
         for w in self.works:
             w.wait()
-        torch.add(self.own, self.scratch[0], out=self.output)
-        for row in self.scratch[1:]:
+        torch.add(self.own, scratch[0], out=self.output)
+        for row in scratch[1:]:
             self.output.add_(row)
         self.works, self.scratch = [], None     # release the receive buffers
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """A point-to-point operation's work: torch returns None only to a rank outside the group, and every rank
+    of the group calls this."""
+    if work is None:
+        raise RuntimeError("pairwise reduce-scatter: this rank is not in the group")
+    return work

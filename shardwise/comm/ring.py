@@ -56,10 +56,10 @@ import torch.distributed as dist
 DEFAULT_SEGMENT_BYTES = 4 << 20   # see [Note: tuning]
 DEFAULT_IN_FLIGHT = 4             # receives posted ahead of the segment being reduced
 
-Reducer = Callable[[torch.Tensor, torch.Tensor], None]   # (accumulator, incoming) -> in place
+Reducer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (accumulator, incoming) -> the accumulator, reduced in place
 
 # (op, name, in-place reduction, integer/bool dtypes only); dist.ReduceOp compares equal to its members
-_REDUCERS: tuple[tuple[object, str, Reducer, bool], ...] = (
+_REDUCERS: tuple[tuple[dist.ReduceOp.RedOpType, str, Reducer, bool], ...] = (
     (dist.ReduceOp.SUM, "SUM", lambda acc, x: acc.add_(x), False),
     (dist.ReduceOp.PRODUCT, "PRODUCT", lambda acc, x: acc.mul_(x), False),
     (dist.ReduceOp.MAX, "MAX", lambda acc, x: torch.maximum(acc, x, out=acc), False),
@@ -138,7 +138,7 @@ def batches_steps(tensor: torch.Tensor) -> bool:
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                    op: dist.ReduceOp = dist.ReduceOp.SUM, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                     in_flight: int = DEFAULT_IN_FLIGHT, batched: bool | None = None) -> torch.Tensor:
     """All-reduce `tensor` in place over `group` (default: the world) with our ring; returns it.
 

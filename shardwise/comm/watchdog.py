@@ -80,15 +80,15 @@ def describe(report: dict[str, Any]) -> str:
 def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
     """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
-    idle = [r for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
+    idle = [(r, rep) for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
     for r, rep in sorted(reports.items()):
         if rep is not None and rep.get("op"):
             waits.setdefault((rep["op"], rep["group"], rep["seq"]), []).append(r)
     parts = []
-    late = absent + idle
+    late = absent + [r for r, _ in idle]
     if late:
-        detail = "; ".join([f"rank {r}: {describe(reports[r])}" for r in idle[:4]]
+        detail = "; ".join([f"rank {r}: {describe(rep)}" for r, rep in idle[:4]]
                            + [f"rank {r}: no report (process gone or frozen)" for r in absent[:4]])
         parts.append(f"rank(s) {_ranks(sorted(late))} did not arrive ({detail})")
     for (op, group, seq), ranks in waits.items():
