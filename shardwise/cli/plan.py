@@ -181,7 +181,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     from shardwise.config import PipelineSchedule
-    from shardwise.planner.specs import PlannerError, Plan
+    from shardwise.planner.specs import Offload, PlannerError, Plan, Recompute
 
     if all(getattr(args, k) is None for k in _PLAN_FLAGS):
         return None
@@ -189,10 +189,12 @@ def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     dp = args.dp or num_gpus // (tp * pp)
     if dp < 1:
         raise PlannerError(f"--tp {tp} x --pp {pp} = {tp * pp} is more than the {num_gpus} GPUs")
-    schedule = args.schedule or (PipelineSchedule.INTERLEAVED_1F1B.value if (args.virtual_stages or 1) > 1 else "1f1b")
-    return Plan(dp=dp, tp=tp, pp=pp, zero_stage=args.zero or 0, offload=args.offload or "none",
-                micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", schedule=schedule,
-                virtual_stages=args.virtual_stages or (2 if schedule == PipelineSchedule.INTERLEAVED_1F1B.value else 1),
+    interleaved = PipelineSchedule.INTERLEAVED_1F1B
+    schedule = (PipelineSchedule(args.schedule) if args.schedule
+                else interleaved if (args.virtual_stages or 1) > 1 else PipelineSchedule.ONE_F_ONE_B)
+    return Plan(dp=dp, tp=tp, pp=pp, zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
+                micro_batch=args.micro_batch or 1, recompute=Recompute(args.recompute or "none"), schedule=schedule,
+                virtual_stages=args.virtual_stages or (2 if schedule is interleaved else 1),
                 sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
 
 
@@ -209,13 +211,13 @@ def run(args: argparse.Namespace) -> int:
                   overlap_dp_comm=not args.no_overlap, pp_scatter_gather=args.pp_scatter_gather,
                   zero3_gather=args.zero3_gather, zero3_prefetch_elements=args.zero3_prefetch)
     analysis = analyze(model, cluster, job, _plan(args, cluster.num_gpus))
-    written = None
+    written, written_plan = None, None
     if args.write_config:
         chosen = analysis.chosen
         if chosen is None or not chosen.feasible:
             why = "; ".join(p.detail for p in chosen.problems) if chosen is not None else "no plan fits"
             raise PlannerError(f"--write-config: there is no runnable plan to write ({why})")
-        written = write_config(args.write_config, chosen.plan, job)
+        written, written_plan = write_config(args.write_config, chosen.plan, job), chosen.plan
     if args.plot:
         plot(analysis, args.plot)
     if args.json:
@@ -228,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
         if not console.is_terminal:      # piped: do not squeeze the tables into 80 columns
             console = Console(width=160)
         render(analysis, console)
-        if written is not None:
-            console.print(run_it_line(args, args.write_config, chosen.plan, cluster), markup=False, highlight=False)
+        if written_plan is not None:
+            console.print(run_it_line(args, args.write_config, written_plan, cluster), markup=False, highlight=False)
         if args.plot:
             console.print(f"Wrote {args.plot}")
     return 0

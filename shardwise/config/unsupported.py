@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardwise.config.deepspeed_blocks import data_types_changed, enabled_blocks
 from shardwise.config.errors import ConfigProblem, show
-from shardwise.config.schema import ConfigModel
+from shardwise.config.schema import AllReduceImpl, ConfigModel
 
 # DeepSpeed features shardwise does not have, by their config block: what each is. Refused only when on.
 FEATURE_NAMES = {
@@ -67,7 +67,7 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     if zero.stage >= 1:
         # ZeRO reduce-scatters with the backend in the gradients' dtype; stage 0's all-reduce options do not
         # reach it. Refused rather than ignored: each would silently change what is reduced.
-        stage0_only = {"communication.all_reduce": model.communication.all_reduce != "backend",
+        stage0_only = {"communication.all_reduce": model.communication.all_reduce is not AllReduceImpl.BACKEND,
                        "communication_data_type": model.communication_data_type is not None,
                        "prescale_gradients": model.prescale_gradients,
                        "gradient_predivide_factor": model.gradient_predivide_factor != 1.0}

@@ -17,7 +17,7 @@ which are functions looked up by name, not modules. (The pipeline cut of the bui
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from torch import nn
 
@@ -101,7 +101,8 @@ def _divisors(n: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _size_problems(sizes: list[tuple[str, int, str]], tp: int) -> list[str]:
+def _size_problems(sizes: Sequence[tuple[str, object, str]], tp: int) -> list[str]:
+    """A problem for each size that is an int `tp` does not divide (a model may lack some: None)."""
     return [not_divisible(what, value, tp, f"{why}; use a tensor_parallel.size dividing {value} "
                                            f"({_divisors(value)}) or change the model")
             for what, value, why in sizes if isinstance(value, int) and value % tp]
@@ -123,7 +124,7 @@ def _raise_if(problems: list[str], tp: int, what: str) -> None:
         raise TensorParallelError(f"tensor_parallel.size = {tp} cannot split {what}:\n  - " + "\n  - ".join(problems))
 
 
-def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
+def parallelize_gpt(model: GPT, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
     """Split a `GPT` in place with `gpt_tp_plan`, and make `model.loss` (hence
     `model(ids, labels)`) the vocabulary-parallel cross-entropy. `model(ids)` then returns this rank's
     vocabulary shard of the logits, [b, s, vocab / t]."""
@@ -131,7 +132,8 @@ def parallelize_gpt(model: nn.Module, comm: Comm, *, sequence_parallel: bool = F
     plan = gpt_tp_plan(sequence_parallel, learned_positions=model.cfg.positions == "learned",
                        swiglu=model.cfg.mlp == "swiglu")
     info = apply_tensor_parallel(model, comm, plan)
-    model.loss = VocabParallelLoss(comm)   # shadows the static GPT.loss on this instance only
+    # Shadows the static GPT.loss on this instance only (an instance attribute the checker cannot follow).
+    model.loss = VocabParallelLoss(comm)  # type: ignore[method-assign]
     return info
 
 
@@ -174,7 +176,8 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
         plan[f"{dot}embed_tokens"] = "embedding_rowwise"
-    plan.update({f"{dot}{k}": v for k, v in (model.config.base_model_tp_plan or {}).items()})
+    config: Any = model.config     # transformers' PretrainedConfig, read by attribute (transformers is optional)
+    plan.update({f"{dot}{k}": v for k, v in (config.base_model_tp_plan or {}).items()})
     if base is not model:
         plan.update(getattr(type(model), "_tp_plan", None) or {})
     return plan
@@ -184,7 +187,8 @@ def translate_hf_plan(model: nn.Module, hf_plan: Mapping[str, str]) -> dict[str,
     """transformers' plan -> ours. Entries naming parameters, or styles we do not implement (MoE, packed,
     local, sequence_parallel), are errors; entries matching nothing are dropped, as transformers does."""
     params = [n for n, _ in model.named_parameters()]
-    problems, plan = [], {}
+    problems: list[str] = []
+    plan: dict[str, Style] = {}
     for key, value in hf_plan.items():
         if value not in HF_STYLES:
             problems.append(f'"{key}": style "{value}" is not supported (supported: {", ".join(HF_STYLES)})')
@@ -192,8 +196,9 @@ def translate_hf_plan(model: nn.Module, hf_plan: Mapping[str, str]) -> dict[str,
         if any(pattern_regex(key).fullmatch(p) for p in params):
             problems.append(f'"{key}": plan entries that name a parameter rather than a module are not supported')
             continue
-        if HF_STYLES[value] is not None:
-            plan[key] = HF_STYLES[value]
+        style = HF_STYLES[value]
+        if style is not None:
+            plan[key] = style
     if problems:
         raise TensorParallelError(f"cannot use the tensor-parallel plan of {type(model).__name__}:\n  - "
                                   + "\n  - ".join(problems))

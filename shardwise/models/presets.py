@@ -66,15 +66,15 @@ class GPTConfig:
         if self.d_ff is None:
             d_ff = 4 * self.d_model if self.mlp == "gelu" else 256 * -(-8 * self.d_model // (3 * 256))
             object.__setattr__(self, "d_ff", d_ff)
-        if self.n_kv_head is None:
-            object.__setattr__(self, "n_kv_head", self.n_head)
+        n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+        object.__setattr__(self, "n_kv_head", n_kv_head)
         _require_positive_int("d_ff", self.d_ff)
-        _require_positive_int("n_kv_head", self.n_kv_head)
+        _require_positive_int("n_kv_head", n_kv_head)
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
                              f"each head gets d_model / n_head features. Choose n_head dividing d_model.")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}; "
+        if self.n_head % n_kv_head:
+            raise ValueError(f"GPTConfig: n_head={self.n_head} is not divisible by n_kv_head={n_kv_head}; "
                              f"each key/value head serves an equal group of query heads. "
                              f"Choose n_kv_head dividing n_head (n_kv_head=n_head is plain multi-head attention).")
         if self.norm not in _NORMS:

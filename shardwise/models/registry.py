@@ -115,7 +115,7 @@ def _resolve_hf(spec: str, seq_len: int | None, vocab_size: int | None) -> Model
 def build_model(choice: ModelChoice) -> Any:
     """The model, on this rank: our GPT from its config (the caller seeds torch first), or the transformers model
     (randomly initialised from its config under the same seed, or with the directory's weights)."""
-    if not choice.is_hf:
+    if choice.hf_path is None:
         from shardwise.models.gpt import GPT
         return GPT(choice.gpt_config())
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -135,9 +135,18 @@ def flops_per_token(choice: ModelChoice, model: Any) -> float:
     n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     if getattr(cfg, "tie_word_embeddings", False):
         n += model.get_input_embeddings().weight.numel()          # the head's matmul runs anyway
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
-    width = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    layers = _first_set(cfg, "num_hidden_layers", "n_layer")
+    width = _first_set(cfg, "hidden_size", "n_embd")
     return float(6 * n + 6 * layers * choice.seq_len * width)
+
+
+def _first_set(config: Any, *names: str) -> int:
+    """The first of `names` a transformers config sets (model families name their sizes differently), else 0."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return 0
 
 
 def hf_batch(batch: tuple[Any, Any]) -> dict[str, Any]:

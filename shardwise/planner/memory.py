@@ -177,10 +177,10 @@ def activation_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> Activations:
 def _activation_bytes(model: GPTConfig, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
                       recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int) -> Activations:
     s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
-    kw = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
-              flash_attention=job.flash_attention)
-    per_layer = layer_activation_bytes(model, recompute=recompute, **kw)
-    working = layer_activation_bytes(model, **kw) if recompute is Recompute.FULL else 0.0
+    layer = functools.partial(layer_activation_bytes, model, micro_batch=b, seq_len=s, tp=tp,
+                              sequence_parallel=sequence_parallel, act_bytes=e, flash_attention=job.flash_attention)
+    per_layer = layer(recompute=recompute)
+    working = layer() if recompute is Recompute.FULL else 0.0
     sp = tp if sequence_parallel else 1
     embedding = s * b * model.d_model * (e + (1 if model.dropout else 0)) / sp
     # The lm-head saves its input [s, b, h] (the final norm's output); the loss computes in fp32 and saves its

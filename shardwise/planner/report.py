@@ -186,9 +186,9 @@ def _render_plan(a: Analysis, e: Evaluation, console: Any) -> None:
     t = Table(title="Communication per step (payload = the ledger's bytes; sent = ring wire bytes per rank)")
     for col in ("axis", "op", "what", "group", "link", "calls", "payload GB", "sent GB", "time s"):
         t.add_column(col, justify="right")
-    for col in a.collectives:
-        t.add_row(col.axis.value, col.op.value, col.purpose, str(col.group_size), col.link.value, str(col.calls),
-                  _gb(col.total_payload_bytes), _gb(col.sent_bytes), _s(col.total_seconds))
+    for c in a.collectives:
+        t.add_row(c.axis.value, c.op.value, c.purpose, str(c.group_size), c.link.value, str(c.calls),
+                  _gb(c.total_payload_bytes), _gb(c.sent_bytes), _s(c.total_seconds))
     console.print(t)
     console.print(f"ZeRO paper volume per step: {zero_paper_volume(a.params.total, 0):.3g} elements (DP, ZeRO-1/2 "
                   f"2 psi), {zero_paper_volume(a.params.total, 3):.3g} (ZeRO-3 3 psi)")
@@ -213,8 +213,8 @@ def _render_search(a: Analysis, console: Any) -> None:
         t = Table(title="Layouts that cannot run")
         for col in ("layout", "why"):
             t.add_column(col)
-        for i in r.infeasible:
-            t.add_row(f"dp{i.plan.dp} tp{i.plan.tp} pp{i.plan.pp}", i.detail)
+        for bad in r.infeasible:
+            t.add_row(f"dp{bad.plan.dp} tp{bad.plan.tp} pp{bad.plan.pp}", bad.detail)
         console.print(t)
 
 
