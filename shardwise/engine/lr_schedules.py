@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -20,8 +21,11 @@ logger = logging.getLogger(__name__)
 
 WarmupType = Literal["log", "linear"]
 
+PerGroup = float | list[float] | tuple[float, ...]
+"""A value for every param group, or a list (tuple) of one value per group."""
 
-def per_group(optimizer: Optimizer, value: float | Sequence[float], name: str) -> list[float]:
+
+def per_group(optimizer: Optimizer, value: PerGroup, name: str) -> list[float]:
     """One value per param group: a scalar is repeated, a list must have one entry per group."""
     groups = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
@@ -53,8 +57,8 @@ class _ClosedForm(LRScheduler):
     def _lrs_at(self, it: int) -> list[float]:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
-        return self._lrs_at(self.last_epoch - 1)
+    def get_lr(self) -> list[float | Tensor]:      # torch's type: a scheduler may hand out tensor lrs
+        return list(self._lrs_at(self.last_epoch - 1))
 
     def _get_closed_form_lr(self) -> list[float]:
         return self._lrs_at(self.last_epoch - 1)
@@ -80,8 +84,8 @@ class WarmupLR(_ClosedForm):
     """lr rises from warmup_min_lr to warmup_max_lr (default: the optimizer's lr) over
     warmup_num_steps steps ("log" or "linear" ramp), then stays at warmup_max_lr."""
 
-    def __init__(self, optimizer: Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
+    def __init__(self, optimizer: Optimizer, warmup_min_lr: PerGroup = 0.0,
+                 warmup_max_lr: PerGroup | None = None, warmup_num_steps: int = 1000,
                  warmup_type: WarmupType = "log") -> None:
         self.warmup = _Warmup(warmup_num_steps, warmup_type)
         if warmup_max_lr is None:
@@ -104,7 +108,7 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then a linear decay from warmup_max_lr to 0 at total_num_steps."""
 
     def __init__(self, optimizer: Optimizer, total_num_steps: int,
-                 warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
+                 warmup_min_lr: PerGroup = 0.0, warmup_max_lr: PerGroup = 0.001,
                  warmup_num_steps: int = 1000, warmup_type: WarmupType = "log") -> None:
         self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type)
@@ -158,12 +162,12 @@ class OneCycle(_ClosedForm):
     between cycle_max_mom and cycle_min_mom; as in DeepSpeed, betas[1] is set to 0.99, and optimizers
     without "betas" (e.g. SGD) keep their momentum (a warning says so)."""
 
-    def __init__(self, optimizer: Optimizer, cycle_min_lr: float | Sequence[float],
-                 cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0,
+    def __init__(self, optimizer: Optimizer, cycle_min_lr: PerGroup,
+                 cycle_max_lr: PerGroup, decay_lr_rate: float = 0.0,
                  cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
                  cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
                  decay_step_size: int = 0, cycle_momentum: bool = True,
-                 cycle_min_mom: float | Sequence[float] = 0.8, cycle_max_mom: float | Sequence[float] = 0.9,
+                 cycle_min_mom: PerGroup = 0.8, cycle_max_mom: PerGroup = 0.9,
                  decay_mom_rate: float = 0.0) -> None:
         self.first_size = float(cycle_first_step_size)
         self.second_size = float(cycle_second_step_size) if cycle_second_step_size is not None else self.first_size
@@ -242,7 +246,7 @@ class LRRangeTest(_ClosedForm):
     """LR range test: lr = lr_range_test_min_lr * (1 + lr_range_test_step_rate * it / step_size),
     continuous or (staircase) in whole steps of lr_range_test_step_size."""
 
-    def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+    def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: PerGroup = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False) -> None:
         self.min_lrs = per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")

@@ -68,7 +68,7 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__name__}"
 
 
-def _check_names(cls: type, params: dict[str, Any], where: str, skip: int) -> None:
+def _check_names(cls: type[Any], params: dict[str, Any], where: str, skip: int) -> None:
     """Every key of `params` must be a keyword of cls.__init__ (after `skip` leading args), and every
     required keyword must be given; one problem per offence."""
     signature = list(inspect.signature(cls.__init__).parameters.values())[skip:]

@@ -13,7 +13,7 @@ else torch's default (foreach on CUDA). An explicit `foreach=` / `fused=` is kep
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, overload
 
 import torch
 
@@ -34,6 +34,13 @@ class FusedAdam(torch.optim.Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=adam_w_mode, foreach=foreach, fused=fused)
         self.adam_w_mode = adam_w_mode
+
+    # torch's two signatures: a closure's loss is returned, no closure returns None.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -78,5 +78,5 @@ class PhaseTimers:
 def breakdown_line(timers: PhaseTimers, steps: int, names: tuple[str, ...] = BREAKDOWN) -> str | None:
     """DeepSpeed's timers line, `time (ms) | fwd: 12.34 | bwd: ...`, each figure the mean per optimizer step
     over the last `steps` steps (a timer that never ran is left out); None when none ran."""
-    parts = [f"{name}: {timers.total_ms(name) / steps:.2f}" for name in names if timers.total_ms(name) is not None]
+    parts = [f"{name}: {ms / steps:.2f}" for name in names if (ms := timers.total_ms(name)) is not None]
     return "time (ms) | " + " | ".join(parts) if parts else None

@@ -4,14 +4,17 @@ FLOPs a profiler should count. Ranks import these too, so they live here rather 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from shardwise.models import GPT
+
 
 def tiny_gpt(*, n_layer: int = 2, d_model: int = 32, n_head: int = 4, seq_len: int = 16, vocab_size: int = 256,
-             dropout: float = 0.0, seed: int | None = 1234, **overrides: Any) -> torch.nn.Module:
+             dropout: float = 0.0, seed: int | None = 1234, **overrides: Any) -> GPT:
     """The "tiny" GPT preset shrunk to test size (2 layers, width 32, 4 heads, 16 tokens, byte vocabulary).
     `seed` seeds torch's global RNG right before the build, so equal arguments give equal weights; None
     draws from the RNG as it stands (a meta-device build, or a caller that seeded already). Other GPTConfig
@@ -118,12 +121,12 @@ def assert_state_close(actual: dict, expected: dict, *, what: str, adam: bool = 
     for k, v in expected.items():
         if adam and k.endswith("k_proj.bias"):
             continue
-        torch.testing.assert_close(actual[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{what} {k}: {m}")
+        torch.testing.assert_close(actual[k], v, rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
 
 
 # -- FLOP counts ---------------------------------------------------------------------------------------
 
-def gpt_forward_flops(model: torch.nn.Module, tokens: int) -> tuple[int, int]:
+def gpt_forward_flops(model: GPT, tokens: int) -> tuple[int, int]:
     """A GPT's forward FLOPs over `tokens` tokens as the flops profiler counts them, and their gap to the
     analytic count (`model.flops_per_token()` / 3, the forward share of training). The analytic count prices
     every norm and bias parameter (the 1-D ones) at 2 FLOPs per token; the profiler prices only matmuls and
