@@ -149,13 +149,14 @@ class GradNormReducer:
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         flag = nonfinite_flag(grads, device) if check_overflow else None
-        extra_vec = extra.tensor.reshape(-1).to(torch.float64) if extra is not None else None
-        if extra_vec is not None and extra_vec.numel() == 0:
-            extra_vec = None
-        fuse = extra_vec is not None and extra.comm.size > 1 and extra.comm.group is self.model_group.group \
-            and not self.alone
-        if extra_vec is not None and not fuse:
-            extra.comm.all_reduce(extra_vec)
+        extra_vec: Tensor | None = None     # the extra sums, float64
+        fused: Tensor | None = None         # the same, when they travel in the model group's all-reduce below
+        if extra is not None and extra.tensor.numel():
+            extra_vec = extra.tensor.reshape(-1).to(torch.float64)
+            if extra.comm.size > 1 and extra.comm.group is self.model_group.group and not self.alone:
+                fused = extra_vec
+            else:
+                extra.comm.all_reduce(extra_vec)
         agreed = extra.agreed if extra is not None else None
         if self.alone:
             norm = torch.nn.utils.get_total_norm(grads) if want_norm and grads else None
@@ -165,8 +166,8 @@ class GradNormReducer:
         # model group: float64 [sliced, replicated]? [flag]? [extra]?  then TP: [sliced]? [flag]?
         pieces = ([self._local_squares(params)] if want_norm else []) \
             + ([flag.reshape(1).to(device)] if flag is not None else [])
-        if fuse:
-            pieces.append(extra_vec.to(device))
+        if fused is not None:
+            pieces.append(fused.to(device))
         vec = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
         if vec.numel():
             self.model_group.all_reduce(vec)
@@ -177,8 +178,8 @@ class GradNormReducer:
             self.tp_comm.all_reduce(tp_vec)
         norm = torch.sqrt(tp_vec[0].clamp_min(0.0) + vec[1]) if want_norm else None
         overflow = tp_vec[-1] if flag is not None else None
-        if fuse:
-            extra_vec = vec[vec.numel() - extra_vec.numel():]
+        if fused is not None:
+            extra_vec = vec[vec.numel() - fused.numel():]
         return StepVerdict(overflow, norm, _with_agreed(extra_vec, agreed))
 
     def clip_with_norm_(self, params: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:

@@ -199,15 +199,17 @@ class StoredInputs:
         return self.group is None and not self.cpu and not self.synchronize and self.times is None
 
     @property
-    def _partitioned(self) -> bool:
-        return self.group is not None and self.group.size > 1
+    def _partition_group(self) -> Comm | None:
+        """The group stored inputs are split over; None: they are kept whole."""
+        return self.group if self.group is not None and self.group.size > 1 else None
 
     def keep(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         """What to save of input `t` and how to rebuild it: (saved tensor, (shape, numel, device))."""
         meta = (t.shape, t.numel(), t.device)
         kept = t.detach()
-        if self._partitioned:
-            size, rank = self.group.size, self.group.rank
+        group = self._partition_group
+        if group is not None:
+            size, rank = group.size, group.rank
             part = -(-t.numel() // size)
             flat = kept.reshape(-1)
             if part * size != t.numel():                   # pad to equal parts: all_gather takes equal sizes
@@ -222,9 +224,10 @@ class StoredInputs:
     def restore(self, kept: torch.Tensor, meta: tuple) -> torch.Tensor:
         shape, numel, device = meta
         t = kept.to(device, non_blocking=True) if kept.device != device else kept
-        if self._partitioned:
-            full = torch.empty(t.numel() * self.group.size, dtype=t.dtype, device=t.device)
-            self.group.all_gather_into_tensor(full, t.contiguous())
+        group = self._partition_group
+        if group is not None:
+            full = torch.empty(t.numel() * group.size, dtype=t.dtype, device=t.device)
+            group.all_gather_into_tensor(full, t.contiguous())
             t = full[:numel]
         return t.reshape(shape)
 
@@ -254,7 +257,7 @@ class _RandomStreams:
         cpu, cuda, tracked, local = state
         if cpu is not None:
             torch.set_rng_state(cpu)
-        if cuda is not None:
+        if cuda is not None and self.cuda is not None:     # captured only on a CUDA device
             torch.cuda.set_rng_state(cuda, self.cuda)
         self.tracker.set_states(copy.copy(tracked))
         for r, s in zip(self.rngs, local):

@@ -45,12 +45,12 @@ class ReplicatedUpdate(Update):
         for m, g in zip(self.masters, grads):
             m.grad = g
         # Low precision -> fp32 in one multi-tensor kernel launch (a per-parameter copy is a launch each).
-        torch._foreach_copy_(grads, [p.grad for p in self.model_params])
+        torch._foreach_copy_(grads, [_synchronised_grad(p) for p in self.model_params])
 
     @torch.no_grad()
     def _publish(self) -> None:
         if self.masters:
-            torch._foreach_copy_(self.model_params, self.masters)      # fp32 -> low precision
+            torch._foreach_copy_(tuple(self.model_params), tuple(self.masters))      # fp32 -> low precision
 
     def param_bytes(self) -> int:
         """Model parameters held by this rank (all of them: stage 0 replicates)."""
@@ -60,7 +60,7 @@ class ReplicatedUpdate(Update):
     def sync_masters_from_model(self) -> None:
         """After loading module weights only: restart the fp32 masters from them."""
         if self.masters:
-            torch._foreach_copy_(self.masters, self.model_params)
+            torch._foreach_copy_(tuple(self.masters), tuple(self.model_params))
 
     def load_state_dict(self, state: dict, *, load_optimizer_states: bool = True) -> None:
         self._load_common(state, load_optimizer_states)
@@ -78,6 +78,13 @@ class ReplicatedUpdate(Update):
     def full_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """A copy of .grad: the bucket's slot, averaged over dp after the boundary's backward."""
         return None if param.grad is None else param.grad.detach().clone()
+
+
+def _synchronised_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """`p.grad` after the dp all-reduce: `BucketedAllReduce` keeps every .grad a view of its bucket slot."""
+    if p.grad is None:
+        raise RuntimeError("a parameter has no gradient at the step: was .grad reset between backward and step?")
+    return p.grad
 
 
 def make_masters(groups: list[dict]) -> tuple[list[dict], list[torch.nn.Parameter], list[torch.nn.Parameter]]:

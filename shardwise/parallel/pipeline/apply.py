@@ -82,9 +82,10 @@ class PipelineRunner:
     def sharding_units(self) -> ShardingUnits:
         """ZeRO-3 under a pipeline: the runtime calls model chunks, not the stage, so each chunk is a root (one
         whole forward) and each of its layers a unit."""
-        roots = list(self.stage.chunks)
-        return ShardingUnits(roots=roots, units=[(f"chunks.{v}.layers.{j}", layer) for v, chunk in enumerate(roots)
-                                                 for j, layer in enumerate(chunk.layers)])
+        chunks = self.stage.chunks
+        return ShardingUnits(roots=list(chunks), units=[(f"chunks.{v}.layers.{j}", layer)
+                                                        for v, chunk in enumerate(chunks)
+                                                        for j, layer in enumerate(chunk.layers)])
 
     def _read(self, data_iter: Iterator[Any] | None, num_micro: int, what: str) -> list[Any] | None:
         """The step's micro-batches on a stage holding the first or last layers (None elsewhere: middle stages

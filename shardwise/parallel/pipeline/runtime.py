@@ -248,7 +248,11 @@ class PipelineRuntime:
         action, t = plan.actions[i], plan.transfers[i]
         m, v = action.microbatch, action.chunk
         chunk = self.stage.chunks[v]
-        x = batches[m][0] if self.stage.is_first(v) else (received[0] if len(received) == 1 else tuple(received))
+        if self.stage.is_first(v):
+            x = batches[m][0]
+        else:
+            assert received is not None
+            x = received[0] if len(received) == 1 else tuple(received)
         out = chunk(x)
         if self.stage.is_last(v):
             losses[m] = checked_loss(loss_of(self.stage.loss_fn(out, batches[m][1])))

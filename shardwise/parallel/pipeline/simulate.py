@@ -93,6 +93,7 @@ class Costs:
     def duration(self, op: Op, stage: int, num_stages: int, virtual_stages: int, chunk: int = 0) -> Number:
         value = self.forward if op is Op.FORWARD else self.backward
         name = op.name.lower()
+        per_stage: Number | Sequence[Number]
         if isinstance(value, (int, float, Fraction)):
             per_stage = value
         else:
@@ -401,8 +402,8 @@ def run_programs(programs: Sequence[Sequence[Step]], *, costs: Costs = Costs(), 
                                 raise PipelineError(f"stage {stage} sends the {s.message} before computing it")
                         ops = [post(stage, s, True) for s in step.sends] + [post(stage, r, False) for r in step.recvs]
                         waiting[stage] = ops
-                    done = [completion(op) for op in ops]
-                    if any(d is None for d in done):
+                    done = [when for when in map(completion, ops) if when is not None]
+                    if len(done) < len(ops):
                         break   # the stage waits here until its peers post their side
                     clock[stage] = max([clock[stage], *done])
                     received[stage].update(r.message for r in step.recvs)

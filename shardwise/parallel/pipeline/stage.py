@@ -221,7 +221,8 @@ class PipelineStage(nn.Module):
                  tie_stages: dict[str, tuple[int, ...]] | None = None,
                  shared: dict[str, nn.Parameter] | None = None) -> None:
         super().__init__()
-        self.chunks = nn.ModuleList(chunks)
+        # A ModuleList registers the chunks; typed by what it holds (the checker would see plain Modules).
+        self.chunks: Sequence[StageChunk] = nn.ModuleList(chunks)  # type: ignore[assignment]
         self.tied_layers = tied_modules_of([layer for c in chunks for layer in c.layers])
         """key -> a use of each tied module this stage holds (its layers refer to the module, unregistered)."""
         self.tied = nn.ModuleDict({k: t.tied_module for k, t in self.tied_layers.items()})

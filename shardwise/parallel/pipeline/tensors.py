@@ -54,7 +54,9 @@ def sole_owner(t: Tensor) -> bool:
     try:
         # 1 reference to the TensorImpl: this Python object; 2 to the storage: t's TensorImpl and the
         # temporary Python storage object of the query itself.
-        return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+        # (`_use_count` is private and absent from torch's stubs; the except covers a torch without it.)
+        return (t._use_count() == 1  # type: ignore[attr-defined]
+                and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
     except (AttributeError, RuntimeError, NotImplementedError):   # no such introspection: keep the data
         return False
 

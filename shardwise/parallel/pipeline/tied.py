@@ -35,6 +35,9 @@ class TiedLayer(nn.Module):
     is held by reference, not as a child: whoever holds the layer registers it once (the full model's
     ``tied_modules``, a stage's ``tied``), so its parameters are one set however many layers use it."""
 
+    tied_module: nn.Module
+    """The shared module (set past nn.Module's registration in __init__)."""
+
     def __init__(self, key: str, module: nn.Module, *, forward_fn: ForwardFn | None = None,
                  weight_attrs: Sequence[str] = ("weight",)) -> None:
         super().__init__()
@@ -78,8 +81,9 @@ def tie_stages(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages:
     stages: dict[str, set[int]] = {}
     for k, r in enumerate(chunks):
         for i in r:
-            if isinstance(layers[i], TiedLayer):
-                stages.setdefault(layers[i].tied_key, set()).add(k % num_stages)
+            layer = layers[i]
+            if isinstance(layer, TiedLayer):
+                stages.setdefault(layer.tied_key, set()).add(k % num_stages)
     return {key: tuple(sorted(s)) for key, s in sorted(stages.items())}
 
 

@@ -26,7 +26,7 @@ IGNORE_INDEX = -100
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, comm: Comm, ignore_index: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, labels: Tensor, comm: Comm, ignore_index: int) -> Tensor:
         # logits [N, V/t] fp32, labels [N] int64
         v_local = logits.shape[-1]
         start = comm.rank * v_local
@@ -49,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return per_token.sum() / count
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None, None]:
         softmax, index, mine, valid, count = ctx.saved_tensors
         scale = grad_loss / count
         grad = softmax * (valid.to(softmax.dtype) * scale).unsqueeze(-1)    # [N, V/t]; 0 on ignored rows

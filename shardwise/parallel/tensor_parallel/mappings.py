@@ -88,12 +88,12 @@ class _CopyToRegion(torch.autograd.Function):
     """Identity forward; the input gradient is summed over the group (each rank saw part of the use)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
         ctx.comm = comm
         return x
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return all_reduce(grad, ctx.comm), None
 
 
@@ -101,11 +101,11 @@ class _ReduceFromRegion(torch.autograd.Function):
     """Sum of the ranks' partial results forward; the gradient of a sum is passed through unchanged."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:
         return all_reduce(x, comm)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 
@@ -113,12 +113,12 @@ class _GatherFromSequence(torch.autograd.Function):
     """[b, s/t, h] shards -> [b, s, h] forward; backward reduce-scatters the (partial) gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:
         ctx.comm, ctx.dim = comm, dim
         return all_gather(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return reduce_scatter(grad, ctx.comm, ctx.dim), None, None
 
 
@@ -126,12 +126,12 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     """[b, s, h] partial sums -> [b, s/t, h] reduced shards forward; backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:
         ctx.comm, ctx.dim = comm, dim
         return reduce_scatter(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return all_gather(grad, ctx.comm, ctx.dim), None, None
 
 
@@ -139,12 +139,12 @@ class _Scatter(torch.autograd.Function):
     """Replicated [.., t n, ..] -> own chunk forward; backward all-gathers the chunks' gradients."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:
         ctx.comm, ctx.dim = comm, dim
         return split(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return all_gather(grad, ctx.comm, ctx.dim), None, None
 
 
@@ -153,12 +153,12 @@ class _Gather(torch.autograd.Function):
     (every rank holds the same full gradient after a replicated consumer)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, comm: Comm, dim: int) -> Tensor:
         ctx.comm, ctx.dim = comm, dim
         return all_gather(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return split(grad, ctx.comm, ctx.dim), None, None
 
 

@@ -173,19 +173,22 @@ def check_plan(model: nn.Module, styles: Mapping[str, Style], tp: int) -> list[s
         module = model.get_submodule(name)
         style = _effective_style(module, style)
         where = f'{name} ("{style}")'
-        if style in COLWISE_STYLES | ROWWISE_STYLES and not isinstance(module, nn.Linear):
-            problems.append(f"{where}: column/row-parallel styles apply to nn.Linear, got {type(module).__name__}")
-        elif style in VOCAB_STYLES and not isinstance(module, nn.Embedding):
-            problems.append(f"{where}: vocab styles apply to nn.Embedding, got {type(module).__name__}")
-        elif style in COLWISE_STYLES and module.out_features % tp:
-            problems.append(f"{where}: " + not_divisible("out_features", module.out_features, tp,
-                                                         "each rank holds out_features / size output features"))
-        elif style in ROWWISE_STYLES and module.in_features % tp:
-            problems.append(f"{where}: " + not_divisible("in_features", module.in_features, tp,
-                                                         "each rank holds in_features / size input features"))
-        elif style in VOCAB_STYLES and module.num_embeddings % tp:
-            problems.append(f"{where}: " + not_divisible("num_embeddings (vocabulary)", module.num_embeddings, tp,
-                                                         "pad the vocabulary to a multiple of the size"))
+        if style in COLWISE_STYLES | ROWWISE_STYLES:
+            if not isinstance(module, nn.Linear):
+                problems.append(f"{where}: column/row-parallel styles apply to nn.Linear, got "
+                                f"{type(module).__name__}")
+            elif style in COLWISE_STYLES and module.out_features % tp:
+                problems.append(f"{where}: " + not_divisible("out_features", module.out_features, tp,
+                                                             "each rank holds out_features / size output features"))
+            elif style in ROWWISE_STYLES and module.in_features % tp:
+                problems.append(f"{where}: " + not_divisible("in_features", module.in_features, tp,
+                                                             "each rank holds in_features / size input features"))
+        elif style in VOCAB_STYLES:
+            if not isinstance(module, nn.Embedding):
+                problems.append(f"{where}: vocab styles apply to nn.Embedding, got {type(module).__name__}")
+            elif module.num_embeddings % tp:
+                problems.append(f"{where}: " + not_divisible("num_embeddings (vocabulary)", module.num_embeddings,
+                                                             tp, "pad the vocabulary to a multiple of the size"))
     return problems
 
 
@@ -195,13 +198,16 @@ def _in_region(name: str, regions: set[str]) -> bool:
 
 
 def _build_layer(module: nn.Module, style: Style, comm: Comm, in_region: bool) -> nn.Module:
-    if style in COLWISE_STYLES:
+    """The parallel layer for a module `check_plan` accepted (the module types below are its checks)."""
+    if style in COLWISE_STYLES and isinstance(module, nn.Linear):
         return ColumnParallelLinear(module, comm, gather_output=style is Style.COLWISE_REP,
                                     sequence_parallel=style is Style.COLWISE_SP, input_in_region=in_region)
-    if style in ROWWISE_STYLES:
+    if style in ROWWISE_STYLES and isinstance(module, nn.Linear):
         return RowParallelLinear(module, comm, input_is_parallel=style is not Style.ROWWISE_REP,
                                  sequence_parallel=style is Style.ROWWISE_SP)
-    return VocabParallelEmbedding(module, comm, sequence_parallel=style is Style.VOCAB_SP)
+    if style in VOCAB_STYLES and isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding(module, comm, sequence_parallel=style is Style.VOCAB_SP)
+    raise TensorParallelError(f"style {style} does not apply to a {type(module).__name__} (check_plan first)")
 
 
 class _RegionEntry:
