@@ -95,7 +95,7 @@ def _join_tp(name: str, slices: list[Tensor], shape: torch.Size) -> Tensor:
                           f"{tuple(shape)}: it was written for another model; check --model / RUN_DIR/model.json")
 
 
-def _zero3_thresholds(head: dict, world: int) -> tuple[int, int]:
+def _zero3_thresholds(head: dict[str, Any], world: int) -> tuple[int, int]:
     from shardwise.config import ConfigWarning, load_config_for_world
     raw = head.get("ds_config") or {}
     with warnings.catch_warnings():
@@ -136,7 +136,7 @@ def _tp_slice_shapes(reference: nn.Module, tp: int) -> nn.Module | None:
 
 
 @torch.no_grad()
-def _fill_zero3(tag: Path, head: dict, module: dict[str, Tensor], reference: nn.Module, *,
+def _fill_zero3(tag: Path, head: dict[str, Any], module: dict[str, Tensor], reference: nn.Module, *,
                 tp_rank: int = 0) -> dict[str, Tensor]:
     """ZeRO-3 (one pipeline stage): the placeholders of TP rank `tp_rank`'s `module` states filled from its dp
     ranks' master shards; `reference` has that rank's slice shapes."""

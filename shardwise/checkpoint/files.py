@@ -65,7 +65,7 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise
 
 
-def write_tag(save_dir: str | os.PathLike, tag: str, files: dict[str, Any], *, rank: int = 0,
+def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
               any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True) -> Path:
     """Collective save: every rank writes its `files` ({name: object}) into SAVE_DIR/.TAG.staging; then rank 0
@@ -143,7 +143,7 @@ def remove_stale_staging(root: Path, *, keep: Path) -> list[Path]:
     return removed
 
 
-def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
+def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
     """The directory of `tag`, or of the tag named in `latest` when tag is None. None, with one warning line,
     when there is none (a missing directory, no `latest`, no such tag): DeepSpeed's load_checkpoint then
     returns (None, None) too. A tag directory without its model states is damaged: `CheckpointError`."""
@@ -167,17 +167,19 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
     return path
 
 
-def read_model_states(path: Path, mp_rank: int = 0) -> dict:
+def read_model_states(path: Path, mp_rank: int = 0) -> dict[str, Any]:
     file = path / model_states_name(mp_rank)
     if not file.is_file():
         raise CheckpointError(f"{path} has no model states for tensor-parallel rank {mp_rank} ({file.name}): it was "
                               f"written with a smaller tensor_parallel.size; load it with the size that wrote it")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    states: dict[str, Any] = torch.load(file, map_location="cpu", weights_only=False)
+    return states
 
 
-def read_optim_states(path: Path, dp_rank: int, mp_rank: int = 0) -> dict:
+def read_optim_states(path: Path, dp_rank: int, mp_rank: int = 0) -> dict[str, Any]:
     file = path / optim_states_name(dp_rank, mp_rank)
     if not file.is_file():
         raise CheckpointError(f"{path} has no optimizer shard for data-parallel rank {dp_rank} ({file.name}): it was "
                               f"written with fewer ranks or without ZeRO; load it with the layout that wrote it")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    states: dict[str, Any] = torch.load(file, map_location="cpu", weights_only=False)
+    return states

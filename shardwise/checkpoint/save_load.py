@@ -24,6 +24,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import files as ckpt
@@ -52,7 +53,7 @@ def layout(ctx: CheckpointContext) -> dict[str, int]:
             "mp_rank": pp_stage * tp_size + tp_rank}
 
 
-def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict | None, *,
+def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, *,
          save_latest: bool = True) -> bool:
     tag = f"global_step{ctx.progress.global_steps}" if tag is None else str(tag)
     where = layout(ctx)
@@ -94,7 +95,7 @@ def _any_failed(ctx: CheckpointContext, failed: bool) -> bool:
 
 
 def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
+         load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     """Check everything, agree on it, then change the run: a checkpoint that cannot be loaded raises the
     same one line on every rank and leaves the module, the optimizer and the counters as they were."""
     path = ckpt.resolve_tag(load_dir, tag)
@@ -102,7 +103,7 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
         return None, None
     read = reshard.FileReader(path)
     plan: reshard.Plan | None = None
-    own: dict | None = None
+    own: dict[str, Any] | None = None
     problem: str | None = None
     same = False
     try:
@@ -151,7 +152,7 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
 
 
 def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load_module_only: bool, *,
-              indexed: bool) -> dict:
+              indexed: bool) -> dict[str, Any]:
     """This rank's own files, at the layout that wrote them: an indexed checkpoint found at it, or one written
     without an index (an earlier shardwise), which loads only there (weights also at another number of
     stages), checked here before anything changes."""
@@ -169,7 +170,7 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
             f"tp={saved['tp']}, pp={saved['pp']} and ZeRO stage {'1-3' if state['optimizer'] is None else 0}; "
             f"it loads only at that layout: load it there and save it again to reshard it")
     if saved["pp"] != now["pp"]:
-        module: dict = {}
+        module: dict[str, Any] = {}
         mp = where["tp_rank"]
         while (path / ckpt.model_states_name(mp)).is_file():
             module.update(read(ckpt.model_states_name(mp))["module"])
@@ -183,7 +184,8 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
     return out
 
 
-def consolidated_state_dict(ctx: CheckpointContext, *, exclude_frozen: bool = False) -> dict | None:
+def consolidated_state_dict(ctx: CheckpointContext, *, exclude_frozen: bool = False
+                            ) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict under the single-process names, on world rank 0 (None elsewhere).
     Collective: every rank calls it. ZeRO-3 shards are gathered over dp, TP slices over tp, and the stages'
     layers collected over pp; one stage at a time never holds more than its own part plus the result."""

@@ -64,7 +64,7 @@ def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
 
 
-def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.optim.Optimizer:
+def _make_optimizer(optimizer: Any, config: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     if optimizer is None:
         if config.optimizer is None:
             raise UserError('no optimizer: add an "optimizer" block to the config (e.g. {"type": "AdamW", '
@@ -83,15 +83,17 @@ def _make_optimizer(optimizer: Any, config: Any, groups: list[dict]) -> torch.op
             theirs["params"] = list(mine["params"])
         return optimizer
     if callable(optimizer):
-        return optimizer(groups)
+        built: torch.optim.Optimizer = optimizer(groups)       # DeepSpeed's contract for a callable
+        return built
     raise UserError(f"optimizer= must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
 
 
 def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = None,
-               config: str | os.PathLike | dict | None = None, training_data: Any = None,
+               config: str | os.PathLike[str] | dict[str, Any] | None = None, training_data: Any = None,
                optimizer: Any = None, lr_scheduler: Any = None,
-               collate_fn: Callable | None = None, dist_init_required: bool | None = None,
-               args: Any = None, config_params: dict | None = None, *, auto: AutoValues | None = None):
+               collate_fn: Callable[..., Any] | None = None, dist_init_required: bool | None = None,
+               args: Any = None, config_params: dict[str, Any] | None = None, *, auto: AutoValues | None = None
+               ) -> tuple[Engine, torch.optim.Optimizer, DataLoader[Any] | None, Any]:
     """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
     Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
@@ -148,7 +150,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     engine = Engine(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime, pipeline=pipeline,
                     lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
                     sequence_check=check, watchdog=watchdog)
-    loader = None
+    loader: DataLoader[Any] | None = None
     if training_data is not None:
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
@@ -163,7 +165,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     return engine, updater.optimizer, loader, sched
 
 
-def _config_source(model: torch.nn.Module, config: Any, config_params: dict | None, args: Any) -> Any:
+def _config_source(model: torch.nn.Module, config: Any, config_params: dict[str, Any] | None, args: Any) -> Any:
     """DeepSpeed's places for the config: config=, config_params=, args.deepspeed_config (or the deprecated
     args.deepscale_config); a PipelineModule's stages and partition become its pipeline block."""
     from_args = getattr(args, "deepspeed_config", None)
@@ -206,11 +208,12 @@ def hidden_size_of(model: torch.nn.Module) -> int | None:
     for holder in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
         if holder is None:
             continue
-        if isinstance(getattr(holder, "hidden_size", None), int):
-            return holder.hidden_size
+        size = getattr(holder, "hidden_size", None)
+        if isinstance(size, int):
+            return size
         sizes = getattr(holder, "hidden_sizes", None)
         if sizes:
-            return max(sizes)
+            return int(max(sizes))
     d_model = getattr(getattr(model, "cfg", None), "d_model", None)
     return d_model if isinstance(d_model, int) else None
 
@@ -296,6 +299,8 @@ def exit_rank(code: int) -> NoReturn:
 
 
 if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
     from shardwise.checkpoint.context import Progress
     from shardwise.engine.step import TrainingSteps
     from shardwise.parallel.data_parallel import BucketedAllReduce

@@ -46,9 +46,11 @@ def _positive_int(value: Any, name: str) -> int:
 
 def _warmup_type(value: Any) -> WarmupType:
     # DeepSpeed silently falls back to "log" for an unknown type; a typo deserves an error.
-    if value not in ("log", "linear"):
+    if value == "linear":
+        return "linear"
+    if value != "log":
         raise ValueError(f'warmup_type must be "log" or "linear", got {value!r}')
-    return value
+    return "log"
 
 
 class _ClosedForm(LRScheduler):

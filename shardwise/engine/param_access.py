@@ -36,14 +36,14 @@ def link_params(updater: FullValues) -> None:
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """A copy of `param`'s fp32 master value (see the module docstring); None when no optimizer steps it."""
-    updater = getattr(param, UPDATER_ATTR, None)
+    updater: FullValues | None = getattr(param, UPDATER_ATTR, None)
     return None if updater is None else updater.full_master(param)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """`param`'s whole gradient (see the module docstring): fp32 assembled from the gradient shards under
     ZeRO, the dp-averaged `.grad` otherwise; None when it has none."""
-    updater = getattr(param, UPDATER_ATTR, None)
+    updater: FullValues | None = getattr(param, UPDATER_ATTR, None)
     if updater is None:
         return param.grad    # DeepSpeed's fallback for a parameter it does not manage
     return updater.full_grad(param)
