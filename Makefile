@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEMO_STEPS ?= 200
 
-.PHONY: demo test install dev bench clean
+.PHONY: demo test typecheck install dev bench clean
 
 $(VENV)/.installed: pyproject.toml scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/shardwise train --nproc 2 --model tiny --data stdlib --steps $(DEMO_STEPS) --eval-every 50 \
 		--save-every $(DEMO_STEPS) --out runs/demo
 
-test: $(VENV)/.dev-installed
+# mypy over shardwise/ (configured in pyproject.toml; strict on the engine's interfaces), before the tests.
+typecheck: $(VENV)/.dev-installed
+	$(PY) -m mypy
+
+test: $(VENV)/.dev-installed typecheck
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests
 
 bench: $(VENV)/.dev-installed
@@ -33,4 +37,4 @@ bench: $(VENV)/.dev-installed
 	DS_ACCELERATOR=cpu $(VENV)/bin/shardwise bench allreduce --nproc 2
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache
