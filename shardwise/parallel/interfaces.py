@@ -139,7 +139,7 @@ class ShardedState(Protocol):
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer_states: bool = True) -> None:
         """Load a `state_dict()` written at this very layout."""
 
-    def state_dict_mismatch(self, state: dict) -> str | None:
+    def state_dict_mismatch(self, state: dict[str, Any]) -> str | None:
         """Why `load_state_dict(state)` would refuse `state` (written by another data-parallel size or ZeRO
         stage), in one line naming the fix; None when it takes it. Changes nothing."""
         ...

@@ -141,7 +141,7 @@ class Update:
     def held_bytes(self) -> HeldBytes:
         return HeldBytes(params=self.param_bytes(), optimizer=self.state_bytes(), staging=self.staging_bytes())
 
-    def state_dict_mismatch(self, state: dict) -> str | None:
+    def state_dict_mismatch(self, state: dict[str, Any]) -> str | None:
         """Replicated state loads wherever the layout index matched it."""
         return None
 
