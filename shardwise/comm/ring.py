@@ -56,7 +56,7 @@ import torch.distributed as dist
 DEFAULT_SEGMENT_BYTES = 4 << 20   # see [Note: tuning]
 DEFAULT_IN_FLIGHT = 4             # receives posted ahead of the segment being reduced
 
-Reducer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (accumulator, incoming) -> the accumulator, reduced in place
+Reducer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (accumulator, incoming) -> accumulator, in place
 
 # (op, name, in-place reduction, integer/bool dtypes only); dist.ReduceOp compares equal to its members
 _REDUCERS: tuple[tuple[dist.ReduceOp.RedOpType, str, Reducer, bool], ...] = (

@@ -40,6 +40,9 @@ from shardwise.telemetry.monitor import TrainingMonitor
 from shardwise.comm.topology import Axis, MeshShape, ParallelMesh
 from shardwise.engine.param_access import link_params
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
 
 def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
     """Initialise the default process group: NCCL when this rank trains on a GPU (`shardwise.comm.device`), else gloo.
@@ -299,8 +302,6 @@ def exit_rank(code: int) -> NoReturn:
 
 
 if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
     from shardwise.checkpoint.context import Progress
     from shardwise.engine.step import TrainingSteps
     from shardwise.parallel.data_parallel import BucketedAllReduce
