@@ -187,7 +187,7 @@ def _config_source(model: torch.nn.Module, config: Any, config_params: dict[str,
     if config is None:
         raise UserError("shardwise.initialize needs config= (a DeepSpeed JSON path or dict) or "
                         "args.deepspeed_config (--deepspeed_config, see shardwise.add_config_arguments)")
-    from shardwise.pipe import PipelineModule
+    from shardwise.parallel.pipeline.module import PipelineModule
     if isinstance(model, PipelineModule) and model.num_stages is not None:
         from shardwise.config.load import read_config
         config = model.pipeline_block(read_config(config))
@@ -273,7 +273,7 @@ def _recompute(model: torch.nn.Module, pipeline: Pipeline, cfg: EngineConfig, me
     if section.contiguous_memory_optimization:
         warnings.warn("activation_checkpointing.contiguous_memory_optimization has no effect in shardwise (torch's "
                       "caching allocator reuses the equal-sized partitions); it is accepted", stacklevel=3)
-    from shardwise.checkpointing import profile_sink
+    from shardwise.parallel.recompute_api import profile_sink
     from shardwise.models.parallelize import HuggingFaceAttention
     apply_recompute(pipeline.blocks(model), section, partition_group=group, times=profile_sink(),
                     attention_functions=HuggingFaceAttention())
