@@ -1,22 +1,8 @@
 """Per-rank record of every collective: the source of `engine.comm_report()`, of the planner's
-validation and of hang diagnostics.
+validation and of hang and desync diagnostics.
 
 A ledger is an ordinary object owned by the engine (no module global). Each `Comm` handle writes one
 `CommRecord` per operation it launches; the engine opens a new step with `begin_step()`.
-
-For hang and desync diagnostics it also numbers the operations of each group (`seq`: the same on every member
-while the ranks are in step), keeps what is in flight, and folds each operation's signature (op, shape, dtype)
-into a running hash per group. Per group, not one hash for all: a communication thread (gradient buckets) and
-the autograd thread (TP) may interleave differently on each rank, but within one group the order is fixed, as
-the backends need it to be.
-
-[Note: timing on a GPU]
-On NCCL `wait()` returns as soon as the current stream has been told to wait for the collective, so host clocks
-around it read ~0. An operation on a CUDA tensor is timed with two CUDA events on the current stream: one
-recorded before the launch (the collective's stream waits for the work queued before it), one after `wait()`
-(queued behind the collective). Reading an event pair before the GPU reached the second would block the host,
-so such a record is kept aside and becomes a `CommRecord` (and reaches the listeners) once its end event has
-completed: checked without blocking at `begin_step`, waited for by `summary` and `flush` (reports only).
 """
 
 from __future__ import annotations
@@ -71,7 +57,20 @@ class OpSummary:
 
 @dataclass
 class CommLedger:
-    """Thread-safe: gradient buckets complete on a communication thread while backward runs."""
+    """Thread-safe: gradient buckets complete on a communication thread while backward runs.
+
+    For hang and desync diagnostics it also numbers the operations of each group (`seq`: the same on every member
+    while the ranks are in step), keeps what is in flight, and folds each operation's signature (op, shape, dtype)
+    into a running hash per group.
+
+    [Note: timing on a GPU]
+    On NCCL `wait()` returns as soon as the current stream has been told to wait for the collective, so host clocks
+    around it read ~0. An operation on a CUDA tensor is timed with two CUDA events on the current stream: one
+    recorded before the launch (the collective's stream waits for the work queued before it), one after `wait()`
+    (queued behind the collective). Reading an event pair before the GPU reached the second would block the host,
+    so such a record is kept aside and becomes a `CommRecord` (and reaches the listeners) once its end event has
+    completed: checked without blocking at `begin_step`, waited for by `summary` and `flush` (reports only).
+    """
 
     step: int = 0
     records: list[CommRecord] = field(default_factory=list)
@@ -84,6 +83,8 @@ class CommLedger:
     last_done: InFlight | None = None
     """The operation completed last (what a rank outside any collective did last)."""
     _hashes: dict[str, bytes] = field(default_factory=dict, repr=False)
+    """Running hash per group, not one for all: a communication thread (gradient buckets) and the autograd thread
+    (TP) may interleave differently on each rank, but within one group the order is fixed, as the backends need."""
     _since_check: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list), repr=False)
     listeners: list[Callable[[CommRecord], None]] = field(default_factory=list)
     """Called with every record as it is made (the comms logger); on whichever thread completed the op."""

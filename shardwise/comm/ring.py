@@ -1,47 +1,11 @@
 """Our own ring all-reduce over point-to-point sends: reduce-scatter, then all-gather.
 
-With N ranks the flat tensor is cut into N chunks. In each of the N-1 reduce-scatter steps rank i
-sends one chunk to rank i+1 and adds the chunk it receives from rank i-1 into its own copy; after
-them rank i holds the fully reduced chunk (i+1) mod N. The N-1 all-gather steps pass the reduced
-chunks around the ring, each received straight into its place. Every rank sends and receives
-2(N-1)/N of the tensor, the bandwidth-optimal amount (the "bus bandwidth" factor of nccl-tests).
+    ring_all_reduce(flat_grads, group)   # in place, as dist.all_reduce(flat_grads, group=group)
 
-[Note: one index rule for both phases]
-Number the 2(N-1) steps j = 0 .. 2N-3 (reduce-scatter first). At step j rank r sends chunk
-(r - j) mod N and receives chunk (r - j - 1) mod N, in both phases. So the chunk a rank sends at
-step j+1 is exactly the chunk it received (and, in the first phase, reduced) at step j.
-
-[Note: pipelining]
-Each chunk is cut into S segments of at most `segment_bytes`. The unit of work is a position
-p = j * S + k (step j, segment k). Segment k of step j+1 is sent as soon as segment k of step j has
-arrived and been reduced, so the ring is a pipeline across steps as well as within one: while this
-rank adds segment k, segment k+1 is on the wire and its own segment k is already travelling on.
-Receives are posted `in_flight` positions ahead of the one being reduced (gloo only sends once the
-receiver has posted, so this is the flow control); each position has its own tag (= p).
-Reduce-scatter receives land in `in_flight + 1` scratch rows, so the next receive is posted before
-the current segment is added out of its row. All-gather receives land straight in their place.
-
-[Note: tuning]
-On gloo over loopback TCP every message costs a ready-notification, a write and a read wake-up, a
-fixed price that 1 MiB segments (gloo's own choice) pay too often; 4 MiB segments with 4 receives in
-flight measured best for 16-256 MiB tensors on 2 ranks (benchmarks/allreduce.py sweeps both knobs:
---segment-kb, --in-flight). A chunk smaller than a segment goes as one message per step.
-
-[Note: device tensors: one batched exchange per step]
-The pipelined walk above suits gloo, where every isend/irecv is an independent message. NCCL is different:
-point-to-point calls outside a batch are each a blocking rendezvous on one stream per peer pair, so the walk
-(several receives posted before the first send) deadlocks at 2 ranks, and at 3+ the lazily created
-communicator with the left neighbour waits on a rank that is itself waiting. So a tensor on a device takes
-`_run_batched`: at each step j ONE `batch_isend_irecv([send chunk (r - j) to the right, receive chunk
-(r - j - 1) from the left])`, one NCCL group launch in which every rank's send and receive progress together,
-then (reduce-scatter steps) the add. Every rank of the group takes part in every step, which NCCL requires of
-the first batched call. `wait()` on NCCL only makes the current stream wait, so the host does not block; the
-caller runs it on the thread that owns the device (not a worker thread, whose current CUDA device is 0), under
-`torch.cuda.device(tensor.device)`. gloo runs the same batched walk too (tests check it there).
-
-Nothing here is global: the function can run on a background thread (the data-parallel engine runs it
-on a communication thread while backward continues). Two ring all-reduces must not run at the same
-time on the same process group: they would use the same tags.
+Host tensors (gloo) walk a pipeline of segments (`_run`); device tensors take one batched exchange per step
+(`_run_batched`, as NCCL needs). Nothing here is global, so it may run on a background thread (the data-parallel
+engine's communication thread), but two ring all-reduces must not run at the same time on one process group:
+they would use the same tags.
 """
 
 from __future__ import annotations
@@ -53,7 +17,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-DEFAULT_SEGMENT_BYTES = 4 << 20   # see [Note: tuning]
+# [Note: tuning]
+# On gloo over loopback TCP every message costs a ready-notification, a write and a read wake-up, a fixed price
+# that 1 MiB segments (gloo's own choice) pay too often; 4 MiB segments with 4 receives in flight measured best
+# for 16-256 MiB tensors on 2 ranks (benchmarks/allreduce.py sweeps both knobs: --segment-kb, --in-flight).
+# A chunk smaller than a segment goes as one message per step.
+DEFAULT_SEGMENT_BYTES = 4 << 20
 DEFAULT_IN_FLIGHT = 4             # receives posted ahead of the segment being reduced
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (accumulator, incoming) -> accumulator, in place
@@ -86,6 +55,11 @@ def _reducer(op: object, dtype: torch.dtype) -> Reducer:
 @dataclass(frozen=True)
 class RingPlan:
     """Pure index arithmetic of one ring all-reduce of `numel` elements over `size` ranks.
+
+    The flat tensor is cut into N = `size` chunks. In each of the N-1 reduce-scatter steps rank i sends one chunk
+    to rank i+1 and adds the chunk it receives from rank i-1 into its own copy; after them rank i holds the fully
+    reduced chunk (i+1) mod N. The N-1 all-gather steps pass the reduced chunks around the ring, each received
+    straight into its place: 2(N-1)/N of the tensor each way per rank (the "bus bandwidth" factor of nccl-tests).
 
     Chunk c has `numel // size` elements, plus one for the first `numel % size` chunks, so chunk sizes
     differ by at most one and some may be empty. Every chunk is cut into `num_segments` segments of
@@ -121,6 +95,10 @@ class RingPlan:
         hi = min(lo + self.segment_numel, length)
         return start + lo, hi - lo
 
+    # [Note: one index rule for both phases]
+    # Number the 2(N-1) steps j = 0 .. 2N-3 (reduce-scatter first). At step j rank r sends chunk (r - j) mod N
+    # and receives chunk (r - j - 1) mod N, in both phases. So the chunk a rank sends at step j+1 is exactly
+    # the chunk it received (and, in the first phase, reduced) at step j.
     def send_chunk(self, rank: int, step: int) -> int:
         return (rank - step) % self.size
 
@@ -132,7 +110,7 @@ class RingPlan:
 
 
 def batches_steps(tensor: torch.Tensor) -> bool:
-    """Whether the ring takes one batched exchange per step for `tensor` (on a device: see the notes) rather than
+    """Whether the ring takes one batched exchange per step for `tensor` (on a device: see `_run_batched`) rather than
     the pipelined walk of independent messages (host tensors through gloo)."""
     return tensor.device.type != "cpu"
 
@@ -181,8 +159,19 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 
 def _run(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
          group: dist.ProcessGroup | None, reduce: Reducer, in_flight: int) -> None:
-    """Walk positions p = step * S + segment in order (see the module notes). `right`/`left` are the
-    global ranks this rank sends to / receives from."""
+    """The pipelined walk, for host tensors through gloo. `right`/`left` are the global ranks this rank sends
+    to / receives from.
+
+    [Note: pipelining]
+    Each chunk is cut into S segments of at most `segment_bytes`. The unit of work is a position
+    p = j * S + k (step j, segment k). Segment k of step j+1 is sent as soon as segment k of step j has
+    arrived and been reduced, so the ring is a pipeline across steps as well as within one: while this
+    rank adds segment k, segment k+1 is on the wire and its own segment k is already travelling on.
+    Receives are posted `in_flight` positions ahead of the one being reduced (gloo only sends once the
+    receiver has posted, so this is the flow control); each position has its own tag (= p).
+    Reduce-scatter receives land in `in_flight + 1` scratch rows, so the next receive is posted before
+    the current segment is added out of its row. All-gather receives land straight in their place.
+    """
     segs = plan.num_segments
     total = plan.num_steps * segs
     ahead = min(in_flight, total)
@@ -235,7 +224,20 @@ def _run(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
 
 def _run_batched(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left: int,
                  group: dist.ProcessGroup | None, reduce: Reducer) -> None:
-    """One `batch_isend_irecv([send right, recv left])` per step, whole chunks (see [Note: device tensors])."""
+    """One `batch_isend_irecv([send right, recv left])` per step, whole chunks.
+
+    [Note: device tensors: one batched exchange per step]
+    The pipelined walk (`_run`) suits gloo, where every isend/irecv is an independent message. NCCL is different:
+    point-to-point calls outside a batch are each a blocking rendezvous on one stream per peer pair, so the walk
+    (several receives posted before the first send) deadlocks at 2 ranks, and at 3+ the lazily created
+    communicator with the left neighbour waits on a rank that is itself waiting. So a tensor on a device takes
+    this path: at each step j ONE `batch_isend_irecv([send chunk (r - j) to the right, receive chunk
+    (r - j - 1) from the left])`, one NCCL group launch in which every rank's send and receive progress together,
+    then (reduce-scatter steps) the add. Every rank of the group takes part in every step, which NCCL requires of
+    the first batched call. `wait()` on NCCL only makes the current stream wait, so the host does not block; the
+    caller runs it on the thread that owns the device (not a worker thread, whose current CUDA device is 0),
+    under `torch.cuda.device(tensor.device)`. gloo runs the same batched walk too (tests check it there).
+    """
     # scratch: [largest chunk], the incoming chunk of a reduce-scatter step before it is added.
     scratch = torch.empty(plan.chunk_bounds(0)[1], dtype=flat.dtype, device=flat.device)
     for step in range(plan.num_steps):

@@ -2,22 +2,7 @@
 
 Collectives pair by order, not by meaning: a rank that called backward without step, or ran one step fewer,
 pairs its collectives with another step's on the other ranks, trains on (silently wrong), and hangs only at the
-end. So at the start of every training step the engine calls `launch(step)`: one all-reduce (MAX) over the world
-of int64 [kind, -kind, step, -step, then for each stage s hi_s, -hi_s, lo_s, -lo_s], where hi_s/lo_s are the halves
-of the ledger's fingerprint
-(`CommLedger.fingerprint`: a running hash of every group's (op, dtype, shape) sequence) posted by the ranks of
-pipeline stage s (the others post the smallest value). max(x) == -max(-x) on every pair iff all ranks agree;
-stages are compared apart because their programs differ (sends versus receives, the loss on the last).
-
-The check's own all-reduce always pairs with the other ranks' check when the ranks drifted by whole steps (it is
-the first collective of a step), so the error replaces the hang. When they disagree, every rank posts what it
-ran since the last check to the store (a side channel, not the communicators) and raises `DesyncError` naming
-the first differing operation and the ranks on each side. Cost: 8 * (6 + 4P) bytes per step, and no host read
-of its own on the engine's path: the all-reduce is launched as the step opens (`launch`, on the device when the
-group has no CPU backend) and its result is read in the step's one host read, beside the verdict
-(`ExtraSums.agreed`; [Note: one host read per step]); `settle` then judges it. A check the step did not read
-(a pipeline's global batch, the end of training) is read by itself when the next one opens.
-Every value stays below 2**53 (the hash goes as two 31-bit halves) so that it survives that float64 read.
+end. So the engine opens every training step with `SequenceCheck.launch(step)`, and the error replaces the hang.
 """
 
 from __future__ import annotations
@@ -46,6 +31,20 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class SequenceCheck:
+    """One all-reduce (MAX) over the world per step comparing every rank's `CommLedger.fingerprint` (a running hash
+    of every group's (op, dtype, shape) sequence), per pipeline stage: stages are compared apart because their
+    programs differ (sends versus receives, the loss on the last).
+
+    The check's own all-reduce always pairs with the other ranks' check when the ranks drifted by whole steps (it
+    is the first collective of a step). When they disagree, every rank posts what it ran since the last check to
+    the store (a side channel, not the communicators) and raises `DesyncError` naming the first differing
+    operation and the ranks on each side. Cost: 8 * (6 + 4P) bytes per step, and no host read of its own on the
+    engine's path: the all-reduce is launched as the step opens (`launch`, on the device when the group has no CPU
+    backend) and its result is read in the step's one host read, beside the verdict (`ExtraSums.agreed`;
+    [Note: one host read per step]); `settle` then judges it. A check the step did not read (a pipeline's global
+    batch, the end of training) is read by itself when the next one opens.
+    """
+
     def __init__(self, ledger: CommLedger, *, stage: int, stages: int, store: Any, wait_s: float):
         self.ledger = ledger
         self.comm = Comm(None, ledger, name="world:check")
@@ -89,7 +88,13 @@ class SequenceCheck:
         self.settle()
 
     def launch(self, step: int, kind: int = TRAIN_STEP) -> None:
-        """Start this step's check (after judging a previous one nobody read); its result waits in `pending`."""
+        """Start this step's check (after judging a previous one nobody read); its result waits in `pending`.
+
+        The values are int64 [kind, -kind, step, -step, then for each stage s hi_s, -hi_s, lo_s, -lo_s], where
+        hi_s/lo_s are the halves of the fingerprint posted by the ranks of stage s (the others post the smallest
+        value). max(x) == -max(-x) on every pair iff all ranks agree. Every value stays below 2**53 (the hash goes
+        as two 31-bit halves) so that it survives the step's float64 host read.
+        """
         self.settle()
         self._count += 1
         fingerprint = self.ledger.fingerprint()

@@ -1,33 +1,11 @@
 """Our own all-reduce for CPU tensors when every rank of the group runs on one host: through shared memory.
 
 gloo over loopback TCP moves every byte through a socket: copied into the kernel by the sender, out of it by the
-receiver, in segments each with its own wake-up. Ranks on one host can instead read each other's memory. Here each
-rank's buffers (the data-parallel buckets) are files under /dev/shm that every rank of the group maps, so a rank
-reads its peers' gradients where they lie.
+receiver, in segments each with its own wake-up. Here each rank's buffers (the data-parallel buckets) are files
+under /dev/shm that every rank of the group maps, so a rank reads its peers' gradients where they lie.
 
-    buffers[s][k] : [n_k]   rank s's buffer k, mapped by every rank of the group
-    chunk r of a buffer   : [r*c, min((r+1)*c, n_k)),  c = ceil(n_k / W)
-
-All-reduce of buffer k on group rank r, in place on every rank's buffer k:
-    1. barrier: every rank's buffer k holds its final values.
-    2. rank r adds its peers' chunk r into its own chunk r (peers in group-rank order), then writes the sum into
-       chunk r of every peer's buffer. Only rank r touches chunk r of any buffer in this phase, so no two ranks
-       ever read and write the same bytes.
-    3. barrier: every chunk has arrived everywhere. Until the next all-reduce's first barrier no rank touches
-       another's buffer, so each owner may change its own freely (accumulate, zero, clip).
-Per rank that is about n_k reads and 2 (W-1)/W n_k writes, and two tiny collectives over the group's own backend
-(which also gives the barriers their timeout). Every chunk is summed once and copied, so all ranks hold the same bits; with
-two ranks the sum is a + b on both, bitwise the backend's.
-
-Setup is collective over the group (`SharedBuffers.create`): rank 0 draws a name, each rank creates and reserves
-its files (`posix_fallocate`, so a full /dev/shm is an error here and never a SIGBUS later), every rank checks it
-runs on the same kernel (boot id) and sees the others' files (containers with separate /dev/shm do not), maps them,
-and after a barrier unlinks its own: the mappings live on, and nothing is left behind once the processes end.
-Each check is agreed by every rank before anyone acts on it, so a refusal is the same one line everywhere and no
-rank is left waiting in a barrier.
-
-Two all-reduces of one `SharedBuffers` must not run at the same time (their barriers would pair up across
-buffers): the data-parallel runtime runs them in launch order on one communication thread.
+    buffers = SharedBuffers.create(comm, [(numel, torch.float32), ...])   # collective
+    buffers.local[k] ...; buffers.all_reduce_(k)                          # sum bucket k in place on every rank
 """
 
 from __future__ import annotations
@@ -57,7 +35,11 @@ def shm_dir() -> str:
 class SharedBuffers:
     """Zero-filled buffers of the given sizes and dtypes, one set per rank of `comm`'s group, each rank's mapped by
     all; `local[k]` is this rank's buffer k (a CPU tensor, usable as any other). `all_reduce_(k)` sums buffer k
-    over the group, in place."""
+    over the group, in place.
+
+    Two all-reduces of one `SharedBuffers` must not run at the same time (their barriers would pair up across
+    buffers): the data-parallel runtime runs them in launch order on one communication thread.
+    """
 
     def __init__(self, comm: Comm, local: list[torch.Tensor], peers: list[list[torch.Tensor]]):
         self.comm = comm
@@ -68,7 +50,15 @@ class SharedBuffers:
     @classmethod
     def create(cls, comm: Comm, specs: Sequence[tuple[int, torch.dtype]], *,
                directory: str | None = None) -> "SharedBuffers":
-        """Collective over `comm`'s group: every rank passes the same `specs` [(numel, dtype), ...]."""
+        """Collective over `comm`'s group: every rank passes the same `specs` [(numel, dtype), ...].
+
+        Rank 0 draws a name, each rank creates and reserves its files (`posix_fallocate`, so a full /dev/shm is an
+        error here and never a SIGBUS later), every rank checks it runs on the same kernel (boot id) and sees the
+        others' files (containers with separate /dev/shm do not), maps them, and after a barrier unlinks its own:
+        the mappings live on, and nothing is left behind once the processes end. Each check is agreed by every
+        rank before anyone acts on it, so a refusal is the same one line everywhere and no rank is left waiting
+        in a barrier.
+        """
         if not comm.carries_host_tensors:
             raise UserError(f"{FIELD}: the data-parallel group's backend is {comm.backend}; the shared-memory "
                             f"all-reduce is for CPU training over gloo. Use all_reduce = 'backend'")
@@ -105,7 +95,22 @@ class SharedBuffers:
         return cls(run_comm, peers[comm.rank], peers)
 
     def all_reduce_(self, index: int) -> None:
-        """Sum buffer `index` over the group, in place on every rank; blocking (see the module's note)."""
+        """Sum buffer `index` over the group, in place on every rank; blocking (one at a time: see the class).
+
+            buffers[s][k] : [n_k]   rank s's buffer k, mapped by every rank of the group
+            chunk r of a buffer   : [r*c, min((r+1)*c, n_k)),  c = ceil(n_k / W)
+
+        On group rank r, for buffer k:
+            1. barrier: every rank's buffer k holds its final values.
+            2. rank r adds its peers' chunk r into its own chunk r (peers in group-rank order), then writes the sum
+               into chunk r of every peer's buffer. Only rank r touches chunk r of any buffer in this phase, so no
+               two ranks ever read and write the same bytes.
+            3. barrier: every chunk has arrived everywhere. Until the next all-reduce's first barrier no rank
+               touches another's buffer, so each owner may change its own freely (accumulate, zero, clip).
+        Per rank that is about n_k reads and 2 (W-1)/W n_k writes, and two tiny collectives over the group's own
+        backend (which also gives the barriers their timeout). Every chunk is summed once and copied, so all ranks
+        hold the same bits; with two ranks the sum is a + b on both, bitwise the backend's.
+        """
         rank, size = self.comm.rank, self.comm.size
         mine = self.local[index]
         n = mine.numel()

@@ -1,16 +1,8 @@
 """The parallel layout of a run: pure rank arithmetic first (`MeshShape`), process groups second
-(`ParallelMesh`).
+(`ParallelMesh`). Ranks are laid out (pp, dp, tp) with tp innermost, so a TP group is consecutive ranks.
 
-Ranks are laid out (pp, dp, tp) with tp innermost:
-
-    rank = (pp * dp_size + dp) * tp_size + tp
-
-so a TP group is tp consecutive ranks (one node, where the bandwidth is), ranks [d*tp, (d+1)*tp) for
-pp = 0; a DP group is the ranks with equal (pp, tp) coordinates, tp apart. Example, dp=2 x tp=2 on 4
-ranks: TP groups {0,1} {2,3}; DP groups {0,2} {1,3}.
-
-The mesh is built once by every rank (`dist.new_group` is collective: all ranks create every group, in
-the same order) and its groups are passed explicitly to the components that need them.
+    mesh = ParallelMesh.build(MeshShape.for_world(world_size, tp=2))   # collective, once per rank
+    mesh.comm(Axis.DP, ledger)                                         # passed explicitly to whoever needs it
 """
 
 from __future__ import annotations
@@ -41,7 +33,12 @@ class TopologyError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the parallel axes. rank = (pp * dp + dp_index) * tp + tp_index."""
+    """Sizes of the parallel axes. rank = (pp * dp + dp_index) * tp + tp_index.
+
+    So a TP group is tp consecutive ranks (one node, where the bandwidth is), ranks [d*tp, (d+1)*tp) for
+    pp = 0; a DP group is the ranks with equal (pp, tp) coordinates, tp apart. Example, dp=2 x tp=2 on 4
+    ranks: TP groups {0,1} {2,3}; DP groups {0,2} {1,3}.
+    """
 
     pp: int = 1
     dp: int = 1
@@ -137,7 +134,8 @@ class ParallelMesh:
     @classmethod
     def build(cls, shape: MeshShape, *, timeout_s: float | None = None) -> "ParallelMesh":
         """Create the groups of `shape` (collective: every rank of the default group must call it), each with
-        the backend timeout `timeout_s` (None: torch's default)."""
+        the backend timeout `timeout_s` (None: torch's default). `dist.new_group` is collective: all ranks create
+        every group, in the same order; the mesh's groups are then passed explicitly to the components."""
         import datetime
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         world, rank = dist.get_world_size(), dist.get_rank()

@@ -2,19 +2,7 @@
 ledger where it is, and the run ends with one line naming the ranks that did not arrive.
 
 The reports travel over the store the process group was built on (torchrun's TCPStore, the test harness's
-FileStore), never over the hung communicator. Per rank, one daemon thread:
-
-- while an operation of this rank's ledger has waited >= `timeout_s`, it posts its report (step, op, group, the
-  group's sequence number, how long) under `<prefix>/report/<rank>` and bumps `<prefix>/declared`; the first
-  to bump it is the reporter;
-- otherwise it looks at `<prefix>/declared` every `idle_poll_s` (at most every 5 s: a store read, nothing on the
-  communicators) and, once a timeout is declared, posts its own report too: outside any collective, the last
-  operation it completed (a stalled rank), or what it waits on (a rank that arrived late);
-- the reporter waits `grace_s` for everyone's report, then writes the verdict line under `<prefix>/verdict`.
-
-The backend's own timeout is set `grace_s` + a margin (1-5 s) later (`backend_timeout_s`), so a rank blocked in gloo
-raises after the verdict exists; `Comm` hands that failure to `explain`, which raises `CollectiveTimeout` with
-the verdict instead. A verdict nobody raised within that margin (NCCL aborts the process itself) is printed.
+FileStore), never over the hung communicator; `HangWatchdog.attach(ledger, ...)` starts one daemon thread per rank.
 """
 
 from __future__ import annotations
@@ -48,7 +36,9 @@ def _margin(timeout_s: float) -> float:
 
 
 def backend_timeout_s(timeout_s: float) -> float:
-    """What the process groups are given: after the watchdog's verdict (grace), plus a margin for the report."""
+    """What the process groups are given: after the watchdog's verdict (grace), plus a margin (1-5 s) for the
+    report, so a rank blocked in gloo raises after the verdict exists; `Comm` hands that failure to
+    `HangWatchdog.explain`, which raises `CollectiveTimeout` with the verdict instead."""
     return timeout_s + cadence(timeout_s)[2] + _margin(timeout_s)
 
 
@@ -118,8 +108,19 @@ atexit.register(_stop_at_exit)
 
 
 class HangWatchdog:
-    """One per engine on every rank of a world > 1 (`start` launches the thread). Holds its ledger weakly: the
-    thread ends with the engine, or at `stop()`."""
+    """One per engine on every rank of a world > 1 (`attach` launches the thread). Holds its ledger weakly: the
+    thread ends with the engine, or at `stop()`.
+
+    The thread, on each rank:
+    - while an operation of this rank's ledger has waited >= `timeout_s`, it posts its report (step, op, group, the
+      group's sequence number, how long) under `<prefix>/report/<rank>` and bumps `<prefix>/declared`; the first
+      to bump it is the reporter;
+    - otherwise it looks at `<prefix>/declared` every `idle_poll_s` (at most every 5 s: a store read, nothing on
+      the communicators) and, once a timeout is declared, posts its own report too: outside any collective, the
+      last operation it completed (a stalled rank), or what it waits on (a rank that arrived late);
+    - the reporter waits `grace_s` for everyone's report, then writes the verdict line under `<prefix>/verdict`.
+    A verdict nobody raised within the backend's margin (NCCL aborts the process itself) is printed.
+    """
 
     def __init__(self, ledger: CommLedger, *, store: Any, rank: int, world: int, timeout_s: float):
         self._ledger = weakref.ref(ledger)
