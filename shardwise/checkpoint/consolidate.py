@@ -4,16 +4,8 @@ files alone. `shardwise eval`, `generate` and `export` load models through it.
 
     state = consolidated_state_dict("runs/x/checkpoints", reference=model)   # single-process names -> tensors
 
-What the files hold (`checkpoint.py`, `engine_checkpoint.py`): one `mp_rank_MM_model_states.pt` per (pipeline
-stage, TP rank), MM = stage * tp + tp_rank, its module states under the full model's names; ZeRO stages 0-2 keep
-whole (TP-sliced) weights there. ZeRO-3 keeps empty placeholders there and the weights in the per-rank optimizer
-files as the fp32 master shards of each unit's flat buffer, in unit order; the unit plan is rebuilt from the
-reference model with the run's persistence thresholds (`plan_units`, the code ZeRO-3 partitions with) and checked
-against the flat sizes the files record before any value is used. Under tensor parallelism (our GPT's plan) the unit
-plan is made on a meta copy with one TP rank's slice shapes, per TP rank, and the ranks' slices are then joined.
-
 Only this module knows the file layout of a consolidation; a layout-independent index, when checkpoints carry
-one, replaces the three readers below without changing the callers.
+one, replaces its readers without changing the callers.
 """
 
 from __future__ import annotations
@@ -52,7 +44,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def consolidated_state_dict(path: str | Path, *, reference: nn.Module) -> dict[str, Tensor]:
     """The whole model's state dict (single-process names, the tensors as saved: training dtype) from the
     checkpoint at `path`. `reference` is the model it belongs to, at full size (its values are not read, a meta
-    model does): it gives the full shapes to join TP slices and ZeRO-3's unit plan."""
+    model does): it gives the full shapes to join TP slices and ZeRO-3's unit plan.
+
+    What the files hold (`save_load.py`): one `mp_rank_MM_model_states.pt` per (pipeline stage, TP rank),
+    MM = stage * tp + tp_rank, its module states under the full model's names; ZeRO stages 0-2 keep whole
+    (TP-sliced) weights there. ZeRO-3 keeps empty placeholders there and the weights in the per-rank optimizer
+    files (`_fill_zero3`).
+    """
     tag = resolve_checkpoint(path)
     head = ckpt.read_model_states(tag, 0)
     tp, pp = int(head.get("mp_world_size", 1)), int(head.get("pp_world_size", 1))
@@ -139,7 +137,14 @@ def _tp_slice_shapes(reference: nn.Module, tp: int) -> nn.Module | None:
 def _fill_zero3(tag: Path, head: dict[str, Any], module: dict[str, Tensor], reference: nn.Module, *,
                 tp_rank: int = 0) -> dict[str, Tensor]:
     """ZeRO-3 (one pipeline stage): the placeholders of TP rank `tp_rank`'s `module` states filled from its dp
-    ranks' master shards; `reference` has that rank's slice shapes."""
+    ranks' master shards; `reference` has that rank's slice shapes.
+
+    The optimizer files hold the fp32 master shards of each unit's flat buffer, in unit order. The unit plan is
+    rebuilt from the reference model with the run's persistence thresholds (`plan_units`, the code ZeRO-3
+    partitions with) and checked against the flat sizes the files record before any value is used. Under tensor
+    parallelism (our GPT's plan) the caller makes it on a meta copy with one TP rank's slice shapes
+    (`_tp_slice_shapes`), once per TP rank, and then joins the ranks' slices.
+    """
     from shardwise.parallel.zero.params import plan_units
     from shardwise.parallel.zero.partition import FlatLayout
     dp = int(head.get("dp_world_size", 1))

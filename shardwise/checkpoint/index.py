@@ -1,22 +1,10 @@
 """A checkpoint's layout-independent index: where each tensor of the full model lives in the tag's files.
 
-DeepSpeed's files hold what each rank holds: TP slices in `mp_rank_MM_*` files, ZeRO shards (flat, padded
-buckets of several parameters) in `zero_pp_rank_D_*` files. Read at another (dp, tp, pp, ZeRO stage), a rank
-needs parts of many files; DeepSpeed first needs an offline `ds_to_universal` pass. Every save here also writes
-TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`:
+DeepSpeed's files hold what each rank holds (TP slices in `mp_rank_MM_*`, flat padded ZeRO shards in
+`zero_pp_rank_D_*`), so reading them at another (dp, tp, pp, ZeRO stage) first needs an offline
+`ds_to_universal` pass. Every save here also writes TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`.
 
-    dims         the writer's `Dims` (dp, tp, pp)
-    tensors      {full name: TensorInfo(full shape, TP split dim or None)}  every module tensor (parameters, buffers)
-    module       {full name: {tp rank: model-states file}}                  files holding its value (TP slice)
-    entries      [IndexEntry(file, key, optimizer index, master index, numel, options)]
-                 one per stepped tensor (a ZeRO shard master, or one whole parameter at stage 0)
-    fragments    {full name: [Fragment(tp rank, lo, hi, entry, dst)]}
-                 elements [lo, hi) of that TP rank's slice, flattened, are entry's [dst, dst + hi - lo)
-
-On disk it is plain dicts, tuples and numbers (`to_dict`; it loads with `torch.load(weights_only=True)`), the
-layout of version 1, which every shardwise that writes indexes has written. A loader reads the index, then
-memory-maps only the files holding what it needs and copies only the fragments overlapping its own pieces
-(`reshard.py`).
+    index = read_index(tag_dir)     # None for a checkpoint written before indexes; `reshard.py` loads through it
 """
 
 from __future__ import annotations
@@ -102,7 +90,19 @@ class Fragment:
 
 @dataclass(frozen=True)
 class CheckpointIndex:
-    """Where each tensor of the full model lives in a tag's files (the module docstring shows the fields)."""
+    """Where each tensor of the full model lives in a tag's files.
+
+        dims         the writer's `Dims` (dp, tp, pp)
+        tensors      {full name: TensorInfo(full shape, TP split dim or None)}  every module tensor (params, buffers)
+        module       {full name: {tp rank: model-states file}}                  files holding its value (TP slice)
+        entries      [IndexEntry(file, key, optimizer index, master index, numel, options)]
+                     one per stepped tensor (a ZeRO shard master, or one whole parameter at stage 0)
+        fragments    {full name: [Fragment(tp rank, lo, hi, entry, dst)]}
+                     elements [lo, hi) of that TP rank's slice, flattened, are entry's [dst, dst + hi - lo)
+
+    A loader reads the index, then memory-maps only the files holding what it needs and copies only the fragments
+    overlapping its own pieces (`reshard.py`).
+    """
 
     dims: Dims
     tensors: Mapping[str, TensorInfo]
@@ -131,7 +131,8 @@ class CheckpointIndex:
                    fragments={n: tuple(f) for n, f in fragments.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored form, version 1: plain dicts, tuples and numbers, which `weights_only=True` loads."""
+        """The stored form, version 1: plain dicts, tuples and numbers, which `weights_only=True` loads. Every
+        shardwise that writes indexes has written this layout."""
         return {"version": VERSION,
                 "tensors": {n: (tuple(t.shape), t.tp_dim) for n, t in self.tensors.items()},
                 "module": {n: dict(files) for n, files in self.module.items()},

@@ -2,19 +2,9 @@
 
 Two phases, so that a checkpoint that cannot be loaded leaves the run untouched:
 
-1. `plan`: every check that needs no change to the run: each of this rank's module tensors exists in the
-   index with the same full shape and TP split dim, the pipeline's ranks together hold every tensor of the
-   checkpoint (strict), the fragments cover every piece this rank steps, the optimizer has the same options,
-   and every file this rank will read opens (memory-mapped: pages are read when a fragment is copied).
-   Its one-line verdict is agreed by all ranks (`agree`) before anything is written.
-2. `apply`: the module tensors, a few at a time (at most ~`_CHUNK_BYTES` assembled at once, so a ZeRO-3 rank
-   never holds its whole TP slice of the model), then the stepped tensors, their optimizer states and options.
-
-Assembling elements [lo, hi) of this rank's TP slice of a tensor (`_Assembler.local`):
-    same TP size, or a tensor TP does not split: the saved slice of the same TP rank has the same flat
-        layout, so only the saved fragments overlapping [lo, hi) are copied;
-    another TP size: this rank's slice [.., n_new, ..] is filled from every saved slice [.., n_old, ..]
-        overlapping it along the split dim (each assembled whole, one at a time), then [lo, hi) is taken.
+    plan = Plan(ctx, index, FileReader(tag_dir), strict=True, optimizer=True)   # checks only, changes nothing
+    agree(ctx, plan.problem)                                                     # the same verdict on every rank
+    apply(plan, load_optimizer_states=True)                                      # then writes
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ from shardwise.comm.topology import Axis
 if TYPE_CHECKING:
     from shardwise.checkpoint.context import CheckpointContext
 
-_CHUNK_BYTES = 256 << 20
+_CHUNK_BYTES = 256 << 20   # module tensors assembled at once: a ZeRO-3 rank never holds its whole TP slice
 VALUE = "value"          # the stepped tensor's value (fp32 master, or the parameter itself)
 
 
@@ -117,7 +107,13 @@ class _Assembler:
     def local(self, name: str, tp_rank: int, tp_size: int, dim: int | None, lo: int, hi: int,
               key: str) -> torch.Tensor:
         """Elements [lo, hi) of this rank's TP slice (`tp_rank` of `tp_size`, split along `dim` or whole) of
-        `name`, flattened. A tensor saved whole counts as one slice, as does one this model holds whole."""
+        `name`, flattened. A tensor saved whole counts as one slice, as does one this model holds whole.
+
+        same TP size, or a tensor TP does not split: the saved slice of the same TP rank has the same flat
+            layout, so only the saved fragments overlapping [lo, hi) are copied;
+        another TP size: this rank's slice [.., n_new, ..] is filled from every saved slice [.., n_old, ..]
+            overlapping it along the split dim (each assembled whole, one at a time), then [lo, hi) is taken.
+        """
         info = self.index.tensors[name]
         full, saved_dim = info.shape, info.tp_dim
         old = self.tp if saved_dim is not None else 1
@@ -167,7 +163,14 @@ class LocalPiece:
 
 
 class Plan:
-    """What this rank will load, checked against the index (`problem`: the first reason it cannot)."""
+    """What this rank will load, checked against the index (`problem`: the first reason it cannot).
+
+    Every check that needs no change to the run: each of this rank's module tensors exists in the index with the
+    same full shape and TP split dim, the pipeline's ranks together hold every tensor of the checkpoint (strict),
+    the fragments cover every piece this rank steps, the optimizer has the same options, and every file this rank
+    will read opens (memory-mapped: pages are read when a fragment is copied). `agree` then makes its verdict
+    every rank's before anything is written.
+    """
 
     def __init__(self, ctx: CheckpointContext, index: CheckpointIndex, read: FileReader, *, strict: bool,
                  optimizer: bool):
@@ -291,8 +294,9 @@ def agree(ctx: CheckpointContext, problem: str | None, *, same_layout: bool = Fa
 
 @torch.no_grad()
 def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
-    """Write the planned tensors into the run (after `agree`): module states, then what the optimizer
-    steps and, with `load_optimizer_states`, its state, options and the loss scaler."""
+    """Write the planned tensors into the run (after `agree`): module states a few at a time (at most
+    ~`_CHUNK_BYTES` assembled at once), then what the optimizer steps and, with `load_optimizer_states`, its
+    state, options and the loss scaler."""
     ctx, build = plan.ctx, _Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0

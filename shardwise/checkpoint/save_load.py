@@ -1,21 +1,12 @@
-"""`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs.
-
-Files of one tag (see `files.py` for the atomic, collective write):
+"""`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs. Files of one tag
+(`files.py` writes them, atomically and collectively):
 
     mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
     shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
 
-MM is the model-parallel rank, pp_stage * tp + tp_rank, as in DeepSpeed's grid (00 without model
-parallelism). Model states are written by the ranks of data-parallel index 0 (one per (stage, TP rank));
-ZeRO shards by every rank. Module states are keyed by the full model's names ("blocks.3.attn.q_proj.weight").
-With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
-(`reshard.py`); a tag written before indexes loads at the layout that wrote it (weights also at
-another number of stages with `load_module_only=True`).
-
-The barrier and the failure agreement of a save run over dp, then tp, then pp: after the three, every rank
-of the mesh has arrived (or heard of a failure). Nothing here asks which strategy runs: the mesh gives the
-layout, the context's `naming` names a stage's tensors, its `state` and `dp_runtime` give their state.
+Nothing here asks which strategy runs: the mesh gives the layout, the context's `naming` names a stage's tensors,
+its `state` and `dp_runtime` give their state.
 """
 
 from __future__ import annotations
@@ -39,13 +30,15 @@ _SPANNING = (Axis.DP, Axis.TP, Axis.PP)
 
 
 def _comms(ctx: CheckpointContext) -> list[Comm]:
-    """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp. An axis of size 1
-    gives a comm whose collectives are no-ops."""
+    """The groups whose successive barriers span the whole mesh: dp (the stage's), tp, pp. A save's barrier and
+    failure agreement run over them in turn: after the three, every rank of the mesh has arrived (or heard of a
+    failure). An axis of size 1 gives a comm whose collectives are no-ops."""
     return [ctx.comm(axis) for axis in _SPANNING]
 
 
 def layout(ctx: CheckpointContext) -> dict[str, int]:
-    """This rank's place: tp rank/size, pp stage/size, and the model-parallel rank naming its files."""
+    """This rank's place: tp rank/size, pp stage/size, and the model-parallel rank naming its files (MM in
+    `mp_rank_MM_*`: pp_stage * tp + tp_rank, as in DeepSpeed's grid; 00 without model parallelism)."""
     mesh = ctx.mesh
     tp_rank, tp_size = mesh.rank(Axis.TP), mesh.size(Axis.TP)
     pp_stage, pp_size = mesh.rank(Axis.PP), mesh.size(Axis.PP)
@@ -55,6 +48,9 @@ def layout(ctx: CheckpointContext) -> dict[str, int]:
 
 def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, *,
          save_latest: bool = True) -> bool:
+    """Write one tag. Model states come from the ranks of data-parallel index 0 (one per (stage, TP rank)), keyed
+    by the full model's names ("blocks.3.attn.q_proj.weight"); ZeRO shards from every rank; the index from world
+    rank 0. Collective over the mesh."""
     tag = f"global_step{ctx.progress.global_steps}" if tag is None else str(tag)
     where = layout(ctx)
     per_rank = ctx.state.checkpoint_per_rank
@@ -97,7 +93,11 @@ def _any_failed(ctx: CheckpointContext, failed: bool) -> bool:
 def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool, load_optimizer_states: bool,
          load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     """Check everything, agree on it, then change the run: a checkpoint that cannot be loaded raises the
-    same one line on every rank and leaves the module, the optimizer and the counters as they were."""
+    same one line on every rank and leaves the module, the optimizer and the counters as they were.
+
+    With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
+    (`reshard.py`); a tag written before indexes loads at the layout that wrote it (weights also at another
+    number of stages with `load_module_only=True`)."""
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
         return None, None
