@@ -1,18 +1,7 @@
 """Run torch's elastic launcher (torchrun) inside `shardwise train` and say in a few lines how the ranks ended.
 
 torchrun as a child process printed its own tracebacks (40-150 lines for one user error, a kill -9 or a
-Ctrl-C) and exited 1 for all of them. Run in this process, its outcomes are exceptions caught here:
-
-- the ranks finished: exit 0; or, when a signal sent to the ranks themselves stopped them, 128 + signal;
-- SignalException (SIGTERM, SIGINT to this process): the agent has already forwarded the signal to every local
-  rank (they are in their own sessions, so the terminal's Ctrl-C reaches them only this way) and waited up to
-  the stop grace for them to finish their step and save; exit 128 + signal (143, 130), after one line saying
-  which checkpoint to resume from;
-- ChildFailedError (a rank failed and no restart is left): the ranks' reports (`rank_reports`) give one line
-  for a user error (exit 2) or a short report of the failed ranks (exit 1);
-- RendezvousError (the nodes never met): one line, exit 1.
-
-The agent's own log lines are silenced (they repeat, in more words, what the report says).
+Ctrl-C) and exited 1 for all of them. Run in this process (`launch`), its outcomes are exceptions caught here.
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _quiet_agent_logs() -> None:
+    """Silence the agent's own log lines: they repeat, in more words, what the report says."""
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -54,7 +44,17 @@ def stop_grace_args() -> list[str]:
 
 
 def launch(torchrun_argv: list[str], *, reports: Path, run_dir: Path) -> int:
-    """Run `torchrun torchrun_argv` in this process; returns the exit code of `shardwise train`."""
+    """Run `torchrun torchrun_argv` in this process; returns the exit code of `shardwise train`:
+
+    - the ranks finished: exit 0; or, when a signal sent to the ranks themselves stopped them, 128 + signal;
+    - SignalException (SIGTERM, SIGINT to this process): the agent has already forwarded the signal to every local
+      rank (they are in their own sessions, so the terminal's Ctrl-C reaches them only this way) and waited up to
+      the stop grace for them to finish their step and save; exit 128 + signal (143, 130), after one line saying
+      which checkpoint to resume from;
+    - ChildFailedError (a rank failed and no restart is left): the ranks' reports (`rank_reports`) give one line
+      for a user error (exit 2) or a short report of the failed ranks (exit 1);
+    - RendezvousError (the nodes never met): one line, exit 1.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError

@@ -1,18 +1,8 @@
 """Nodes of a multi-node `shardwise train` find each other before torchrun starts, and say so.
 
 torchrun's static rendezvous blocks in silence until every node has joined, then fails after ten minutes
-with a launcher traceback. So each node's `shardwise train` first meets the others through a small
-key-value store hosted by node 0 on `--master-port` (torch's TCPStore, the same kind torchrun uses):
-
-    node 0:  hosts the store, prints "waiting for N more node(s) at ADDR:PORT" whenever the count changes,
-             sets "go" once all joined (or fails after `--rendezvous-timeout` with one line), waits until
-             every node has read it, closes the store;
-    node k:  connects (retrying until the timeout: node 0 may start later), adds itself to "joined",
-             waits for "go", acknowledges, disconnects.
-
-Then every node starts torchrun on the same port; node 0's torchrun binds it again (TCPStore listens with
-SO_REUSEADDR), and the other nodes' torchrun clients retry until it does. The other nodes start theirs a
-moment (`_HANDOVER_S`) after node 0 has seen their acknowledgement, by when node 0 has closed this store.
+with a launcher traceback. So each node's `shardwise train` first meets the others (`meet_other_nodes`) through a
+small key-value store hosted by node 0 on `--master-port` (torch's TCPStore, the same kind torchrun uses).
 """
 
 from __future__ import annotations
@@ -40,7 +30,13 @@ def _nodes(n: int) -> str:
 
 def host_rendezvous(addr: str, port: int, nnodes: int, timeout_s: float,
                     say: Callable[[str], None] = print) -> None:
-    """Node 0: wait for the other `nnodes - 1` nodes; UserError naming what is missing after `timeout_s`."""
+    """Node 0: wait for the other `nnodes - 1` nodes; UserError naming what is missing after `timeout_s`.
+
+    Hosts the store, prints "waiting for N more node(s) at ADDR:PORT" whenever the count changes, sets "go" once
+    all joined, waits until every node has read it, closes the store. Then every node starts torchrun on the same
+    port; node 0's torchrun binds it again (TCPStore listens with SO_REUSEADDR), and the other nodes' torchrun
+    clients retry until it does.
+    """
     from torch.distributed import TCPStore
 
     try:
@@ -90,7 +86,11 @@ def _wait_until_listening(addr: str, port: int, timeout_s: float) -> None:
 
 def join_rendezvous(addr: str, port: int, node_rank: int, timeout_s: float,
                     say: Callable[[str], None] = print) -> None:
-    """Node `node_rank` > 0: join node 0's store and wait until every node has; UserError after `timeout_s`."""
+    """Node `node_rank` > 0: join node 0's store and wait until every node has; UserError after `timeout_s`.
+
+    Connects (retrying until the timeout: node 0 may start later), adds itself to "joined", waits for "go",
+    acknowledges, disconnects, and returns `_HANDOVER_S` later, by when node 0 has closed this store.
+    """
     from torch.distributed import TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)

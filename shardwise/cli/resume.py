@@ -1,17 +1,8 @@
 """What a `shardwise train` checkpoint carries besides the engine's state, and how a rank resumes from it.
 
-The engine's checkpoint restores the model, the optimizer (with the loss scaler), the scheduler and the step
-counters. The run adds, in the checkpoint's client state (written by data-parallel rank 0 of each
-model-parallel position, into that position's file):
-
-- "data": the TokenLoader's position (its next step and micro-step, and the seed it belongs to);
-- "rng": every data-parallel rank's random streams, indexed by dp rank: the default generator of the CPU and of
-  the compute device, each tensor-parallel dropout stream, numpy's and Python's;
-- "step" and "elapsed_s": where the run was, so the metrics continue with the step and the clock.
-
-A run continued from it draws the same batches and the same dropout masks as the run that was not
-interrupted, so its losses are bitwise the same (fp32). The random streams are restored when the saved
-data-parallel size is this run's; after a layout change dropout draws fresh masks (said once).
+The run adds the data position, every rank's random streams and its step and clock to the checkpoint's client
+state (`client_state`), so a run continued from it (`resume`) draws the same batches and the same dropout masks
+as the run that was not interrupted: its losses are bitwise the same (fp32).
 """
 
 from __future__ import annotations
@@ -64,7 +55,16 @@ def set_rng_state(engine: Any, state: dict[str, Any]) -> None:
 
 
 def client_state(engine: Any, loader: TokenLoader, *, step: int, elapsed_s: float) -> dict[str, Any]:
-    """The client state of a checkpoint at `step`. Collective over the data-parallel group (gathers the streams)."""
+    """The client state of a checkpoint at `step`. Collective over the data-parallel group (gathers the streams).
+
+    The engine's checkpoint restores the model, the optimizer (with the loss scaler), the scheduler and the step
+    counters; this adds (written by data-parallel rank 0 of each model-parallel position, into that position's
+    file):
+    - "data": the TokenLoader's position (its next step and micro-step, and the seed it belongs to);
+    - "rng": every data-parallel rank's random streams, indexed by dp rank: the default generator of the CPU and
+      of the compute device, each tensor-parallel dropout stream, numpy's and Python's;
+    - "step" and "elapsed_s": where the run was, so the metrics continue with the step and the clock.
+    """
     mine = rng_state(engine)
     streams: list[Any] = [mine]
     if engine.dp_size > 1:
@@ -86,7 +86,9 @@ class Resumed:
 
 def resume(engine: Any, loader: TokenLoader, checkpoints: Path) -> Resumed | None:
     """Load checkpoints/latest into the engine, the loader and the random streams; None when there is none.
-    Collective: every rank calls it (the engine's load agrees across ranks)."""
+    Collective: every rank calls it (the engine's load agrees across ranks). The random streams are restored when
+    the saved data-parallel size is this run's; after a layout change dropout draws fresh masks (the caller says
+    so once, from `rng_restored`)."""
     if not (checkpoints / "latest").is_file():
         return None
     path, client = engine.load_checkpoint(str(checkpoints))

@@ -1,16 +1,8 @@
-"""What `shardwise train` does with a run directory that already holds a run: start, resume or refuse.
+"""What `shardwise train` does with a run directory that already holds a run: start, resume or refuse (`decide`).
 
 A run directory is one run's history: `metrics.jsonl` (appended, never truncated), `checkpoints/` (tags only
-added, `latest` only moved forward) and `train_args*.json` (what the run is). Starting a run into it decides:
-
-- nothing worth keeping there (no metrics, no checkpoint): start from step 0;
-- the same run (same model, sequence length, corpus, seed and config; `--steps` may grow) with a checkpoint:
-  resume from `latest` (automatic; `--resume` only insists on it), said in one line;
-- the same run without a checkpoint, or another run: refused in one line, unless `--overwrite`, which removes
-  that run's outputs first (the user's explicit choice: the only path that deletes anything).
-
-No torch here: the parent decides before any rank starts. The ranks then load `latest` whenever it exists, so
-an elastic restart resumes the same way.
+added, `latest` only moved forward) and `train_args*.json` (what the run is). No torch here: the parent decides
+before any rank starts. The ranks then load `latest` whenever it exists, so an elastic restart resumes the same way.
 """
 
 from __future__ import annotations
@@ -130,7 +122,14 @@ def lock(run_dir: Path, name: str) -> IO[str]:
 
 def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool) -> Decision:
     """Start, resume or refuse (UserError, one line) a run described by `now` (WorkerArgs as a dict) in
-    `run_dir`, whose earlier arguments are in `args_name`. With `overwrite`, the earlier outputs are removed."""
+    `run_dir`, whose earlier arguments are in `args_name`:
+
+    - nothing worth keeping there (no metrics, no checkpoint): start from step 0;
+    - the same run (same model, sequence length, corpus, seed and config; `--steps` may grow) with a checkpoint:
+      resume from `latest` (automatic; `--resume` only insists on it), said in one line;
+    - the same run without a checkpoint, or another run: refused in one line, unless `overwrite`, which removes
+      that run's outputs first (the user's explicit choice: the only path that deletes anything).
+    """
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
                         "--overwrite replaces it; pass one of them.")

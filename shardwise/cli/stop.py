@@ -2,14 +2,9 @@
 rank at once.
 
 `shardwise train` forwards a signal it receives to every local rank (torch's elastic agent does, as `kill`,
-`docker stop`, schedulers and Ctrl-C expect). Each rank notes the first one; after every step the ranks agree
-with a one-element all-reduce (max over the world) whether any rank was asked to stop, so all of them take
-the same decision at the same step, save one checkpoint together and leave.
-
-A rank blocked in a collective (a peer died or hangs) never returns to Python, and Python runs signal
-handlers only in the main thread between bytecodes. So the handler is a no-op, and a watcher thread reads the
-signal numbers from `signal.set_wakeup_fd`, which the interpreter's C-level handler writes from whichever
-thread the kernel interrupts: the second signal ends the process (exit code 128 + signal) even then.
+`docker stop`, schedulers and Ctrl-C expect). Each rank notes the first one (`StopRequest`); after every step the
+ranks agree (`StopRequest.agreed`) whether any rank was asked to stop, so all of them take the same decision at the
+same step, save one checkpoint together and leave.
 """
 
 from __future__ import annotations
@@ -32,7 +27,14 @@ class StopRequest:
         self._count = 0
 
     def install(self) -> "StopRequest":
-        """Catch SIGTERM and SIGINT from now on. Call once, from the main thread."""
+        """Catch SIGTERM and SIGINT from now on. Call once, from the main thread.
+
+        A rank blocked in a collective (a peer died or hangs) never returns to Python, and Python runs signal
+        handlers only in the main thread between bytecodes. So the handler is a no-op, and a watcher thread reads
+        the signal numbers from `signal.set_wakeup_fd`, which the interpreter's C-level handler writes from
+        whichever thread the kernel interrupts: the second signal ends the process (exit code 128 + signal) even
+        then.
+        """
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)       # the C handler must never block
         for sig in STOP_SIGNALS:
@@ -78,4 +80,4 @@ def _term_when_parent_dies() -> None:
 
 
 def _ignore(signum: int, frame: object) -> None:
-    """Python-level no-op: the watcher thread acts on the signal (see the module docstring)."""
+    """Python-level no-op: the watcher thread acts on the signal (see `StopRequest.install`)."""

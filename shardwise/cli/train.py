@@ -3,18 +3,6 @@
 Everything that can be the user's fault (flags, the config file and its batch arithmetic, the model
 preset, the corpus) is checked here, BEFORE any rank starts, and reported as one line with exit code 2.
 A mistake found by N ranks after start-up would otherwise print N tracebacks through the launcher.
-
-A run directory that holds a run is resumed, or refused, before anything in it changes (`run_dir`).
-
-Then torch's elastic launcher (torchrun's agent) runs in this process (`launch`): it starts the local ranks,
-runs the rendezvous across nodes, restarts the ranks after a failure (`--max-restarts`), forwards SIGTERM and
-SIGINT to them, and tears the group down; its outcome becomes a few lines and the exit code. The ranks run
-`shardwise.cli.train_worker` with a JSON file of `WorkerArgs` written into the run directory (it doubles as
-the record of what the run did, and names the run a later command may resume).
-
-Single node: `--standalone` rendezvous on a free port. Several nodes: static rendezvous, where
-`--node-rank 0` hosts the store at `--master-addr:--master-port` and its local rank 0 is global rank 0,
-so the run directory of node 0 receives metrics.jsonl, loss.png and summary.json.
 """
 
 from __future__ import annotations
@@ -57,7 +45,9 @@ def default_config(steps: int) -> dict[str, Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerArgs:
-    """Everything a rank needs, resolved by the parent; serialised to RUN_DIR as JSON."""
+    """Everything a rank needs, resolved by the parent; serialised to RUN_DIR as JSON. The ranks run
+    `shardwise.cli.train_worker` with this file, which doubles as the record of what the run did and names the run
+    a later command may resume."""
 
     config: dict[str, Any]        # the DeepSpeed config dict (from CONFIG or `default_config`)
     model: str                    # preset name, as given
@@ -153,6 +143,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Validate, write the worker arguments, run torch's elastic launcher and return the run's exit code.
 
+    A run directory that holds a run is resumed, or refused, before anything in it changes (`run_dir`). The
+    launcher (torchrun's agent) then runs in this process (`launch`): it starts the local ranks, runs the
+    rendezvous across nodes, restarts the ranks after a failure (`--max-restarts`), forwards SIGTERM and SIGINT
+    to them, and tears the group down; its outcome becomes a few lines and the exit code.
+
     OMP_NUM_THREADS is set to this node's cores // local ranks unless the caller already set it (the ranks
     inherit this process's environment)."""
     try:
@@ -182,7 +177,12 @@ def threads_per_rank(local_ranks: int) -> int:
 
 
 def launcher_command(args: argparse.Namespace, args_path: Path) -> list[str]:
-    """The torchrun command line for this node (`shardwise train` runs it in-process: `launch`)."""
+    """The torchrun command line for this node (`shardwise train` runs it in-process: `launch`).
+
+    Single node: `--standalone` rendezvous on a free port. Several nodes: static rendezvous, where
+    `--node-rank 0` hosts the store at `--master-addr:--master-port` and its local rank 0 is global rank 0,
+    so the run directory of node 0 receives metrics.jsonl, loss.png and summary.json.
+    """
     from shardwise.cli.launch import stop_grace_args
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
