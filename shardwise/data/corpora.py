@@ -8,10 +8,7 @@ text, and pre-tokenized memmaps.
     load_corpus("memmap:train.bin:uint16")     raw token ids on disk, any integer dtype; not read into RAM
     load_corpus("train.npy")                   a 1-D integer .npy file, memory-mapped
 
-Text is tokenized by bytes (`ByteTokenizer`): byte-level needs no decoding, so a file in any encoding (or none)
-is read whole, and text corpora are uint16 ids < 256. In directories and globs, files that look binary (a NUL
-byte in their first 8 KiB, git's rule) are skipped. Every failure is a `CorpusError` naming the spec, what is
-wrong and what to do.
+Every failure is a `CorpusError` naming the spec, what is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -91,6 +88,10 @@ def parse_spec(spec: str) -> CorpusSpec:
 def load_corpus(spec: str, *, max_bytes: int | None = None, vocab_size: int | None = None) -> np.ndarray:
     """Load a corpus as a 1-D array of token ids (uint16 for text; the stored dtype for memmap/.npy,
     which come back memory-mapped, not read into RAM).
+
+    Text is tokenized by bytes (`ByteTokenizer`): byte-level needs no decoding, so a file in any encoding (or
+    none) is read whole, and text corpora are uint16 ids < 256. In directories and globs, files that look binary
+    (`_looks_binary`) are skipped.
 
     max_bytes caps the corpus: text is cut after that many bytes (= tokens), memmap/.npy after
     max_bytes // itemsize tokens. None means the spec's default: DEFAULT_STDLIB_MAX_BYTES for

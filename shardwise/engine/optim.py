@@ -1,20 +1,9 @@
 """DeepSpeed optimizer and scheduler names -> torch objects, with DeepSpeed's semantics.
 
-Optimizers follow DeepSpeed 0.19's `DeepSpeedEngine._configure_basic_optimizer` (no offload):
+    build_optimizer(cfg.optimizer, model.parameters())   # "Adam" -> torch.optim.AdamW with FusedAdam's defaults
+    build_scheduler(cfg.scheduler, optimizer)            # DeepSpeed's WarmupLR, ..., then torch's by name
 
-- "Adam" / "AdamW" (any case). DeepSpeed builds its FusedAdam with ``adam_w_mode`` (default true:
-  decoupled weight decay, i.e. AdamW, even for "Adam"; "AdamW" is always decoupled). Here that is
-  torch.optim.AdamW (decoupled) or torch.optim.Adam (L2 decay), with FusedAdam's defaults: lr 1e-3,
-  betas (0.9, 0.999), eps 1e-8, weight_decay 0 (torch's AdamW default of 0.01 does *not* apply).
-  ``"torch_adam": true`` asks DeepSpeed for torch's own class with torch's defaults; so here too.
-  ``fp32_optimizer_states`` is dropped (DeepSpeed drops it on this path) and so is ``set_grad_none``
-  (a zero_grad detail). FusedAdam refuses ``amsgrad``; torch has no ``bias_correction: false``.
-- any torch.optim class by name, case-insensitively ("SGD", "RMSprop", "Adagrad"), with its own
-  parameters and defaults.
-- DeepSpeed's own kernels (Lamb, Lion, MuAdam, MuSGD, Muon, ...) are refused with a clear error.
-
-Schedulers: DeepSpeed's (`shardwise.engine.lr_schedules`) by name, then torch.optim.lr_scheduler classes,
-as DeepSpeed falls back to them.
+Optimizers follow DeepSpeed 0.19's `DeepSpeedEngine._configure_basic_optimizer` (no offload).
 """
 
 from __future__ import annotations
@@ -114,6 +103,14 @@ def _flag(params: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def _adam_family(name: str, params: dict[str, Any]) -> OptimizerChoice:
+    """Optimizer types "Adam" / "AdamW" (any case). DeepSpeed builds its FusedAdam with ``adam_w_mode``
+    (default true: decoupled weight decay, i.e. AdamW, even for "Adam"; "AdamW" is always decoupled). Here that
+    is torch.optim.AdamW (decoupled) or torch.optim.Adam (L2 decay), with FusedAdam's defaults: lr 1e-3, betas
+    (0.9, 0.999), eps 1e-8, weight_decay 0 (torch's AdamW default of 0.01 does *not* apply).
+    ``"torch_adam": true`` asks DeepSpeed for torch's own class with torch's defaults; so here too.
+    ``fp32_optimizer_states`` is dropped (DeepSpeed drops it on this path) and so is ``set_grad_none`` (a
+    zero_grad detail). FusedAdam refuses ``amsgrad``; torch has no ``bias_correction: false``.
+    """
     adam_w_mode = _flag(params, "adam_w_mode", True)
     torch_adam = _flag(params, "torch_adam", False)
     params.pop("fp32_optimizer_states", None)
@@ -138,7 +135,11 @@ def _adam_family(name: str, params: dict[str, Any]) -> OptimizerChoice:
 
 def resolve_optimizer(spec: OptimizerSpec) -> OptimizerChoice:
     """The torch class and keyword arguments DeepSpeed's semantics give `spec`. Raises `ConfigError`
-    for an unknown type or parameter."""
+    for an unknown type or parameter.
+
+    Adam and AdamW as DeepSpeed's FusedAdam (`_adam_family`); any other torch.optim class by name,
+    case-insensitively ("SGD", "RMSprop", "Adagrad"), with its own parameters and defaults; DeepSpeed's own
+    kernels (Lamb, Lion, MuAdam, MuSGD, Muon, ...) are refused with a clear error."""
     name = spec.type
     params = {key: _tuples(value) for key, value in spec.params.items()}
     if "max_grad_norm" in params:
@@ -178,7 +179,8 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[Any]) -> Optimizer:
 
 
 def resolve_scheduler(spec: SchedulerSpec) -> tuple[type[LRScheduler], dict[str, Any]]:
-    """The scheduler class for `spec.type` (DeepSpeed's names first, then torch's) and its kwargs."""
+    """The scheduler class for `spec.type` (DeepSpeed's names first, `shardwise.engine.lr_schedules`, then the
+    torch.optim.lr_scheduler classes, as DeepSpeed falls back to them) and its kwargs."""
     name, params = spec.type, {key: _tuples(value) for key, value in spec.params.items()}
     known: dict[str, type[LRScheduler]] = {**torch_schedulers(), **SCHEDULERS}
     cls = known.get(name) or {n.lower(): c for n, c in known.items()}.get(name.lower())

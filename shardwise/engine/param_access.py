@@ -6,13 +6,7 @@ parallelism.
 
 Both are collective over the data-parallel group when its ranks hold shards (ZeRO 1-3): every dp rank calls
 them, for the same parameters in the same order. "Whole" means the parameter this rank holds: under tensor
-parallelism its TP slice (as DeepSpeed's, which assemble over dp only). `param` is a parameter of the model given
-to `shardwise.initialize`; one the engine does not train (frozen, or not in model_parameters) gives None, as in
-DeepSpeed. Difference: DeepSpeed also gives None for every parameter under stage 0 in fp32 or fp16 (no fp32
-mapping exists there); here the fp32 value is given.
-
-Read gradients after the backward of the last micro-batch of a global batch and before `engine.step()`, which
-zeroes them. Under fp16 they are still multiplied by the loss scale (the step unscales them), as DeepSpeed's are.
+parallelism its TP slice (as DeepSpeed's, which assemble over dp only).
 """
 
 from __future__ import annotations
@@ -35,14 +29,19 @@ def link_params(updater: FullValues) -> None:
 
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A copy of `param`'s fp32 master value (see the module docstring); None when no optimizer steps it."""
+    """A copy of `param`'s fp32 master value; None when no optimizer steps it (frozen, or not in the
+    model_parameters given to `shardwise.initialize`), as in DeepSpeed. Difference: DeepSpeed also gives None for
+    every parameter under stage 0 in fp32 or fp16 (no fp32 mapping exists there); here the fp32 value is given."""
     updater: FullValues | None = getattr(param, UPDATER_ATTR, None)
     return None if updater is None else updater.full_master(param)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """`param`'s whole gradient (see the module docstring): fp32 assembled from the gradient shards under
-    ZeRO, the dp-averaged `.grad` otherwise; None when it has none."""
+    """`param`'s whole gradient: fp32 assembled from the gradient shards under ZeRO, the dp-averaged `.grad`
+    otherwise; None when it has none.
+
+    Read it after the backward of the last micro-batch of a global batch and before `engine.step()`, which zeroes
+    it. Under fp16 it is still multiplied by the loss scale (the step unscales it), as DeepSpeed's is."""
     updater: FullValues | None = getattr(param, UPDATER_ATTR, None)
     if updater is None:
         return param.grad    # DeepSpeed's fallback for a parameter it does not manage

@@ -1,15 +1,7 @@
 """The step driver: counts micro-batches and optimizer steps and takes the update on each accumulation boundary.
 
 The engine's `forward` / `backward` / `step` and every `BatchSchedule` (the plain micro-batch loop, a pipeline
-schedule) go through `TrainingSteps`, the `StepDriver` of `parallel/interfaces.py`:
-
-    forward(batch)                   the model's forward; the first micro-batch of a global batch opens the step
-    backward(loss)                   loss / micro-batches (* fp16 loss scale), the dp runtime around it
-    step()                           a micro-batch counted; on the boundary the update, the lr step, zeroed grads
-    open_step / complete_global_batch   around a schedule that runs a whole global batch itself
-
-A step opens by starting the ledger's record of it and launching the desync check (`comm/sequence.py`), whose
-result rides in the update's one host read and is judged after it.
+schedule) go through `TrainingSteps`, the `StepDriver` of `parallel/interfaces.py`.
 """
 
 from __future__ import annotations
@@ -36,7 +28,13 @@ from shardwise.telemetry.timers import BACKWARD, BACKWARD_ALLREDUCE, BACKWARD_IN
 
 class TrainingSteps:
     """The step counters and the calls that move them. DeepSpeed's names: `global_steps` (optimizer steps taken,
-    skipped ones included), `global_samples`, `micro_steps` (micro-batches stepped), `skipped_steps`."""
+    skipped ones included), `global_samples`, `micro_steps` (micro-batches stepped), `skipped_steps`.
+
+        forward(batch)                   the model's forward; the first micro-batch of a global batch opens the step
+        backward(loss)                   loss / micro-batches (* fp16 loss scale), the dp runtime around it
+        step()                           a micro-batch counted; on the boundary the update, the lr step, zeroed grads
+        open_step / complete_global_batch   around a schedule that runs a whole global batch itself
+    """
 
     def __init__(self, *, module: torch.nn.Module, batch: BatchSizes, updater: Updater,
                  dp_runtime: DataParallelRuntime, lr_scheduler: Any, ledger: CommLedger, monitor: TrainingMonitor,
@@ -143,7 +141,8 @@ class TrainingSteps:
     # -- the step -----------------------------------------------------------------------------------------
     def open_step(self) -> None:
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
-        recording it, and the ranks check they ran the same collectives so far (`comm.sequence`)."""
+        recording it, and the ranks check they ran the same collectives so far (`comm.sequence`). The check's
+        result rides in the update's one host read and is judged after it."""
         self.ledger.begin_step(self.global_steps)
         if self.sequence_check is not None:      # judged with the step's verdict (`_step`), or when the next opens
             self.sequence_check.launch(self.global_steps)
