@@ -6,15 +6,6 @@ The model is written to be cut apart by the parallelism functions, never to know
     model.embed    token embedding (+ learned positions)      ids [b, s]   -> x [b, s, d]
     model.blocks   nn.ModuleList of Block                        x [b, s, d]  -> x [b, s, d]
     model.head     final LayerNorm + lm-head Linear              x [b, s, d]  -> logits [b, s, vocab]
-
-Pipeline parallelism hands contiguous slices of `blocks` to stages (`pipeline_layers` says so); tensor
-parallelism swaps `attn.q_proj/k_proj/v_proj` and `mlp.fc_in` (and `mlp.fc_gate`) for column-parallel and
-`attn.o_proj`, `mlp.fc_out` for row-parallel layers (the plan: `parallelize.py`). Attention reads the number of
-(local) heads from the projection outputs, so a module holding n_head / tp heads runs unchanged.
-
-With tie_embeddings the lm-head weight *is* `embed.tok.weight` (one Parameter); a pipeline split
-that puts embed and head on different stages keeps a copy on each and sums their gradients
-(`parallel/pipeline/tied.py`).
 """
 
 from __future__ import annotations
@@ -183,7 +174,12 @@ class GPT(nn.Module):
     `model(ids, labels)` -> scalar mean cross-entropy over every token whose label is not -100.
 
     Labels are aligned with inputs (label[t] is the token that should follow input[t]); the loader
-    already shifts them, so no shift happens here."""
+    already shifts them, so no shift happens here.
+
+    Pipeline parallelism hands contiguous slices of `blocks` to stages (`pipeline_layers` says so); tensor
+    parallelism swaps `attn.q_proj/k_proj/v_proj` and `mlp.fc_in` (and `mlp.fc_gate`) for column-parallel and
+    `attn.o_proj`, `mlp.fc_out` for row-parallel layers (the plan: `parallelize.py`). Attention reads the number
+    of (local) heads from the projection outputs, so a module holding n_head / tp heads runs unchanged."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -198,8 +194,10 @@ class GPT(nn.Module):
         self.init_weights()
 
     def tie_weights(self) -> None:
-        """With tie_embeddings, make the lm-head weight the token-embedding Parameter. Needed again
-        after `to_empty()` (a meta-device build), which gives each module its own new tensor."""
+        """With tie_embeddings, make the lm-head weight the token-embedding Parameter (one Parameter). Needed
+        again after `to_empty()` (a meta-device build), which gives each module its own new tensor. A pipeline
+        split that puts embed and head on different stages keeps a copy on each and sums their gradients
+        (`parallel/pipeline/tied.py`)."""
         if self.cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.tok.weight
 

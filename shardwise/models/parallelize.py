@@ -1,18 +1,10 @@
 """How each model family is parallelized: the plans live here, beside the models, so that `shardwise.parallel`
 knows no model (its `apply_tensor_parallel` takes any plan).
 
-- The built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`, which
-  also installs the vocabulary-parallel loss, so the full logits are never gathered.
-- Hugging Face models that publish `config.base_model_tp_plan` (the Llama family; not GPT-2, which has none):
-  `hf_tp_plan` reads the plan as transformers resolves it (the base model's plan under its prefix, the input
-  embedding split by vocabulary, the head's own `_tp_plan`), translates transformers' style strings, and
-  `parallelize_hf` applies it and adjusts the attention modules' head counts.
-- Any other model may carry `shardwise_tp_plan`, a plan in our own styles (see `parallel/tensor_parallel/plan.py`).
+    info = parallelize_model(model, tp_comm)   # the engine, on the whole model before the pipeline split
 
-`parallelize_model` picks among them: the engine calls it on the whole model before the pipeline split.
 Also here: `HuggingFaceAttention`, how selective activation recomputation reaches Hugging Face attention cores,
-which are functions looked up by name, not modules. (The pipeline cut of the built-in GPT is its own
-`GPT.pipeline_layers()`.)
+which are functions looked up by name, not modules.
 """
 
 from __future__ import annotations
@@ -303,8 +295,17 @@ class HuggingFaceAttention:
 # -- the engine's entry point -------------------------------------------------------------------------
 
 def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelInfo:
-    """Split a model the engine was given: the built-in GPT, a transformers model with a tp plan, or a model
-    carrying `shardwise_tp_plan`. Anything else is a `TensorParallelError` saying what to provide."""
+    """Split a model the engine was given; anything else is a `TensorParallelError` saying what to provide:
+
+    - the built-in GPT (and its Llama-style presets): `gpt_tp_plan` (Megatron's layout) and `parallelize_gpt`,
+      which also installs the vocabulary-parallel loss, so the full logits are never gathered;
+    - Hugging Face models that publish `config.base_model_tp_plan` (the Llama family; not GPT-2, which has none):
+      `hf_tp_plan` reads the plan as transformers resolves it, `translate_hf_plan` translates transformers' style
+      strings, and `parallelize_hf` applies it and adjusts the attention modules' head counts;
+    - any other model carrying `shardwise_tp_plan`, a plan in our own styles (`parallel/tensor_parallel/plan.py`).
+
+    (The pipeline cut of the built-in GPT is its own `GPT.pipeline_layers()`.)
+    """
     if isinstance(model, GPT):
         return parallelize_gpt(model, comm, sequence_parallel=sequence_parallel)
     if is_hf_model(model):

@@ -4,12 +4,7 @@
     --model hf:PATH                          a Hugging Face model: PATH is a config.json, or a directory holding
                                              one (and, when it holds `save_pretrained` weights, those are loaded)
 
-`resolve_model` validates in the parent process (torch-free for presets; transformers reads an HF config) and
-returns a `ModelChoice`: plain data, written to RUN_DIR/model.json so that `shardwise eval / generate / export`
-rebuild the same model from a checkpoint. `build_model` makes the module on a rank.
-
-Hugging Face causal-LM heads shift their labels by one themselves; our loader's labels are already shifted, so
-their batches go in as `shift_labels=` (`hf_batch`), and the loss is the same next-token cross-entropy.
+`resolve_model` validates in the parent process; `build_model` makes the module on a rank.
 """
 
 from __future__ import annotations
@@ -31,7 +26,9 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch
 
 @dataclass(frozen=True, kw_only=True)
 class ModelChoice:
-    """A resolved `--model`. Exactly one of `gpt` (our model's config fields) and `hf_path` is set."""
+    """A resolved `--model`. Exactly one of `gpt` (our model's config fields) and `hf_path` is set. Plain data,
+    written to RUN_DIR/model.json so that `shardwise eval / generate / export` rebuild the same model from a
+    checkpoint."""
 
     spec: str                          # as the user gave it
     seq_len: int
@@ -59,7 +56,8 @@ class ModelChoice:
 
 
 def resolve_model(spec: str, *, seq_len: int | None = None, vocab_size: int | None = None) -> ModelChoice:
-    """Check `--model` (with `--seq-len` / `--vocab-size` overrides); UserError naming the flag and the fix."""
+    """Check `--model` (with `--seq-len` / `--vocab-size` overrides); UserError naming the flag and the fix.
+    Torch-free for presets; transformers reads an HF config."""
     if spec.startswith(HF_PREFIX):
         return _resolve_hf(spec, seq_len, vocab_size)
     overrides = {k: v for k, v in (("seq_len", seq_len), ("vocab_size", vocab_size)) if v is not None}
@@ -150,7 +148,9 @@ def _first_set(config: Any, *names: str) -> int:
 
 
 def hf_batch(batch: tuple[Any, Any]) -> dict[str, Any]:
-    """(input_ids, labels) [b, s] with labels already shifted -> a transformers causal LM's keywords."""
+    """(input_ids, labels) [b, s] with labels already shifted -> a transformers causal LM's keywords.
+    Hugging Face causal-LM heads shift their labels by one themselves; ours go in as `shift_labels=`, so the loss
+    is the same next-token cross-entropy."""
     input_ids, labels = batch
     return {"input_ids": input_ids, "labels": labels, "shift_labels": labels}
 
