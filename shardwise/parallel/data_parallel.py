@@ -1,25 +1,10 @@
 """Data parallelism: bucketed gradient all-reduce, launched from backward hooks as buckets fill.
 
 Every parameter's `.grad` is a view into a flat bucket buffer, so autograd accumulates straight into the
-buffer that is communicated (no copy in, no copy out). Buckets are filled in reverse registration order,
-which approximates the order gradients become ready in backward, so the first bucket is usually complete
-while most of backward is still to run: its all-reduce overlaps the rest of backward.
+buffer that is communicated (no copy in, no copy out), and a full bucket's all-reduce overlaps the rest of backward.
 
     buckets[k].buffer : [numel_k]  (dtype of its parameters; one dtype per bucket)
     param.grad        : buffer[offset : offset + param.numel()].view(param.shape)
-
-The bucket launched last holds at most 1/LAST_BUCKET_DIVISOR of the bucket size (`plan_buckets`): nothing is
-left to overlap its all-reduce.
-
-Buckets launch strictly in index order (bucket k waits for buckets < k), so every rank issues the same
-collectives in the same order even if hooks fire in a slightly different order.
-
-With `AllReduceImpl.SHM` the buffers themselves live in shared memory that every rank of the group maps
-(`shardwise.comm.shm`), so the all-reduce reads the peers' gradients in place instead of through sockets.
-
-Gradient averaging: sum over the dp group, then divide by dp size (optionally pre-divided by
-`gradient_predivide_factor`, as DeepSpeed does), which is the exact mean when every rank's loss is the mean
-over an equal number of samples.
 """
 
 from __future__ import annotations
@@ -101,7 +86,8 @@ class OrderedLauncher:
     """Launch buckets strictly in index order once all their parameters' gradients are ready.
 
     Shared by the stage-0 all-reduce and the ZeRO-1/2 reduce-scatter: bucket k launches only after buckets < k,
-    so every rank issues its collectives in the same order. Subclasses set `self.buckets` (each with `.ready`,
+    so every rank issues its collectives in the same order even if hooks fire in a slightly different order.
+    Subclasses set `self.buckets` (each with `.ready`,
     a set of parameter ids, and `.params`) and `self.comm` (the dp group), and implement `_launch(bucket)`.
     Both keep every parameter whole on every rank, which the last two methods rely on."""
 
@@ -148,7 +134,11 @@ class OrderedLauncher:
 
 
 class BucketedAllReduce(OrderedLauncher):
-    """The data-parallel runtime of plain data parallelism (ZeRO stage 0): gradient all-reduce."""
+    """The data-parallel runtime of plain data parallelism (ZeRO stage 0): gradient all-reduce.
+
+    With `AllReduceImpl.SHM` the buffers themselves live in shared memory that every rank of the group maps
+    (`shardwise.comm.shm`), so the all-reduce reads the peers' gradients in place instead of through sockets.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, *, bucket_numel: int | None,
                  impl: AllReduceImpl = AllReduceImpl.BACKEND, predivide_factor: float = 1.0,
@@ -164,6 +154,8 @@ class BucketedAllReduce(OrderedLauncher):
         self._executor: ThreadPoolExecutor | None = None
         self._reset_launches()
         params = [p for p in params if p.requires_grad]
+        # Reverse registration order approximates the order gradients become ready in backward, so the first
+        # bucket is usually complete while most of backward is still to run.
         order = list(reversed(params))
         self.buckets: list[Bucket] = []
         groups = self._group_by_dtype(order, bucket_numel)
@@ -372,7 +364,9 @@ class BucketedAllReduce(OrderedLauncher):
 
     def finish(self) -> None:
         """After backward on a boundary micro-batch: launch what is left (parameters that got no
-        gradient keep zeros), wait for every bucket, and turn sums into means."""
+        gradient keep zeros), wait for every bucket, and turn sums into means: sum over the dp group, then divide by
+        dp size (optionally pre-divided by `gradient_predivide_factor`, as DeepSpeed does), which is the exact
+        mean when every rank's loss is the mean over an equal number of samples."""
         if not self.comm.local:
             self._launch_ready(force=True)
         for bucket in self.buckets:

@@ -1,24 +1,8 @@
-"""The whole model's gradient norm and overflow verdict, agreed by every rank that holds a part of the model.
+"""The whole model's gradient norm and overflow verdict, agreed by every rank that holds a part of the model,
+so all of them clip alike and skip a step together.
 
-A rank steps some tensors: whole parameters (ZeRO stage 0) or flat shards of buckets (ZeRO 1-3). Their
-elements are of two kinds:
-- sliced: part of a tensor-parallel slice, different on every TP rank (every element, without TP);
-- replicated: part of a parameter every TP rank holds whole (norm weights, row-parallel biases), whose
-  gradient is equal on all TP ranks, so it must be counted once.
-Other parts of this rank's TP slice sit on other ranks: the layers of the other pipeline stages, and under ZeRO
-the other dp ranks' shards. Call those ranks the model group (pp ranks for stage 0, pp x dp ranks for ZeRO). Then
-
-    ||g||^2 = sum over TP of (sum over the model group of sliced ||g||^2)  +  its sum of replicated ||g||^2
-
-Per step: one all-reduce of float64 [sliced, replicated] over the model group (16 bytes) and one of the sliced
-part over TP (8 bytes). The overflow flag is the max over the same two groups, so every rank that holds part of
-one model skips a step together.
-
-[Note: one host read per step]
-`agree` computes the step's verdict on the gradients' device without reading it: the squares, a count of
-ranks that saw inf/nan (summed: > 0 iff any did, so it rides in the same SUM all-reduce as the squares), and
-metrics the caller adds (`ExtraSums`: train_batch's loss) in one float64 vector per group. Clipping then
-scales by a device coefficient, and `StepVerdict.read` is the step's one device-to-host read.
+    norms = GradNormReducer.from_mesh(mesh, ledger).for_tensors(shard_layout(buckets), dp_sharded=True)
+    overflow, norm, extra = norms.agree(shards, check_overflow=True, want_norm=True).read()   # one host read
 """
 
 from __future__ import annotations
@@ -68,7 +52,8 @@ class ExtraSums:
 
 @dataclass(frozen=True)
 class StepVerdict:
-    """What the model group agreed on, still on the device (see [Note: one host read per step])."""
+    """What the model group agreed on, still on the device (see [Note: one host read per step] at
+    `GradNormReducer.agree`)."""
 
     overflow: Tensor | None
     """0-dim float64: how many ranks saw inf/nan (None: not checked)."""
@@ -104,7 +89,23 @@ def _with_agreed(extra_vec: Tensor | None, agreed: Tensor | None) -> Tensor | No
 @dataclass(frozen=True)
 class GradNormReducer:
     """Built once from the mesh (`from_mesh`); each update strategy binds it to its stepped tensors
-    (`for_tensors`). `clip_` and `overflow` are collective over the model group and the TP group."""
+    (`for_tensors`). `clip_` and `overflow` are collective over the model group and the TP group.
+
+    A rank steps some tensors: whole parameters (ZeRO stage 0) or flat shards of buckets (ZeRO 1-3). Their
+    elements are of two kinds:
+    - sliced: part of a tensor-parallel slice, different on every TP rank (every element, without TP);
+    - replicated: part of a parameter every TP rank holds whole (norm weights, row-parallel biases), whose
+      gradient is equal on all TP ranks, so it must be counted once.
+    Other parts of this rank's TP slice sit on other ranks: the layers of the other pipeline stages, and under
+    ZeRO the other dp ranks' shards. Call those ranks the model group (pp ranks for stage 0, pp x dp ranks for
+    ZeRO). Then
+
+        ||g||^2 = sum over TP of (sum over the model group of sliced ||g||^2)  +  its sum of replicated ||g||^2
+
+    Per step: one all-reduce of float64 [sliced, replicated] over the model group (16 bytes) and one of the
+    sliced part over TP (8 bytes). The overflow flag is the max over the same two groups, so every rank that holds
+    part of one model skips a step together.
+    """
 
     stage_comm: Comm
     """The pipeline's stages ("pp:metrics"): the model group of a stage-0 slice."""
@@ -145,7 +146,15 @@ class GradNormReducer:
     def agree(self, params: Sequence[Tensor], *, check_overflow: bool, want_norm: bool,
               extra: ExtraSums | None = None) -> StepVerdict:
         """The step's verdict on the `p.grad`s of `params`, agreed by the model group and the TP group, without a host
-        read. Alone, the norm is torch's `get_total_norm` (bitwise the reference's clip_grad_norm_)."""
+        read. Alone, the norm is torch's `get_total_norm` (bitwise the reference's clip_grad_norm_).
+
+        [Note: one host read per step]
+        `agree` computes the step's verdict on the gradients' device without reading it: the squares, a count of
+        ranks that saw inf/nan (summed: > 0 iff any did, so it rides in the same SUM all-reduce as the squares),
+        and metrics the caller adds (`ExtraSums`: train_batch's loss) in one float64 vector per group. Clipping
+        then scales by a device coefficient (`clip_with_norm_`), and `StepVerdict.read` is the step's one
+        device-to-host read.
+        """
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         flag = nonfinite_flag(grads, device) if check_overflow else None

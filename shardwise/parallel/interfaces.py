@@ -2,19 +2,9 @@
 kind once; the engine, the checkpoint code and DeepSpeed's helpers each hold the narrow view they call and never
 ask which strategy is behind it.
 
-    DataParallelRuntime   around backward across dp ranks: gradient all-reduce (stage 0), reduce-scatter
-                          (ZeRO 1-2), under ZeRO-3 also gathering and freeing parameters
-    Updater               the step: synchronised gradients -> new parameters (unscale, overflow, clip, step)
-    ShardedState          what a checkpoint reads and writes of the updater: the stepped tensors (whole, or
-                          this rank's shards), their optimizer state and where each piece of a parameter sits
-    FullValues            DeepSpeed's `safe_get_full_*`: a parameter's fp32 value and gradient, whole
-    BatchSchedule         how a global batch runs: the whole model's micro-batch loop, or a pipeline schedule
-    StageNaming           how this rank's module tensors are named in the full model (checkpoints, export)
-    StageBuild            what construction asks the pipeline once: this rank's parameters, blocks, units, ties
-    StepDriver            what a `BatchSchedule` drives: forward, backward and step, or one whole global batch
-
-Strategies implement these structurally (no inheritance); `UpdateStrategy` and `Pipeline` name the whole object a
-builder returns, which `initialize` hands out as its narrow views.
+Strategies implement these structurally (no inheritance): `UpdateStrategy` (`Updater` + `ShardedState` +
+`FullValues`) and `Pipeline` (`BatchSchedule` + `StageNaming` + `StageBuild`) name the whole object a builder
+returns; `DataParallelRuntime` runs around backward, and `StepDriver` is what a `BatchSchedule` drives.
 """
 
 from __future__ import annotations
@@ -32,7 +22,8 @@ if TYPE_CHECKING:
 
 
 class DataParallelRuntime(Protocol):
-    """`BucketedAllReduce` (stage 0), `ZeroGradReducer` (stages 1-2), `ZeroParamRuntime` (stage 3)."""
+    """Around backward across dp ranks: gradient all-reduce (stage 0, `BucketedAllReduce`), reduce-scatter
+    (stages 1-2, `ZeroGradReducer`), under ZeRO-3 also gathering and freeing parameters (`ZeroParamRuntime`)."""
 
     @property
     def grad_bytes(self) -> int:
@@ -82,8 +73,9 @@ class HeldBytes:
 
 
 class Updater(Protocol):
-    """The step the engine takes on a gradient-accumulation boundary. `ReplicatedUpdate` (stage 0),
-    `ShardedUpdate` (1-2), `Stage3Update`; all share `parallel.update.Update`."""
+    """The step the engine takes on a gradient-accumulation boundary: synchronised gradients -> new parameters
+    (unscale, overflow, clip, step). `ReplicatedUpdate` (stage 0), `ShardedUpdate` (1-2), `Stage3Update`; all
+    share `parallel.update.Update`."""
 
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
@@ -127,7 +119,8 @@ class SteppedEntry:
 
 
 class ShardedState(Protocol):
-    """The updater as a checkpoint sees it: what each rank holds and how to put it back."""
+    """The updater as a checkpoint sees it: what each rank holds and how to put it back (the stepped tensors,
+    whole or this rank's shards, their optimizer state and where each piece of a parameter sits)."""
 
     checkpoint_per_rank: bool
     """Whether each rank saves its own optimizer state (ZeRO shards) or dp rank 0 saves everyone's (replicated)."""
@@ -266,7 +259,8 @@ class StageNaming(Protocol):
 
 
 class StageBuild(Protocol):
-    """What construction asks of the pipeline once, before the data-parallel strategy exists."""
+    """What construction asks of the pipeline once, before the data-parallel strategy exists: this rank's
+    parameters, blocks, units and ties."""
 
     def owned(self, model_parameters: Iterable[Any]) -> list[Any]:
         """`model_parameters` (tensors or param-group dicts of the full model) restricted to this rank's."""
