@@ -1,20 +1,8 @@
 """Pipeline parallelism inside the engine: split the model for this rank and run `engine.train_batch` /
-`engine.eval_batch` through the schedule (`PipelineRunner`, the `interfaces.Pipeline` when pipeline.stages > 1). The whole model's gradient norm and overflow verdict across stages come from the
-update's `GradNormReducer`, like every other part of the model held elsewhere.
+`engine.eval_batch` through the schedule (`PipelineRunner`, the `interfaces.Pipeline` when pipeline.stages > 1).
 
-Layout: the mesh's (pp, dp, tp) axes (`topology.MeshShape`). A pipeline is the ranks of one (dp, tp) index
-(group "pp"); the replicas of one stage form its dp group, over which the stage's gradients are synchronised
-by the engine's ordinary gradient sync. With tensor parallelism (3D) the model was sliced before the split:
-each stage's layers hold this rank's TP slices and the TP collectives run inside the stage's forward and
-backward, in the same order on every TP rank of a stage (they all run the same schedule).
-
-Per global batch (`PipelineRunner.train_batch`): the first and last stages read M =
-gradient_accumulation_steps micro-batches ``(inputs, labels)`` from ``data_iter`` (the middle stages read
-nothing, as in DeepSpeed); the runtime runs the schedule (the last stage's loss / M starts each backward,
-times the fp16 loss scale); gradients are synchronised over dp during the stage's last backward; the
-optimizer steps this stage's parameters. The step's loss (mean over micro-batches) is broadcast from the
-last stage and averaged over the dp replicas, so every rank returns the same number. `eval_batch` is the
-same pass forward only (any M, any shapes), with no gradient, no synchronisation and no step.
+    runner = apply_pipeline(model, section=cfg.pipeline, num_microbatches=M, mesh=mesh, ledger=ledger,
+                            device=device)
 """
 
 from __future__ import annotations
@@ -43,7 +31,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class PipelineRunner:
-    """This rank's stage, its runtime and its groups."""
+    """This rank's stage, its runtime and its groups. The whole model's gradient norm and overflow verdict
+    across stages come from the update's `GradNormReducer`, like every other part of the model held elsewhere."""
 
     stage: PipelineStage
     runtime: PipelineRuntime
@@ -99,7 +88,13 @@ class PipelineRunner:
         return [next(data_iter) for _ in range(num_micro)]
 
     def train_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None) -> float:
-        """One global batch through the pipeline and one optimizer step; the mean loss on every rank."""
+        """One global batch through the pipeline and one optimizer step; the mean loss on every rank.
+
+        The first and last stages read M = gradient_accumulation_steps micro-batches ``(inputs, labels)`` from
+        ``data_iter`` (the middle stages read nothing, as in DeepSpeed); the runtime runs the schedule (the last
+        stage's loss / M starts each backward, times the fp16 loss scale); gradients are synchronised over dp
+        during the stage's last backward; the optimizer steps this stage's parameters. The step's loss (mean over
+        micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
         driver.open_step()
@@ -114,7 +109,8 @@ class PipelineRunner:
 
     def eval_batch(self, driver: StepDriver, data_iter: Iterator[Any] | None, count: int) -> float:
         """``count`` micro-batches forward only (`PipelineRuntime.evaluate`; the engine has put the module in
-        eval mode); the mean loss on every rank, agreed like `train_batch`'s."""
+        eval mode; any count, any shapes), with no gradient, no synchronisation and no step; the mean loss on
+        every rank, agreed like `train_batch`'s."""
         micro = self._read(data_iter, count, "engine.eval_batch")
         return self._agreed_mean(self.runtime.evaluate(micro, num_microbatches=count))
 
@@ -167,7 +163,14 @@ def apply_pipeline(model: torch.nn.Module, *, section: PipelineConfig, num_micro
                    ledger: CommLedger, device: torch.device) -> PipelineRunner:
     """Cut ``model`` for this rank's stage (`split_model`; the parameters of other stages are released) and
     build its runtime, running ``num_microbatches`` (gradient_accumulation_steps) per step. Collective only for
-    weights tied across stages (their groups, created by every rank, and the copies made equal)."""
+    weights tied across stages (their groups, created by every rank, and the copies made equal).
+
+    Layout: the mesh's (pp, dp, tp) axes (`topology.MeshShape`). A pipeline is the ranks of one (dp, tp) index
+    (group "pp"); the replicas of one stage form its dp group, over which the stage's gradients are synchronised
+    by the engine's ordinary gradient sync. With tensor parallelism (3D) the model was sliced before the split:
+    each stage's layers hold this rank's TP slices and the TP collectives run inside the stage's forward and
+    backward, in the same order on every TP rank of a stage (they all run the same schedule).
+    """
     stage = split_model(model, num_stages=section.stages, stage=mesh.rank(Axis.PP),
                         virtual_stages=section.virtual_stages, partition=section.partition)
     release_unowned(model, stage)

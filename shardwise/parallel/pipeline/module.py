@@ -8,20 +8,6 @@ changing its imports:
                                            training_data=dataset)
     for step in range(steps):
         loss = engine.train_batch()
-
-`PipelineModule` is a `PipelineModel` (layers + loss) that also carries DeepSpeed's stage count and partition
-method: `shardwise.initialize` turns them into the config's "pipeline" block (schedule 1F1B, what DeepSpeed's
-TrainSchedule runs), or checks that an explicit block agrees. Layers may be modules, `LayerSpec`s (built here,
-in order, optionally each under its own seed as DeepSpeed's ``seed_layers``) or plain callables such as
-``lambda x: x.flatten(1)`` (wrapped in a parameterless module). Every rank builds every layer from the same
-seed and then keeps its stage's (DeepSpeed builds only its own): the start is bit-identical to one process.
-
-`TiedLayerSpec(key, ...)` layers share one module per key (``net.tied_modules[key]``); pipelined, every stage
-holding a use keeps a copy whose gradient is summed over the stages sharing it (`parallel/pipeline/tied.py`).
-
-Refused with a message that names the fix, rather than half-supported: ``topology=`` (give num_stages, and
-tensor/data parallelism in the config), ``partition_method="type:..."``, ``activation_checkpoint_interval > 0`` and
-``dynamic_shape=True`` (activation shapes are agreed once).
 """
 
 from __future__ import annotations
@@ -96,7 +82,19 @@ def _output_is_loss(outputs: Any, labels: Any) -> Any:
 
 
 class PipelineModule(PipelineModel):
-    """DeepSpeed's PipelineModule: layers, a loss function, the number of stages and how to cut them."""
+    """DeepSpeed's PipelineModule: layers, a loss function, the number of stages and how to cut them.
+
+    A `PipelineModel` (layers + loss) that also carries DeepSpeed's stage count and partition method:
+    `shardwise.initialize` turns them into the config's "pipeline" block (`pipeline_block`). Layers may be
+    modules, `LayerSpec`s (built here, in order, optionally each under its own seed as DeepSpeed's
+    ``seed_layers``), `TiedLayerSpec`s (one module per key, ``net.tied_modules[key]``) or plain callables such as
+    ``lambda x: x.flatten(1)`` (wrapped in a parameterless module). Every rank builds every layer from the same
+    seed and then keeps its stage's (DeepSpeed builds only its own): the start is bit-identical to one process.
+
+    Refused with a message that names the fix, rather than half-supported: ``topology=`` (give num_stages, and
+    tensor/data parallelism in the config), ``partition_method="type:..."``, ``activation_checkpoint_interval >
+    0`` and ``dynamic_shape=True`` (activation shapes are agreed once).
+    """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology: Any = None,
                  loss_fn: Callable[[Any, Any], Any] | None = None, seed_layers: bool = False,
@@ -152,7 +150,8 @@ class PipelineModule(PipelineModel):
 
     def pipeline_block(self, config: dict) -> dict:
         """``config`` (a dict) with this module's stages and partition as its "pipeline" block; an explicit block
-        must agree on the stage count. DeepSpeed trains pipelines with 1F1B: that is the default schedule."""
+        must agree on the stage count. DeepSpeed trains pipelines with 1F1B (what its TrainSchedule runs): that is
+        the default schedule."""
         if self.num_stages is None:
             return config
         block = dict(config.get("pipeline") or {})

@@ -1,23 +1,9 @@
-"""Point-to-point transport of one pipeline stage: shape headers, receive buffers, send completion.
+"""Point-to-point transport of one pipeline stage: shape headers, receive buffers, send completion (`Wire`).
 
 Everything goes through the stage's `Comm` (group ranks = stage indices), so the ledger records every
-activation and gradient that crosses stages. `Wire.exchange` posts one `comm_plan.Batch` (the sends and
-receives of one tick of the stage's program) as one ``batch_isend_irecv``; `comm_plan` explains why that
-order cannot deadlock or mismatch under NCCL, which matches messages by order and ignores tags. Every
-message therefore uses tag 0, with gloo too, so the CPU tests run the very matching NCCL does.
-
-- Sends are never waited on by the compute thread before the end of the step (a blocked send is what
-  deadlocks 1F1B, see `simulate.SendMode`). Each batch first drops the sends that completed since the last
-  one, with the last reference to their buffers: an activation's memory is returned by the first batch
-  after its send completed.
-- Receives are posted at the tick their data is sent (under NCCL; with gloo a few actions earlier still,
-  see `post_ahead`) and waited on only right before the action that needs them (`take`).
-
-Shapes are agreed once. The first activation crossing each model-chunk boundary is preceded by a shape header
-(`HEADER_LEN` int64: micro-batch, count, then dtype, requires_grad, ndim, dims per tensor), posted in a batch
-of its own at the same tick on both sides (so `comm_plan`'s argument still holds) and waited on at once.
-Later activations, in this step and the next ones, must have the same shapes (checked on the sending side).
-Gradients need no header: they have the shapes of the activations the receiving stage produced itself.
+activation and gradient that crosses stages. `comm_plan` explains why its batch order cannot deadlock or mismatch
+under NCCL, which matches messages by order and ignores tags. Every message therefore uses tag 0, with gloo too,
+so the CPU tests run the very matching NCCL does.
 """
 
 from __future__ import annotations
@@ -96,7 +82,15 @@ class Outgoing:
 
 
 class Wire:
-    """Sends and receives of one stage; shapes announced and received are kept for the runtime's lifetime."""
+    """Sends and receives of one stage; shapes announced and received are kept for the runtime's lifetime.
+
+    - Sends are never waited on by the compute thread before the end of the step (a blocked send is what
+      deadlocks 1F1B, see `simulate.SendMode`). Each batch first drops the sends that completed since the last
+      one, with the last reference to their buffers: an activation's memory is returned by the first batch
+      after its send completed.
+    - Receives are posted at the tick their data is sent (under NCCL; with gloo a few actions earlier still,
+      see `post_ahead`) and waited on only right before the action that needs them (`take`).
+    """
 
     def __init__(self, comm: Comm, *, device: torch.device, eager_receives: bool | None = None,
                  join_first: bool | None = None) -> None:
@@ -133,9 +127,10 @@ class Wire:
 
     def exchange(self, batch: Batch, outbox: dict[Message, Outgoing],
                  grad_metas: Callable[[Message], list[TensorMeta] | None]) -> None:
-        """Post ``batch``: the sends of its messages (taken out of ``outbox``) and the receives of the messages
-        peers send at its tick (unless `post_ahead` posted them already). ``grad_metas(message)``: the shapes of
-        a gradient to receive."""
+        """Post ``batch`` (the sends and receives of one tick of the stage's `comm_plan` program) as one
+        ``batch_isend_irecv``: the sends of its messages (taken out of ``outbox``) and the receives of the
+        messages peers send at its tick (unless `post_ahead` posted them already). ``grad_metas(message)``: the
+        shapes of a gradient to receive."""
         self._sending = [h for h in self._sending if not h.is_completed()]
         sends = [(t, outbox.pop(t.message)) for t in batch.sends]
         self._agree_shapes(batch, sends)
@@ -189,7 +184,15 @@ class Wire:
         return grad_metas(message)
 
     def _agree_shapes(self, batch: Batch, sends: list[tuple[Any, Outgoing]]) -> None:
-        """Headers of the activations that are the first across their boundary; the others are checked."""
+        """Headers of the activations that are the first across their boundary; the others are checked.
+
+        Shapes are agreed once. The first activation crossing each model-chunk boundary is preceded by a shape
+        header (`HEADER_LEN` int64: micro-batch, count, then dtype, requires_grad, ndim, dims per tensor), posted
+        in a batch of its own at the same tick on both sides (so `comm_plan`'s argument still holds) and waited on
+        at once. Later activations, in this step and the next ones, must have the same shapes (checked on the
+        sending side). Gradients need no header: they have the shapes of the activations the receiving stage
+        produced itself.
+        """
         header_sends, header_recvs = [], []
         for t, out in sends:
             if t.message.op is not Op.FORWARD:

@@ -3,16 +3,6 @@
 The model is a sequence of L layers cut into P * V contiguous model chunks, in model order; model
 chunk k goes to stage k % P as its local chunk k // P (see `schedules`). With V = 1 that is simply
 one slice per stage.
-
-Methods (`PipelinePartition`):
-- "uniform": equal layer counts; when L is not a multiple of the number of chunks, the first
-  L % (P*V) chunks get one layer more (DeepSpeed's ``partition_uniform``). With V > 1 every chunk
-  must have the same count (Megatron's rule), so L must be a multiple of P * V.
-- "parameters" / "flops": contiguous chunks that minimise the largest chunk load, where ``costs`` is
-  each layer's parameter count or FLOPs. The optimum is exact (binary search over the candidate
-  loads, which are sums of contiguous runs, with a greedy feasibility test). Among the optimal
-  cuts, the one with the most even loads (least sum of squares) wins. All-zero costs fall back to
-  "uniform".
 """
 
 from __future__ import annotations
@@ -45,6 +35,12 @@ def partition_layers(costs: Sequence[float], num_stages: int, method: str | Pipe
 
     Returns the layer ranges in model order (model chunk k = element k). ``costs`` are per-layer
     parameter counts or FLOPs; "uniform" uses only their number.
+
+    - "uniform": equal layer counts; when L is not a multiple of the number of chunks, the first
+      L % (P*V) chunks get one layer more (DeepSpeed's ``partition_uniform``). With V > 1 every chunk
+      must have the same count (Megatron's rule), so L must be a multiple of P * V.
+    - "parameters" / "flops": contiguous chunks that minimise the largest chunk load (`_balanced`).
+      All-zero costs fall back to "uniform".
     """
     kind = parse_partition_method(method)
     num_layers = len(costs)
@@ -87,6 +83,9 @@ def _uniform(num_layers: int, parts: int) -> list[range]:
 
 
 def _balanced(costs: list[float], parts: int) -> list[range]:
+    """The contiguous chunks that minimise the largest chunk load. The optimum is exact (binary search over the
+    candidate loads, which are sums of contiguous runs, with a greedy feasibility test). Among the optimal cuts,
+    the one with the most even loads (least sum of squares) wins."""
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)

@@ -5,32 +5,7 @@
     result.loss, result.records, result.peak_in_flight
 
 The stage runs its `comm_plan` program: its actions (`build_schedule`) in order, and between them the batches
-of sends and receives of the lockstep grid that keeps NCCL from hanging or mismatching messages (see
-`comm_plan`). A receive is waited on right before the action that needs it (with gloo, the receives of the
-next `LOOKAHEAD` actions are posted before each action); a send is never waited on before the end of the
-step (`p2p.Wire`).
-
-F(m, v): the chunk's forward on micro-batch m. Received activations become leaves that require grad; the
-output goes to the outbox of the next batch and its data is freed at once (only its autograd node is kept: the
-backward root needs no data; the send buffer holds the storage until the send completes), unless something
-else holds it (`sole_owner`: e.g. autograd saved it, as tanh does). The last model chunk also computes
-``loss_fn(output, labels) / M`` (times the loss scale), the root of its backward.
-B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
-the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
-over the micro-batches; the engine's data-parallel runtime's `begin_backward(boundary)` / `end_backward(boundary)`
-bracket every
-backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps it; the boundary's
-`end_backward` (the wait for every bucket) runs after the step's last exchange, so the input gradient goes
-upstream first.
-
-`evaluate` (engine.eval_batch) runs the schedule's forwards alone (`forward_only`), under no_grad: the last
-chunk returns each micro-batch's loss, nothing is kept for a backward, and shapes are agreed afresh on a wire
-of its own, so evaluation may use another micro-batch count and other shapes than training.
-
-Measured, not assumed: on one step in `measure_every` (the first included) `telemetry.activations.ActivationMeter` follows
-every tensor autograd saves during each forward until it is freed, giving the peak number of micro-batch
-chunks whose activations are alive at once and their bytes; per-action (stage, action, start, end) times feed
-`Timeline.from_records`.
+of sends and receives of the lockstep grid that keeps NCCL from hanging or mismatching messages (see `comm_plan`).
 """
 
 from __future__ import annotations
@@ -119,7 +94,9 @@ class _Plan:
 LOOKAHEAD = 2
 """With gloo, the receives of the inputs of the next LOOKAHEAD actions are posted before an action runs."""
 MEASURE_EVERY = 50
-"""The activation meter runs on the first step and then on one step in MEASURE_EVERY."""
+"""The activation meter runs on the first step and then on one step in MEASURE_EVERY. Measured, not assumed:
+`telemetry.activations.ActivationMeter` follows every tensor autograd saves during each forward until it is freed,
+giving the peak number of micro-batch chunks whose activations are alive at once and their bytes."""
 
 
 class PipelineRuntime:
@@ -225,7 +202,12 @@ class PipelineRuntime:
 
     def _run(self, plan: _Plan, wire: Wire, compute: Any, grad_metas: Any) -> list[ActionRecord]:
         """Walk ``plan``'s program on ``wire``: post each batch, and before each action post the receives ahead
-        and wait for its input; ``compute(i, inputs)`` runs action i. Returns the computes' records."""
+        and wait for its input; ``compute(i, inputs)`` runs action i. Returns the computes' records, the
+        per-action (stage, action, start, end) times that feed `Timeline.from_records`.
+
+        A receive is waited on right before the action that needs it (with gloo, the receives of the next
+        `LOOKAHEAD` actions are posted before each action); a send is never waited on before the end of the
+        step (`p2p.Wire`)."""
         wire.begin_step(plan.program)
         records = []
         for item in plan.program:
@@ -306,7 +288,15 @@ class PipelineRuntime:
     # -- compute ------------------------------------------------------------------------------------
     def _forward(self, i: int, received: list[Tensor] | None, batches: list[tuple[Any, Any]],
                  skip: set[int] | None, losses: dict[int, Tensor], loss_scale: float) -> None:
-        """``skip``: storages the meter ignores; None on a step that is not metered."""
+        """F(m, v): the chunk's forward on micro-batch m. ``skip``: storages the meter ignores; None on a step
+        that is not metered.
+
+        Received activations become leaves that require grad; the output goes to the outbox of the next batch
+        and its data is freed at once (only its autograd node is kept: the backward root needs no data; the send
+        buffer holds the storage until the send completes), unless something else holds it (`sole_owner`: e.g.
+        autograd saved it, as tanh does). The last model chunk also computes ``loss_fn(output, labels) / M``
+        (times the loss scale), the root of its backward.
+        """
         action, t = self.actions[i], self.train_plan.transfers[i]
         m, v = action.microbatch, action.chunk
         chunk = self.stage.chunks[v]
@@ -357,6 +347,12 @@ class PipelineRuntime:
             self.meter.sample()
 
     def _backward(self, i: int, grads: list[Tensor] | None, dp_runtime: DataParallelRuntime | None) -> None:
+        """B(m, v): backward from the saved output with the received gradient (from the loss on the last chunk);
+        the gradients of the received activations go back to the previous chunk. Parameter gradients accumulate
+        over the micro-batches; the data-parallel runtime's `begin_backward(boundary)` / `end_backward(boundary)`
+        bracket every backward, with ``boundary`` true for the stage's last one, so data-parallel sync overlaps
+        it; the boundary's `end_backward` (the wait for every bucket) runs after the step's last exchange
+        (`step`), so the input gradient goes upstream first."""
         action, t = self.actions[i], self.train_plan.transfers[i]
         slot = self._slots.pop((action.microbatch, action.chunk))
         boundary = i == self._last_backward

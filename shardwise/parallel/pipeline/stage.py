@@ -1,24 +1,9 @@
 """Cut a model into pipeline stages: each rank keeps only its own layers, as V model chunks.
 
-A pipelined model is a sequence of L layers plus a loss function, described by a `PipelineLayers`: the named
-layers to partition, modules glued in front of the first layer and behind the last one (an embedding, a final
-norm and lm-head), the loss, and a sample micro-batch for "flops". Two forms are accepted:
+    stage = split_model(model, num_stages=P, stage=pp_rank, virtual_stages=V, partition="parameters")
+    release_unowned(model, stage)      # frees the parameters this rank does not hold
 
-- a model that describes itself with `pipeline_layers()` (the `PipelineSplittable` protocol): the built-in GPT
-  does, beside its own code, and so does `PipelineModel(layers, loss_fn)` (DeepSpeed's PipelineModule without
-  the built-in partitioning; `shardwise.pipe.PipelineModule` is one);
-- an ``nn.Sequential`` or a list of layers, with ``loss_fn=`` given to `split_model`.
-
-This module knows no model: whatever is model-specific comes through `pipeline_layers()`.
-
-`split_model` cuts the layers into P * V contiguous model chunks with `partition_layers` (costs: one per
-layer for "uniform", parameter counts for "parameters", forward FLOPs of one sample for "flops"; the
-glued modules' costs count with the first and last layer, since they always travel with them) and
-returns the `PipelineStage` of one rank: its V chunks, in local order (local chunk v = model chunk
-v * P + stage). The chunks hold the very modules of the full model, so a run that builds the full model
-from one seed on every rank starts bit-identical to the single-process model;
-`release_unowned` then frees the parameters this rank does not hold.
-
+This module knows no model: whatever is model-specific comes through `pipeline_layers()` (`PipelineSplittable`).
 Layers pass one value along: a tensor or a tuple of tensors (a layer gets it as its one argument).
 """
 
@@ -43,7 +28,9 @@ LossFn = Callable[[Any, Any], Tensor]
 
 @dataclass
 class PipelineLayers:
-    """A model seen as a pipeline: what `split_model` cuts.
+    """A model seen as a pipeline: what `split_model` cuts (the named layers to partition, modules glued in front
+    of the first layer and behind the last one, such as an embedding and a final norm and lm-head, the loss, and a
+    sample micro-batch for "flops").
 
     ``layers`` are partitioned into contiguous model chunks; each is named as in the full model, so a stage's state
     dict keeps the full model's names. ``prefix`` modules run before the first layer and travel with it,
@@ -295,7 +282,19 @@ class PipelineStage(nn.Module):
 def split_model(model: Any, *, num_stages: int, stage: int, virtual_stages: int = 1,
                 partition: str | PipelinePartition = PipelinePartition.UNIFORM, loss_fn: LossFn | None = None,
                 sample_input: Any = None) -> PipelineStage:
-    """The `PipelineStage` of ``stage``: its chunks of ``model`` (see the module docstring for the forms).
+    """The `PipelineStage` of ``stage``: its chunks of ``model``, which is one of
+
+    - a model that describes itself with `pipeline_layers()` (the `PipelineSplittable` protocol): the built-in
+      GPT does, beside its own code, and so does `PipelineModel(layers, loss_fn)` (DeepSpeed's PipelineModule
+      without the built-in partitioning; `shardwise.pipe.PipelineModule` is one);
+    - an ``nn.Sequential`` or a list of layers, with ``loss_fn=`` given.
+
+    The layers are cut into P * V contiguous model chunks with `partition_layers` (costs: one per layer for
+    "uniform", parameter counts for "parameters", forward FLOPs of one sample for "flops"; the glued modules'
+    costs count with the first and last layer, since they always travel with them); the stage's V chunks come
+    in local order (local chunk v = model chunk v * P + stage). The chunks hold the very modules of the full
+    model, so a run that builds the full model from one seed on every rank starts bit-identical to the
+    single-process model; `release_unowned` then frees the parameters this rank does not hold.
 
     Raises `PipelineError` for more stages (or chunks) than layers, virtual stages that do not divide the
     layers under "uniform", and unsplittable models.

@@ -1,15 +1,9 @@
 """Weights tied across pipeline stages (DeepSpeed's TiedLayerSpec): a GPT-2 embedding used again as the output
 projection.
 
-In the full model one module is shared by several layers: each use is a `TiedLayer` that refers to the module
-without registering it (the model registers it once, as ``tied_modules.<key>``, DeepSpeed's name). A stage
-registers the tied modules its layers use (``tied.<key>``); where several stages hold one, each keeps a copy.
-`tie_stages` says which stages hold which key (pure); a parameter that layers of several stages register
-(`shared_parameters`: e.g. a GPT's tied embedding and lm-head) is tied the same way, under the full name of
-its first use, as a whole. `build_ties` makes one process group per key and per (dp, tp) coordinate over the
-sharing pp ranks (every rank creates every group, in key order), makes the copies equal from the first sharing
-stage, and hands the update strategies the `TiedParams` whose gradients they sum over the sharing stages before
-the norm and the step.
+In the full model one module is shared by several layers, each use a `TiedLayer`. Where several stages hold one,
+each keeps a copy: `build_ties` makes the copies equal from the first sharing stage and hands the update strategies
+the `TiedParams` whose gradients they sum over the sharing stages before the norm and the step.
 """
 
 from __future__ import annotations
@@ -76,8 +70,8 @@ def tied_modules_of(layers: Sequence[nn.Module]) -> dict[str, TiedLayer]:
 
 
 def tie_stages(layers: Sequence[nn.Module], chunks: Sequence[range], num_stages: int) -> dict[str, tuple[int, ...]]:
-    """key -> the stages holding a use of it, ascending. ``chunks[k]`` are model chunk k's layer indices; model
-    chunk k lives on stage k % num_stages."""
+    """key -> the stages holding a use of it, ascending (pure). ``chunks[k]`` are model chunk k's layer indices;
+    model chunk k lives on stage k % num_stages."""
     stages: dict[str, set[int]] = {}
     for k, r in enumerate(chunks):
         for i in r:
@@ -91,7 +85,8 @@ def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_sta
                       ) -> dict[str, tuple[tuple[int, ...], nn.Parameter]]:
     """Parameters registered in layers of several stages (e.g. a GPT's tied embedding and lm-head weight):
     the full name of the first use -> (the holding stages, the parameter). ``chunks[k]`` are model chunk k's
-    named layers; model chunk k lives on stage k % num_stages."""
+    named layers; model chunk k lives on stage k % num_stages. Such a parameter is tied like a tied module's
+    weight, as a whole."""
     first: dict[int, tuple[str, nn.Parameter]] = {}
     stages: dict[int, set[int]] = {}
     for k, layers in enumerate(chunks):
@@ -104,9 +99,10 @@ def shared_parameters(chunks: Sequence[Sequence[tuple[str, nn.Module]]], num_sta
 
 def build_ties(weights: dict[str, list[nn.Parameter]], sharing: dict[str, tuple[int, ...]], mesh: ParallelMesh,
                ledger: CommLedger) -> TiedParams:
-    """``weights``: this stage's tied weights by key. The groups of every key held by more than one stage
-    (collective over the world: every rank creates every group in the same order, as `dist.new_group` requires),
-    this rank's copies broadcast from the first sharing stage, and this rank's `TiedParams`, in key order."""
+    """``weights``: this stage's tied weights by key. The groups of every key held by more than one stage, one
+    per key and per (dp, tp) coordinate over the sharing pp ranks (collective over the world: every rank creates
+    every group in the same order, as `dist.new_group` requires), this rank's copies broadcast from the first
+    sharing stage, and this rank's `TiedParams`, in key order."""
     shape, here = mesh.shape, mesh.global_rank
     entries: list[TiedParam] = []
     for key, stages in sharing.items():
