@@ -1,30 +1,9 @@
 """Activation recomputation: keep a module's inputs, drop what its forward saved, run it again in backward.
 
-Which modules (`plan_recompute`, from the "activation_checkpointing" config block):
-- "full": every transformer block keeps only its input [b, s, h]; the whole block runs again in backward.
-- "every_n" with "every": N: blocks N, 2N, ... (1-based) of each stage; with "blocks": K, the first K blocks of
-  each pipeline stage (Megatron's "block" method). Memory and time in between "none" and "full".
-- "selective": only the attention core (QK^T, softmax, its dropout, attention over V; modules that declare
-  `is_attention_core = True`, the built-in GPT's `CoreAttention`; or, where the core is a function the attention
-  layers look up at each call, what the caller's `AttentionFunctions` rewires: Hugging Face's, beside the models).
-  With `scaled_dot_product_attention` the core never stores the [b, a, s, s] scores and probabilities that make
-  this policy worthwhile in Korthikanti et al. (2022): the fused kernels keep q, k, v [b, a, s, d], the output and
-  a logsumexp [b, a, s]. Recomputing the core therefore keeps q, k, v (its inputs) and drops only the output copy
-  and the logsumexp: a small saving.
+    apply_recompute(pipeline.blocks(model), cfg.activation_checkpointing)   # "full", "every_n" or "selective"
 
-Blocks are the modules `Pipeline.blocks()` names: the children of the model's largest ModuleList (as for the
-ZeRO-3 units), or a pipeline stage's partitioned layers, so each stage recomputes its own chunks.
-
-Exactness: the recomputation replays the forward's random numbers. torch's checkpoint restores the default
-generators (CPU and the inputs' CUDA devices); a module that draws from a tensor-parallel rank's own stream
-(`tensor_parallel.random`) gets that stream rewound to where the forward found it, and put back after, so the
-live stream is untouched (other micro-batches' forwards may have advanced it meanwhile); the same holds for the
-streams of `get_cuda_rng_tracker()`. Losses and gradients are then bitwise those of the run without
-recomputation (fp32, CPU).
-
-Composition: the module's own forward hooks (ZeRO-3's gather and free of a unit, TP's stream fork) stay outside
-the recomputed function, so a unit is gathered again in backward by ZeRO-3's backward hook before its forward
-is replayed; the hooks of submodules run again during the replay.
+The replay is exact: it replays the forward's random numbers (`_RandomStreams`), so losses and gradients are
+bitwise those of the run without recomputation (fp32, CPU).
 """
 
 from __future__ import annotations
@@ -91,7 +70,11 @@ def _replaying(fn: Callable[..., Any], streams: _RandomStreams) -> Callable[...,
 def recompute_module(module: nn.Module, stored: StoredInputs | None = None) -> None:
     """Make `module`'s forward recompute in backward (an instance attribute over its class's forward, so names,
     hooks and state dicts are unchanged). Under no_grad it runs as before. Idempotent. `stored`: how inputs are
-    kept (partitioned, on the host...); by default torch's non-reentrant checkpoint keeps them whole."""
+    kept (partitioned, on the host...); by default torch's non-reentrant checkpoint keeps them whole.
+
+    The module's own forward hooks (ZeRO-3's gather and free of a unit, TP's stream fork) stay outside the
+    recomputed function, so a unit is gathered again in backward by ZeRO-3's backward hook before its forward is
+    replayed; the hooks of submodules run again during the replay."""
     if getattr(module, RECOMPUTED_ATTR, False):
         return
     original = module.forward
@@ -140,7 +123,21 @@ def plan_recompute(blocks: list[nn.Module], section: ActivationCheckpointingConf
                    attention_functions: AttentionFunctions | None = None) -> list[nn.Module]:
     """The modules `section.policy` recomputes among `blocks` (this rank's: its pipeline stage's, in forward
     order, so "first K" and "every N-th" count per stage). "selective" without attention-core modules is an
-    error unless `attention_functions` finds function cores in `blocks`."""
+    error unless `attention_functions` finds function cores in `blocks`.
+
+    Blocks are the modules `Pipeline.blocks()` names: the children of the model's largest ModuleList (as for the
+    ZeRO-3 units), or a pipeline stage's partitioned layers, so each stage recomputes its own chunks.
+    - "full": every transformer block keeps only its input [b, s, h]; the whole block runs again in backward.
+    - "every_n" with "every": N: blocks N, 2N, ... (1-based) of each stage; with "blocks": K, the first K blocks
+      of each pipeline stage (Megatron's "block" method). Memory and time in between "none" and "full".
+    - "selective": only the attention core (QK^T, softmax, its dropout, attention over V; modules that declare
+      `is_attention_core = True`, the built-in GPT's `CoreAttention`; or, where the core is a function the
+      attention layers look up at each call, what the caller's `AttentionFunctions` rewires: Hugging Face's,
+      beside the models). With `scaled_dot_product_attention` the core never stores the [b, a, s, s] scores and
+      probabilities that make this policy worthwhile in Korthikanti et al. (2022): the fused kernels keep q, k, v
+      [b, a, s, d], the output and a logsumexp [b, a, s]. Recomputing the core therefore keeps q, k, v (its
+      inputs) and drops only the output copy and the logsumexp: a small saving.
+    """
     policy = section.policy
     if policy is RecomputePolicy.NONE:
         return []
@@ -239,7 +236,9 @@ class StoredInputs:
 class _RandomStreams:
     """Every stream a replay must find where the forward found it: DeepSpeed-style tracker streams, shardwise's
     tensor-parallel streams, and with `defaults` the CPU generator and the CUDA generator of the current device
-    (torch's own checkpoint restores those two itself)."""
+    (torch's own checkpoint restores those two itself: the default generators of the CPU and the inputs' CUDA
+    devices). A stream is rewound to where the forward found it and put back after the replay, so the live stream
+    is untouched (other micro-batches' forwards may have advanced it meanwhile)."""
 
     def __init__(self, rngs: list[TensorParallelRNG], *, defaults: bool = True):
         self.rngs = rngs

@@ -1,26 +1,11 @@
 """DeepSpeed's `deepspeed.checkpointing` API (re-exported as `shardwise.checkpointing`): activation checkpointing a
 model calls itself, and the model-parallel random-number tracker, so a Megatron-DeepSpeed style model that wraps
-its own layers runs with the import changed (`import shardwise as deepspeed`; `deepspeed.checkpointing.checkpoint(custom_forward, x)`).
+its own layers runs with the import changed (`import shardwise as deepspeed`).
 
-    configure(mpu_, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None)
+    configure(mpu_, deepspeed_config=ds_config)   # settings are module state, as DeepSpeed's are
     checkpoint(function, *args)      -> function(*args), its activations dropped and recomputed in backward
     get_cuda_rng_tracker().fork()    -> run on the model-parallel stream (dropout on split activations)
     model_parallel_cuda_manual_seed(seed)
-
-Settings are module state, as DeepSpeed's are (`configure` is its contract). `checkpoint` keeps only the
-function's inputs; in backward it restores every random stream the forward used (the default generators and the
-tracker's streams, also any tensor-parallel stream of shardwise's own layers), replays the function, and
-backpropagates through the replay. The engine's "activation_checkpointing" policies use the same function when
-`partition_activations` or `cpu_checkpointing` is set (`recompute.py`).
-
-The keys: `partition_activations` keeps 1/t of each stored input on each of the t model-parallel ranks (the
-input is replicated over them) and all-gathers it before the replay (ZeRO-R's P_a); `cpu_checkpointing` keeps
-stored inputs in host memory (pinned on CUDA) and copies them back for the replay; `synchronize_checkpoint_boundary`
-synchronizes the device at each checkpoint's start and end; `profile` times each checkpoint's forward and replay
-(`profile_times()`). `contiguous_memory_optimization` / `number_checkpoints` are accepted and have no effect: they
-pre-size one buffer for DeepSpeed's partitions to limit allocator fragmentation, which torch's caching allocator
-already bounds for equal-sized partitions; a warning says so once.
 """
 
 from __future__ import annotations
@@ -46,6 +31,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Settings:
+    """What `configure` set (module state: `configure` is DeepSpeed's contract).
+
+    `partition_activations` keeps 1/t of each stored input on each of the t model-parallel ranks (the input is
+    replicated over them) and all-gathers it before the replay (ZeRO-R's P_a); `cpu_checkpointing` keeps stored
+    inputs in host memory (pinned on CUDA) and copies them back for the replay; `synchronize` (the config's
+    `synchronize_checkpoint_boundary`) synchronizes the device at each checkpoint's start and end; `profile`
+    times each checkpoint's forward and replay (`profile_times()`). `contiguous_memory_optimization` /
+    `number_checkpoints` are accepted and have no effect: they pre-size one buffer for DeepSpeed's partitions to
+    limit allocator fragmentation, which torch's caching allocator already bounds for equal-sized partitions; a
+    warning says so once.
+    """
+
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
@@ -153,7 +150,12 @@ def profile_sink() -> list[tuple[str, float]]:
 # -- the checkpoint function ------------------------------------------------------------------------
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function(*args, **kwargs)`, keeping only the inputs (per the settings) and replaying it in backward."""
+    """`function(*args, **kwargs)`, keeping only the inputs (per the settings) and replaying it in backward.
+
+    In backward it restores every random stream the forward used (the default generators and the tracker's
+    streams, also any tensor-parallel stream of shardwise's own layers), replays the function, and backpropagates
+    through the replay. The engine's "activation_checkpointing" policies use the same function when
+    `partition_activations` or `cpu_checkpointing` is set (`recompute.py`)."""
     stored = StoredInputs(group=_settings.group if _settings.partition_activations else None,
                           cpu=_settings.cpu_checkpointing, synchronize=_settings.synchronize,
                           times=_times if _settings.profile else None)

@@ -1,15 +1,11 @@
-"""Megatron-style tensor parallelism: layers cut from full layers, conjugate communication operators, a
-vocabulary-parallel loss, and plans that apply them to any model.
+"""Megatron-style tensor parallelism: layers cut from full layers (`layers.py`), conjugate communication operators
+(`mappings.py`), a vocabulary-parallel loss (`loss.py`), plans that apply them to any model (`plan.py`), the full
+state dict gathered from or split into the slices (`state_dict.py`) and per-rank dropout streams (`random.py`).
 
-    from shardwise.parallel.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
     info = apply_tensor_parallel(model, tp_comm, {"blocks.*.attn.q_proj": "colwise", ...})   # in place
 
-Files: `mappings.py` (autograd comm operators), `layers.py` (ColumnParallelLinear, RowParallelLinear,
-VocabParallelEmbedding), `loss.py` (vocab_parallel_cross_entropy), `plan.py` (apply_tensor_parallel, the styles,
-a model's own plan), `state_dict.py` (the full state dict gathered from or split into the slices), `random.py`
-(per-rank dropout streams). The gradient norm over TP slices is `parallel.grad_norm`'s. Nothing here knows a
-model: the plans of the built-in GPT and of Hugging Face models, and `parallelize_model`, which picks one, are in
-`models/parallelize.py`.
+Nothing here knows a model: the plans of the built-in GPT and of Hugging Face models are in
+`models/parallelize.py`. The gradient norm over TP slices is `parallel.grad_norm`'s.
 """
 
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict, load_full_state_dict

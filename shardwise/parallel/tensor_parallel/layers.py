@@ -1,15 +1,10 @@
-"""Tensor-parallel layers, each cut from an ordinary full layer.
+"""Tensor-parallel layers, each cut from an ordinary full layer: `ColumnParallelLinear`, `RowParallelLinear`,
+`VocabParallelEmbedding`. `t` is the TP group size, `r` this rank's position in it.
 
 Every layer is built from the FULL layer by slicing its weights, so a tensor-parallel model starts
 bit-identical to the single-process model it came from (same seed -> same full weights -> same shards).
 The full layer is left untouched. A sharded parameter carries `TP_DIM_ATTR` (the dimension it was cut
-along); replicated parameters do not. `t` is the TP group size, `r` this rank's position in it.
-
-    ColumnParallelLinear   W [out/t, in]   rows r*out/t ..   x replicated -> y [.., out/t] (or gathered [.., out])
-    RowParallelLinear      W [out, in/t]   cols r*in/t ..    x [.., in/t] -> partial sums, all-reduced (or
-                                                             reduce-scattered to sequence shards) -> [.., out]
-    VocabParallelEmbedding E [V/t, h]      rows r*V/t ..     ids -> rows of own vocabulary range, zeros
-                                                             elsewhere, summed over the group -> [b, s, h]
+along); replicated parameters do not.
 """
 
 from __future__ import annotations
@@ -61,7 +56,7 @@ def replicate_parameter(full: Tensor) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r, W_r this rank's out_features/t rows of the full weight (and of the bias).
+    """y_r = x W_r^T + b_r, W_r [out/t, in] this rank's out_features/t rows of the full weight (and of the bias).
 
     Input: [.., in] replicated (copy-to-region: identity forward, all-reduce of the input gradient backward),
     or with `sequence_parallel` [b, s/t, in] sequence shards (all-gather forward, reduce-scatter backward; the
@@ -105,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T + b, W_r this rank's in_features/t columns of the full weight.
+    """y = sum_r x_r W_r^T + b, W_r [out, in/t] this rank's in_features/t columns of the full weight.
 
     Input: [.., in/t] feature shards (`input_is_parallel`, the output of a column-parallel layer), or
     [.., in] replicated, split here (split forward, all-gather backward). The partial products are
@@ -149,7 +144,7 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows: rank r holds ids [r V/t, (r+1) V/t).
+    """Embedding table split by vocabulary rows: rank r holds E_r [V/t, h], ids [r V/t, (r+1) V/t).
 
     ids [b, s] -> each rank looks up the ids in its range and writes zeros for the others; the sum over
     the group is the full lookup [b, s, h] (all-reduce), or with `sequence_parallel` the reduce-scattered

@@ -1,15 +1,8 @@
 """Cross-entropy over vocabulary-sharded logits, without ever gathering the full logits.
 
-Rank r holds logits z[:, r V/t : (r+1) V/t]. For each token n with label y_n:
+    loss = vocab_parallel_cross_entropy(local_logits, labels, tp_comm)   # [b, s, V/t], [b, s] -> scalar
 
-    m_n   = max_v z_nv                      all-reduce MAX of the local maxima      [N]
-    S_n   = sum_v exp(z_nv - m_n)           all-reduce SUM of the local sums        [N]
-    z_ny  = the target logit - m_n          all-reduce SUM (0 on ranks without y_n) [N]
-    loss  = mean over tokens with y_n != ignore_index of (log S_n - z_ny)
-
-S and z_ny travel in one [2, N] all-reduce, so the loss costs two small collectives of N = b * s
-elements, against b * s * V for gathering the logits. Backward is exact and local:
-d loss / d z_nv = (softmax_nv - [v == y_n]) / n_valid for valid tokens, 0 for ignored ones.
+Two small collectives of N = b * s elements, against b * s * V for gathering the logits.
 """
 
 from __future__ import annotations
@@ -24,6 +17,16 @@ IGNORE_INDEX = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Rank r holds logits z[:, r V/t : (r+1) V/t]. For each token n with label y_n:
+
+        m_n   = max_v z_nv                      all-reduce MAX of the local maxima      [N]
+        S_n   = sum_v exp(z_nv - m_n)           all-reduce SUM of the local sums        [N]
+        z_ny  = the target logit - m_n          all-reduce SUM (0 on ranks without y_n) [N]
+        loss  = mean over tokens with y_n != ignore_index of (log S_n - z_ny)
+
+    S and z_ny travel in one [2, N] all-reduce. Backward is exact and local:
+    d loss / d z_nv = (softmax_nv - [v == y_n]) / n_valid for valid tokens, 0 for ignored ones.
+    """
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, comm: Comm, ignore_index: int) -> Tensor:

@@ -1,22 +1,10 @@
 """The conjugate communication operators of tensor parallelism, as explicit autograd functions.
 
 A tensor-parallel region is entered and left through operators that are the identity on one side of
-autograd and a collective on the other, so that both passes stay exact (Megatron's f and g). Every
-operator takes the `Comm` of the TP group explicitly; nothing reads a global group, and every byte is
-recorded in that Comm's ledger.
-
-    operator                     forward                        backward
-    copy_to_region               identity                       all-reduce              (f)
-    reduce_from_region           all-reduce                     identity                (g)
-    gather_from_sequence         all-gather along sequence      reduce-scatter          (SP: enter)
-    reduce_scatter_to_sequence   reduce-scatter along sequence  all-gather              (SP: leave)
-    scatter_to_sequence          keep own sequence chunk        all-gather
-    gather_from_last_dim         all-gather along last dim      keep own chunk
-    scatter_to_last_dim          keep own last-dim chunk        all-gather
-
-Shapes are [b, s, h] (batch first, as the GPT). Sequence parallelism shards dim 1 (`SEQ_DIM`): rank r
-holds positions [r * s/t, (r + 1) * s/t). `sum_grad_over_region` registers the conjugate of "replicated
-parameter used on sharded activations": its gradient is summed over the group before accumulation.
+autograd and a collective on the other, so that both passes stay exact (Megatron's f and g: `copy_to_region`,
+`reduce_from_region`; under sequence parallelism `gather_from_sequence`, `reduce_scatter_to_sequence`). Every
+operator takes the `Comm` of the TP group explicitly; nothing reads a global group, and every byte is recorded in
+that Comm's ledger. Shapes are [b, s, h] (batch first, as the GPT).
 """
 
 from __future__ import annotations
@@ -27,7 +15,8 @@ from torch import Tensor
 from shardwise.comm.collectives import Comm
 
 SEQ_DIM = 1
-"""Sequence dimension of [b, s, h] activations."""
+"""Sequence dimension of [b, s, h] activations: under sequence parallelism rank r holds positions
+[r * s/t, (r + 1) * s/t)."""
 
 GRAD_SUMMED_ATTR = "tensor_parallel_grad_summed"
 """Set on a parameter whose gradient `sum_grad_over_region` sums over the TP group."""
@@ -166,12 +155,12 @@ class _Gather(torch.autograd.Function):
 # A group of one needs none of this: each operator is then the identity, with no autograd node.
 
 def copy_to_region(x: Tensor, comm: Comm) -> Tensor:
-    """Enter a TP region with a replicated input: identity forward, all-reduce backward."""
+    """Enter a TP region with a replicated input: identity forward, all-reduce backward (Megatron's f)."""
     return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
 
 
 def reduce_from_region(x: Tensor, comm: Comm) -> Tensor:
-    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward (Megatron's g)."""
     return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
 
 
@@ -201,9 +190,10 @@ def scatter_to_last_dim(x: Tensor, comm: Comm) -> Tensor:
 
 
 def sum_grad_over_region(param: torch.nn.Parameter, comm: Comm) -> None:
-    """A replicated parameter applied to rank-local data (a norm on sequence shards, a bias added after a
-    reduce-scatter, HF's "replicated_with_grad_allreduce"): each rank computes a partial gradient, so
-    sum it over the group before it is accumulated into `.grad`. Idempotent per parameter."""
+    """The conjugate of "replicated parameter used on sharded activations". A replicated parameter applied to
+    rank-local data (a norm on sequence shards, a bias added after a reduce-scatter, HF's
+    "replicated_with_grad_allreduce"): each rank computes a partial gradient, so sum it over the group before it
+    is accumulated into `.grad`. Idempotent per parameter."""
     if comm.size == 1 or getattr(param, GRAD_SUMMED_ATTR, False):
         return
     param.register_hook(lambda grad: all_reduce(grad, comm))

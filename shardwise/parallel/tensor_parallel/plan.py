@@ -1,4 +1,4 @@
-"""Parallelize any model with a plan: module-name patterns -> styles.
+"""Parallelize any model with a plan: module-name patterns -> styles (`Style`).
 
     info = apply_tensor_parallel(model, tp_comm, {
         "blocks.*.attn": "region",               # bring the attention input into the region once
@@ -7,35 +7,9 @@
         "embed.tok": "vocab",
     })
 
-A pattern is a dotted module name in which `*` stands for exactly one name component ("blocks.*.mlp"
-matches "blocks.3.mlp"); it must match the whole name. Linear and Embedding modules named by a layer
-style are replaced in place by a layer cut from them (`layers.py`); the other styles attach hooks. The
-model keeps its structure and parameter names, so `state_dict()` keys are unchanged (tensors are shards).
-
 This module knows no model: a plan comes from the caller, or from the model itself as its `shardwise_tp_plan`
 attribute (`own_plan`). The plans of the built-in GPT and of Hugging Face models live beside the models
 (`models/parallelize.py`).
-
-Styles (`Style`), with t the TP size:
-    colwise / colwise_sp / colwise_rep   ColumnParallelLinear: output [.., out/t]; input replicated /
-                                         sequence shards / output gathered to [.., out]
-    rowwise / rowwise_sp / rowwise_rep   RowParallelLinear: input [.., in/t]; output all-reduced /
-                                         reduce-scattered to sequence shards / input replicated (split here).
-                                         On an nn.Embedding "rowwise" means "vocab" (as DTensor's RowwiseParallel)
-    vocab / vocab_sp                     VocabParallelEmbedding; output all-reduced / reduce-scattered
-    region / region_sp                   the module's hidden-states input (first positional argument or
-                                         `hidden_states=`) enters the TP region once: copy-to-region /
-                                         all-gather from sequence shards. colwise layers inside it then
-                                         skip their own input communication. The input must feed only
-                                         colwise layers of the region: a replicated consumer's gradient
-                                         would be summed t times. (So Hugging Face plans, whose modules
-                                         we do not know, keep one input all-reduce per colwise layer.)
-    sequence_parallel                    the module runs on sequence shards with replicated parameters
-                                         (norms): their gradients are summed over the group
-    grad_allreduce                       replicated parameters used on rank-local data (HF's
-                                         "replicated_with_grad_allreduce"): gradients summed over the group
-    sequence_scatter                     the module's replicated output is split into sequence shards
-                                         (split forward, all-gather backward)
 """
 
 from __future__ import annotations
@@ -61,6 +35,29 @@ from shardwise.parallel.tensor_parallel.random import TensorParallelRNG, run_for
 
 
 class Style(enum.StrEnum):
+    """How a plan treats the module it names, with t the TP size:
+
+    colwise / colwise_sp / colwise_rep   ColumnParallelLinear: output [.., out/t]; input replicated /
+                                         sequence shards / output gathered to [.., out]
+    rowwise / rowwise_sp / rowwise_rep   RowParallelLinear: input [.., in/t]; output all-reduced /
+                                         reduce-scattered to sequence shards / input replicated (split here).
+                                         On an nn.Embedding "rowwise" means "vocab" (as DTensor's RowwiseParallel)
+    vocab / vocab_sp                     VocabParallelEmbedding; output all-reduced / reduce-scattered
+    region / region_sp                   the module's hidden-states input (first positional argument or
+                                         `hidden_states=`) enters the TP region once: copy-to-region /
+                                         all-gather from sequence shards. colwise layers inside it then
+                                         skip their own input communication. The input must feed only
+                                         colwise layers of the region: a replicated consumer's gradient
+                                         would be summed t times. (So Hugging Face plans, whose modules
+                                         we do not know, keep one input all-reduce per colwise layer.)
+    sequence_parallel                    the module runs on sequence shards with replicated parameters
+                                         (norms): their gradients are summed over the group
+    grad_allreduce                       replicated parameters used on rank-local data (HF's
+                                         "replicated_with_grad_allreduce"): gradients summed over the group
+    sequence_scatter                     the module's replicated output is split into sequence shards
+                                         (split forward, all-gather backward)
+    """
+
     COLWISE = "colwise"
     COLWISE_SP = "colwise_sp"
     COLWISE_REP = "colwise_rep"
@@ -99,7 +96,8 @@ def parse_style(value: Style | str, key: str) -> Style:
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
-    """`*` matches one dotted name component; the rest is literal; the whole name must match."""
+    """`*` matches one dotted name component; the rest is literal; the whole name must match ("blocks.*.mlp"
+    matches "blocks.3.mlp")."""
     return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
 
 
@@ -279,7 +277,11 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Comm, plan: Plan, *, strict: bool = True) -> TensorParallelInfo:
-    """Split `model` in place over the TP group of `comm` following `plan` (see the module docstring).
+    """Split `model` in place over the TP group of `comm` following `plan` (patterns -> `Style`s).
+
+    Linear and Embedding modules named by a layer style are replaced in place by a layer cut from them
+    (`layers.py`); the other styles attach hooks. The model keeps its structure and parameter names, so
+    `state_dict()` keys are unchanged (tensors are shards).
 
     Every rank must hold the same full model when this is called. Raises `TensorParallelError` listing every
     problem (unknown style, pattern matching nothing when `strict`, wrong module type, size not divisible

@@ -1,19 +1,8 @@
 """Random numbers under tensor parallelism (Megatron's model-parallel RNG, written for this code base).
 
-Two kinds of dropout run in a tensor-parallel model:
-
-- on replicated activations ([b, s, h] after a row-parallel all-reduce, the embeddings): every TP rank holds
-  the same tensor, so every rank must draw the same mask, or the replicas drift apart (and the replicated
-  parameters' gradients with them). The default generator is therefore made identical on the TP group
-  once, at parallelization (rank 0's state broadcast): from then on all TP ranks draw the same numbers in
-  the same order, whatever seed each process was given;
-- on split activations (attention probabilities of this rank's heads [b, h/t, s, s]; with sequence
-  parallelism the [b, s/t, h] shards after a reduce-scatter): each rank's part is a different slice of the
-  full tensor, so the masks must be independent. Such modules run inside `TensorParallelRNG.fork()`, which
-  swaps a per-rank generator state in (seed = rank 0's initial seed + 2718 + tp rank, as Megatron's offset)
-  and swaps it out after, so the default stream advances identically on every TP rank.
-
-The fork touches the generator of the device the module runs on (CPU, or the current CUDA device).
+Dropout on replicated activations must draw the same mask on every TP rank, or the replicas drift apart; dropout
+on split activations must draw independent masks. `TensorParallelRNG` gives both: one shared default stream and a
+per-rank stream the modules of split activations run on (`fork`, `run_forked`).
 """
 
 from __future__ import annotations
@@ -44,7 +33,21 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 class TensorParallelRNG:
-    """The TP group's shared default stream and this rank's own stream for split activations."""
+    """The TP group's shared default stream and this rank's own stream for split activations.
+
+    - on replicated activations ([b, s, h] after a row-parallel all-reduce, the embeddings): every TP rank holds
+      the same tensor, so every rank must draw the same mask, or the replicas drift apart (and the replicated
+      parameters' gradients with them). The default generator is therefore made identical on the TP group
+      once, here at parallelization (rank 0's state broadcast): from then on all TP ranks draw the same numbers
+      in the same order, whatever seed each process was given;
+    - on split activations (attention probabilities of this rank's heads [b, h/t, s, s]; with sequence
+      parallelism the [b, s/t, h] shards after a reduce-scatter): each rank's part is a different slice of the
+      full tensor, so the masks must be independent. Such modules run inside `fork()`, which swaps a per-rank
+      generator state in (seed = rank 0's initial seed + 2718 + tp rank, as Megatron's offset) and swaps it out
+      after, so the default stream advances identically on every TP rank.
+
+    The fork touches the generator of the device the module runs on (CPU, or the current CUDA device).
+    """
 
     def __init__(self, comm: Comm, device: torch.device) -> None:
         self.device = device
