@@ -1,7 +1,7 @@
-"""The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster,
-and the search for the fastest parallel plan. Pure functions over frozen dataclasses; no torch (probes.py,
-which measures this machine for calibrate.py, runs in a child process and is never imported here). The model is
-our `GPTConfig` (`shardwise.models`): a preset, a Hugging Face config.json, or any shape.
+"""The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster, and the search
+for the fastest parallel plan (`shardwise plan` is its command-line face). Pure functions over frozen dataclasses; no
+torch (`probes.py` runs in a child process, never imported here). The model is our `GPTConfig`: a preset, a Hugging
+Face config.json, or any shape.
 
     from shardwise import planner
     model = planner.model_preset("llama-7b")
@@ -10,8 +10,6 @@ our `GPTConfig` (`shardwise.models`): a preset, a Hugging Face config.json, or a
     a = planner.analyze(model, cluster, job)            # search, recommend, explain
     a.chosen.plan, a.chosen.time.total_s, a.chosen.memory.total
     planner.deepspeed_config(a.chosen.plan, job)        # a config for `shardwise train`
-
-`shardwise plan --help` is the command-line face of the same functions.
 """
 
 from __future__ import annotations

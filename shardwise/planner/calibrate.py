@@ -1,27 +1,7 @@
 """Measure this machine as a `ClusterSpec`: CPU processes in the role of GPUs (`shardwise plan --calibrate`).
 
-The measuring runs in a child process (`python -m shardwise.planner.probes`, torch), so this module
-and the planner stay torch-free. The child starts `ranks` gloo ranks with `threads` torch threads each and
-times, on all ranks at once, every kind of work the step-time model (time.py) charges: linear layers forward +
-backward (the matmul rate, compute_efficiency 1), causal attention, the GELU and LayerNorm per element, the
-fixed cost of a transformer block and of the rest of a micro-batch, torch's AdamW per parameter and per tensor,
-a memory copy, and gloo's all-reduce, reduce-scatter and all-gather at two sizes: per sample the slowest rank,
-then medians over samples and over rounds. Here that is turned into figures:
-
-- matmul peak (fp32; bf16 from a small bf16 linear) and gemm_operand_bw: the least-squares fit of the linear
-  probes' times to FLOPs / peak + operand bytes / bandwidth (kernels.py's GEMM model), the bandwidth no lower
-  than memory_bw's (below); attention: FLOPs / seconds of its probe.
-- memory_bw: the bytes time.py charges an Adam step (28 per parameter) over its measured time per parameter of
-  a large tensor, so the optimizer term reproduces torch's for-loop AdamW (several passes over each state) on
-  this machine; cache_bw the same for tensors that stay in the last-level cache, cache_bytes its share per rank.
-- comm_overlap: the share of cores left to gloo's threads, (cores - ranks * threads) / ranks, within [0, 1]:
-  gloo reduces and copies on the CPU, so with every core computing nothing hides.
-- links: alpha-beta fits of each collective from its two sizes (ring model, comm.py): all-reduce's become
-  the intra- and inter-node figures (one host), reduce-scatter's and all-gather's their own fields. With one
-  rank there is nothing to time with gloo: a TCP loopback probe (below) stands in.
-- TCP loopback (one rank): two processes connect over 127.0.0.1 and each sends 64 MiB while receiving 64 MiB
-  (full duplex, as in a ring step); bandwidth per direction = bytes / time, best of 3. Latency: half the
-  median round trip of 1-byte ping-pongs with TCP_NODELAY.
+    cluster = calibrate(ranks=2)       # the probes run in a child process; this module stays torch-free
+    save_cluster(cluster, "cluster.json")
 """
 
 from __future__ import annotations
@@ -77,7 +57,11 @@ def _peer(port: int, nbytes: int, rounds: int, pings: int) -> None:
 
 
 def measure_loopback(nbytes: int = 64 << 20, rounds: int = 3, pings: int = 500) -> tuple[float, float]:
-    """(bytes/s per direction under full-duplex load, one-way latency in seconds) over TCP loopback."""
+    """(bytes/s per direction under full-duplex load, one-way latency in seconds) over TCP loopback: what stands
+    in for the links with one rank, where there is nothing to time with gloo. Two processes connect over
+    127.0.0.1 and each sends `nbytes` while receiving as many (full duplex, as in a ring step); bandwidth per
+    direction = bytes / time, best of `rounds`. Latency: half the median round trip of 1-byte ping-pongs with
+    TCP_NODELAY."""
     import multiprocessing as mp
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
@@ -108,7 +92,8 @@ def _physical_memory() -> float:
 
 def fit_collective(op: Op, probes: dict[str, float], ranks: int) -> tuple[float, float]:
     """(bandwidth, latency per ring step) of `op` from its small and large timings: the ring model
-    t = hops * alpha + sent / B through both points (comm.py's `ring_seconds`)."""
+    t = hops * alpha + sent / B through both points (comm.py's `ring_seconds`). All-reduce's fit becomes the
+    intra- and inter-node links (one host), reduce-scatter's and all-gather's their own fields."""
     name, sizes = op.value, (probes["small_bytes"], probes["large_bytes"])
     t_small, t_large = probes[f"{name}_small_s"], probes[f"{name}_large_s"]
     sent_small, sent_large = (ring_send_bytes(op, n, ranks) for n in sizes)
@@ -119,7 +104,19 @@ def fit_collective(op: Op, probes: dict[str, float], ranks: int) -> tuple[float,
 
 def cluster_from_probes(probes: dict[str, float], *, link: tuple[float, float] | None = None) -> ClusterSpec:
     """The `ClusterSpec` of the measured figures (`probes.summarize`). `link`: (bytes/s, latency) for a
-    one-rank measurement, which has no collectives to fit."""
+    one-rank measurement, which has no collectives to fit.
+
+    - matmul peak (fp32; bf16 from a small bf16 linear) and gemm_operand_bw: the least-squares fit of the linear
+      probes' times to FLOPs / peak + operand bytes / bandwidth (kernels.py's GEMM model), the bandwidth no lower
+      than memory_bw's (below); attention: FLOPs / seconds of its probe.
+    - memory_bw: the bytes time.py charges an Adam step (28 per parameter) over its measured time per parameter
+      of a large tensor, so the optimizer term reproduces torch's for-loop AdamW (several passes over each state)
+      on this machine; cache_bw the same for tensors that stay in the last-level cache, cache_bytes its share per
+      rank.
+    - comm_overlap: the share of cores left to gloo's threads, (cores - ranks * threads) / ranks, within [0, 1]:
+      gloo reduces and copies on the CPU, so with every core computing nothing hides.
+    - links: alpha-beta fits of each collective from its two sizes (`fit_collective`), or `link`.
+    """
     ranks, threads = int(probes["ranks"]), int(probes["threads"])
     per_rank: dict[str, Any] = {}
     if ranks > 1:
@@ -156,7 +153,14 @@ def cluster_from_probes(probes: dict[str, float], *, link: tuple[float, float] |
 
 def calibrate(*, ranks: int | None = None, threads: int = 1, rounds: int = 3, samples: int = 3) -> ClusterSpec:
     """Measure this machine with `ranks` processes (default: one per core / threads) playing the GPUs, each
-    with `threads` threads, in a child process; `rounds` rounds of `samples` timings per probe (module notes)."""
+    with `threads` threads, in a child process; `rounds` rounds of `samples` timings per probe.
+
+    The child (`python -m shardwise.planner.probes`, torch) times, on all ranks at once, every kind of work the
+    step-time model (time.py) charges: linear layers forward + backward (the matmul rate, compute_efficiency 1),
+    causal attention, the GELU and LayerNorm per element, the fixed cost of a transformer block and of the rest
+    of a micro-batch, torch's AdamW per parameter and per tensor, a memory copy, and gloo's all-reduce,
+    reduce-scatter and all-gather at two sizes: per sample the slowest rank, then medians over samples and over
+    rounds. `cluster_from_probes` turns that into figures."""
     cores = os.cpu_count() or 1
     ranks = ranks or max(1, cores // threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

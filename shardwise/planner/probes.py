@@ -1,35 +1,11 @@
 """The micro-benchmarks behind `shardwise plan --calibrate`: what one rank of this machine sustains on each kind
 of work the planner's step-time model charges (shardwise/planner/time.py), timed with torch as the engine runs.
 
-Every rank of a `ranks`-process gloo world runs the same probes at the same time (a barrier before each
-sample), so each figure is what a rank gets while all of them work: with more ranks than idle cores, less.
-`measure_round` times every probe (`probes`) `samples` times on this rank; `summarize` takes, per sample, the slowest
-rank (a synchronous step waits for it), then the median over samples, then over rounds, and derives:
-
-    linear_s_per_flop         F.linear forward + backward at two transformer shapes and a thin one, 6 M K N
-    gemm_s_per_byte           FLOPs a call, 3 x 4 (M K + K N + M N) bytes streamed: t = FLOPs a + bytes c fitted
-                              by least squares (c = 0 and a = time / FLOPs of the two square-ish shapes when the
-                              fit finds no traffic term)
-    linear_bf16_s_per_flop    the same in bf16 at a small shape
-    attention_s_per_flop      causal scaled_dot_product_attention forward + backward at head dims 64 and 32,
-                              counted as 12 b h s^2 d_head (flops.py's 4 b s^2 h forward, the mask ignored,
-                              times 3)
-    activation_s, norm_s      tanh-GELU / LayerNorm forward + backward, per element
-    layer_overhead_s          one block of our GPT forward + backward at d_model 8, 4 tokens: the fixed cost of
-                              its operators (dispatch, autograd, launch); microbatch_overhead_s the rest of
-                              the model's (embedding, head, loss), from 1 and 4 blocks
-    adam_s_per_param          torch's AdamW (the engine's) on one flat tensor of 4 Mi elements, per element:
-                              its parameter, gradient and states (64 MiB) stream from memory
-    adam_cached_s_per_param   the same while they stay in the last-level cache (cache_bytes, as the OS
-                              reports it), and adam_tensor_s the fixed cost of each tensor: from 8 tensors
-                              of 256 Ki elements (4 MiB each) and 64 of 1 Ki
-    copy_s_per_byte           a 4 MiB tensor copy
-    <op>_small_s, <op>_large_s   all_reduce / reduce_scatter / all_gather of 4 KiB and 8 MiB through the
-                              library's Comm, as the engine runs them (ranks > 1)
-
     python -m shardwise.planner.probes --ranks 2 --rounds 3    # prints the figures as JSON
 
-The one module of the planner that imports torch: calibrate.py runs it in a child process and nothing that
+Every rank of a `ranks`-process gloo world runs the same probes at the same time (a barrier before each sample),
+so each figure is what a rank gets while all of them work: with more ranks than idle cores, less. The one module
+of the planner that imports torch: calibrate.py runs it in a child process and nothing that
 `import shardwise.planner` loads imports it, so the planner and `shardwise plan` stay torch-free.
 """
 
@@ -205,8 +181,30 @@ def fit_gemm(seconds: list[float]) -> tuple[float, float]:
 
 
 def summarize(per_rank: list[list[Samples]], threads: int | None = None) -> dict[str, float]:
-    """`per_rank[r]`: rank r's rounds (`measure_round`). Per sample the slowest rank, then the median over
-    samples, then over rounds; then the figures of the module notes."""
+    """`per_rank[r]`: rank r's rounds (`measure_round`). Per sample the slowest rank (a synchronous step waits
+    for it), then the median over samples, then over rounds; then these figures:
+
+    linear_s_per_flop         F.linear forward + backward at two transformer shapes and a thin one, 6 M K N
+    gemm_s_per_byte           FLOPs a call, 3 x 4 (M K + K N + M N) bytes streamed: t = FLOPs a + bytes c fitted
+                              by least squares (c = 0 and a = time / FLOPs of the two square-ish shapes when the
+                              fit finds no traffic term)
+    linear_bf16_s_per_flop    the same in bf16 at a small shape
+    attention_s_per_flop      causal scaled_dot_product_attention forward + backward at head dims 64 and 32,
+                              counted as 12 b h s^2 d_head (flops.py's 4 b s^2 h forward, the mask ignored,
+                              times 3)
+    activation_s, norm_s      tanh-GELU / LayerNorm forward + backward, per element
+    layer_overhead_s          one block of our GPT forward + backward at d_model 8, 4 tokens: the fixed cost of
+                              its operators (dispatch, autograd, launch); microbatch_overhead_s the rest of
+                              the model's (embedding, head, loss), from 1 and 4 blocks
+    adam_s_per_param          torch's AdamW (the engine's) on one flat tensor of 4 Mi elements, per element:
+                              its parameter, gradient and states (64 MiB) stream from memory
+    adam_cached_s_per_param   the same while they stay in the last-level cache (cache_bytes, as the OS
+                              reports it), and adam_tensor_s the fixed cost of each tensor: from 8 tensors
+                              of 256 Ki elements (4 MiB each) and 64 of 1 Ki
+    copy_s_per_byte           a 4 MiB tensor copy
+    <op>_small_s, <op>_large_s   all_reduce / reduce_scatter / all_gather of 4 KiB and 8 MiB through the
+                              library's Comm, as the engine runs them (ranks > 1)
+    """
     ranks, rounds = len(per_rank), len(per_rank[0])
     t = {name: statistics.median(
             statistics.median(max(s) for s in zip(*(per_rank[r][i][name] for r in range(ranks))))
