@@ -1,16 +1,9 @@
 """Measured, not assumed: the bytes of the tensors autograd saves for backward.
 
-`ActivationMeter` attributes what autograd saves inside `track(key)` to `key` (the engine's forward, a pipeline's
-micro-batch), each storage counted once: some ops save many views of one buffer. Storages are told apart by
-their StorageImpl identity (`storage_key`), which survives the resize-to-0-and-back of ZeRO-3's gathered buffers
-and of a pipeline's freed outputs, where the data pointer changes. Parameters and data batches are excluded by
-the caller's `exclude`.
-
-With `follow=True` each saved tensor is also followed (a weak reference) until freed, which gives the peak
-count of keys in flight and their bytes: saved activations appear only during a forward and disappear only
-during a backward, so both peaks are reached right after some forward, where the caller calls `sample()`.
-Following costs a weak reference per saved tensor (about 3% of a CPU step), so pipelines follow one step in a
-few; the engine's own forward only counts.
+    meter = ActivationMeter(follow=True)
+    with meter.track(key, exclude):   # a forward: what autograd saves here counts for `key`
+        loss = model(batch)
+    meter.sample()                    # after a forward: peak keys in flight and bytes
 """
 
 from __future__ import annotations
@@ -24,7 +17,9 @@ from torch import Tensor
 
 
 def storage_key(t: Tensor) -> int | None:
-    """The identity of `t`'s storage (shared by all its views); None for tensors without one (meta, sparse)."""
+    """The identity of `t`'s storage (shared by all its views); None for tensors without one (meta, sparse).
+    The StorageImpl identity survives the resize-to-0-and-back of ZeRO-3's gathered buffers and of a pipeline's
+    freed outputs, where the data pointer changes."""
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
@@ -32,7 +27,18 @@ def storage_key(t: Tensor) -> int | None:
 
 
 class ActivationMeter:
-    """Tensors autograd saves for backward, per key; see the module docstring."""
+    """Tensors autograd saves for backward, per key.
+
+    What autograd saves inside `track(key)` counts for `key` (the engine's forward, a pipeline's micro-batch),
+    each storage counted once: some ops save many views of one buffer. Parameters and data batches are excluded
+    by the caller's `exclude`.
+
+    With `follow=True` each saved tensor is also followed (a weak reference) until freed, which gives the peak
+    count of keys in flight and their bytes: saved activations appear only during a forward and disappear only
+    during a backward, so both peaks are reached right after some forward, where the caller calls `sample()`.
+    Following costs a weak reference per saved tensor (about 3% of a CPU step), so pipelines follow one step in
+    a few; the engine's own forward only counts.
+    """
 
     def __init__(self, *, follow: bool = False) -> None:
         self.follow = follow

@@ -1,17 +1,8 @@
 """DeepSpeed's "comms_logger": a per-op summary of the collectives, printed on global rank 0.
 
 It listens to the communication ledger, so it sees every collective the strategies issue (they all go
-through a `Comm`). Rows are keyed by (op, message size), or (op, group, message size) with "debug",
-and accumulate until the summary is printed (every `steps_per_print` steps), then start over.
-
-Bandwidths follow the NCCL-tests convention, in Gbit/s. The ledger's bytes are the whole payload of the
-op (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full input), so
-
-    algbw = bytes / time          busbw = algbw * factor(op, n)
-
-with factor 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or reduce-scatter and 1 otherwise,
-n being the group's size. A time is launch to completion as this rank saw it: an overlapped op's time
-includes the compute it overlapped and any wait for slower peers.
+through a `Comm`). Bandwidths follow the NCCL-tests convention, in Gbit/s: algbw = bytes / time,
+busbw = algbw * `bus_factor(op, n)`.
 """
 
 from __future__ import annotations
@@ -25,7 +16,10 @@ from shardwise.config.monitoring import CommsLoggerConfig
 
 
 def bus_factor(op: str, group_size: int) -> float:
-    """How many times its payload an op moves through each rank's link (NCCL-tests' bus bandwidth factor)."""
+    """How many times its payload an op moves through each rank's link (NCCL-tests' bus bandwidth factor):
+    2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or reduce-scatter and 1 otherwise, n being the group's
+    size. The ledger's bytes are the whole payload of the op (all-reduce: the tensor; all-gather: the gathered
+    output; reduce-scatter: the full input)."""
     n = group_size
     if op in ("all_reduce", "ring_all_reduce", "shm_all_reduce"):
         return 2 * (n - 1) / n
@@ -50,7 +44,8 @@ def format_size(nbytes: int) -> str:
 
 @dataclass
 class CommRow:
-    """One (op, [group,] message size) line of the summary."""
+    """One (op, [group,] message size) line of the summary. Its time is launch to completion as this rank saw it:
+    an overlapped op's time includes the compute it overlapped and any wait for slower peers."""
 
     op: str
     group: str | None
@@ -73,7 +68,9 @@ class CommRow:
 
 
 class CommsLogger:
-    """Accumulates ledger records into `rows` (on every rank, so any rank can ask); prints on rank 0 only."""
+    """Accumulates ledger records into `rows` (on every rank, so any rank can ask); prints on rank 0 only.
+    Rows are keyed by (op, message size), or (op, group, message size) with "debug", and accumulate until the
+    summary is printed (every `steps_per_print` steps), then start over."""
 
     def __init__(self, section: CommsLoggerConfig, ledger: CommLedger, *, global_rank: int,
                  out: Callable[[str], None]):

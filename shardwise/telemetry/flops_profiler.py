@@ -1,18 +1,8 @@
 """DeepSpeed's "flops_profiler": parameters, forward FLOPs and latency of every module, for one forward.
 
-FLOPs are counted below autograd by a dispatch mode that prices each aten op with torch's FLOP formulas
-(`torch.utils.flop_counter`: a matmul of [m, k] by [k, n] is 2mkn) and charges them to every module on
-the call stack, so a module's count includes its children. Attention is priced by our own formula on
-every backend (torch's table has none for the CPU kernel): 2 * s_q * s_k * (d + d_v) per batch and head,
-halved under a causal mask. That is the convention of `shardwise.models.presets.gpt_flops_per_token`,
-so a GPT's forward counts exactly 2 FLOPs per token for each matmul weight plus its attention term:
-the analytic count less 2 per token for each norm and bias parameter (elementwise work is not priced).
-
-Under a pipeline the first rank of each stage (dp and tp index 0) profiles its stage's modules on the first
-micro-batch of `profile_step` (every chunk of it, under an interleaved schedule); its report names the stage and
-its rows the full model's modules. Latency is wall time between a module's forward hooks (the device synchronised on CUDA), measured
-under the counter, which slows Python-heavy small models; the backward and step latencies come from
-the engine's phase timers.
+FLOPs are counted below autograd by a dispatch mode (`_FlopCounter`) and charged to every module on the call stack,
+so a module's count includes its children; latency is wall time between a module's forward hooks. The backward and
+step latencies come from the engine's phase timers.
 """
 
 from __future__ import annotations
@@ -34,6 +24,11 @@ _ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_pr
 
 
 def _attention_formula(packet: Any) -> Callable[..., int]:
+    """Attention priced by our own formula on every backend (torch's table has none for the CPU kernel):
+    2 * s_q * s_k * (d + d_v) per batch and head, halved under a causal mask. That is the convention of
+    `shardwise.models.presets.gpt_flops_per_token`, so a GPT's forward counts exactly 2 FLOPs per token for each
+    matmul weight plus its attention term: the analytic count less 2 per token for each norm and bias parameter
+    (elementwise work is not priced)."""
     names = [a.name for a in packet.default._schema.arguments]
     causal_at = names.index("is_causal")
 
@@ -61,7 +56,8 @@ def _formulas() -> dict[Any, Callable[..., int]]:
 
 
 class _FlopCounter(TorchDispatchMode):
-    """Prices every aten op and adds it to each module on `stack`."""
+    """Prices every aten op with torch's FLOP formulas (`torch.utils.flop_counter`: a matmul of [m, k] by [k, n]
+    is 2mkn; attention by `_attention_formula`) and adds it to each module on `stack`."""
 
     def __init__(self, stack: list[str], flops: dict[str, int]):
         super().__init__()
@@ -148,8 +144,12 @@ class _Session:
 
 class FlopsProfiler:
     """Profiles the first training forward of optimizer step `profile_step` (counted from 0), once. Under a
-    pipeline (`stage` = (s, P)) the rank profiles its stage's modules on the first micro-batch; `names` gives
-    the full model's names of the stage's modules (for the printed rows)."""
+    pipeline (`stage` = (s, P)) the first rank of each stage (dp and tp index 0) profiles its stage's modules on
+    the first micro-batch (every chunk of it, under an interleaved schedule); its report names the stage, and
+    `names` gives the full model's names of the stage's modules (for the printed rows).
+
+    Latency is measured under the counter (which slows Python-heavy small models), the device synchronised on
+    CUDA at each hook."""
 
     def __init__(self, section: FlopsProfilerConfig, module: torch.nn.Module, *, device: torch.device,
                  stage: tuple[int, int] | None = None, names: dict[str, str] | None = None):

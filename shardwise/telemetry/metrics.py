@@ -1,20 +1,10 @@
 """Per-step training metrics, their JSON-lines file, and the end-of-run summary.
 
-One line of `metrics.jsonl` per optimizer step, written by global rank 0:
+One line of `metrics.jsonl` per optimizer step (`StepMetrics`), written by global rank 0:
 
     {"step": 3, "loss": 4.91, "lr": 0.0003, "tokens": 1024, "tokens_per_s": 8211.5, "mfu": 0.031,
      "step_time_s": 0.1247, "elapsed_s": 0.52, "rss_bytes": 412712960, "grad_norm": 1.83,
      "loss_scale": 65536.0, "skipped_steps": 0, "skipped": false}
-
-`grad_norm` is the whole model's gradient norm before clipping (`engine.updater.last_grad_norm`: Infinity
-for a step skipped on inf/nan gradients, null when gradient_clipping is 0 and no norm is taken);
-`loss_scale` is the scale after the step (1.0 unless fp16); `skipped_steps` counts the steps skipped so far and
-`skipped` says whether this step's update was skipped (fp16 overflow: the parameters did not move).
-A step after which the run evaluated also holds `eval_loss` (mean cross-entropy on the held-out split) and
-`eval_perplexity` (its exp).
-
-`tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so MFU divides by the peak
-of all ranks together. Non-finite losses are written as JSON `NaN`/`Infinity` (Python reads them back).
 """
 
 from __future__ import annotations
@@ -40,7 +30,14 @@ def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_fl
 
 @dataclass(frozen=True, kw_only=True)
 class StepMetrics:
-    """What one optimizer step did, as seen by global rank 0."""
+    """What one optimizer step did, as seen by global rank 0.
+
+    `grad_norm` is `engine.updater.last_grad_norm`: Infinity for a step skipped on inf/nan gradients, null when
+    gradient_clipping is 0 and no norm is taken; `loss_scale` is 1.0 unless fp16; `skipped` means fp16 overflow:
+    the parameters did not move. `tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so
+    MFU divides by the peak of all ranks together. A step after which the run evaluated also holds `eval_loss`
+    (mean cross-entropy on the held-out split) and `eval_perplexity` (its exp) in its line.
+    """
 
     step: int
     loss: float
@@ -74,7 +71,8 @@ class MetricsWriter:
 
     Flushing each line means a crashed or interrupted run still leaves every finished step on disk,
     and `tail -f metrics.jsonl` follows a live run. `fresh=True` truncates a file left by an earlier
-    run into the same directory, so one file never mixes two runs.
+    run into the same directory, so one file never mixes two runs. Non-finite losses are written as JSON
+    `NaN`/`Infinity` (Python reads them back).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fresh: bool = False):

@@ -7,12 +7,7 @@ profiler behind the few calls the engine makes.
     monitor.after_step(steps)                 # once per optimizer step, after the counters moved
     with monitor.global_batch(steps) as b: b.loss = ...    # engine.train_batch: the agreed loss
 
-`steps` is the engine's step driver, read through `StepProgress`: the counters, the lr and the loss scale.
-
-What is printed goes to standard output on global rank 0 only, with DeepSpeed's wording:
-`[Rank 0] step=10, skipped=0, lr=[...], mom=[...]` every `steps_per_print` steps, and, when asked for,
-`[Rank 0] time (ms) | fwd: ...` and the communication summary every `steps_per_print` steps (every step
-when steps_per_print is unset, as DeepSpeed prints its timers), and the flops profile once.
+`steps` is the engine's step driver, read through `StepProgress`.
 """
 
 from __future__ import annotations
@@ -45,7 +40,8 @@ _TIMER_TAGS = ((FORWARD, "Train/Samples/elapsed_time_ms_forward"),
 
 
 class StepProgress(Protocol):
-    """What the monitor reads of the training progress (the engine's step driver)."""
+    """What the monitor reads of the training progress (the engine's step driver): the counters, the lr and the
+    loss scale."""
 
     global_steps: int
     global_samples: int
@@ -76,6 +72,11 @@ def momentum_of(group: dict[str, Any]) -> Any:
 
 
 class TrainingMonitor:
+    """What is printed goes to standard output on global rank 0 only, with DeepSpeed's wording:
+    `[Rank 0] step=10, skipped=0, lr=[...], mom=[...]` every `steps_per_print` steps, and, when asked for,
+    `[Rank 0] time (ms) | fwd: ...` and the communication summary every `steps_per_print` steps (every step
+    when steps_per_print is unset, as DeepSpeed prints its timers), and the flops profile once."""
+
     def __init__(self, section: MonitoringConfig, *, module: torch.nn.Module, ledger: CommLedger,
                  device: torch.device, global_rank: int, world_size: int, dp_size: int, mp_size: int,
                  micro_batch: int, scales_loss: bool, profiles: bool | None = None,

@@ -2,18 +2,9 @@
 
 A matmul measured at the start of every run moves with whatever else the machine is doing, so two
 identical runs reported MFUs 30-46% apart. The measurement is therefore taken once per (device, dtype,
-threads, torch version) and kept in a small JSON file under the user's cache directory
-(`$SHARDWISE_CACHE_DIR`, else `$XDG_CACHE_HOME/shardwise`, else `~/.cache/shardwise`); identical runs
-then divide by the same number.
+threads, torch version) and kept in a small JSON file (`PeakCache`); identical runs then divide by the same number.
 
-Where the peak comes from is one function, `PeakSource = (device, dtype) -> (FLOP/s, origin)`: an
-answer of origin "spec" (a known accelerator's datasheet) is used as is and never cached; "measured"
-is cached. `measured_peak` is the default source: the best of the two matmul layouts a Linear layer
-runs (a @ b and a @ b.T), in the dtype the model computes in.
-
-A measured peak can still be too low (measured while another job held the cores). Achieved FLOP/s
-above the peak proves it: `PeakGuard` then says so in one line, raises the peak to the achieved rate
-(MFU reads 100%, never more) and drops the cache entry so the next run measures again.
+    peak = resolve_peak(device=device, dtype=torch.bfloat16, given_tflops=args.peak_tflops)
 """
 
 from __future__ import annotations
@@ -45,6 +36,8 @@ class PeakOrigin(enum.StrEnum):
 
 
 PeakSource = Callable[[torch.device, torch.dtype], tuple[float, str]]
+"""Where the peak comes from: (device, dtype) -> (FLOP/s, origin). An answer of origin "spec" (a known
+accelerator's datasheet) is used as is and never cached; "measured" is cached. `measured_peak` is the default."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,8 @@ def cache_key(name: str, dtype: torch.dtype, device: torch.device) -> str:
 
 
 class PeakCache:
-    """`{key: {"flops": float, "measured_at": "..."}}` in one JSON file, replaced atomically on write.
+    """`{key: {"flops": float, "measured_at": "..."}}` in one JSON file, replaced atomically on write, under the
+    user's cache directory (`$SHARDWISE_CACHE_DIR`, else `$XDG_CACHE_HOME/shardwise`, else `~/.cache/shardwise`).
 
     A file that cannot be read or parsed is treated as empty (it is a cache; the next write repairs it).
     Only a `writer` changes the file: the ranks of one node measure at once, and a rank that wrote first would
@@ -170,7 +164,9 @@ def resolve_peak(*, device: torch.device, dtype: torch.dtype, given_tflops: floa
 
 
 class PeakGuard:
-    """Keeps MFU <= 100%: achieved FLOP/s above the job's peak mean the peak is wrong, not the run."""
+    """Keeps MFU <= 100%: achieved FLOP/s above the job's peak mean the peak is wrong, not the run (measured
+    while another job held the cores). It then says so in one line, raises the peak to the achieved rate (MFU
+    reads 100%, never more) and drops the cache entry so the next run measures again."""
 
     def __init__(self, total_flops: float, rank_peak: PeakFlops, *, cache: PeakCache | None = None,
                  warn: Callable[[str], None] | None = None):

@@ -1,15 +1,7 @@
 """Wall-clock timers of the engine's phases, under DeepSpeed's timer names.
 
-    fwd            engine.forward (training micro-batches)
-    bwd            engine.backward, all of it
-    bwd_inner      autograd's backward inside it
-    bwd_allreduce  the gradient synchronisation after autograd (what overlap did not hide)
-    step           engine.step on the accumulation boundary (unscale, clip, optimizer, lr)
-
-Each timer accumulates milliseconds until it is read and reset, so a print every N steps shows what
-those N steps spent. On CUDA the device is synchronised at both ends of a timed region (kernels run
-asynchronously; a host clock alone would time their launch), which is why timers are only switched on
-when a config asks for them.
+Each timer accumulates milliseconds until it is read and reset, so a print every N steps shows what those N steps
+spent. Timers are only switched on when a config asks for them: on CUDA they synchronise the device (`PhaseTimers`).
 """
 
 from __future__ import annotations
@@ -20,18 +12,20 @@ from typing import Iterator
 
 import torch
 
-FORWARD = "fwd"
-BACKWARD = "bwd"
-BACKWARD_INNER = "bwd_inner"
-BACKWARD_ALLREDUCE = "bwd_allreduce"
-STEP = "step"
+FORWARD = "fwd"                        # engine.forward (training micro-batches)
+BACKWARD = "bwd"                       # engine.backward, all of it
+BACKWARD_INNER = "bwd_inner"           # autograd's backward inside it
+BACKWARD_ALLREDUCE = "bwd_allreduce"   # the gradient synchronisation after autograd (what overlap did not hide)
+STEP = "step"                          # engine.step on the accumulation boundary (unscale, clip, optimizer, lr)
 
 # The order of DeepSpeed's timers line.
 BREAKDOWN = (FORWARD, BACKWARD, BACKWARD_INNER, BACKWARD_ALLREDUCE, STEP)
 
 
 class PhaseTimers:
-    """Named accumulating timers. `enabled=False` makes `timed` a no-op (nothing is synchronised)."""
+    """Named accumulating timers. `enabled=False` makes `timed` a no-op (nothing is synchronised). On CUDA the
+    device is synchronised at both ends of a timed region: kernels run asynchronously, and a host clock alone
+    would time their launch."""
 
     def __init__(self, *, enabled: bool, device: torch.device):
         self.enabled = enabled
