@@ -1,7 +1,6 @@
-"""The planner: FLOPs, memory, communication, pipeline bubble and step time of a model on a cluster, and the search
-for the fastest parallel plan (`shardwise plan` is its command-line face). Pure functions over frozen dataclasses; no
-torch (`probes.py` runs in a child process, never imported here). The model is our `GPTConfig`: a preset, a Hugging
-Face config.json, or any shape.
+"""The planner: FLOPs, memory, communication, pipeline bubble and step time of a model (our `GPTConfig`: a preset,
+a Hugging Face config.json, or any shape) on a cluster, and the search for the fastest parallel plan (`shardwise
+plan` is its command-line face). Pure functions over frozen dataclasses; no torch (`probes.py` runs in a child).
 
     from shardwise import planner
     model = planner.model_preset("llama-7b")

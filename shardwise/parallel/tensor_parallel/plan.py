@@ -8,8 +8,7 @@
     })
 
 This module knows no model: a plan comes from the caller, or from the model itself as its `shardwise_tp_plan`
-attribute (`own_plan`). The plans of the built-in GPT and of Hugging Face models live beside the models
-(`models/parallelize.py`).
+attribute (`own_plan`); the built-in GPT's and Hugging Face models' live beside them (`models/parallelize.py`).
 """
 
 from __future__ import annotations
