@@ -1,11 +1,12 @@
 """Checkpoints in DeepSpeed's layout, written atomically.
 
     SAVE_DIR/latest                              text: the newest tag
-    SAVE_DIR/TAG/mp_rank_TT_model_states.pt      module, optimizer, scheduler, counters, config, client state
-    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_TT_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
+    SAVE_DIR/TAG/mp_rank_MM_model_states.pt      module, optimizer, scheduler, counters, config, client state
+    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_MM_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
 
-TT is the tensor-parallel rank (00 without tensor parallelism): each TP rank's files hold its slices, written
-by the ranks of data-parallel index 0 (model states) and by every rank (ZeRO optimizer shards).
+MM is the model-parallel rank, pp_stage * tp + tp_rank as in DeepSpeed's grid (00 without model parallelism):
+each (stage, TP rank)'s files hold its slices, written by the ranks of data-parallel index 0 (model states) and
+by every rank (ZeRO optimizer shards).
 
 A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and renamed into place, and `latest` is
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
