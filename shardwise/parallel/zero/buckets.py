@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardwise.comm.collectives import Handle
 from shardwise.parallel.data_parallel import plan_buckets
 from shardwise.parallel.zero.copies import HostGrad
 from shardwise.parallel.zero.partition import FlatLayout
@@ -31,7 +32,7 @@ class ZeroBucket:
     grad_buffer: torch.Tensor | None = None     # [padded] full gradients (stage 1: kept; stage 2: transient)
     grad_views: list[torch.Tensor] = field(default_factory=list)
     ready: set[int] = field(default_factory=set)
-    handle: object | None = None
+    handle: Handle | None = None                # the reduce-scatter in flight
     received: torch.Tensor | None = None        # stage 2: [S] reduce-scatter output of one micro-batch
     # ZeRO-Offload (set by the updater): the boundary's final grad_shard goes to its pinned host copy [S] (model
     # dtype) on a side stream as soon as the bucket is reduced.

@@ -95,11 +95,13 @@ class ZeroGradReducer(OrderedLauncher):
                 return
             if bucket.grad_buffer is None:
                 bucket.grad_buffer = torch.zeros_like(bucket.param_flat)
+            assert p.grad is not None            # a post-accumulate-grad hook runs once .grad is set
             off, n = bucket.layout.offsets[i], bucket.layout.sizes[i]
             bucket.grad_buffer[off:off + n].copy_(p.grad.reshape(-1))
             p.grad = None            # the full gradient is not kept: that is stage 2's saving
         else:
             view = bucket.grad_views[i]
+            assert p.grad is not None            # a post-accumulate-grad hook runs once .grad is set
             if p.grad is not view:   # someone replaced .grad: fold it back into the bucket
                 view.copy_(p.grad)
                 p.grad = view
@@ -122,6 +124,8 @@ class ZeroGradReducer(OrderedLauncher):
         """Complete launched buckets, oldest first, until at most `keep` remain in flight."""
         while len(self._in_flight) > keep:
             bucket = self._in_flight.pop(0)
+            # `_launch` set both before it put the bucket in flight
+            assert bucket.handle is not None and bucket.received is not None
             bucket.handle.wait()
             bucket.handle = None
             received = bucket.received
