@@ -137,8 +137,7 @@ class FlatShard:
         device = self.compute_device or self.shard.device
         dtype = self.compute_dtype or self.key.dtype
         if self.layout.gathers_in_place:
-            self._fill_full(device, dtype)
-            return self._gather_into(self.full, comm, copies, device, dtype)
+            return self._gather_into(self._fill_full(device, dtype), comm, copies, device, dtype)
         # rank-major [dp * S], transient: allocated on the compute stream, which alone reads it (copy_out); the
         # full buffer gets its memory only then, so a prefetch in flight holds one [padded] buffer, not two
         staged = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
@@ -146,19 +145,20 @@ class FlatShard:
 
         def wait() -> None:
             inner.wait()
-            self._fill_full(device, dtype)
-            self.layout.copy_out(staged, self.full)
+            self.layout.copy_out(staged, self._fill_full(device, dtype))
 
         return Handle(wait, lambda: None)
 
-    def _fill_full(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Give the full buffer its memory back (the same storage, so saved views of weights stay valid)."""
+    def _fill_full(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Give the full buffer its memory back (the same storage, so saved views of weights stay valid); returns
+        it."""
         if self.full is None:
             self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
             self.views = [self.full[o:o + n].view(s)
                           for o, n, s in zip(self.layout.offsets, self.layout.sizes, self.shapes)]
         else:
             _resize(self.full, self.layout.padded_numel)
+        return self.full
 
     def _gather_into(self, out: torch.Tensor, comm: Comm, copies: CopyStream | None, device: torch.device,
                      dtype: torch.dtype) -> Handle:
@@ -204,7 +204,9 @@ class FlatShard:
     def shard_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per parameter: its piece of the shard (shaped `layout.local_shape`, empty when none is on this rank),
         and of grad_shard."""
-        grads = self.local_views(self.grad_shard) if self.grad_shard is not None else [None] * len(self.params)
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        if self.grad_shard is not None:
+            grads = list(self.local_views(self.grad_shard))
         return self.local_views(self.shard), grads
 
     @torch.no_grad()
@@ -213,8 +215,8 @@ class FlatShard:
         optimizer.zero_grad's default, zeroes its piece; a replaced one is copied in); then .grad is cleared so
         that autograd accumulates this backward's full-shape gradient afresh."""
         if self.has_grads:
-            _, grads = self.shard_pieces()
-            for p, g in zip(self.params, grads):
+            assert self.grad_shard is not None      # has_grads: a reduction was added into grad_shard
+            for p, g in zip(self.params, self.local_views(self.grad_shard)):
                 if p.grad is None:
                     g.zero_()
                 elif p.grad.data_ptr() != g.data_ptr() or p.grad.shape != g.shape:

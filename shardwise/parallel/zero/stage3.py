@@ -90,8 +90,9 @@ class ZeroParamRuntime:
         self._roots = list(roots) if roots is not None else [module]
         self._orders: dict[int, list[Unit]] = {}   # root id -> its units in the order its last forward ran them
         # offload_param on a GPU: host shards are copied and gathered on a side stream, so prefetches overlap.
-        offloaded = [f for f in partition.flats if f.compute_device is not None and f.compute_device.type == "cuda"]
-        self._copies = CopyStream(offloaded[0].compute_device) if offloaded else None
+        offloaded = [f.compute_device for f in partition.flats
+                     if f.compute_device is not None and f.compute_device.type == "cuda"]
+        self._copies = CopyStream(offloaded[0]) if offloaded else None
         # offload_optimizer: flat id -> the pinned host copy its final gradient shard is sent to, on the boundary's
         # backward (`send_final_grads`); `_boundary` is that backward's (True when no engine says otherwise).
         self._host_grads: dict[int, HostGrad] = {}
@@ -213,6 +214,7 @@ class ZeroParamRuntime:
             u.finish_gather()           # never resize a buffer an all-gather is still writing into
         if self.poison_freed:
             for f in u.flats:
+                assert f.full is not None       # the unit is gathered: each flat's buffer is allocated
                 f.full.fill_(float("nan"))
         u.reshard()
         self.live_numel -= u.padded_numel
@@ -252,8 +254,9 @@ class ZeroParamRuntime:
         u.move_training(TrainingState.FORWARD)
         self._ran.append(u)
         self._gather_now(u)
-        root, pos = self._position.get(id(u), (None, None))
-        if pos is not None:
+        position = self._position.get(id(u))
+        if position is not None:
+            root, pos = position
             self._prefetch(self._orders[root][pos + 1:])
 
     def _post_forward(self, u: Unit, module: nn.Module, args: Any, output: Any) -> None:
@@ -342,6 +345,7 @@ class ZeroParamRuntime:
         if flat.grad_full is None:              # no parameter of it got a gradient in this backward
             flat.grad_full = _zeros_full(flat)
         # A separate [S] output in the reduce dtype, on the gradients' device: the input must not alias it.
+        assert flat.grad_shard is not None      # only optimized flats are reduced, and each has a gradient shard
         flat.move_reduce(ReduceState.REDUCING)
         flat.received = flat.grad_full.new_empty(flat.grad_shard.shape)
         flat.has_grads = True
@@ -354,6 +358,8 @@ class ZeroParamRuntime:
         while len(self._in_flight) > keep:
             flat = self._in_flight.pop(0)
             flat.move_reduce(ReduceState.REDUCED)
+            # `_launch_reduce` set the handle and the output, and checked the gradient shard
+            assert flat.handle is not None and flat.received is not None and flat.grad_shard is not None
             flat.handle.wait()
             flat.handle = None
             flat.received.div_(self.comm.size)
