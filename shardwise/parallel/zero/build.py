@@ -93,9 +93,10 @@ def _stage3(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, 
         return FlatKey(group_of.get(id(p)), p.dtype)
 
     partition = _partition(model, section, key_of, dp_comm, device, units.units if units is not None else None)
-    if section.offloads_params:      # shards wait on the CPU between uses; masters may then view them there
+    offload_param = section.offload_param if section.offloads_params else None
+    if offload_param is not None:          # shards wait on the CPU between uses; masters may then view them there
         for f in partition.flats:
-            f.offload(torch.device("cpu"), pin_memory=section.offload_param.pin_memory)
+            f.offload(torch.device("cpu"), pin_memory=offload_param.pin_memory)
     setattr(model, PARTITION_ATTR, partition)
     kept = {id(p) for p in partition.persistent}
     persistent: list[ZeroBucket] = build_zero_buckets(

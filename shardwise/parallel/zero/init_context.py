@@ -102,6 +102,7 @@ class Init:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
+        assert self._device is not None               # entered: __enter__ set it when enabled
         self._device.__exit__(exc_type, exc, tb)
         for h in self._hooks:
             h.remove()
@@ -161,8 +162,9 @@ class Init:
     def _init_for(self, model: nn.Module) -> Callable[[nn.Module], None] | None:
         if self.init is not None:
             return self.init
-        if callable(getattr(model, "init_weights", None)):
-            return lambda m: m.init_weights()
+        init_weights = getattr(model, "init_weights", None)
+        if callable(init_weights):
+            return lambda m: init_weights()           # materialize_sharded calls it with `model` itself
         return None                                   # materialize's default: each module's reset_parameters
 
     def _zero_section(self) -> ZeroConfig:

@@ -116,7 +116,9 @@ class ShardedUpdate(Update):
         for i, (b, m) in enumerate(zip(self.buckets, self.masters)):
             g = b.grad_shard
             if queued[i]:                 # sent during backward: wait for this bucket's copy, cast on the host
-                sent = self._sent[i].receive()
+                host = self._sent[i]
+                assert host is not None   # queued: it has a HostGrad with a send pending
+                sent = host.receive()
                 buf = self._host_grads[i]
                 if buf is None:
                     buf = self._host_grads[i] = pinned_like(m, dtype=m.dtype, pin=m.is_pinned())
