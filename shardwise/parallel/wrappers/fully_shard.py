@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.params import Partition, Unit, UnitPlan, build_units
 from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
+
+if TYPE_CHECKING:
+    from shardwise.parallel.wrappers.module import FSDPModule
 
 SHARDED_ATTR = "_shardwise_sharded"
 """Set on every parameter a `fully_shard` call has sharded."""
@@ -72,7 +75,7 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy | None = None) -> nn.Module:
+                offload_policy: OffloadPolicy | None = None) -> FSDPModule:
     """Shard `module`'s parameters over the data-parallel group of `mesh` (see `policies.groups_of`); apply it to
     each block, then to the root. Returns the module itself, its class now also a `FSDPModule`.
 

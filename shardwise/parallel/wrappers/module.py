@@ -3,7 +3,7 @@ sync on/off, resharding, the gradient norm over the shards, and full / sharded s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,11 +34,21 @@ def wrap_class(module: nn.Module) -> None:
     module.__class__ = _CLASSES[cls]
 
 
-class FSDPModule:
+if TYPE_CHECKING:
+    from shardwise.parallel.wrappers.fully_shard import FullyShardState
+
+    # Every FSDPModule is an nn.Module: `wrap_class` mixes it into the class of a module. The checker is shown that
+    # base, so the methods below read the module's members as typed; at run time the mixin derives from object.
+    _ModuleBase = nn.Module
+else:
+    _ModuleBase = object
+
+
+class FSDPModule(_ModuleBase):
     """Mixed into the class of every module `fully_shard` wrapped. Collective methods say so: every rank of the
     data-parallel group must call them in the same order."""
 
-    def _fully_shard_state(self):
+    def _fully_shard_state(self) -> FullyShardState:
         from shardwise.parallel.wrappers.fully_shard import STATE_ATTR
         return getattr(self, STATE_ATTR)
 
@@ -53,7 +63,7 @@ class FSDPModule:
         self._fully_shard_state().runtime.release_gathered()
 
     def _my_flats(self) -> list[FlatShard]:
-        mine = {id(p) for p in self.parameters()}  # type: ignore[attr-defined]
+        mine = {id(p) for p in self.parameters()}
         return [f for u in self._fully_shard_state().runtime.units for f in u.flats
                 if any(id(p) in mine for p in f.params)]
 
@@ -63,7 +73,7 @@ class FSDPModule:
         torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's rows only."""
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
-        return clip_sharded_(list(self.parameters()), max_norm,  # type: ignore[attr-defined]
+        return clip_sharded_(list(self.parameters()), max_norm,
                              self._fully_shard_state().groups, dp_sharded=True)
 
     @torch.no_grad()
@@ -84,8 +94,8 @@ class FSDPModule:
             return None
         with plain_state_dicts(sharding):
             state = {k: v.detach().to("cpu", copy=True)
-                     for k, v in self.state_dict().items()}  # type: ignore[attr-defined]
-        for name, p in self.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
+                     for k, v in self.state_dict().items()}
+        for name, p in self.named_parameters(remove_duplicate=False):
             if id(p) in values and name in state:
                 state[name] = values[id(p)]
         return state
@@ -96,9 +106,9 @@ class FSDPModule:
         rows. Not collective. An optimizer built on the parameters keeps them (the shards change in place)."""
         sharding = self._fully_shard_state()
         sharding.runtime.release_gathered()
-        named = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
+        named = dict(self.named_parameters(remove_duplicate=False))
         where = sharding.runtime.partition.where()
-        wanted = set(named) | {n for n, _ in self.named_buffers()}  # type: ignore[attr-defined]
+        wanted = set(named) | {n for n, _ in self.named_buffers()}
         missing = sorted(wanted - state_dict.keys())
         if missing:
             more = " ..." if len(missing) > 4 else ""
@@ -111,7 +121,7 @@ class FSDPModule:
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
             p.data.copy_(rank_piece(flat, i, value))          # p is its piece of the shard
-        for name, b in self.named_buffers():  # type: ignore[attr-defined]
+        for name, b in self.named_buffers():
             b.copy_(state_dict[name])
 
     def comm_report(self, step: int | None = None) -> list[dict[str, Any]]:
@@ -124,7 +134,7 @@ class FSDPModule:
         FSDP2's), and the buffers: what `state_dict()` gives (`dtensors.py`; plain local tensors under a (dp, tp)
         mesh). `torch.distributed.checkpoint` saves it and loads it at any world size; `load_state_dict` takes
         it back. Collective only for a model with a 0-dim parameter."""
-        return self.state_dict()  # type: ignore[attr-defined]
+        return self.state_dict()
 
 
 # The one conversion between "a tensor laid out as this rank holds a parameter" (its rows of the shard: the
@@ -139,8 +149,9 @@ def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> lis
     dtype = next((t.dtype for t in local if t is not None), flat.shard.dtype)
     mine = torch.zeros(flat.layout.shard_numel, dtype=dtype, device=device)           # [S]
     for i, (lo, hi, dst) in flat.pieces.items():
-        if local[i] is not None:
-            mine[dst:dst + hi - lo].copy_(local[i].reshape(-1))
+        piece = local[i]
+        if piece is not None:
+            mine[dst:dst + hi - lo].copy_(piece.reshape(-1))
     gathered = torch.empty(flat.layout.padded_numel, dtype=dtype, device=device)      # [S * dp], rank-major
     comm.all_gather_into_tensor(gathered, mine)
     full = gathered
