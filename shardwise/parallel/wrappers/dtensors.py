@@ -8,6 +8,7 @@ global shape and where each rank's rows lie, so it writes every piece and loads 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -35,7 +36,9 @@ def dp_mesh(sharding) -> Any | None:
         from torch.distributed.device_mesh import DeviceMesh
         flats = sharding.runtime.partition.flats
         device = flats[0].compute_device or flats[0].shard.device if flats else torch.device("cpu")
-        mesh = DeviceMesh.from_group(sharding.groups.dp.group or dist.group.WORLD, device.type)
+        group = sharding.groups.dp.group or dist.group.WORLD
+        assert group is not None        # groups_of refused to wrap before the process group was initialized
+        mesh = DeviceMesh.from_group(group, device.type)
     sharding._dtensor_mesh = mesh
     return mesh
 
@@ -113,8 +116,11 @@ def install(module: nn.Module, state_of) -> None:
 
     module.register_state_dict_post_hook(out)
     handle = module.register_load_state_dict_pre_hook(into)
-    # ahead of the ZeRO-3 runtime's own pre-hook, which takes an entry of the whole shape for a whole value
-    module._load_state_dict_pre_hooks.move_to_end(handle.id, last=False)
+    # ahead of the ZeRO-3 runtime's own pre-hook, which takes an entry of the whole shape for a whole value (torch
+    # keeps the hooks in an OrderedDict; its stubs say dict, which has no move_to_end)
+    hooks = module._load_state_dict_pre_hooks
+    assert isinstance(hooks, OrderedDict)
+    hooks.move_to_end(handle.id, last=False)
 
 
 @torch.no_grad()

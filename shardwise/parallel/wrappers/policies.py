@@ -115,8 +115,9 @@ def groups_of(mesh: Any, *, ledger: CommLedger | None = None) -> DataParallelGro
     if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):          # torch's DeviceMesh
         if mesh.ndim == 1:
             return DataParallelGroups(Comm(mesh.get_group(), ledger, name="dp"), solo)
-        dp_name = next((n for n in ("dp", "dp_shard") if names and n in names), None)
-        if dp_name is None or mesh.ndim != 2 or "tp" not in names:
+        dims = names or ()            # mesh_dim_names is None for a mesh built without names
+        dp_name = next((n for n in ("dp", "dp_shard") if n in dims), None)
+        if dp_name is None or mesh.ndim != 2 or "tp" not in dims:
             raise UserError(f"mesh: a {mesh.ndim}-D DeviceMesh with dims {names}; give a 1-D mesh, or a 2-D one "
                             f"with mesh_dim_names ('dp', 'tp')")
         return DataParallelGroups(Comm(mesh.get_group(dp_name), ledger, name="dp"),

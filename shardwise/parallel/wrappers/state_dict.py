@@ -102,13 +102,13 @@ def _named_optim_state(target: _Target, optims: Iterable[torch.optim.Optimizer],
 
 
 @torch.no_grad()
-def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
-    """Replace, in place, every state tensor laid out like its sharded parameter's piece by the whole tensor.
-    Collective over dp: flats in the partition's order, state keys sorted, the same on every rank."""
-    comm = target.sharded._fully_shard_state().groups.dp
-    names = target.names()
+def _gather_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[str, Any]) -> None:
+    """Replace, in place, every state tensor laid out like its sharded parameter's piece by the whole tensor
+    (`names`: id(parameter) -> FQN). Collective over dp: flats in the partition's order, state keys sorted, the
+    same on every rank."""
+    comm = sharded._fully_shard_state().groups.dp
     state = named[STATE]
-    for flat in target.sharded._fully_shard_state().runtime.partition.flats:
+    for flat in sharded._fully_shard_state().runtime.partition.flats:
         fqns = [names.get(id(p)) for p in flat.params]
         held = [(i, state[n]) for i, n in enumerate(fqns) if n in state]
         keys = sorted({k for i, s in held for k, v in s.items() if _laid_out_like(v, flat.params[i])})
@@ -123,13 +123,12 @@ def _gather_optim_state(target: _Target, named: dict[str, Any]) -> None:
                     s[key] = whole[i].clone()
 
 
-def _place_optim_state(target: _Target, named: dict[str, Any]) -> None:
+def _place_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[str, Any]) -> None:
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
     (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
-    sharding = target.sharded._fully_shard_state()
+    sharding = sharded._fully_shard_state()
     if dp_mesh(sharding) is None:
         return
-    names = target.names()
     state = named[STATE]
     scalars = []
     for flat in sharding.runtime.partition.flats:
@@ -183,9 +182,9 @@ def optim_state(model: nn.Module, optimizers: Any, *, full: bool, to_cpu: bool, 
             init_optim_state(optim)
     named = _named_optim_state(target, _optimizers(optimizers), fn, natives)
     if full and target.sharded is not None:
-        _gather_optim_state(target, named)
+        _gather_optim_state(target.sharded, target.names(), named)
     elif target.sharded is not None:
-        _place_optim_state(target, named)
+        _place_optim_state(target.sharded, target.names(), named)
     if rank0_only and _rank(target) != 0:
         return {}
     # without `to_cpu`, like torch's, tensors not gathered are the optimizer's own (training on changes them)
