@@ -23,6 +23,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,8 @@ from shardwise.telemetry import (
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Stopped:
@@ -83,9 +86,9 @@ def rank_peak_flops(args: WorkerArgs, compute_dtype: torch.dtype, device: torch.
                         source=source)
 
 
-def gather(value: object) -> list[object]:
+def gather(value: T) -> list[T]:
     """One Python object from every rank, in rank order (small values only: pickled through the store)."""
-    out: list[object] = [None] * dist.get_world_size()
+    out = [value] * dist.get_world_size()       # every slot is overwritten with that rank's value
     dist.all_gather_object(out, value)
     return out
 
