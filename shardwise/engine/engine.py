@@ -29,7 +29,7 @@ from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
 from shardwise.errors import UserError
 from shardwise.parallel.interfaces import (
-    BatchSchedule, DataParallelRuntime, FullValues, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
+    BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
 )
 from shardwise.telemetry.monitor import TrainingMonitor
 
@@ -66,7 +66,6 @@ class Engine(DeepSpeedEngineAPI):
         """`comm.watchdog.HangWatchdog`: the report of a collective that outlived communication.timeout_minutes."""
         self._naming: StageNaming = pipeline
         self._sharded_state: ShardedState = update
-        self.full_values: FullValues = update
         self.steps = TrainingSteps(module=module, batch=config.batch, updater=update, dp_runtime=dp_runtime,
                                    lr_scheduler=lr_scheduler, ledger=ledger, monitor=monitor,
                                    metrics_comm=self.metrics_comm, device=device,
