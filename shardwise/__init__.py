@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "initialize": "shardwise.engine.initialize",
-    "init_distributed": "shardwise.engine.initialize",
+    "init_distributed": "shardwise.comm.dist_api",
     "Engine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",

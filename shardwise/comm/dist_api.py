@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import UserError
 
 ReduceOp = dist.ReduceOp
 
@@ -25,17 +24,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      distributed_port: int | None = None, verbose: bool = True, timeout: Any = None,
                      init_method: str | None = None, dist_init_required: bool | None = None,
                      config: Any = None, rank: int = -1, world_size: int = -1) -> None:
-    """Join the job from the launcher's environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR...), or make a world
-    of one; idempotent. `dist_init_required=False` leaves torch.distributed alone, as in DeepSpeed. MPI discovery,
-    the port and verbosity are DeepSpeed's launcher concerns and change nothing here; an explicit rendezvous
-    (`init_method`, `rank`, `world_size`) is refused: torchrun's environment is the one way in."""
+    """DeepSpeed's `init_distributed`: join the job from the launcher's environment (torchrun's RANK, WORLD_SIZE,
+    MASTER_ADDR...), or through an explicit rendezvous (`init_method`, `rank`, `world_size`, as
+    torch.distributed.init_process_group takes them), or make a world of one; idempotent.
+    `dist_init_required=False` leaves torch.distributed alone, as in DeepSpeed. MPI discovery, the port and
+    verbosity are DeepSpeed's launcher concerns and change nothing here."""
     if dist_init_required is False:
         return
-    if init_method is not None or rank != -1 or world_size != -1:
-        raise UserError("shardwise.comm.init_distributed(init_method=/rank=/world_size=) is not supported: launch "
-                        "with torchrun (or `shardwise train`), which sets RANK and WORLD_SIZE for every process")
     from shardwise.engine.initialize import init_distributed as _init
-    _init(dist_backend, timeout_s=timeout.total_seconds() if timeout is not None else None)
+    _init(dist_backend, timeout_s=timeout.total_seconds() if timeout is not None else None,
+          init_method=init_method, rank=rank, world_size=world_size)
 
 
 def get_rank(group: Any = None) -> int:

@@ -44,12 +44,14 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 
-def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None) -> None:
+def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None = None,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1) -> None:
     """Initialise the default process group: NCCL when this rank trains on a GPU (`shardwise.comm.device`), else gloo.
 
-    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) joins the job; as a plain single
-    process creates a world of one with an in-memory store (no port needed). Idempotent. On a GPU the rank's
-    device (LOCAL_RANK mod the GPU count) is made current first and passed as `device_id`, so NCCL binds its
+    Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment) joins the job; with an explicit rendezvous
+    (`init_method` such as "tcp://host:port" or "file://path", with `rank` and `world_size`) joins through that; as a
+    plain single process creates a world of one with an in-memory store (no port needed). Idempotent. On a GPU the
+    rank's device (LOCAL_RANK mod the GPU count) is made current first and passed as `device_id`, so NCCL binds its
     communicator to that GPU (not GPU 0) and creates it eagerly.
     """
     if dist.is_initialized():
@@ -61,7 +63,14 @@ def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if cuda and "nccl" in backend:
         kwargs["device_id"] = select_device()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if init_method is not None or rank != -1 or world_size != -1:
+        # torch fills a missing rank or world size from the environment for env://, and refuses otherwise.
+        if rank != -1:
+            kwargs["rank"] = rank
+        if world_size != -1:
+            kwargs["world_size"] = world_size
+        dist.init_process_group(backend, init_method=init_method, **kwargs)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, **kwargs)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
