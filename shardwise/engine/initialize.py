@@ -110,6 +110,10 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
 
     Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
     what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
+    if dist_init_required is False and not dist.is_initialized():
+        raise UserError("initialize(dist_init_required=False) but torch.distributed is not initialized: pass "
+                        "dist_init_required=True (or leave it None), or call torch.distributed.init_process_group "
+                        "first")
     config = _config_source(model, config, config_params, args)
     timeout_s = _timeout_minutes(config) * 60.0
     init_distributed(timeout_s=backend_timeout_s(timeout_s))
