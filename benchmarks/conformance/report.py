@@ -1,0 +1,153 @@
+"""Join a peer run and a shardwise run of the same tests, class each failure, and write the table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TestResult:
+    nodeid: str
+    outcome: str            # passed | failed | skipped
+    start: float
+    end: float
+    error: str
+
+    @property
+    def file(self) -> str:
+        return self.nodeid.split("::", 1)[0]
+
+
+@dataclass
+class Access:
+    time: float
+    kind: str               # ours | theirs
+    name: str
+
+
+@dataclass
+class Verdict:
+    nodeid: str
+    passed: bool
+    exercised_ours: bool     # the test read at least one shardwise name while it ran
+    klass: str = ""          # "", or a, b, c for a failure
+    reason: str = ""
+
+
+@dataclass
+class FileRow:
+    file: str
+    peer_passed: int = 0
+    ours_passed: int = 0
+    ours_passed_exercising: int = 0
+    exercising: int = 0
+    classes: dict[str, int] = field(default_factory=lambda: {"a": 0, "b": 0, "c": 0})
+
+
+def read_results(path: Path) -> dict[str, TestResult]:
+    results: dict[str, TestResult] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            results[row["nodeid"]] = TestResult(row["nodeid"], row["outcome"], row["start"], row["end"],
+                                                row["error"])
+    return results
+
+
+def read_log(path: Path) -> list[Access]:
+    accesses = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) == 4:
+                accesses.append(Access(float(parts[0]), parts[2], parts[3]))
+    accesses.sort(key=lambda a: a.time)
+    return accesses
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _module_of(name: str) -> str:
+    """deepspeed.runtime.zero.partition_parameters.ZeroParamStatus -> its module (drop the attribute)."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def classify(peer: dict[str, TestResult], ours: dict[str, TestResult], log: list[Access], *,
+             harness: tuple[str, ...], public: tuple[str, ...], deliberate: dict[str, str],
+             internal: dict[str, str]) -> list[Verdict]:
+    verdicts = []
+    for nodeid, theirs in sorted(peer.items()):
+        if theirs.outcome != "passed":
+            continue
+        mine = ours.get(nodeid)
+        window = [a for a in log if mine is not None and mine.start <= a.time <= mine.end]
+        exercised = any(a.kind == "ours" for a in window)
+        if mine is not None and mine.outcome == "passed":
+            verdicts.append(Verdict(nodeid, True, exercised))
+            continue
+        error = mine.error if mine is not None else "not run under shardwise"
+        reached = sorted({_module_of(a.name) for a in window if a.kind == "theirs"
+                          and not _under(a.name, harness) and not _under(a.name, public)})
+        deliberate_reason = next((r for key, r in deliberate.items() if key in nodeid), None)
+        internal_reason = next((r for key, r in internal.items() if key in nodeid), None)
+        if deliberate_reason is not None:
+            verdict = Verdict(nodeid, False, exercised, "c", deliberate_reason)
+        elif internal_reason is not None:
+            verdict = Verdict(nodeid, False, exercised, "b", internal_reason)
+        elif reached:
+            verdict = Verdict(nodeid, False, exercised, "b", "reaches " + ", ".join(reached) + f" ({error})")
+        else:
+            verdict = Verdict(nodeid, False, exercised, "a", error)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def rows(verdicts: list[Verdict]) -> list[FileRow]:
+    by_file: dict[str, FileRow] = {}
+    for v in verdicts:
+        row = by_file.setdefault(v.nodeid.split("::", 1)[0], FileRow(v.nodeid.split("::", 1)[0]))
+        row.peer_passed += 1
+        row.exercising += v.exercised_ours
+        if v.passed:
+            row.ours_passed += 1
+            row.ours_passed_exercising += v.exercised_ours
+        else:
+            row.classes[v.klass] += 1
+    return [by_file[f] for f in sorted(by_file)]
+
+
+def markdown(title: str, verdicts: list[Verdict], command: str) -> str:
+    table = rows(verdicts)
+    total = FileRow("all files")
+    for r in table:
+        total.peer_passed += r.peer_passed
+        total.ours_passed += r.ours_passed
+        total.ours_passed_exercising += r.ours_passed_exercising
+        total.exercising += r.exercising
+        for k in total.classes:
+            total.classes[k] += r.classes[k]
+    lines = [f"### {title}", "", f"`{command}`", "",
+             "| file | pass with the peer | pass with shardwise | of which exercise shardwise | "
+             "(a) gap | (b) peer internals | (c) deliberate |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in [*table, total]:
+        name = f"**{r.file}**" if r is total else f"`{r.file}`"
+        lines.append(f"| {name} | {r.peer_passed} | {r.ours_passed} | {r.ours_passed_exercising} of "
+                     f"{r.exercising} | {r.classes['a']} | {r.classes['b']} | {r.classes['c']} |")
+    share = 100.0 * total.ours_passed / total.peer_passed if total.peer_passed else 0.0
+    exercised_share = (100.0 * total.ours_passed_exercising / total.exercising) if total.exercising else 0.0
+    lines += ["", f"{total.ours_passed} of {total.peer_passed} ({share:.0f}%) pass with shardwise; of the "
+              f"{total.exercising} that exercise shardwise, {total.ours_passed_exercising} ({exercised_share:.0f}%).",
+              ""]
+    failures = [v for v in verdicts if not v.passed]
+    if failures:
+        lines += ["| test | class | reason |", "|---|---|---|"]
+        for v in sorted(failures, key=lambda v: (v.klass, v.nodeid)):
+            reason = v.reason.replace("|", "\\|").replace("\n", " ")[:300]
+            lines.append(f"| `{v.nodeid}` | ({v.klass}) | {reason} |")
+        lines.append("")
+    return "\n".join(lines)

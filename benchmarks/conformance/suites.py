@@ -1,0 +1,95 @@
+"""Which of the peers' test files are run, and the hand-kept part of classifying their failures under shardwise.
+
+The candidate files are the ones whose subject shardwise implements (the engine, config, ZeRO, checkpoints, lr
+schedules, comm, pipelines, activation checkpointing, precision; torch's fully_shard, FSDP and DDP). Within them,
+the run keeps the tests that pass with the peer itself on this machine; those are the denominator.
+
+A failure under shardwise is classed:
+  (a) gap: a public API users rely on behaves otherwise (the default),
+  (b) internal: the test reaches into a peer module that is not public API (named),
+  (c) deliberate: shardwise differs on purpose, as README documents.
+(b) is found from the swap log (`swap.py`): a test that read a name from a peer module outside `PUBLIC_MODULES` and
+the harness modules. The tables below hold what the log cannot tell: deliberate differences, and internals reached
+in ways the log does not see (a subclass of a peer class, an attribute read off an object).
+"""
+
+from __future__ import annotations
+
+DEEPSPEED_FILES = [
+    "unit/runtime/test_ds_config_dict.py",
+    "unit/runtime/test_ds_config_model.py",
+    "unit/runtime/test_ds_initialize.py",
+    "unit/runtime/test_lr_schedulers.py",
+    "unit/runtime/test_no_sync_ctxt.py",
+    "unit/runtime/test_multiple_models.py",
+    "unit/runtime/test_runtime_utils.py",
+    "unit/runtime/zero/test_zero_config.py",
+    "unit/runtime/zero/test_zero_context.py",
+    "unit/runtime/zero/test_zero_context_return.py",
+    "unit/runtime/zero/test_zero_nesting_init.py",
+    "unit/runtime/zero/test_zero_linear_direct_init.py",
+    "unit/runtime/zero/test_zero_tensor_fragment.py",
+    "unit/runtime/zero/test_zero_grad_clip.py",
+    "unit/runtime/zero/test_ignore_unused_parameters.py",
+    "unit/v1/zero/test_zero.py",
+    "unit/checkpoint/test_zero_optimizer.py",
+    "unit/checkpoint/test_tag_validation.py",
+    "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_lr_scheduler.py",
+    "unit/checkpoint/test_other_optimizer.py",
+    "unit/checkpoint/test_pipeline.py",
+    "unit/checkpoint/test_universal_checkpoint.py",
+    "unit/comm/test_dist.py",
+    "unit/pipe/test_pipe_module.py",
+    "unit/runtime/pipe/test_pipe.py",
+    "unit/runtime/pipe/test_topology.py",
+    "unit/runtime/activation_checkpointing/test_activation_checkpointing.py",
+    "unit/runtime/half_precision/test_fp16.py",
+    "unit/utils/test_partition_balanced.py",
+]
+
+# Modules of DeepSpeed's test harness and environment: reading them says nothing about what a test tests.
+DEEPSPEED_HARNESS = (
+    "deepspeed.accelerator",
+    "deepspeed.git_version_info",
+    "deepspeed.ops.op_builder",
+    "deepspeed.utils.logging",
+    "deepspeed.utils.logger",
+)
+
+# Peer modules that real scripts and integrations (Hugging Face, Lightning, accelerate) import by path: a test
+# failing on one of these is a gap (a), not a test of internals. shardwise provides them under the same path.
+DEEPSPEED_PUBLIC_MODULES = (
+    "deepspeed.comm",
+    "deepspeed.zero",
+    "deepspeed.pipe",
+    "deepspeed.utils",
+    "deepspeed.ops.adam",
+    "deepspeed.checkpointing",
+    "deepspeed.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.config",
+    "deepspeed.runtime.lr_schedules",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.pipe",
+    "deepspeed.runtime.activation_checkpointing.checkpointing",
+    "deepspeed.utils.zero_to_fp32",
+    "deepspeed.initialize",
+    "deepspeed.init_distributed",
+    "deepspeed.add_config_arguments",
+)
+
+# test-id substring -> reason shardwise differs on purpose (each documented in README).
+DELIBERATE: dict[str, str] = {}
+
+# test-id substring -> the internal a test reaches that the swap log cannot see.
+INTERNAL: dict[str, str] = {}
+
+TORCH_FILES = [
+    "distributed/_composable/fsdp/test_fully_shard_training.py",
+    "distributed/_composable/fsdp/test_fully_shard_clip_grad_norm_.py",
+    "distributed/_composable/fsdp/test_fully_shard_state_dict.py",
+    "distributed/_composable/fsdp/test_fully_shard_frozen.py",
+    "distributed/_composable/fsdp/test_fully_shard_autograd.py",
+    "distributed/fsdp/test_fsdp_core.py",
+    "distributed/test_data_parallel.py",
+]
