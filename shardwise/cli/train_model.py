@@ -30,8 +30,11 @@ def run_model_choice(args: Any) -> ModelChoice:
 
 
 def build_run_model(args: Any) -> tuple[ModelChoice, Any]:
+    """The run's model in train mode, whatever mode its loader returned it in: transformers' `from_pretrained`
+    returns an eval-mode model, which would train with dropout off, and the engine measures activations and
+    opens each step's communication record only in a training forward."""
     choice = run_model_choice(args)
-    return choice, build_model(choice)
+    return choice, build_model(choice).train()
 
 
 def perplexity(loss: float) -> float:

@@ -90,6 +90,11 @@ def test_train_eval_generate_export_and_load_in_transformers(tmp_path: Path, cap
                     optimizer={"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}})
     _train(zero3, "--model", f"hf:{tmp_path / 'hf'}", "--data", str(corpus), "--steps", "1", "--save-every", "1",
            "--out", str(run2))
+    # from_pretrained returns an eval-mode model: the run trains it in train mode, so the summary measures the
+    # step's collectives (ZeRO-3 over 2 ranks gathers and reduce-scatters) and the saved activations
+    trained = json.loads((run2 / "summary.json").read_text())
+    assert trained["comm_bytes_per_step"] > 0
+    assert all(rank["activations"] > 0 for rank in trained["memory_per_rank"])
     _out(capsys, "export", str(run2), "--to", "safetensors", "--out", str(tmp_path / "st"))
     from safetensors.torch import load_file
     again = load_file(str(tmp_path / "st" / "model.safetensors"))
