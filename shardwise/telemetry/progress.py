@@ -138,7 +138,8 @@ def summary_tables(summary: RunSummary) -> list[Table]:
         ("wall time", format_eta(summary.total_time_s)),
     ]
     if summary.final_eval_loss is not None:
-        rows[2:2] = [("final eval loss (held out)", f"{summary.final_eval_loss:.4f}"),
+        over = "" if summary.final_eval_windows is None else f", {summary.final_eval_windows} windows"
+        rows[2:2] = [(f"final eval loss (held out{over})", f"{summary.final_eval_loss:.4f}"),
                      ("final eval perplexity", f"{summary.final_eval_perplexity:.3f}")]
     for name, value in rows:
         head.add_row(name, str(value))

@@ -102,6 +102,20 @@ def test_guard_keeps_mfu_at_most_one_says_so_once_and_drops_the_cache(tmp_path) 
     assert "--peak-tflops" in said[0] and "cached" not in said[0]
 
 
+def test_ranks_that_measure_agree_on_one_figure_the_job_divides_by_and_caches(tmp_path) -> None:
+    reader = pc.PeakCache(tmp_path / "peak.json", writer=False)
+    # Three ranks measuring at once get three figures; a rank given --peak-tflops keeps its own.
+    peaks = [pc.resolve_peak(device=CPU, dtype=torch.float32, source=CountingSource(f), cache=reader)
+             for f in (1e9, 2e9, 6e9)] + [pc.PeakFlops(5e9, pc.PeakOrigin.GIVEN, "cpu", torch.float32)]
+    assert reader.get(peaks[0].cache_key) is None          # not a writer: nothing cached before they agree
+    agreed = pc.agree_measured(peaks)
+    assert [p.flops for p in agreed] == [3e9, 3e9, 3e9, 5e9]
+    assert sum(p.flops for p in agreed) == sum(p.flops for p in peaks)     # the job's peak is unchanged
+    assert "(measured: the mean of 3 ranks measuring at once)" in agreed[0].describe()
+    assert agreed[0].describe().startswith("0.003 TFLOP/s per rank")      # the figure printed is the one used
+    assert agreed[3] == peaks[3]
+
+
 def test_progress_line_shows_gradient_norm_loss_scale_and_skips() -> None:
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=300)
