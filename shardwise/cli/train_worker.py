@@ -143,6 +143,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         # The parent printed the config's warnings once before launching; every rank would repeat them.
         warnings.simplefilter("ignore", shardwise.ConfigWarning)
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    engine.monitor.progress_lines = False      # rank 0's TrainProgress prints the one line of each interval
     batch = engine.config.batch
     data = RunData.build(tokens, args, choice, engine)     # with --eval-every, the held-out split is cut off
     loader = data.loader

@@ -57,11 +57,10 @@ class PeakFlops:
     measured_by: int = 1     # ranks whose measurements it is the mean of (`agree_measured`)
 
     def describe(self) -> str:
-        origin = self.origin.value
-        if self.origin is PeakOrigin.MEASURED and self.measured_by > 1:
-            origin += f": the mean of {self.measured_by} ranks measuring at once"
+        mean = f", the mean of {self.measured_by} ranks measuring at once" \
+            if self.origin is PeakOrigin.MEASURED and self.measured_by > 1 else ""
         return f"{self.flops / 1e12:.4g} TFLOP/s per rank, {str(self.dtype).removeprefix('torch.')} on " \
-               f"{self.device_name} ({origin})"
+               f"{self.device_name} ({self.origin.value}){mean}"
 
 
 def agree_measured(peaks: list[PeakFlops]) -> list[PeakFlops]:
