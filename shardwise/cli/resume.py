@@ -150,16 +150,20 @@ def follow_config_schedule(scheduler: Any, start: ScheduleStart | None) -> None:
 
 def _lr_after(config: dict[str, Any], steps: int) -> float | None:
     """The learning rate of the first param group after `steps` scheduler steps of `config`'s schedule: the lr
-    step `steps + 1` trains at. None without an optimizer block."""
+    step `steps + 1` trains at. None when the config names no optimizer, or one built only on a device."""
+    from shardwise.config import ConfigError
     from shardwise.config.schema import OptimizerSpec, SchedulerSpec
     from shardwise.engine.optim import build_optimizer, build_scheduler
 
     if not isinstance(config.get("optimizer"), dict):
         return None
-    optimizer = build_optimizer(OptimizerSpec(**config["optimizer"]), [torch.nn.Parameter(torch.zeros(1))])
-    if not isinstance(config.get("scheduler"), dict):
-        return float(optimizer.param_groups[0]["lr"])
-    scheduler = build_scheduler(SchedulerSpec(**config["scheduler"]), optimizer)
+    try:
+        optimizer = build_optimizer(OptimizerSpec(**config["optimizer"]), [torch.nn.Parameter(torch.zeros(1))])
+        if not isinstance(config.get("scheduler"), dict):
+            return float(optimizer.param_groups[0]["lr"])
+        scheduler = build_scheduler(SchedulerSpec(**config["scheduler"]), optimizer)
+    except (ConfigError, ValueError, TypeError, RuntimeError):
+        return None
     start = schedule_start(scheduler)
     scheduler.last_epoch = steps           # replayed from the start as a resumed rank does
     follow_config_schedule(scheduler, start)
@@ -180,11 +184,12 @@ def schedule_note(before: dict[str, Any], now: dict[str, Any], steps_before: int
                         if there.get(name) != here.get(name) else f"{name} {here[name]}" for name in {**there, **here})
     old, new = _lr_after(before, at), _lr_after(now, at)
     if old is None or new is None:
-        lrs = "the optimizer's own learning rate"
+        lrs = f"step {at + 1} trains at the new schedule's lr"
     elif old == new:
         lrs = f"step {at + 1} trains at lr {new:.4g}, as it would have"
     else:
         lrs = f"step {at + 1} trains at lr {new:.4g} where the old schedule gave {old:.4g}"
     if there == here:
-        return f"--steps {steps_before} -> {steps_now}: the config's schedule does not follow --steps; {lrs}"
+        same = f" ({lengths} steps)" if lengths else ""
+        return f"--steps {steps_before} -> {steps_now}: the schedule's length is unchanged{same}; {lrs}"
     return f"--steps {steps_before} -> {steps_now}: the schedule is recomputed ({lengths} steps); {lrs}"
