@@ -82,24 +82,51 @@ def run_evaluation(trained: Any) -> RunEval | None:
         return None
     last = rows[-1]
     windows = last.get("eval_windows")
+    if windows is None:
+        windows = _windows_before_they_were_logged(last, run_args(trained.run_dir))
     return RunEval(int(last["step"]), float(last["eval_loss"]), None if windows is None else int(windows))
 
 
-def window_indices(num_windows: int, *, max_windows: int | None, logged: RunEval | None) -> tuple[Any, str]:
-    """Which windows to average over, and how to say it: the run's evaluation's (`logged`, wrapping around the
-    `num_windows` as it did), or the first `max_windows` (0: all)."""
+def _windows_before_they_were_logged(row: dict[str, Any], saved: dict[str, Any] | None) -> int | None:
+    """For metrics written before evaluations logged `eval_windows`: eval_batches * micro_batch * dp, from the
+    step's global batch (`tokens` / seq_len = micro_batch * accumulation * dp) and the run's accumulation when its
+    config fixes it; None when it does not (train_batch_size without gradient_accumulation_steps)."""
+    if saved is None or not saved.get("eval_batches") or not isinstance(saved.get("config"), dict):
+        return None
+    config = saved["config"]
+    accum = config.get("gradient_accumulation_steps")
+    if accum is None and "train_batch_size" in config:
+        return None
+    global_batch, rest = divmod(int(row["tokens"]), int(saved["seq_len"]))
+    per_micro_step, rest2 = divmod(global_batch, int(accum or 1))
+    return None if rest or rest2 else int(saved["eval_batches"]) * per_micro_step
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The windows to average over (indices into the corpus's windows) and how to say it."""
+
+    indices: Any              # int64 [n]
+    described: str
+    of_run: bool              # the windows of the run's logged evaluation
+
+
+def window_indices(num_windows: int, *, max_windows: int | None, logged: RunEval | None) -> Chosen:
+    """The run's evaluation's windows (`logged`, wrapping around the `num_windows` as it did), or the first
+    `max_windows` (0: all)."""
     import numpy as np
 
     from shardwise.data.heldout import read_windows
     if max_windows is None and logged is not None and logged.windows is not None:
-        return read_windows(logged.windows, num_windows), \
-            f"the windows of the run's held-out evaluation at step {logged.step}"
+        return Chosen(read_windows(logged.windows, num_windows),
+                      f"the windows of the run's held-out evaluation at step {logged.step}", True)
     count = DEFAULT_WINDOWS if max_windows is None else (max_windows or num_windows)
     count = min(count, num_windows)
     what = f"the first {count} of {num_windows} windows"
     if max_windows is None and logged is not None:
-        what += " (the run's metrics do not record which windows its evaluation read)"
-    return np.arange(count, dtype=np.int64), what
+        what += " (which windows the run's evaluation read is not known: its config sets train_batch_size " \
+                "without gradient_accumulation_steps)"
+    return Chosen(np.arange(count, dtype=np.int64), what, False)
 
 
 def evaluate(model: Any, tokens: Any, *, seq_len: int, batch_size: int, windows: Any) -> dict[str, Any]:
@@ -134,20 +161,23 @@ def run(args: argparse.Namespace) -> int:
     if available < 1:
         raise UserError(f"the corpus has {len(tokens)} tokens: fewer than one window of {seq_len + 1}")
     logged = run_evaluation(trained) if args.data is None else None
-    indices, which = window_indices(available, max_windows=args.max_windows, logged=logged)
-    result = evaluate(trained.model, tokens, seq_len=seq_len, batch_size=args.batch_size, windows=indices)
-    matches_run = logged is not None and which.startswith("the windows of the run's")
-    result.update(checkpoint=str(trained.tag), data=what, data_tokens=len(tokens), averaged_over=which,
-                  run_eval_loss=logged.loss if matches_run and logged is not None else None)
+    chosen = window_indices(available, max_windows=args.max_windows, logged=logged)
+    result = evaluate(trained.model, tokens, seq_len=seq_len, batch_size=args.batch_size, windows=chosen.indices)
+    run_loss = logged.loss if chosen.of_run and logged is not None else None
+    result.update(checkpoint=str(trained.tag), data=what, data_tokens=len(tokens), averaged_over=chosen.described,
+                  run_eval_loss=run_loss)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     repeats = result["windows"] - result["distinct_windows"]
     again = f" ({repeats} repeated: the run's evaluation wrapped around the {available})" if repeats else ""
-    print(f"{trained.tag}: on {what}, {len(tokens):,} tokens; {which}: {result['windows']} windows of {seq_len} "
-          f"tokens{again}, {result['tokens']:,} predictions: loss {result['loss']:.4f}, perplexity "
+    print(f"{trained.tag}: on {what}, {len(tokens):,} tokens; {chosen.described}: {result['windows']} windows of "
+          f"{seq_len} tokens{again}, {result['tokens']:,} predictions: loss {result['loss']:.4f}, perplexity "
           f"{result['perplexity']:.3f}")
-    if matches_run and logged is not None:
-        print(f"the run logged eval loss {logged.loss:.4f} on these windows at step {logged.step} (in its training "
-              f"dtype, on its ranks)")
+    if run_loss is not None and logged is not None:
+        match = _TAG_STEP.fullmatch(Path(trained.tag).name)
+        other = f"; this checkpoint is of step {match.group(1)}" if match and int(match.group(1)) != logged.step \
+            else ""
+        print(f"the run logged eval loss {run_loss:.4f} on these windows at step {logged.step} (in its training "
+              f"dtype, on its ranks{other})")
     return 0

@@ -123,6 +123,7 @@ class ScheduleStart:
 
 
 def schedule_start(scheduler: Any) -> ScheduleStart | None:
+    """Snapshot a scheduler as built, before a checkpoint's state replaces it (None without a scheduler)."""
     if scheduler is None:
         return None
     return ScheduleStart(copy.deepcopy(scheduler.state_dict()),

@@ -113,6 +113,9 @@ def identity_difference(earlier: dict[str, Any], now: dict[str, Any]) -> str | N
                              what_matters(now.get("config"), schedule_length=same_length), "config")
 
 
+_UNSET: Any = object()       # a key one side lacks
+
+
 def _leaf_changes(before: Any, now: Any, path: str) -> list[str]:
     """Every leaf that differs, as 'path A -> B' ('unset' where a key is missing)."""
     if isinstance(before, dict) and isinstance(now, dict):
@@ -122,9 +125,6 @@ def _leaf_changes(before: Any, now: Any, path: str) -> list[str]:
         return []
     shown = ["unset" if v is _UNSET else json.dumps(v) for v in (before, now)]
     return [f"{path.lstrip('.')} {shown[0]} -> {shown[1]}"]
-
-
-_UNSET: Any = object()
 
 
 def layout_notes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:

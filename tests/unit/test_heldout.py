@@ -88,3 +88,21 @@ def test_sampling() -> None:
     a, b = (generate(model, prompt, max_new_tokens=10, context=8, temperature=1.5, top_k=5,
                      generator=torch.Generator().manual_seed(7)) for _ in range(2))
     assert torch.equal(a, b) and a.shape == (1, 13) and not torch.equal(a, greedy)
+
+
+def test_eval_defaults_to_the_windows_the_run_averaged() -> None:
+    from shardwise.cli.evaluate import RunEval, _windows_before_they_were_logged, window_indices
+
+    # the run's evaluation read 12 windows of 5 held-out ones: 0..4, 0..4, 0, 1 (each read counts)
+    chosen = window_indices(5, max_windows=None, logged=RunEval(step=4, loss=2.0, windows=12))
+    assert chosen.of_run and chosen.indices.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    assert "at step 4" in chosen.described
+    first = window_indices(5, max_windows=3, logged=RunEval(step=4, loss=2.0, windows=12))   # asked for
+    assert not first.of_run and first.indices.tolist() == [0, 1, 2] and first.described == "the first 3 of 5 windows"
+    assert window_indices(300, max_windows=None, logged=None).indices.tolist() == list(range(256))
+    # metrics from before evaluations logged their windows: eval_batches * micro * dp from the step's global batch
+    saved = {"eval_batches": 4, "seq_len": 32, "config": {"train_micro_batch_size_per_gpu": 8,
+                                                          "gradient_accumulation_steps": 2}}
+    assert _windows_before_they_were_logged({"tokens": 8 * 2 * 3 * 32}, saved) == 4 * 8 * 3      # dp 3
+    unknown = {**saved, "config": {"train_batch_size": 48, "train_micro_batch_size_per_gpu": 8}}
+    assert _windows_before_they_were_logged({"tokens": 48 * 32}, unknown) is None
