@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -164,7 +165,8 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
     peak_cache = PeakCache(writer=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if rank_peak.origin is PeakOrigin.MEASURED:
         peak_cache.put(rank_peak.cache_key, rank_peak.flops)
-    peak_flops = sum(p.flops for p in peaks)      # all ranks together: MFU's denominator
+    # All ranks together: MFU's denominator. fsum rounds once, so N equal figures make exactly N times the one.
+    peak_flops = math.fsum(p.flops for p in peaks)
     guard = PeakGuard(peak_flops, rank_peak, cache=peak_cache if is_main else None)
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
     if is_main:
