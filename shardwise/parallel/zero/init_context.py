@@ -1,5 +1,5 @@
-"""DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards,
-so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already. `shardwise.initialize`
+"""DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards
+(`construction.py`), so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already. `shardwise.initialize`
 under zero_optimization.stage 3 then takes the shards as they are."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.dist_api import init_distributed
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
+from shardwise.parallel.zero.construction import ConstructionSharder, partition_constructed
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.gathered import StandaloneGatherer, record_locations
 from shardwise.parallel.zero.materialize import materialize_sharded
@@ -23,26 +23,27 @@ from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
 
 
 class Init:
-    """DeepSpeed's `zero.Init`, plus `init=`. As a context manager it builds models sharded: inside the block
-    tensors are created on the meta device (shapes only, no memory, no random draws); on exit each model
-    constructed in it (a module that no other module constructed in it holds) is materialized by
-    `materialize_sharded`: one module at a time, initialized, broadcast from rank 0, cut to this rank's shards.
-    Build only the model inside the block: every tensor created there is a meta tensor. ``module=`` shards a model
-    built already (the parameters are broadcast from rank 0, then cut one unit at a time).
+    """DeepSpeed's `zero.Init`. As a context manager it builds every model constructed in the block as ZeRO-3
+    shards (`construction.py`): each module's parameters are cut to this rank's piece once the module is complete
+    (registered as another module's child; the model itself at the end of the block), after its constructor
+    initialized them; a parent's later initialization of a child's parameters (an `init_weights()`, transformers'
+    `post_init()` and `tie_weights()`) gathers them for the duration. So the values are exactly those the same
+    constructors give outside the block under the same seed (rank 0's where ranks' seeds differ), and a rank holds
+    its shards plus one module's parameters at a time. transformers' `from_config`, `from_pretrained` (its weights
+    are sharded as they are loaded) and direct constructors work as they are. At the end of the block each model
+    is laid out as ZeRO-3 units; `shardwise.initialize` under zero_optimization.stage 3 takes it as it is.
+    ``module=`` shards a model built already (rank 0's parameters broadcast, then cut one module at a time).
 
-    How the values are drawn: `init=` (a callable of the model that walks `model.named_modules()` once, touching
-    each module's own parameters; see `materialize_sharded`), else the model's own `init_weights()` when it has
-    one (the GPT's, which draws exactly what a direct build draws: the same weights under the same seed), else
-    each module's `reset_parameters()`. Initialization a constructor performs itself is lost on the meta device,
-    so a model that initializes only in its constructor needs `init=`. Buffers must be set by the init (they are
-    allocated empty).
+    ``init=`` (ours, not DeepSpeed's): a callable run on each model at the end of the block, before it is laid out;
+    the parameters it touches are gathered as above. Every rank must build the same model and touch the same
+    parameters in the same order (the gathers are collectives).
 
     The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
     must match, and, as in DeepSpeed, its offload_param block overrides ``remote_device`` / ``pin_memory``.
     ``mpu`` serves the config's batch arithmetic only (DeepSpeed's use); the group defaults to the world, which
     is the data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard).
     ``remote_device="cpu"`` keeps the shards in host memory (pinned with ``pin_memory`` where CUDA exists) until
-    `initialize` places them as the config says; ``dtype`` casts floating-point weights before sharding;
+    `initialize` places them as the config says; ``dtype`` casts floating-point weights as they are sharded;
     ``mem_efficient_linear`` changes nothing here (ZeRO-3 gathers a weight again for backward anyway). What is
     not built is refused in one line: NVMe (``remote_device="nvme"``, ``param_swapper``), hpZ
     (``zero_param_parallel_group``), quantized weights."""
@@ -70,49 +71,47 @@ class Init:
         self.dtype = dtype
         self.mpu = mpu
         self.remote_device, self.pin_memory = remote_device, pin_memory
-        self._hooks: list[Any] = []
-        self._device: torch.device | None = None
-        # modules built in the block (given parameters or children there), first-seen order; and the ones among
-        # them registered as another module's child: the others are the models to materialize
-        self._built: dict[int, nn.Module] = {}
-        self._children: set[int] = set()
+        self._sharder: ConstructionSharder | None = None
+        self._zero: ZeroConfig | None = None
+        self._comm: Comm | None = None
         if module is not None and enabled:
             self._shard_module(module)
-
-    # -- which modules are built inside --------------------------------------------------------------------
-    def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
-        self._built.setdefault(id(module), module)
-
-    def _on_child(self, module: nn.Module, name: str, child: Any) -> None:
-        self._built.setdefault(id(module), module)
-        if child is not None:
-            self._children.add(id(child))
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        if self._sharder is not None:
+            raise UserError("zero.Init: this Init is already entered; use a new zero.Init() for each block")
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
-        self._built, self._children = {}, set()
-        self._hooks = [module_hooks.register_module_parameter_registration_hook(self._on_param),
-                       module_hooks.register_module_module_registration_hook(self._on_child)]
-        self._device = torch.device("meta")
-        self._device.__enter__()
+        self._zero = self._zero_section()
+        self._comm = Comm(self.group, CommLedger(), name="dp:init")
+        self._sharder = ConstructionSharder(self._comm, device=_compute_device(), dtype=self.dtype,
+                                            keep_whole_numel=self._zero.stage3_param_persistence_threshold)
+        self._sharder.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
-        assert self._device is not None               # entered: __enter__ set it when enabled
-        self._device.__exit__(exc_type, exc, tb)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        sharder, zero, comm = self._sharder, self._zero, self._comm
+        assert sharder is not None and zero is not None and comm is not None     # entered: __enter__ set them
+        self._sharder = None
+        try:
+            if exc_type is None and self.init is not None:
+                for model in [m for k, m in sharder.built.items() if k not in sharder.children]:
+                    self.init(model)
+        finally:
+            roots = sharder.stop()
         if exc_type is not None:
             return
-        roots = [m for k, m in self._built.items() if k not in self._children]
         for model in roots:
-            if any(p.device.type == "meta" for p in model.parameters()) and not hasattr(model, PARTITION_ATTR):
-                self._materialize(model)
+            if hasattr(model, PARTITION_ATTR):
+                continue
+            partition = partition_constructed(
+                model, sharder, persistence_threshold=zero.stage3_param_persistence_threshold,
+                model_persistence_threshold=zero.stage3_model_persistence_threshold)
+            setattr(model, PARTITION_ATTR, partition)
+            self._place(model, zero, comm)
 
     def _materialize(self, model: nn.Module) -> None:
         zero = self._zero_section()
