@@ -83,18 +83,22 @@ class Init:
         if self._sharder is not None:
             raise UserError("zero.Init: this Init is already entered; use a new zero.Init() for each block")
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
-        self._zero = self._zero_section()
+        # a persistence threshold still "auto" (it scales with the hidden size) is known once the model is: until
+        # then every parameter is sharded, and small ones are made whole again at the end
+        deferred = self._has_hidden_size_autos()
+        self._zero = None if deferred else self._zero_section()
         self._comm = Comm(self.group, CommLedger(), name="dp:init")
-        self._sharder = ConstructionSharder(self._comm, device=_compute_device(), dtype=self.dtype,
-                                            keep_whole_numel=self._zero.stage3_param_persistence_threshold)
+        self._sharder = ConstructionSharder(
+            self._comm, device=_compute_device(), dtype=self.dtype,
+            keep_whole_numel=0 if self._zero is None else self._zero.stage3_param_persistence_threshold)
         self._sharder.start()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
-        sharder, zero, comm = self._sharder, self._zero, self._comm
-        assert sharder is not None and zero is not None and comm is not None     # entered: __enter__ set them
+        sharder, comm = self._sharder, self._comm
+        assert sharder is not None and comm is not None     # entered: __enter__ set them
         self._sharder = None
         try:
             if exc_type is None and self.init is not None:
@@ -107,6 +111,7 @@ class Init:
         for model in roots:
             if hasattr(model, PARTITION_ATTR):
                 continue
+            zero = self._zero if self._zero is not None else self._zero_section(model)
             partition = partition_constructed(
                 model, sharder, persistence_threshold=zero.stage3_param_persistence_threshold,
                 model_persistence_threshold=zero.stage3_model_persistence_threshold)
@@ -114,7 +119,7 @@ class Init:
             self._place(model, zero, comm)
 
     def _materialize(self, model: nn.Module) -> None:
-        zero = self._zero_section()
+        zero = self._zero_section(model)
         comm = Comm(self.group, CommLedger(), name="dp:init")
         if self.dtype is not None:
             model.to(self.dtype)                      # on the meta device: only the recorded dtypes change
@@ -133,7 +138,7 @@ class Init:
         if any(p.device.type == "meta" for p in module.parameters()):
             self._materialize(module)
             return
-        zero = self._zero_section()
+        zero = self._zero_section(module)
         comm = Comm(self.group, CommLedger(), name="dp:init")
         if self.dtype is not None:
             module.to(self.dtype)
@@ -166,10 +171,15 @@ class Init:
             return lambda m: init_weights()           # materialize_sharded calls it with `model` itself
         return None                                   # materialize's default: each module's reset_parameters
 
-    def _zero_section(self) -> ZeroConfig:
+    def _zero_section(self, model: nn.Module | None = None) -> ZeroConfig:
+        """The config's zero_optimization section. Hugging Face's "auto" placeholders are allowed: only the section
+        is read then (the batch sizes, learning rate and scheduler are `initialize`'s to fill), and its hidden-size
+        "auto"s (stage3_param_persistence_threshold, ...) are filled from `model` as `initialize` fills them; without
+        a model such an "auto" is a `ConfigError` (the caller shards everything until the model is built)."""
         if self.config is None:
             return ZeroConfig()
-        from shardwise.config import load_config_for_world
+        from shardwise.config import AutoValues, load_config_for_world, read_config
+        from shardwise.config.auto import auto_paths
         # the batch rule's world is every rank (initialize derives dp from it), whatever group shards the model;
         # an mpu gives it as DeepSpeed's config reads it: its data-parallel size times its model-parallel size
         if self.mpu is not None:
@@ -177,7 +187,27 @@ class Init:
             world = self.mpu.get_data_parallel_world_size() * model_parallel
         else:
             world = dist.get_world_size() if dist.is_initialized() else 1
-        return load_config_for_world(self.config, world_size=world).zero
+        raw = read_config(self.config)
+        if not auto_paths(raw):
+            return load_config_for_world(raw, world_size=world).zero
+        from shardwise.engine.initialize import hidden_size_of
+        section = {k: v for k, v in raw.items() if k in _SHAPING_KEYS}
+        section["train_micro_batch_size_per_gpu"] = 1              # a stand-in: no batch rule to satisfy here
+        hidden = hidden_size_of(model) if model is not None else None
+        return load_config_for_world(section, world_size=world, auto=AutoValues(hidden_size=hidden)).zero
+
+    def _has_hidden_size_autos(self) -> bool:
+        """Whether the config's zero section has "auto" values only the model's hidden size fills."""
+        if self.config is None:
+            return False
+        from shardwise.config import read_config
+        from shardwise.config.auto import auto_paths
+        zero = read_config(self.config).get("zero_optimization")
+        return bool(auto_paths(zero)) if isinstance(zero, dict) else False
+
+
+# What the zero section's validity depends on: itself and the parallel sizes that set the data-parallel size.
+_SHAPING_KEYS = ("zero_optimization", "tensor_parallel", "pipeline")
 
 
 def _compute_device() -> torch.device:
