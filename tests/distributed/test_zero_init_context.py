@@ -2,7 +2,8 @@
 
 - Construction: transformers' `AutoModelForCausalLM.from_config` (tied embeddings), `LlamaForCausalLM(cfg)`,
   `GPT2LMHeadModel(cfg)`, our GPT, and a nested module whose constructor writes `nn.Parameter(torch.zeros(8))`,
-  creates a parameter after its children and rewrites the children's parameters. Each rank is seeded differently
+  creates a parameter after its children and rewrites the children's parameters (also converted with `.double()`
+  in the block). Each rank is seeded differently
   inside the block: the gathered values must equal rank 0's seed's build outside the block, bit for bit, and tied
   weights must stay one parameter.
 - `from_pretrained` inside the block (the default and `low_cpu_mem_usage=True`), from a full checkpoint and from a
@@ -96,6 +97,7 @@ def _builders() -> dict:
                                                    bos_token_id=0, eos_token_id=0)),
         "gpt": lambda: tiny_gpt(seq_len=SEQ, vocab_size=VOCAB, seed=None, tie_embeddings=True),
         "nested": Outer,
+        "nested_converted": lambda: Outer().double(),     # a conversion in the block: the sharded pieces follow
     }
 
 
@@ -399,7 +401,8 @@ def test_built_in_the_block_equals_the_build_outside(results: list[dict], name: 
         assert got["partitioned"] and got["sharded"], f"rank {rank}: {name} was not sharded"
         assert got["values"].keys() == want.keys()
         for n, v in got["values"].items():
-            assert torch.equal(v, want[n]), f"rank {rank}: {name}.{n} differs from the build outside the block"
+            assert v.dtype == want[n].dtype and torch.equal(v, want[n]), \
+                f"rank {rank}: {name}.{n} differs from the build outside the block"
         assert got["ties"] == _ties(outside), f"rank {rank}: {name}'s tied weights"
     if name == "auto_llama_tied":
         assert _ties(outside), "the tied model ties nothing: the check above checks nothing"

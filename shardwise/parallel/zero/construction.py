@@ -28,6 +28,7 @@ ranks agree even when their seeds differ.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -95,11 +96,11 @@ class ConstructionSharder(TorchFunctionMode):
         self.device = device                  # where the shards live (the compute device)
         self.dtype = dtype                    # zero.Init(dtype=): floating-point weights cast as they are sharded
         self.keep_whole_numel = keep_whole_numel
-        self.complete: set[int] = set()       # id() of complete modules
+        self.complete: weakref.WeakSet[nn.Module] = weakref.WeakSet()    # (weak: an id() could be reused)
         self.gathered: dict[int, nn.Parameter] = {}
         self.current_owner: int | None = None
         self.built: dict[int, nn.Module] = {}     # modules given parameters or children in the block, first seen
-        self.children: set[int] = set()           # ... and those registered as another module's child
+        self.children: weakref.WeakSet[nn.Module] = weakref.WeakSet()    # ... those registered as a child
         self._hooks: list[Any] = []
         self._busy = False                    # our own tensor work passes through the mode
 
@@ -117,21 +118,25 @@ class ConstructionSharder(TorchFunctionMode):
             h.remove()
         self._hooks = []
         self._shard_gathered(keep=set())
-        roots = [m for k, m in self.built.items() if k not in self.children]
+        roots = self.models()
         return [m for m in roots if next(m.parameters(), None) is not None]
+
+    def models(self) -> list[nn.Module]:
+        """The modules built in the block that no other module built in it holds, first seen first."""
+        return [m for m in self.built.values() if m not in self.children]
 
     # -- registration hooks: when modules are complete -----------------------------------------------------
     def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
         self.built.setdefault(id(module), module)
-        if isinstance(param, nn.Parameter) and id(module) in self.complete:
+        if isinstance(param, nn.Parameter) and module in self.complete:
             self._shard_new(param, module)
 
     def _on_child(self, module: nn.Module, name: str, child: Any) -> None:
         self.built.setdefault(id(module), module)
         if isinstance(child, nn.Module):
-            self.children.add(id(child))
+            self.children.add(child)
             for m in child.modules():
-                self.complete.add(id(m))
+                self.complete.add(m)
                 for p in m._parameters.values():
                     if p is not None:
                         self._shard_new(p, m)
@@ -201,7 +206,8 @@ class ConstructionSharder(TorchFunctionMode):
         hi = min(lo + per_rank, flat.numel())
         shard = torch.zeros(per_rank, dtype=flat.dtype, device=self.device)
         shard[:hi - lo].copy_(flat[lo:hi])
-        record.shape, record.shard = value.shape, shard         # a write may have replaced the value's shape
+        # a write may have replaced the value (`.data = `, `.to()` inside the block): its shape and device count
+        record.shape, record.shard, record.home = value.shape, shard, p.device
         p.data = torch.empty(0, dtype=flat.dtype, device=record.home)
 
     def _gather(self, pending: list[nn.Parameter], touched: set[int]) -> None:

@@ -102,7 +102,7 @@ class Init:
         self._sharder = None
         try:
             if exc_type is None and self.init is not None:
-                for model in [m for k, m in sharder.built.items() if k not in sharder.children]:
+                for model in sharder.models():
                     self.init(model)
         finally:
             roots = sharder.stop()
