@@ -363,7 +363,23 @@ def _misuse(ds) -> dict[str, str]:
                 pass
     except UserError as e:
         out["reentered"] = str(e)
+    try:
+        with ds.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3, "reduce_bucket_size": -1}}):
+            pass
+    except Exception as e:                  # the config's own error, raised on entering
+        out["bad_config"] = type(e).__name__
+    out["after_whole"] = nn.Linear(20, 20).weight.numel()    # no block left open by the failures above
     return out
+
+
+def _nested_blocks(ds, rank: int) -> dict:
+    """A block inside another joins it: both models sharded by the outer one, values as built outside."""
+    torch.manual_seed(SEED + rank)
+    with ds.zero.Init(config_dict_or_path=copy.deepcopy(ZERO3)):
+        with ds.zero.Init(config_dict_or_path=copy.deepcopy(ZERO3)):
+            first = Outer()
+        second = Outer()
+    return {"first": _gathered(first), "second": _gathered(second)}
 
 
 def _ranks(tmp: str) -> dict:
@@ -379,7 +395,8 @@ def _ranks(tmp: str) -> dict:
            "memory": _memory(shardwise, rank),
            "training": _training(shardwise, rank, reference),
            "script": _hf_script(os.path.join(tmp, "ckpt"), rank),
-           "misuse": _misuse(shardwise)}
+           "misuse": _misuse(shardwise),
+           "nested_blocks": _nested_blocks(shardwise, rank)}
     out["deepspeed"] = _deepspeed_training(rank, reference)
     return out
 
@@ -456,3 +473,14 @@ def test_misuse_says_what_to_do(results: list[dict]) -> None:
         assert "still on the meta device" in res["misuse"]["meta"] and "zero.Init(module=model)" in \
             res["misuse"]["meta"]
         assert "already entered" in res["misuse"]["reentered"]
+        assert res["misuse"]["bad_config"] == "ConfigError" and res["misuse"]["after_whole"] == 400
+
+
+def test_a_block_inside_a_block_joins_it(results: list[dict]) -> None:
+    torch.manual_seed(SEED)
+    first, second = Outer(), Outer()
+    for rank, res in enumerate(results):
+        for label, model in (("first", first), ("second", second)):
+            got = res["nested_blocks"][label]
+            for n, p in model.named_parameters():
+                assert torch.equal(got[n], p.detach()), f"rank {rank}: {label}.{n}"

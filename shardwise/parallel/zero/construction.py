@@ -110,13 +110,17 @@ class ConstructionSharder(TorchFunctionMode):
                        module_hooks.register_module_module_registration_hook(self._on_child)]
         self.__enter__()
 
-    def stop(self) -> list[nn.Module]:
+    def stop(self, *, failed: bool = False) -> list[nn.Module]:
         """End the block: every gathered parameter sharded again, the hooks removed. Returns the models built in
-        it (modules no other module built in it holds) that have parameters."""
+        it (modules no other module built in it holds) that have parameters. `failed` (the block raised, maybe on
+        one rank only): no collective, the gathered parameters stay whole."""
         self.__exit__(None, None, None)
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if failed:
+            self.gathered = {}
+            return []
         self._shard_gathered(keep=set())
         roots = self.models()
         return [m for m in roots if next(m.parameters(), None) is not None]

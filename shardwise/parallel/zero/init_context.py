@@ -80,8 +80,11 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        if self._sharder is not None:
+        if any(block is self for block in _OPEN):
             raise UserError("zero.Init: this Init is already entered; use a new zero.Init() for each block")
+        if _OPEN:                       # inside another block: that one shards what is built here (DeepSpeed's rule)
+            _OPEN.append(self)
+            return self
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
         # a persistence threshold still "auto" (it scales with the hidden size) is known once the model is: until
         # then every parameter is sharded, and small ones are made whole again at the end
@@ -92,20 +95,26 @@ class Init:
             self._comm, device=_compute_device(), dtype=self.dtype,
             keep_whole_numel=0 if self._zero is None else self._zero.stage3_param_persistence_threshold)
         self._sharder.start()
+        _OPEN.append(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
+        _OPEN.remove(self)
         sharder, comm = self._sharder, self._comm
-        assert sharder is not None and comm is not None     # entered: __enter__ set them
+        if sharder is None:             # a block inside another: nothing of its own
+            return
+        assert comm is not None         # entered: __enter__ set it with the sharder
         self._sharder = None
         try:
             if exc_type is None and self.init is not None:
                 for model in sharder.models():
                     self.init(model)
-        finally:
-            roots = sharder.stop()
+        except BaseException:
+            sharder.stop(failed=True)
+            raise
+        roots = sharder.stop(failed=exc_type is not None)
         if exc_type is not None:
             return
         for model in roots:
@@ -208,6 +217,11 @@ class Init:
 
 # What the zero section's validity depends on: itself and the parallel sizes that set the data-parallel size.
 _SHAPING_KEYS = ("zero_optimization", "tensor_parallel", "pipeline")
+
+
+# The zero.Init blocks open now, outermost first. Process-wide, as the registration hooks and torch function modes
+# the outermost one installs are: a block opened inside it joins it, as DeepSpeed's nested zero.Init does.
+_OPEN: list[Init] = []
 
 
 def _compute_device() -> torch.device:
