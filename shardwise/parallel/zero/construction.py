@@ -58,7 +58,7 @@ class ConstructionShard:
     """One parameter between its module's completion and the end of the block."""
 
     shape: torch.Size
-    home: torch.device       # where its constructor made it: a gathered value goes back there (same RNG stream)
+    home: torch.device       # its value's device when cut (the constructor's): a gathered value goes back there
     owner: int               # id() of the module holding it when sharded: touches of one owner keep each other
     shard: torch.Tensor      # [ceil(numel / dp)]: this rank's piece of the flattened value, zero-padded at the end
 
@@ -277,14 +277,21 @@ def partition_constructed(model: nn.Module, sharder: ConstructionSharder, *, per
             return record.shard.dtype
         return sharder.dtype if sharder.dtype is not None and p.is_floating_point() else p.dtype
 
-    units = build_units(plans, key_of=lambda p: FlatKey(0 if p.requires_grad else None, dtype_of(p)),
-                        shape_of=shape_of, dp_size=comm.size, dp_rank=comm.rank, device=device,
-                        grad_shards=False)          # the engine re-keys the flats by param group and adds them
-    for flat in (f for u in units for f in u.flats):
-        for i, p in enumerate(flat.params):
-            flat.copy_piece(i, sharder.full_value(p))
-            p.data = flat.empty
-            _forget(p)
+    units = []
+    for index, plan in enumerate(plans):
+        # one unit's shards at a time, each parameter's construction piece freed once copied: beside the pieces,
+        # a rank holds one unit's new shard and one whole parameter (the engine re-keys the flats and adds grads)
+        (unit,) = build_units([plan], key_of=lambda p: FlatKey(0 if p.requires_grad else None, dtype_of(p)),
+                              shape_of=shape_of, dp_size=comm.size, dp_rank=comm.rank, device=device,
+                              grad_shards=False)
+        unit.index = index
+        for flat in unit.flats:
+            flat.unit = index
+            for i, p in enumerate(flat.params):
+                flat.copy_piece(i, sharder.full_value(p))
+                p.data = flat.empty
+                _forget(p)
+        units.append(unit)
     for p in persistent:
         p.data = sharder.full_value(p)
         _forget(p)

@@ -29,7 +29,7 @@ class Init:
     initialized them; a parent's later initialization of a child's parameters (an `init_weights()`, transformers'
     `post_init()` and `tie_weights()`) gathers them for the duration. So the values are exactly those the same
     constructors give outside the block under the same seed (rank 0's where ranks' seeds differ), and a rank holds
-    its shards plus one module's parameters at a time. transformers' `from_config`, `from_pretrained` (its weights
+    its shards plus one module's parameters at a time (plus one unit's new shard while the units are laid out). transformers' `from_config`, `from_pretrained` (its weights
     are sharded as they are loaded) and direct constructors work as they are. At the end of the block each model
     is laid out as ZeRO-3 units; `shardwise.initialize` under zero_optimization.stage 3 takes it as it is.
     ``module=`` shards a model built already (rank 0's parameters broadcast, then cut one module at a time).
