@@ -1,6 +1,6 @@
 """DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards
-(`construction.py`), so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already. `shardwise.initialize`
-under zero_optimization.stage 3 then takes the shards as they are."""
+(`construction.py`), so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already.
+`shardwise.initialize` under zero_optimization.stage 3 then takes the shards as they are."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ class Init:
     initialized them; a parent's later initialization of a child's parameters (an `init_weights()`, transformers'
     `post_init()` and `tie_weights()`) gathers them for the duration. So the values are exactly those the same
     constructors give outside the block under the same seed (rank 0's where ranks' seeds differ), and a rank holds
-    its shards plus one module's parameters at a time (plus one unit's new shard while the units are laid out). transformers' `from_config`, `from_pretrained` (its weights
-    are sharded as they are loaded) and direct constructors work as they are. At the end of the block each model
+    its shards plus one module's parameters at a time (plus one unit's new shard while the units are laid out).
+    transformers' `from_config`, `from_pretrained` (its weights are sharded as they are loaded) and direct
+    constructors work as they are. At the end of the block each model
     is laid out as ZeRO-3 units; `shardwise.initialize` under zero_optimization.stage 3 takes it as it is.
     ``module=`` shards a model built already (rank 0's parameters broadcast, then cut one module at a time).
 
