@@ -7,7 +7,8 @@
   inside the block: the gathered values must equal rank 0's seed's build outside the block, bit for bit, and tied
   weights must stay one parameter.
 - `from_pretrained` inside the block (the default and `low_cpu_mem_usage=True`), from a full checkpoint and from a
-  checkpoint that lacks the lm-head (transformers initializes it after loading): equal to the same call outside.
+  checkpoint that lacks the lm-head (transformers initializes it after loading): equal to the same call outside,
+  within the memory bound below.
 - Memory: the bytes held by the parameters of the modules being built (whole values, construction pieces, unit
   shards as they are allocated) measured at every registration and every torch function given a parameter; the
   peak stays under the shards plus one module's parameters (or one unit's new shard at the end of the block), far
@@ -153,10 +154,12 @@ def _pretrained(ds, rank: int, paths: dict[str, str]) -> dict:
             torch.manual_seed(SEED)
             outside = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             torch.manual_seed(SEED + rank)
-            with ds.zero.Init(config_dict_or_path=copy.deepcopy(ZERO3)):
-                inside = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            with _HeldBytes() as held:
+                with ds.zero.Init(config_dict_or_path=copy.deepcopy(ZERO3)):
+                    inside = AutoModelForCausalLM.from_pretrained(path, **kwargs)
             out[key] = {"outside": {n: p.detach().clone() for n, p in outside.named_parameters()},
-                        "inside": _gathered(inside), "training": inside.training == outside.training}
+                        "inside": _gathered(inside), "training": inside.training == outside.training,
+                        "peak": held.peak, **_footprint(outside)}
     return out
 
 
@@ -228,6 +231,26 @@ class _HeldBytes(torch.overrides.TorchFunctionMode):
             self.peak = max(self.peak, sum(storages.values()))
 
 
+def _footprint(model: nn.Module) -> dict[str, int]:
+    """What the memory bound is made of: the whole model, this rank's shards (per parameter, small ones whole),
+    the largest module's own parameters and the largest unit (a child of the largest ModuleList)."""
+    from shardwise.parallel.zero.params import default_unit_modules
+    params = list(model.parameters())
+    return {"total": sum(p.numel() * p.element_size() for p in params),
+            "shards": sum(math.ceil(p.numel() / WORLD) * p.element_size() if p.numel() > THRESHOLD
+                          else p.numel() * p.element_size() for p in params),
+            "largest_module": max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+                                  for m in model.modules()),
+            "largest_unit": max(sum(p.numel() * p.element_size() for p in unit.parameters())
+                                for _, unit in default_unit_modules(model))}
+
+
+def _bound(m: dict[str, int]) -> int:
+    """Beside the shards: one module whole (under construction, loaded or gathered), or, while the units are laid
+    out at the end of the block, one unit's new shard (the whole-parameter transients are not counted)."""
+    return m["shards"] + max(m["largest_module"], math.ceil(m["largest_unit"] / WORLD))
+
+
 def _memory(ds, rank: int) -> dict:
     """A 6-block GPT (every block a unit; its largest module, an MLP projection, is ~6% of the model)."""
     def build():
@@ -237,12 +260,7 @@ def _memory(ds, rank: int) -> dict:
     with _HeldBytes() as held:
         whole = build()
     out["outside_peak"] = held.peak
-    out["total"] = sum(p.numel() * p.element_size() for p in whole.parameters())
-    out["shards"] = sum(math.ceil(p.numel() / WORLD) * p.element_size() if p.numel() > THRESHOLD
-                        else p.numel() * p.element_size() for p in whole.parameters())
-    out["largest_module"] = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-                                for m in whole.modules())
-    out["largest_unit"] = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in whole.blocks)
+    out.update(_footprint(whole))
     reference = {n: p.detach().clone() for n, p in whole.named_parameters()}
     del whole
     torch.manual_seed(SEED + rank)
@@ -442,6 +460,7 @@ def test_from_pretrained_in_the_block_equals_outside(results: list[dict]) -> Non
             for n, v in got["outside"].items():
                 assert torch.equal(got["inside"][n], v), f"rank {rank}: from_pretrained {key}: {n}"
             assert got["training"]
+            assert got["peak"] <= _bound(got) < got["total"], (rank, key, got["peak"], _bound(got), got["total"])
 
 
 def test_a_rank_holds_its_shards_and_one_module(results: list[dict]) -> None:
@@ -449,10 +468,7 @@ def test_a_rank_holds_its_shards_and_one_module(results: list[dict]) -> None:
         m = res["memory"]
         assert m["equal"], f"rank {rank}: the memory model's values differ from the build outside"
         assert m["outside_peak"] >= m["total"]                   # the measure sees a whole model
-        # beside the shards: one module whole (under construction or gathered), or, while the units are laid out
-        # at the end of the block, one unit's new shard (the whole-parameter transients are not counted)
-        bound = m["shards"] + max(m["largest_module"], math.ceil(m["largest_unit"] / WORLD))
-        assert m["inside_peak"] <= bound, (rank, m)
+        assert m["inside_peak"] <= _bound(m), (rank, m)
         assert m["inside_peak"] < 0.7 * m["total"], (rank, m)
 
 
