@@ -121,7 +121,7 @@ def _ties(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def _construction(ds, rank: int) -> dict:
-    from shardwise.parallel.zero.params import PARTITION_ATTR
+    from shardwise.parallel.zero.params import PARTITION_ATTR, default_unit_modules
     out = {}
     for name, build in _builders().items():
         torch.manual_seed(SEED + rank)
@@ -129,7 +129,8 @@ def _construction(ds, rank: int) -> dict:
             model = build()
         sharded = [n for n, p in model.named_parameters() if p.numel() == 0]
         out[name] = {"values": _gathered(model), "ties": _ties(model), "sharded": sharded,
-                     "partitioned": hasattr(model, PARTITION_ATTR)}
+                     "partitioned": hasattr(model, PARTITION_ATTR),
+                     "blocks": [n for n, _ in default_unit_modules(model)]}     # recompute's blocks too
     return out
 
 
@@ -437,6 +438,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(_builders()))
 def test_built_in_the_block_equals_the_build_outside(results: list[dict], name: str) -> None:
+    from shardwise.parallel.zero.params import default_unit_modules
     torch.manual_seed(SEED)
     outside = _builders()[name]()
     want = {n: p.detach() for n, p in outside.named_parameters()}
@@ -448,6 +450,7 @@ def test_built_in_the_block_equals_the_build_outside(results: list[dict], name: 
             assert v.dtype == want[n].dtype and torch.equal(v, want[n]), \
                 f"rank {rank}: {name}.{n} differs from the build outside the block"
         assert got["ties"] == _ties(outside), f"rank {rank}: {name}'s tied weights"
+        assert got["blocks"] == [n for n, _ in default_unit_modules(outside)], f"rank {rank}: {name}'s blocks"
     if name == "auto_llama_tied":
         assert _ties(outside), "the tied model ties nothing: the check above checks nothing"
 

@@ -119,7 +119,13 @@ class UnitPlan:
 
 def default_unit_modules(model: nn.Module, shape_of: Callable[[nn.Parameter], torch.Size] | None = None
                          ) -> list[tuple[str, nn.Module]]:
-    """Children of the model's largest nn.ModuleList (most parameters; the first one on ties)."""
+    """Children of the model's largest nn.ModuleList (most parameters; the first one on ties). A model sharded
+    already (its Partition recorded: zero.Init, materialize_sharded) is measured by its parameters' recorded
+    shapes, not by their empty placeholders."""
+    partition: Partition | None = getattr(model, PARTITION_ATTR, None)
+    if shape_of is None and partition is not None:
+        recorded = {id(p): shape for f in partition.flats for p, shape in zip(f.params, f.shapes)}
+        shape_of = lambda p: recorded.get(id(p), p.shape)  # noqa: E731
     best: tuple[str, nn.ModuleList] | None = None
     best_numel = 0
     for name, module in model.named_modules():
