@@ -31,8 +31,10 @@ class Init:
     constructors give outside the block under the same seed (rank 0's where ranks' seeds differ), and a rank holds
     its shards plus one module's parameters at a time (plus one unit's new shard while the units are laid out).
     transformers' `from_config`, `from_pretrained` (its weights are sharded as they are loaded) and direct
-    constructors work as they are. At the end of the block each model
-    is laid out as ZeRO-3 units; `shardwise.initialize` under zero_optimization.stage 3 takes it as it is.
+    constructors work as they are. At the end of the block each model is laid out as ZeRO-3 units;
+    `shardwise.initialize` under zero_optimization.stage 3 takes it as it is. A block opened inside another joins
+    it. A parameter still on the meta device at the end of the block (a model built under `torch.device("meta")`
+    and never given values) is refused: build such a model whole and pass it as ``module=``.
     ``module=`` shards a model built already (rank 0's parameters broadcast, then cut one module at a time).
 
     ``init=`` (ours, not DeepSpeed's): a callable run on each model at the end of the block, before it is laid out;
