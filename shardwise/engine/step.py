@@ -138,6 +138,10 @@ class TrainingSteps:
         self.monitor.observe_loss(loss)
         return loss
 
+    def backward_seed(self, scaled: torch.Tensor, loss: torch.Tensor) -> torch.Tensor | None:
+        """What a schedule's loss backward starts from (`SkipGuard.seed`, as `backward`'s own)."""
+        return self.skips.seed(scaled, loss)
+
     # -- the step -----------------------------------------------------------------------------------------
     def open_step(self) -> None:
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
