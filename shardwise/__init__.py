@@ -34,6 +34,8 @@ _EXPORTS = {
     "initialize": "shardwise.engine.initialize",
     "init_distributed": "shardwise.engine.initialize",
     "Engine": "shardwise.engine.engine",
+    "DeepSpeedEngine": "shardwise.engine.engine",
+    "PipelineEngine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
     "ConfigWarning": "shardwise.config",

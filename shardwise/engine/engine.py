@@ -12,7 +12,7 @@ driver's (`step.py`), which schedules drive too; checkpoints get a `CheckpointCo
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.comm.topology import Axis, ParallelMesh
 from shardwise.comm.watchdog import HangWatchdog
 from shardwise.config.resolved import EngineConfig
-from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI
+from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI, PipelineEngineAPI
 from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
 from shardwise.errors import UserError
@@ -121,8 +121,23 @@ class Engine(DeepSpeedEngineAPI):
         return self.steps.step_applied
 
     @property
-    def loss_scale(self) -> float:
+    def current_loss_scale(self) -> float:
+        """The loss scale in force (fp16's dynamic scale moves; 1.0 without fp16). DeepSpeed's `loss_scale()` is
+        the config's value."""
         return self.steps.loss_scale
+
+    if not TYPE_CHECKING:     # at run time only: the type checker keeps flagging unknown engine members
+        def __getattr__(self, name: str) -> Any:
+            """A member the engine lacks is the model's (DeepSpeed's engine falls back to its module the same
+            way): `engine.generate(...)`, `engine.gradient_checkpointing_enable()`, `engine.num_parameters()`."""
+            module = self.__dict__.get("module")
+            if module is None or name.startswith("__"):
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
+                                     f"attribute {name!r}") from None
 
     # -- forward / backward / step ------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -250,6 +265,15 @@ class Engine(DeepSpeedEngineAPI):
         self.dp_runtime.close()
         self.pipeline.close()
         self.monitor.close()
+
+
+DeepSpeedEngine = Engine
+"""DeepSpeed's name, for scripts that check `isinstance(engine, deepspeed.DeepSpeedEngine)`."""
+
+
+class PipelineEngine(PipelineEngineAPI, Engine):
+    """The engine of a pipeline model (a `PipelineModule`, or pipeline.stages > 1), as DeepSpeed's PipelineEngine:
+    the same engine, plus DeepSpeed's stage members (`is_first_stage()`, `stage_id`, `grid`, ...)."""
 
 
 def _loss_value(value: float) -> torch.Tensor:
