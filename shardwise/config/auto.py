@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from shardwise.config.errors import ConfigProblem, dotted
+from shardwise.config.fields import deepspeed_scalar
 from shardwise.config.zero import STAGE3_ALIASES
 
 AUTO = "auto"
@@ -84,7 +85,8 @@ def _rules(known: AutoValues, config: dict[str, Any]) -> dict[tuple[str, ...], C
     or raises `_Unresolved` with the reason."""
     h = known.hidden_size
     zero = config.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    # DeepSpeed reads the stage in lax mode: "3" is 3
+    stage = deepspeed_scalar(zero.get("stage", 0), int) if isinstance(zero, dict) else 0
 
     def given(value: Any, why: str) -> Callable[[], Any]:
         def fill() -> Any:
