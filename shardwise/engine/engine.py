@@ -34,9 +34,11 @@ from shardwise.parallel.interfaces import (
 from shardwise.telemetry.monitor import TrainingMonitor
 
 
-class Engine(DeepSpeedEngineAPI):
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     """Built by `shardwise.initialize`; see the module docstring for the training loop. DeepSpeed's smaller
-    accessors (batch sizes, ranks, no_sync, ...) come from `DeepSpeedEngineAPI`."""
+    accessors (batch sizes, ranks, no_sync, ...) come from `DeepSpeedEngineAPI`. An `nn.Module` whose one child is
+    `module`, as DeepSpeed's engine: `engine.named_parameters()` and `engine.state_dict()` name tensors
+    "module.<name>", `engine.to(...)` and `isinstance(engine, nn.Module)` work as scripts expect."""
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, update: UpdateStrategy,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
@@ -44,6 +46,7 @@ class Engine(DeepSpeedEngineAPI):
                  sequence_check: SequenceCheck | None = None, watchdog: HangWatchdog | None = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
+        torch.nn.Module.__init__(self)
         self.module = module
         self.mesh = mesh
         self.config = config
@@ -101,15 +104,6 @@ class Engine(DeepSpeedEngineAPI):
     def skipped_steps(self) -> int:
         return self.steps.skipped_steps
 
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.steps.is_gradient_accumulation_boundary()
@@ -130,7 +124,10 @@ class Engine(DeepSpeedEngineAPI):
         def __getattr__(self, name: str) -> Any:
             """A member the engine lacks is the model's (DeepSpeed's engine falls back to its module the same
             way): `engine.generate(...)`, `engine.gradient_checkpointing_enable()`, `engine.num_parameters()`."""
-            module = self.__dict__.get("module")
+            modules = self.__dict__.get("_modules", {})
+            if name in modules:                     # nn.Module's own lookup: the child `module`
+                return modules[name]
+            module = modules.get("module")
             if module is None or name.startswith("__"):
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             try:
@@ -157,7 +154,8 @@ class Engine(DeepSpeedEngineAPI):
     def step(self) -> None:
         self.steps.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients the data-parallel runtime holds, cleared (DeepSpeed's: set to None)."""
         self.dp_runtime.zero_grad()
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:

@@ -17,6 +17,7 @@ integers and is compared exactly; sequences are compared as lists (torch keeps `
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 from typing import Any
 
@@ -88,6 +89,11 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _runtime(ds, path: str) -> Any:
+    """`ds.runtime.<path>`, DeepSpeed's module path of its engine classes."""
+    return importlib.import_module(f"{ds.__name__}.runtime.{path}")
+
+
 def _kind(obj: Any, name: str) -> str:
     try:
         value = getattr(obj, name)
@@ -116,8 +122,10 @@ def _facts(ds, engine, model: torch.nn.Module) -> dict[str, Any]:
     for name, show in OBJECT_METHODS.items():
         kind = _kind(engine, name)
         facts[name] = (kind, show(getattr(engine, name)()) if kind == "method" else None)
-    facts["isinstance DeepSpeedEngine"] = isinstance(engine, ds.DeepSpeedEngine)
-    facts["isinstance PipelineEngine"] = isinstance(engine, ds.PipelineEngine)
+    facts["isinstance DeepSpeedEngine"] = (isinstance(engine, ds.DeepSpeedEngine),
+                                           isinstance(engine, _runtime(ds, "engine").DeepSpeedEngine))
+    facts["isinstance PipelineEngine"] = (isinstance(engine, ds.PipelineEngine),
+                                          isinstance(engine, _runtime(ds, "pipe.engine").PipelineEngine))
     facts["module is the model"] = engine.module is model
     facts["optimizer has param_groups"] = _kind(engine, "optimizer") == "attribute" and \
         len(engine.optimizer.param_groups) >= 1
@@ -126,6 +134,16 @@ def _facts(ds, engine, model: torch.nn.Module) -> dict[str, Any]:
     facts["config lookups"] = (engine.config.get("zero_optimization", {}).get("stage"),
                                engine.config["train_batch_size"], "optimizer" in engine.config,
                                engine.config.get("absent", "default"))
+    # an nn.Module whose child is the model: names start with "module."
+    # The model's mode follows engine.eval() / train(). (Here they are nn.Module's: they return the engine and set
+    # engine.training too; DeepSpeed's return None and leave engine.training as it was.)
+    training = [engine.training]
+    engine.eval()
+    training.append(model.training)
+    engine.train()
+    training.append(model.training)
+    facts["nn.Module"] = (isinstance(engine, torch.nn.Module), next(iter(engine.named_parameters()))[0],
+                          sorted(engine.state_dict())[:2], training)
     # a member the engine lacks is the module's (DeepSpeed's __getattr__)
     facts["module member through the engine"] = engine.pipeline_layers.__func__ is type(model).pipeline_layers
     return facts
@@ -178,7 +196,8 @@ def _pipeline_script(ds) -> dict:
     grid = engine.grid
     facts["grid"] = {name: _plain(getattr(grid, name)()) for name in GRID_GETTERS}
     facts["grid attributes"] = {name: _plain(getattr(grid, name)) for name in GRID_ATTRIBUTES}
-    facts["isinstance PipelineEngine"] = isinstance(engine, ds.PipelineEngine)
+    facts["isinstance PipelineEngine"] = (isinstance(engine, ds.PipelineEngine),
+                                          isinstance(engine, _runtime(ds, "pipe.engine").PipelineEngine))
     facts["isinstance DeepSpeedEngine"] = isinstance(engine, ds.DeepSpeedEngine)
     facts = {k: _plain(v) for k, v in facts.items()}
     engine.destroy()
@@ -237,7 +256,7 @@ def test_the_scripts_ran_what_they_check(results: list[dict]) -> None:
     assert facts["global_rank"] == ("attribute", 1) and facts["world_size"] == ("attribute", 2)
     assert facts["global_steps"] == ("attribute", 2) and facts["micro_steps"] == ("attribute", 3)
     assert facts["get_mom"] == ("method", [[0.9, 0.95]]) and facts["gradient_clipping"] == ("method", 0.5)
-    assert facts["zero_optimization"] == ("method", True) and facts["isinstance DeepSpeedEngine"]
+    assert facts["zero_optimization"] == ("method", True) and facts["isinstance DeepSpeedEngine"] == (True, True)
     zero3 = results[0]["shardwise"]["zero3"]["facts"]
     assert zero3["zero_offload_optimizer"] == ("method", "cpu") and zero3["zero_cpu_offload"] == ("method", True)
     assert zero3["zero_gather_16bit_weights_on_model_save"] == ("method", True)
@@ -256,6 +275,6 @@ def test_pipeline_engine_members_match_deepspeed(results: list[dict]) -> None:
         differ = {name: (ours.get(name), theirs[name]) for name in theirs if ours.get(name) != theirs[name]}
         assert not differ, f"rank {rank}: (shardwise, DeepSpeed) differ: {differ}"
         assert ours["stage_id"] == ["attribute", rank] and ours["is_first_stage"] == ["method", rank == 0]
-        assert ours["isinstance PipelineEngine"] and ours["grid kind"] == "attribute"
+        assert ours["isinstance PipelineEngine"] == [True, True] and ours["grid kind"] == "attribute"
         assert_close_lists([res["shardwise"]["pipeline"]["loss"]], [res["deepspeed"]["pipeline"]["loss"]],
                            rtol=1e-5, what=f"rank {rank} pipeline loss")
