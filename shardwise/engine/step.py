@@ -255,7 +255,7 @@ class BatchUnpacking:
     """How `engine(batch)` with one batch argument calls a model whose forward takes several parameters.
 
     A dict becomes keyword arguments. A tuple or list becomes positional arguments, except that its last item is
-    passed as ``labels=`` when the forward has a ``labels`` parameter that the positions would not reach: a Hugging
+    passed as ``labels=`` when the forward has a ``labels`` parameter that the positions do not reach: a Hugging
     Face model's forward is ``(input_ids, attention_mask, ...)`` or ``(input_ids, past_key_values, ...)`` and takes
     ``labels`` far down, and an ``(inputs, labels)`` pair (DeepSpeed's batch shape, also its pipeline's) must not
     land labels on the attention mask. Such a pair maps to ``model(inputs, labels=labels)``; a longer tuple is
@@ -291,8 +291,8 @@ class BatchUnpacking:
         if not isinstance(batch, (tuple, list)):
             return (batch,), {}
         items = tuple(batch)
-        if self.labels_position is None or len(items) < 2 or self.labels_position == len(items) - 1:
-            return items, {}
+        if self.labels_position is None or len(items) < 2 or 0 <= self.labels_position < len(items):
+            return items, {}        # no labels parameter, or the positions reach it: the tuple means them
         if len(items) == 2:
             return items[:1], {"labels": items[1]}
         landing = self.parameters[len(items) - 1] if len(items) <= len(self.parameters) else "*args"
