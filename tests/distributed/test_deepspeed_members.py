@@ -174,6 +174,10 @@ def _engine_script(ds, config: dict) -> dict:
     batches = token_batches(2, 8, SEQ + 1, seed=5)
     losses = _accelerate_steps(engine, batches)
     facts = _facts(ds, engine, model)
+    engine.set_train_micro_batch_size(4)       # the accumulation stays: the global batch doubles
+    facts["after set_train_micro_batch_size(4)"] = [engine.train_batch_size(),
+                                                    engine.train_micro_batch_size_per_gpu(),
+                                                    engine.gradient_accumulation_steps()]
     engine.destroy()
     return {"facts": facts, "losses": losses}
 
@@ -256,6 +260,7 @@ def test_the_scripts_ran_what_they_check(results: list[dict]) -> None:
     assert facts["global_rank"] == ("attribute", 1) and facts["world_size"] == ("attribute", 2)
     assert facts["global_steps"] == ("attribute", 2) and facts["micro_steps"] == ("attribute", 3)
     assert facts["get_mom"] == ("method", [[0.9, 0.95]]) and facts["gradient_clipping"] == ("method", 0.5)
+    assert facts["after set_train_micro_batch_size(4)"] == [16, 4, 2]
     assert facts["zero_optimization"] == ("method", True) and facts["isinstance DeepSpeedEngine"] == (True, True)
     zero3 = results[0]["shardwise"]["zero3"]["facts"]
     assert zero3["zero_offload_optimizer"] == ("method", "cpu") and zero3["zero_cpu_offload"] == ("method", True)

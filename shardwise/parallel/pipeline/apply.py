@@ -94,8 +94,8 @@ class PipelineRunner:
         ``data_iter`` (the middle stages read nothing, as in DeepSpeed); the runtime runs the schedule (the last
         stage's loss / M starts each backward, times the fp16 loss scale, seeded by the driver's `backward_seed`:
         an inf/nan loss poisons its gradients, so the step is skipped as with one stage); gradients are
-        synchronised over dp during the stage's last backward; the optimizer steps this stage's parameters. The step's loss (mean over
-        micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
+        synchronised over dp during the stage's last backward; the optimizer steps this stage's parameters. The
+        step's loss (mean over micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
         driver.open_step()
