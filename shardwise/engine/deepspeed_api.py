@@ -93,6 +93,22 @@ class DeepSpeedEngineAPI:
         when the model is a pipeline (DeepSpeed's PipelineEngine counts its grid's model group, stages included)."""
         return self.mesh.size(Axis.TP) * self.mesh.size(Axis.PP)
 
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """This rank's data-parallel process group (scripts average metrics over it)."""
+        size = self.dp_comm.size
+        if size == dist.get_world_size():
+            world = dist.group.WORLD
+            assert world is not None          # initialize made the default group
+            return world
+        if size == 1:
+            # The mesh makes no group of one rank: it would cost a collective new_group per rank of the world.
+            raise UserError("engine.data_parallel_group: the data-parallel size is 1 here, so there is no "
+                            "data-parallel group to communicate over (a collective over it would be a no-op)")
+        group = self.mesh.group(Axis.DP)
+        assert group is not None
+        return group
+
     def get_data_parallel_rank(self) -> int:
         return self.dp_comm.rank
 
@@ -169,6 +185,14 @@ class DeepSpeedEngineAPI:
 
     def dynamic_loss_scale(self) -> bool:
         return self.config.precision.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> float:
+        """2 ** fp16.initial_scale_power, whether or not fp16 is on (DeepSpeed's)."""
+        power = self.config.precision.initial_scale_power
+        return 1 << power if power >= 0 else 2.0 ** power
+
+    def fp16_auto_cast(self) -> bool:
+        return self.config.precision.auto_cast
 
     def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
@@ -309,6 +333,40 @@ class DeepSpeedEngineAPI:
 
     def zero_hpz_partition_size(self) -> int:
         return self.config.zero.zero_hpz_partition_size
+
+    def zero_compute_grad_norm(self) -> bool:
+        return self.config.zero.compute_grad_norm
+
+    def zero_parameter_alignment(self) -> bool:
+        return self.config.zero.parameter_alignment
+
+    def zero_legacy_stage1(self) -> bool:
+        return self.config.zero.legacy_stage1
+
+    def zero_quantized_weights(self) -> bool:
+        return self.config.zero.zero_quantized_weights
+
+    def zero_quantized_nontrainable_weights(self) -> bool:
+        return self.config.zero.zero_quantized_nontrainable_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self.config.zero.zero_quantized_gradients
+
+    def zero_partial_offload(self) -> float:
+        block = self.config.zero.offload_optimizer
+        return block.ratio if block is not None else 1.0
+
+    def zero_multi_rank_bucket_allreduce(self) -> bool:
+        return self.config.zero.use_multi_rank_bucket_allreduce
+
+    def zero_allgather_sequential(self) -> bool:
+        return self.config.zero.stage3_allgather_sequential
+
+    def zero_module_granularity_threshold(self) -> int:
+        return self.config.zero.stage3_module_granularity_threshold
+
+    def zero_log_trace_cache_warnings(self) -> bool:
+        return self.config.zero.log_trace_cache_warnings
 
     def get_global_grad_norm(self) -> float | None:
         """The whole model's gradient 2-norm at the last optimizer step (before clipping, after unscaling);

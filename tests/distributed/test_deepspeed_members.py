@@ -60,6 +60,10 @@ METHODS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accum
            "zero_model_persistence_threshold", "zero_max_live_parameters", "zero_max_reuse_distance",
            "zero_gather_16bit_weights_on_model_save", "zero_load_from_fp32_weights", "zero_elastic_checkpoint",
            "zero_ignore_unused_parameters", "zero_round_robin_gradients", "zero_hpz_partition_size",
+           "zero_compute_grad_norm", "zero_parameter_alignment", "zero_legacy_stage1", "zero_quantized_weights",
+           "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zero_partial_offload",
+           "zero_multi_rank_bucket_allreduce", "zero_allgather_sequential", "zero_module_granularity_threshold",
+           "zero_log_trace_cache_warnings", "initial_dynamic_scale", "fp16_auto_cast",
            "get_data_parallel_rank", "get_model_parallel_rank", "get_tensor_parallel_rank")
 # Methods whose result is an object: compared through what scripts read of it.
 OBJECT_METHODS = {"zero_offload_optimizer": lambda v: None if v is None else str(getattr(v.device, "value", v.device)),
@@ -126,6 +130,10 @@ def _facts(ds, engine, model: torch.nn.Module) -> dict[str, Any]:
                                            isinstance(engine, _runtime(ds, "engine").DeepSpeedEngine))
     facts["isinstance PipelineEngine"] = (isinstance(engine, ds.PipelineEngine),
                                           isinstance(engine, _runtime(ds, "pipe.engine").PipelineEngine))
+    # a process group over the data-parallel ranks (here the world)
+    group = engine.data_parallel_group
+    facts["data_parallel_group"] = (_kind(engine, "data_parallel_group"), torch.distributed.get_world_size(group),
+                                    torch.distributed.get_rank(group))
     facts["module is the model"] = engine.module is model
     facts["optimizer has param_groups"] = _kind(engine, "optimizer") == "attribute" and \
         len(engine.optimizer.param_groups) >= 1
