@@ -12,7 +12,7 @@ driver's (`step.py`), which schedules drive too; checkpoints get a `CheckpointCo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -271,7 +271,32 @@ DeepSpeedEngine = Engine
 
 class PipelineEngine(PipelineEngineAPI, Engine):
     """The engine of a pipeline model (a `PipelineModule`, or pipeline.stages > 1), as DeepSpeed's PipelineEngine:
-    the same engine, plus DeepSpeed's stage members (`is_first_stage()`, `stage_id`, `grid`, ...)."""
+    the same engine, plus DeepSpeed's stage members (`is_first_stage()`, `stage_id`, `grid`, ...), its
+    `set_dataloader(loader)` and `set_batch_fn(fn)`."""
+
+    _batch_fn: Callable[[Any], Any] | None = None
+
+    def set_dataloader(self, loader: Any) -> None:
+        """The loader `train_batch()` reads when called without an iterator, restarted at its end."""
+        self.training_dataloader = loader
+        self._data_iterator = None
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Every batch read from the data (train_batch, eval_batch) goes through ``fn`` first, which returns the
+        (inputs, labels) pair the stages read: DeepSpeed's hook for loaders that yield another shape."""
+        self._batch_fn = fn
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        return super().train_batch(self._through_batch_fn(data_iter if data_iter is not None
+                                                          else self._default_iterator()))
+
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
+        fn = self._batch_fn
+        return super().eval_batch(map(fn, data_iter) if fn is not None else data_iter, num_micro_batches)
+
+    def _through_batch_fn(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        fn = self._batch_fn
+        return map(fn, data_iter) if fn is not None and data_iter is not None else data_iter
 
 
 def _loss_value(value: float) -> torch.Tensor:

@@ -41,8 +41,12 @@ ZERO3 = {**ZERO1, "zero_optimization": {
     "stage": 3, "offload_optimizer": {"device": "cpu"}, "stage3_param_persistence_threshold": 100,
     "stage3_prefetch_bucket_size": 2000, "stage3_max_live_parameters": 10 ** 7, "stage3_max_reuse_distance": 10 ** 7,
     "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 10 ** 6, "reduce_bucket_size": 3000}}
+# Clipping off: DeepSpeed's PipelineEngine clips fp32 gradients by a norm that counts only the parameters of the
+# grid's model-parallel rank 0 (stage 0) unless they are marked model-parallel; shardwise clips by the whole
+# model's norm, the single-process one.
 PIPE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "steps_per_print": 1000, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+        "gradient_clipping": 0.0, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
 
 # Members of DeepSpeedEngine that are attributes (or properties) in DeepSpeed, and those that are methods.
 ATTRIBUTES = ("world_size", "dp_world_size", "mp_world_size", "local_rank", "global_rank", "global_steps",
@@ -192,7 +196,7 @@ def _engine_script(ds, config: dict) -> dict:
 
 def _pipeline_script(ds) -> dict:
     from torch import nn
-    twin = tiny_gpt(seq_len=SEQ)
+    twin = tiny_gpt(seq_len=SEQ, tie_embeddings=False)     # a weight on two stages needs DeepSpeed's TiedLayerSpec
     blocks = list(twin.blocks)
     layers = [nn.Sequential(twin.embed, blocks[0]), nn.Sequential(blocks[1], twin.head)]
     net = ds.pipe.PipelineModule(layers=layers, loss_fn=twin.loss, num_stages=2, partition_method="uniform")
@@ -201,6 +205,11 @@ def _pipeline_script(ds) -> dict:
     rows = token_batches(1, 2 * 2, SEQ + 1, seed=9)[0]
     micro = [(r[:, :-1], r[:, 1:]) for r in rows.split(2)]
     loss = float(engine.train_batch(iter(micro)))
+    # a loader of another shape, read without an iterator through set_dataloader, made pairs by set_batch_fn
+    engine.set_dataloader([{"rows": r} for r in rows.split(2)])
+    engine.set_batch_fn(lambda batch: (batch["rows"][:, :-1], batch["rows"][:, 1:]))
+    loaded_loss = float(engine.train_batch())
+    eval_loss = float(engine.eval_batch(iter([{"rows": r} for r in rows.split(2)])))
     facts = {name: (kind, value) for name, (kind, value) in
              _read(engine, PIPELINE_ATTRIBUTES + ("dp_world_size", "mp_world_size"), PIPELINE_METHODS).items()
              if name != "grid"}
@@ -213,7 +222,7 @@ def _pipeline_script(ds) -> dict:
     facts["isinstance DeepSpeedEngine"] = isinstance(engine, ds.DeepSpeedEngine)
     facts = {k: _plain(v) for k, v in facts.items()}
     engine.destroy()
-    return {"facts": facts, "loss": loss}
+    return {"facts": facts, "loss": loss, "loaded_loss": loaded_loss, "eval_loss": eval_loss}
 
 
 def _ranks() -> dict:
@@ -289,5 +298,7 @@ def test_pipeline_engine_members_match_deepspeed(results: list[dict]) -> None:
         assert not differ, f"rank {rank}: (shardwise, DeepSpeed) differ: {differ}"
         assert ours["stage_id"] == ["attribute", rank] and ours["is_first_stage"] == ["method", rank == 0]
         assert ours["isinstance PipelineEngine"] == [True, True] and ours["grid kind"] == "attribute"
-        assert_close_lists([res["shardwise"]["pipeline"]["loss"]], [res["deepspeed"]["pipeline"]["loss"]],
-                           rtol=1e-5, what=f"rank {rank} pipeline loss")
+        losses = {side: [res[side]["pipeline"][k] for k in ("loss", "loaded_loss", "eval_loss")]
+                  for side in ("shardwise", "deepspeed")}
+        assert_close_lists(losses["shardwise"], losses["deepspeed"], rtol=1e-5, what=f"rank {rank} pipeline losses")
+        assert losses["shardwise"][1] != losses["shardwise"][0]     # the second step trained on updated weights
