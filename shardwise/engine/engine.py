@@ -104,7 +104,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def skipped_steps(self) -> int:
         return self.steps.skipped_steps
 
-
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.steps.is_gradient_accumulation_boundary()
 
