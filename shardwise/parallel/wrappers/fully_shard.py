@@ -21,8 +21,9 @@ from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.wrappers.steps import StepClock
-from shardwise.parallel.zero.flat import FlatKey
-from shardwise.parallel.zero.params import Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.wrappers.sharded_params import ShownFlat, param_slots
+from shardwise.parallel.zero.flat import FlatKey, FlatShard
+from shardwise.parallel.zero.params import Partition, Unit
 from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
@@ -46,6 +47,18 @@ class FullyShardState:
     groups: DataParallelGroups
     ledger: CommLedger
     clock: StepClock
+    mesh: Any = None
+    """The 1-D DeviceMesh over the dp group the parameters are DTensors on; None under a (dp, tp) mesh."""
+
+    def where(self) -> dict[int, tuple[FlatShard, int]]:
+        """id(parameter) -> (its flat, its index there), for the inner and the shown parameters alike."""
+        out = {}
+        for f in self.runtime.partition.flats:
+            for i, p in enumerate(f.params):
+                out[id(p)] = (f, i)
+            for i, p in enumerate(getattr(f, "shown", ())):
+                out[id(p)] = (f, i)
+        return out
 
 
 def _same_group(a: DataParallelGroups, b: DataParallelGroups) -> bool:
@@ -98,7 +111,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if id(g.root) not in inside:
             raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
                             f"fully_shard to the blocks first and to the root last")
-    below_params = {id(p) for g in below.values() for f in g.runtime.partition.flats for p in f.params}
+    below_params = {k for g in below.values() for k in g.where()}
     if any(getattr(p, SHARDED_ATTR, False) and id(p) not in below_params for p in module.parameters()):
         raise UserError(f"fully_shard({type(module).__name__}): some of its parameters are already sharded by a "
                         f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
@@ -113,7 +126,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         g.runtime.close()
     order = {id(m): k for k, m in enumerate(module.modules())}
     adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
-    owned = {id(p) for u in adopted for f in u.flats for p in f.params}
+    owned = {id(p) for u in adopted for f in u.flats for p in [*f.params, *getattr(f, "shown", ())]}
     params = [p for p in module.parameters() if id(p) not in owned]
     device = _compute_device(groups, params)
     done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
@@ -127,8 +140,13 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                     m._buffers[name] = b.to(device, dtype)
     units = list(adopted)
     mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, reshard_after_forward)
+    dt_mesh = next(iter(below.values())).mesh if below else dtensors.dp_device_mesh(groups, device)
     if mine is not None:
         units.append(mine)
+        slots = param_slots(module)
+        for f in mine.flats:
+            assert isinstance(f, ShownFlat)
+            f.present(dt_mesh, slots, SHARDED_ATTR)
     names = {id(m): n for n, m in module.named_modules()}
     for k, u in enumerate(units):
         u.index, u.is_root = k, u is mine
@@ -140,7 +158,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
                                max_live_numel=1 << 62)
-    sharding = FullyShardState(module, runtime, groups, ledger, clock)
+    sharding = FullyShardState(module, runtime, groups, ledger, clock, dt_mesh)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
             setattr(m, STATE_ATTR, sharding)
@@ -177,16 +195,20 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
 
     Where the optimizer steps: each parameter, while its unit is sharded, is its rows of the shard, shape
     [rows_r, *shape[1:]] (fewer or 0 rows on the last ranks: `RowLayout`), and its `.grad` the same rows of the
-    averaged gradient (`FlatShard.params_view_shard`), so any `torch.optim` optimizer built afterwards steps the shards in
-    place, and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on
-    one process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0]
-    elsewhere."""
+    averaged gradient (`FlatShard.params_view_shard`), so any `torch.optim` optimizer built afterwards steps the
+    shards in place. The module holds them as DTensors of the whole shape over those rows (`sharded_params.py`,
+    made by the caller once the mesh is known), so code that reads `p.dim()` or `p.shape` (nanoGPT's weight-decay
+    grouping) sees what it would on one process. A 0-dim parameter is one row of one element: it lives on rank 0
+    (shape []), an empty [0] elsewhere, and is shown as that plain piece."""
     if not params:
         return None
-    key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
-    (unit,) = build_units([UnitPlan(type(module).__name__, module, params, is_root=True)], key_of=key_of,
-                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device,
-                          layout_type=RowLayout)
+    by_key: dict[FlatKey, list[nn.Parameter]] = {}
+    for p in params:
+        by_key.setdefault(FlatKey(0 if p.requires_grad else None, p.dtype), []).append(p)
+    flats: list[FlatShard] = [ShownFlat.allocate(0, key, ps, [p.shape for p in ps], dp_size=groups.dp.size,
+                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout)
+                              for key, ps in by_key.items()]
+    unit = Unit(0, type(module).__name__, module, flats, is_root=True)
     unit.reshard_after_forward = reshard_after_forward
     with torch.no_grad():
         for f in unit.flats:

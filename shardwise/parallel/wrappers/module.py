@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
-from shardwise.parallel.wrappers.dtensors import plain_state_dicts
+from shardwise.parallel.wrappers.dtensors import local_of, plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
 from shardwise.comm.topology import SoloComm
 
@@ -63,18 +63,34 @@ class FSDPModule(_ModuleBase):
         self._fully_shard_state().runtime.release_gathered()
 
     def _my_flats(self) -> list[FlatShard]:
-        mine = {id(p) for p in self.parameters()}
-        return [f for u in self._fully_shard_state().runtime.units for f in u.flats
-                if any(id(p) in mine for p in f.params)]
+        where = self._fully_shard_state().where()
+        mine = {id(where[id(p)][0]) for p in self.parameters() if id(p) in where}
+        return [f for u in self._fully_shard_state().runtime.units for f in u.flats if id(f) in mine]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the whole model's gradient norm is at most `max_norm`; returns that norm
         (computed before clipping), as torch's clip_grad_norm_ does on one process. Collective over dp (and tp).
-        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's rows only."""
+        `torch.nn.utils.clip_grad_norm_(model.parameters())` gives the same (the parameters are DTensors), except
+        on a model with a 0-dim parameter, which has no Shard(0) placement and stays a plain tensor."""
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
-        return clip_sharded_(list(self.parameters()), max_norm,
-                             self._fully_shard_state().groups, dp_sharded=True)
+        sharding = self._fully_shard_state()
+        where = sharding.where()
+        inner: list[torch.Tensor] = []
+        for p in self.parameters():              # the DTensors' rows, as the inner parameters' .grad for a while
+            flat, i = where.get(id(p), (None, 0))
+            if flat is None or flat.params[i] is p:
+                inner.append(p)
+                continue
+            q = flat.params[i]
+            q.grad = None if p.grad is None else local_of(p.grad)
+            inner.append(q)
+        try:
+            return clip_sharded_(inner, max_norm, sharding.groups, dp_sharded=True)
+        finally:
+            for shown, held in zip(self.parameters(), inner):
+                if held is not shown:
+                    held.grad = None
 
     @torch.no_grad()
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -95,9 +111,11 @@ class FSDPModule(_ModuleBase):
         with plain_state_dicts(sharding):
             state = {k: v.detach().to("cpu", copy=True)
                      for k, v in self.state_dict().items()}
+        where = sharding.where()
         for name, p in self.named_parameters(remove_duplicate=False):
-            if id(p) in values and name in state:
-                state[name] = values[id(p)]
+            inner = where[id(p)][0].params[where[id(p)][1]] if id(p) in where else p
+            if id(inner) in values and name in state:
+                state[name] = values[id(inner)]
         return state
 
     @torch.no_grad()
@@ -107,7 +125,7 @@ class FSDPModule(_ModuleBase):
         sharding = self._fully_shard_state()
         sharding.runtime.release_gathered()
         named = dict(self.named_parameters(remove_duplicate=False))
-        where = sharding.runtime.partition.where()
+        where = sharding.where()
         wanted = set(named) | {n for n, _ in self.named_buffers()}
         missing = sorted(wanted - state_dict.keys())
         if missing:
@@ -120,7 +138,7 @@ class FSDPModule(_ModuleBase):
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
-            p.data.copy_(rank_piece(flat, i, value))          # p is its piece of the shard
+            flat.params[i].data.copy_(rank_piece(flat, i, value))      # the inner parameter: its piece of the shard
         for name, b in self.named_buffers():
             b.copy_(state_dict[name])
 

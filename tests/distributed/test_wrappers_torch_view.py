@@ -1,0 +1,188 @@
+"""The wrappers' parameters as torch code sees them, against torch's own FSDP2 and DDP on gloo, in one launch per
+world size:
+
+- `fully_shard`'s parameters are DTensors (Shard(0) over the dp mesh) with FSDP2's local rows, so the habitual
+  `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` returns the whole model's norm and clips alike on
+  every rank: the same norms, losses and parameters as FSDP2 after several AdamW steps (at 2 ranks and at 4).
+- A submodule that a backward does not reach keeps `.grad` None, so Adam does not move it on momentum (torch's
+  FSDP2 test of a forward and backward through a non-root module, then `zero_grad(set_to_none=False)`, where
+  zeros are kept and Adam does move them).
+- `DistributedDataParallel(find_unused_parameters=True)`: a parameter no rank used in a step keeps None and AdamW's
+  weight decay leaves it alone; one used on one rank only, or in one micro-batch of an accumulation, is averaged:
+  torch DDP's gradients and parameters, step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from test_dp_parity import SEQ, global_batches
+from shardwise.testing import (
+    assert_close_lists, assert_state_close, lm_pair, mean_over_ranks, run_distributed, shard_global_batch, tiny_gpt,
+)
+
+LR, WEIGHT_DECAY, CLIP = 3e-3, 0.1, 0.5
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def _fully_shard_fn(which: str):
+    if which == "torch":
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard
+    import shardwise
+    return shardwise.fully_shard
+
+
+def _clip_with_torch(which: str) -> dict:
+    """Every block, then the root; torch's clip_grad_norm_ on model.parameters() before each AdamW step."""
+    fully_shard = _fully_shard_fn(which)
+    model = tiny_gpt(seq_len=SEQ)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses, norms = [], []
+    for b in global_batches():
+        (rows,) = shard_global_batch(b, dp_size=world, dp_rank=rank, grad_accum=1)
+        loss = model(*lm_pair(rows))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(float(loss.detach())))
+    from torch.distributed.tensor import DTensor
+    params = {n: (type(p).__name__, tuple(p.shape), str(p.placements) if isinstance(p, DTensor) else None,
+                  tuple(p.to_local().shape) if isinstance(p, DTensor) else None) for n, p in model.named_parameters()}
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "params": params, "state": state}
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 4 * dim)
+        self.out_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def _non_root(which: str) -> dict:
+    """FSDP2's test: a step through the root, then steps through model[0] alone; the other MLPs get no gradient."""
+    fully_shard = _fully_shard_fn(which)
+    torch.manual_seed(42)
+    model = nn.Sequential(*[_MLP(8) for _ in range(3)])
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank())
+    x = torch.randn(8, 8)
+    missing = []
+    model(x).sum().backward()
+    opt.step()
+    for set_to_none in (False, True):           # zeros kept (Adam moves them), then None (it does not)
+        opt.zero_grad(set_to_none=set_to_none)
+        model[0](x).sum().backward()
+        missing.append([p.grad is None for p in model.parameters()])
+        opt.step()
+    return {"missing": missing, "out": model(x).detach(),
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+class _Branches(nn.Module):
+    """`b` takes part only when the step asks for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if use_b:
+            h = h + self.b(h)
+        return self.head(h).square().mean()
+
+
+# per step, per micro-batch: the ranks that use b
+_DDP_STEPS = [[(0, 1)], [()], [(0,)], [()], [(0, 1), ()], [(), ()]]
+
+
+def _ddp_unused(which: str) -> dict:
+    torch.manual_seed(3)
+    net = _Branches()
+    if which == "torch":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net, find_unused_parameters=True)
+    else:
+        import shardwise
+        model = shardwise.DistributedDataParallel(net, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank = dist.get_rank()
+    x = torch.randn(len(_DDP_STEPS), 2, 4, 8, generator=torch.Generator().manual_seed(5 + rank))
+    missing, states = [], []
+    for step, micro in enumerate(_DDP_STEPS):
+        for k, users in enumerate(micro):
+            last = k == len(micro) - 1
+            with model.no_sync() if not last else contextlib.nullcontext():
+                (model(x[step, k], rank in users) / len(micro)).backward()
+        missing.append([p.grad is None for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        states.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+    return {"missing": missing, "states": states}
+
+
+def _pairs() -> dict:
+    torch.set_num_threads(1)
+    return {name: {which: fn(which) for which in ("torch", "ours")}
+            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused))}
+
+
+def _check_clip(results: list[dict], world: int) -> None:
+    for rank, r in enumerate(results):
+        ours, theirs = r["clip"]["ours"], r["clip"]["torch"]
+        what = f"{world} ranks, rank {rank}, clip_grad_norm_"
+        # DTensors of FSDP2's global shapes, placements and local rows
+        assert ours["params"] == theirs["params"], what
+        assert all(kind == "DTensor" for kind, *_ in ours["params"].values()), what
+        assert_close_lists(ours["norms"], theirs["norms"], rtol=1e-5, what=f"{what}: norms")
+        assert min(theirs["norms"]) > CLIP, f"{what}: every step clips ({theirs['norms']})"
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{what}: losses")
+        assert_state_close(ours["state"], theirs["state"], what=what, adam=True)
+
+
+def test_torch_view_two_ranks():
+    results = run_distributed(_pairs, 2, timeout=300)
+    _check_clip(results, 2)
+    for rank, r in enumerate(results):
+        ours, theirs = r["non_root"]["ours"], r["non_root"]["torch"]
+        # model[1:] keep the zeros zero_grad(set_to_none=False) left, then None after zero_grad()
+        assert theirs["missing"] == [[False] * 12, [False] * 4 + [True] * 8], theirs["missing"]
+        assert ours["missing"] == theirs["missing"], f"rank {rank}: {ours['missing']}"
+        torch.testing.assert_close(ours["out"], theirs["out"], **FP32)
+        assert_state_close(ours["state"], theirs["state"], what=f"non-root, rank {rank}")
+        ours, theirs = r["ddp_unused"]["ours"], r["ddp_unused"]["torch"]
+        # b is None in the steps no rank used it, whatever this rank did
+        b_missing = [m[2] for m in theirs["missing"]]
+        assert b_missing == [False, True, False, True, False, True], b_missing
+        assert ours["missing"] == theirs["missing"], f"rank {rank}: {ours['missing']}"
+        for step, (mine, ref) in enumerate(zip(ours["states"], theirs["states"])):
+            assert_state_close(mine, ref, what=f"DDP find_unused_parameters, rank {rank}, step {step}")
+
+
+def _four_ranks() -> dict:
+    torch.set_num_threads(1)
+    return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}}
+
+
+def test_torch_view_four_ranks():
+    _check_clip(run_distributed(_four_ranks, 4, timeout=300), 4)
