@@ -9,7 +9,12 @@ world size:
   zeros are kept and Adam does move them).
 - `DistributedDataParallel(find_unused_parameters=True)`: a parameter no rank used in a step keeps None and AdamW's
   weight decay leaves it alone; one used on one rank only, or in one micro-batch of an accumulation, is averaged:
-  torch DDP's gradients and parameters, step by step.
+  torch DDP's gradients and parameters, step by step. A DDP model pickles (`torch.save(model)`) and trains on.
+- At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
+  `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
+  its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
+  with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
+  (the same placements, norms, losses and parameters).
 """
 
 from __future__ import annotations
@@ -141,10 +146,30 @@ def _ddp_unused(which: str) -> dict:
     return {"missing": missing, "states": states}
 
 
+def _ddp_pickled() -> dict:
+    """`torch.save(model)` of a DistributedDataParallel model loads back as one that trains on, averaging."""
+    import io
+    import shardwise
+    torch.manual_seed(3)
+    model = shardwise.DistributedDataParallel(_Branches(), find_unused_parameters=True)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(20 + dist.get_rank()))
+    for m in (model, again):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(x, True).backward()
+        opt.step()
+    return {"kind": type(again).__name__, "state": {k: v.detach().clone() for k, v in again.module.state_dict().items()},
+            "expected": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+
+
 def _pairs() -> dict:
     torch.set_num_threads(1)
-    return {name: {which: fn(which) for which in ("torch", "ours")}
-            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused))}
+    out = {name: {which: fn(which) for which in ("torch", "ours")}
+           for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused))}
+    return {**out, "pickled": _ddp_pickled()}
 
 
 def _check_clip(results: list[dict], world: int) -> None:
@@ -177,12 +202,141 @@ def test_torch_view_two_ranks():
         assert ours["missing"] == theirs["missing"], f"rank {rank}: {ours['missing']}"
         for step, (mine, ref) in enumerate(zip(ours["states"], theirs["states"])):
             assert_state_close(mine, ref, what=f"DDP find_unused_parameters, rank {rank}, step {step}")
+        pickled = r["pickled"]
+        assert pickled["kind"] == "DistributedDataParallel"
+        assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)
+        # the step averaged over the ranks: both ranks hold the same weights
+        assert_state_close(pickled["state"], results[0]["pickled"]["state"], what="pickled DDP", rtol=0, atol=0)
+
+
+def _two_d_gpt() -> dict:
+    """torchtitan's composition on shardwise: a (dp, tp) DeviceMesh, the GPT's own TP plan on mesh["tp"],
+    fully_shard over mesh["dp"], torch's clip_grad_norm_ on model.parameters()."""
+    import shardwise
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tiny_gpt(seq_len=SEQ)
+    shardwise.parallelize_module(model, mesh["tp"])
+    for block in model.blocks:
+        shardwise.fully_shard(block, mesh=mesh["dp"])
+    shardwise.fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for b in global_batches():
+        (rows,) = shard_global_batch(b, dp_size=2, dp_rank=mesh["dp"].get_local_rank(), grad_accum=1)
+        loss = model(*lm_pair(rows))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).full_tensor()))
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(float(loss.detach())))
+    # the whole model from the DTensors alone: each a (dp, tp) placement of the full parameter
+    return {"losses": losses, "norms": norms, "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _gpt_reference() -> dict:
+    model = tiny_gpt(seq_len=SEQ)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for b in global_batches():
+        loss = model(*lm_pair(b))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "state": {k: v.detach() for k, v in model.state_dict().items()}}
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.relu(self.w1(self.norm(x))))
+
+
+def _two_d_torch_plan(which: str) -> dict:
+    """One plan in torch's styles, applied by torch's parallelize_module + FSDP2, or by shardwise's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(11)
+    model = nn.Sequential(*[_FeedForward(8) for _ in range(2)])
+    plan = {"*.w1": ColwiseParallel(), "*.w2": RowwiseParallel()}
+    if which == "torch":
+        from torch.distributed.tensor.parallel import parallelize_module
+        plan = {f"{i}.{name}": style for i in range(2) for name, style in (("w1", ColwiseParallel()),
+                                                                          ("w2", RowwiseParallel()))}
+        parallelize_module(model, mesh["tp"], plan)
+    else:
+        import shardwise
+        shardwise.parallelize_module(model, mesh["tp"], plan)
+    fully_shard = _fully_shard_fn(which)
+    for ff in model:
+        fully_shard(ff, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=WEIGHT_DECAY)
+    x = torch.randn(4, 2, 6, 8, generator=torch.Generator().manual_seed(12))[:, mesh["dp"].get_local_rank()]
+    losses, norms = [], []
+    for step in range(4):
+        loss = model(x[step]).square().mean()
+        loss.backward()
+        norms.append(_clip_2d(model, 0.5) if which == "torch" else
+                     float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()))
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(float(loss.detach())))
+    placements = {n: (str(p.placements), tuple(p.shape), tuple(p.to_local().shape))
+                  for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return {"losses": losses, "norms": norms, "placements": placements,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _clip_2d(model: nn.Module, max_norm: float) -> float:
+    """torch's clip_grad_norm_ rule for torch's own TP + FSDP2, whose parameters outside the plan live on the dp
+    mesh only, the others on the (dp, tp) mesh: torch's function refuses to mix them (torchtitan clips per mesh)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(sum(g.full_tensor().double().pow(2).sum() for g in grads) ** 0.5)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def _four_ranks() -> dict:
     torch.set_num_threads(1)
-    return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}}
+    return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}, "gpt_2d": _two_d_gpt(),
+            "plan_2d": {which: _two_d_torch_plan(which) for which in ("torch", "ours")}}
 
 
 def test_torch_view_four_ranks():
-    _check_clip(run_distributed(_four_ranks, 4, timeout=300), 4)
+    results = run_distributed(_four_ranks, 4, timeout=300)
+    _check_clip(results, 4)
+    ref = _gpt_reference()
+    for rank, r in enumerate(results):
+        what = f"(dp, tp) = (2, 2) GPT, rank {rank}"
+        ours = r["gpt_2d"]
+        assert_close_lists(ours["norms"], ref["norms"], rtol=1e-5, what=f"{what}: norms")
+        assert_close_lists(ours["losses"], ref["losses"], rtol=1e-5, what=f"{what}: losses")
+        assert_state_close(ours["state"], ref["state"], what=what, adam=True)
+        ours, theirs = r["plan_2d"]["ours"], r["plan_2d"]["torch"]
+        what = f"(dp, tp) = (2, 2), torch's plan, rank {rank}"
+        # FSDP2 + TP's placements (_StridedShard over dp for dim-0 TP slices), global and local shapes; the
+        # parameters outside the plan are on the (dp, tp) mesh too (Replicate over tp), where torch leaves them on
+        # the dp mesh, which its own clip_grad_norm_ then refuses to mix with the others
+        assert ours["placements"].keys() == theirs["placements"].keys(), what
+        for name, (placements, *shapes) in theirs["placements"].items():
+            if "w1" in name or "w2" in name:
+                assert ours["placements"][name] == (placements, *shapes), (what, name, ours["placements"][name])
+            else:
+                assert placements == "(Shard(dim=0),)", (what, name, placements)
+                assert ours["placements"][name] == ("(Shard(dim=0), Replicate())", *shapes), (what, name)
+        assert_close_lists(ours["norms"], theirs["norms"], rtol=1e-5, what=f"{what}: norms")
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{what}: losses")
+        assert_state_close(ours["state"], theirs["state"], what=what)

@@ -10,6 +10,7 @@ The runtime is the engine's stage-0 `BucketedAllReduce`; `_LoopReducer` adds wha
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +26,15 @@ from shardwise.parallel.wrappers.policies import groups_of
 from shardwise.parallel.wrappers.steps import StepClock
 
 MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The constructor's choices a pickled wrapper is rebuilt with."""
+
+    bucket_cap_mb: float
+    impl: AllReduceImpl
+    find_unused: bool
 
 
 class DistributedDataParallel(nn.Module):
@@ -57,22 +67,43 @@ class DistributedDataParallel(nn.Module):
         if device_ids and torch.cuda.is_available():
             torch.cuda.set_device(device_ids[0])
         self.module = module
-        self.ledger = CommLedger()
-        self.clock = StepClock(self.ledger)      # steps for comm_report(); the broadcasts below fall in step -1
-        self.groups = groups_of(device_mesh if device_mesh is not None else process_group, ledger=self.ledger)
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
+        # what a pickled wrapper is rebuilt from (`__setstate__`)
+        self._settings = _Settings(bucket_cap_mb, impl, find_unused_parameters)
+        self._build(device_mesh if device_mesh is not None else process_group, broadcast=True)
+
+    def _build(self, mesh: Any, *, broadcast: bool) -> None:
+        """The communication state: ledger, groups, the reducer and its hooks on the parameters."""
+        self.ledger = CommLedger()
+        self.clock = StepClock(self.ledger)      # steps for comm_report(); the broadcasts below fall in step -1
+        self.groups = groups_of(mesh, ledger=self.ledger)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise UserError("DistributedDataParallel: the module has no parameter that requires grad")
-        with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
-            self.groups.dp.broadcast_coalesced([*module.parameters(), *module.buffers()])
-        numel = int(bucket_cap_mb * MIB) // params[0].element_size()
+        if broadcast:
+            with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
+                self.groups.dp.broadcast_coalesced([*self.module.parameters(), *self.module.buffers()])
+        numel = int(self._settings.bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
         # it is final, so the division overlaps backward and the launch waits for none
-        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
-        if find_unused_parameters:
+        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1),
+                                    impl=self._settings.impl, prescale=True)
+        if self._settings.find_unused:
             self.reducer.track_unused(params)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """`torch.save(model)` pickles the module and the settings; the process group, the buckets (maybe in
+        shared memory) and the hooks are rebuilt on load, as torch DDP does, over the default group."""
+        state = self.__dict__.copy()
+        for name in ("ledger", "clock", "groups", "reducer"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.require_sync = True
+        self._build(None, broadcast=False)       # the weights are the pickled ones: nothing to broadcast
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():

@@ -66,6 +66,9 @@ def to_dtensor(sharding, flat, i: int, local: torch.Tensor) -> torch.Tensor:
     0-dim parameter lives on rank 0 only; its entry is a Replicate DTensor of rank 0's value, broadcast, which
     makes `state_dict()` collective for a model with a scalar parameter (DCP calls it on every rank)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    spec = placed(flat, i)
+    if spec is not None:            # as the parameter itself is shown (`sharded_params.placement`)
+        return spec.dtensor(local)
     mesh = dp_mesh(sharding)
     shape = tuple(flat.shapes[i])
     if not shape:                   # a scalar: rank 0's value, everywhere
@@ -78,13 +81,25 @@ def to_dtensor(sharding, flat, i: int, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
+def placed(flat, i: int) -> Any:
+    """How parameter i of `flat` is shown as a DTensor (`sharded_params.Placed`), or None (plain rows)."""
+    specs = getattr(flat, "specs", None)
+    return specs[i] if specs else None
+
+
 def to_local(sharding, flat, i: int, value: Any) -> Any:
     """A loaded entry of parameter i of `flat` as this rank holds it (its rows): a DTensor's local tensor when it
-    is laid out as ours, else its whole value cut (`rank_piece`); anything else (a plain tensor) as it is."""
+    is laid out as ours, else its whole value cut (to this rank's TP slice on a (dp, tp) mesh, then
+    `rank_piece`); anything else (a plain tensor) as it is."""
     if not is_dtensor(value):
         return value
     from torch.distributed.tensor import Shard
     from shardwise.parallel.wrappers.module import rank_piece
+    spec = placed(flat, i)
+    if spec is not None and spec.matches(value):
+        return value.to_local()
+    if spec is not None and spec.mesh.ndim == 2:
+        return rank_piece(flat, i, spec.tp_slice(value.full_tensor()))
     mesh = value.device_mesh
     if tuple(flat.shapes[i]) and tuple(value.placements) == (Shard(0),) and mesh.ndim == 1 \
             and mesh.size() == sharding.groups.dp.size and mesh.get_local_rank() == sharding.groups.dp.rank:

@@ -21,7 +21,9 @@ from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.wrappers.steps import StepClock
-from shardwise.parallel.wrappers.sharded_params import ShownFlat, param_slots
+from shardwise.comm.collectives import Comm
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
+from shardwise.parallel.wrappers.sharded_params import Placed, ShownFlat, param_slots, placement
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.params import Partition, Unit
 from shardwise.parallel.zero.partition import RowLayout
@@ -118,7 +120,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                         f"root last (a parameter shared by two blocks belongs to their common parent's call)")
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     clock = next(iter(below.values())).clock if below else StepClock(ledger)
-    groups = groups_of(mesh, ledger=ledger)
+    groups = _with_tp(groups_of(mesh, ledger=ledger), module, mesh, ledger)
     for g in below.values():
         if not _same_group(g.groups, groups):
             raise UserError(f"fully_shard({type(module).__name__}): its blocks were wrapped over another group of "
@@ -146,7 +148,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         slots = param_slots(module)
         for f in mine.flats:
             assert isinstance(f, ShownFlat)
-            f.present(dt_mesh, slots, SHARDED_ATTR)
+            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups) for p, shape in zip(f.params, f.shapes)],
+                      slots, SHARDED_ATTR)
     names = {id(m): n for n, m in module.named_modules()}
     for k, u in enumerate(units):
         u.index, u.is_root = k, u is mine
@@ -175,6 +178,51 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module.register_forward_hook(lambda _m, _args, output: cast_floating(output, out))
     assert isinstance(module, FSDPModule)
     return module
+
+
+def _tp_mesh_of(module: nn.Module) -> Any:
+    """The 1-D tp DeviceMesh `shardwise.parallelize_module` split the module's parameters over, or None. A model
+    split by torch's own `parallelize_module` (DTensor parameters) is refused: its layers compute on DTensors,
+    which this runtime's gathers do not rebuild."""
+    for name, p in module.named_parameters():
+        if dtensors.is_dtensor(p) and not getattr(p, SHARDED_ATTR, False):
+            raise UserError(f'fully_shard({type(module).__name__}): parameter "{name}" is already a DTensor (torch\'s '
+                            f"parallelize_module?); split the model with shardwise.parallelize_module(model, "
+                            f'mesh["tp"], plan) instead: it takes the same plan (ColwiseParallel(), ...)')
+        tp_mesh = getattr(p, TP_MESH_ATTR, None)
+        if tp_mesh is not None:
+            return tp_mesh
+    return None
+
+
+def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: CommLedger) -> DataParallelGroups:
+    """`groups` with the tp group of a model `shardwise.parallelize_module` split over a tp DeviceMesh, when
+    `mesh` is the dp dimension of the same (dp, tp) DeviceMesh."""
+    tp_mesh = _tp_mesh_of(module)
+    if tp_mesh is None or groups.tp.size > 1:
+        return groups
+    root = tp_mesh._get_root_mesh()
+    names = getattr(mesh, "mesh_dim_names", None)
+    if root is tp_mesh or root.ndim != 2 or not names or mesh._get_root_mesh() != root:
+        raise UserError(f"fully_shard({type(module).__name__}): the model is split over the tp mesh "
+                        f"{tp_mesh.mesh_dim_names}; pass mesh=mesh[\"dp\"] of the same 2-D init_device_mesh(..., "
+                        f"mesh_dim_names=(\"dp\", \"tp\"))")
+    return DataParallelGroups(groups.dp, Comm(tp_mesh.get_group(), ledger, name="tp"))
+
+
+def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any,
+               groups: DataParallelGroups) -> Placed | None:
+    """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows."""
+    tp_mesh = getattr(p, TP_MESH_ATTR, None)
+    if tp_mesh is None:
+        # a tp group known only as a process group (ParallelMesh): TP slices this module cannot place
+        return placement(dp_mesh, shape) if groups.tp.size == 1 else None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if getattr(mesh, "ndim", 0) == 2:           # the (dp, tp) DeviceMesh itself
+        mesh = mesh["dp" if "dp" in names else "dp_shard"]
+    elif not names:
+        return None                             # a ParallelMesh or a process group: no DeviceMesh to place on
+    return placement(mesh, shape, tp_mesh=tp_mesh, tp_dim=getattr(p, TP_DIM_ATTR, None))
 
 
 def _clock_forward(module: nn.Module, _args: Any) -> None:

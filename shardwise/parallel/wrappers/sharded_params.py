@@ -13,9 +13,10 @@ Two parameter objects per model parameter, sharing storage:
              [shape] while the unit is gathered, its piece of the shard [rows, *shape[1:]] while it is sharded.
              Autograd accumulates into it; the runtime's hooks reduce-scatter its gradient into grad_shard.
     shown    the DTensor nn.Parameter over the same piece (what `model.parameters()` yields at rest, and what an
-             optimizer built after wrapping steps). A 0-dim parameter (one row, on rank 0) has no Shard(0)
-             placement: it is shown as its inner parameter; so is every parameter under a (dp, tp) mesh, whose
-             TP slices this module does not place.
+             optimizer built after wrapping steps), placed by `placement`: Shard(0) over the dp mesh, or on the
+             (dp, tp) mesh for a model split by `shardwise.parallelize_module` over a DeviceMesh. A 0-dim
+             parameter (one row, on rank 0) has no Shard(0) placement: it is shown as its inner parameter; so is
+             every parameter under a tp group known only as a process group (shardwise's `ParallelMesh`).
 
 Gradients as on one process: a parameter shows a gradient only once a backward reached it since the last time
 its `.grad` was set to None (`optimizer.zero_grad()`), so a submodule that a backward did not reach keeps None
@@ -56,43 +57,94 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
         setattr(module, name, param)
 
 
+@dataclass(frozen=True)
+class Placed:
+    """How a parameter is shown as a DTensor: on `mesh` (the dp mesh, or the (dp, tp) mesh), with `placements`,
+    of the whole model's `shape`; its local tensor is always this rank's rows of the shard."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+
+    def dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        size = torch.Size(self.shape)
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=size,
+                                  stride=torch.empty(size, device="meta").stride())
+
+    def tp_slice(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's TP slice of the whole model's tensor (the parameter's inner shape), on a (dp, tp) mesh."""
+        from torch.distributed.tensor import Shard
+        for at, p in enumerate(self.placements):
+            if type(p) is Shard and self.mesh.mesh_dim_names[at] == "tp":
+                n = whole.shape[p.dim] // self.mesh.size(at)
+                return whole.narrow(p.dim, self.mesh.get_local_rank(at) * n, n)
+        return whole
+
+    def matches(self, value: Any) -> bool:
+        """`value` (a DTensor) is laid out as this: its local tensor is this rank's rows."""
+        return (tuple(value.placements) == tuple(self.placements) and value.device_mesh == self.mesh
+                and tuple(value.shape) == tuple(self.shape))
+
+
+def placement(mesh: Any, shape: tuple[int, ...], *, tp_mesh: Any = None, tp_dim: int | None = None) -> Placed | None:
+    """How a parameter of `shape` (a TP slice under tensor parallelism) is shown: Shard(0) over `mesh` (the dp
+    mesh), or on the (dp, tp) mesh above both `mesh` and `tp_mesh`: dim-0 rows over dp, and over tp Shard(tp_dim)
+    for a TP slice cut along `tp_dim`, Replicate for a parameter every TP rank holds whole. A TP slice cut along
+    dim 0 is cut again along dim 0 over dp: the dp placement is then torch's _StridedShard (FSDP2's, with TP), the
+    rows of each TP slice being split before those of the next. None for a 0-dim parameter (no Shard(0))."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if not shape or mesh is None:
+        return None
+    if tp_mesh is None:
+        return Placed(mesh, (Shard(0),), tuple(shape))
+    root = tp_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    dp_at, tp_at = names.index(mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
+    tp = tp_mesh.size()
+    placements: list[Any] = [None, None]
+    placements[tp_at] = Replicate() if tp_dim is None else Shard(tp_dim)
+    placements[dp_at] = _StridedShard(0, split_factor=tp) if tp_dim == 0 and tp_at > dp_at else Shard(0)
+    whole = list(shape)
+    if tp_dim is not None:
+        whole[tp_dim] *= tp
+    return Placed(root, tuple(placements), tuple(whole))
+
+
 @dataclass(eq=False)
 class ShownFlat(FlatShard):
     """A wrapper's flat: the parameters its module holds while sharded (`shown`), swapped for the inner ones while
     gathered, and which parameters a backward reached (`reached`)."""
 
     shown: list[nn.Parameter] = field(default_factory=list)
+    specs: list[Placed | None] = field(default_factory=list)
     slots: list[SlotList] = field(default_factory=list)
     shown_grads: list[torch.Tensor | None] = field(default_factory=list)
     """Per parameter, the `.grad` it shows when reached: its piece of grad_shard (a DTensor when shown as one),
     made once; None for a flat the optimizer does not step."""
     reached: list[bool] = field(default_factory=list)
 
-    def present(self, mesh: Any, slots: dict[int, SlotList], sharded_attr: str) -> None:
-        """Make the shown parameters (DTensors over `mesh`, or the inner ones where `mesh` is None) and hold
+    def present(self, specs: list[Placed | None], slots: dict[int, SlotList], sharded_attr: str) -> None:
+        """Make the shown parameters (DTensors placed by `specs[i]`, or the inner ones where it is None) and hold
         them in the module. Call after the shard (and grad_shard) reached their final tensors."""
         pieces, grads = self.shard_pieces()
+        self.specs = list(specs)
         self.shown, self.shown_grads, self.reached = [], [], [False] * len(self.params)
         self.slots = [slots.get(id(p), []) for p in self.params]
         for i, p in enumerate(self.params):
-            if mesh is None or not self.shapes[i]:
-                shown, grad = p, grads[i]
+            spec, g = specs[i], grads[i]
+            if spec is None:
+                shown, grad = p, g
             else:
-                shown = nn.Parameter(self._dtensor(mesh, i, pieces[i]), requires_grad=p.requires_grad)
-                g = grads[i]
-                grad = None if g is None else self._dtensor(mesh, i, g)
+                shown = nn.Parameter(spec.dtensor(pieces[i]), requires_grad=p.requires_grad)
+                grad = None if g is None else spec.dtensor(g)
             setattr(shown, sharded_attr, True)
             self.shown.append(shown)
             self.shown_grads.append(grad)
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reach(i))
         self._hold(self.shown)
-
-    def _dtensor(self, mesh: Any, i: int, local: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Shard
-        shape = torch.Size(self.shapes[i])
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
     def _reach(self, i: int) -> None:
         self.reached[i] = True
@@ -143,9 +195,3 @@ class ShownFlat(FlatShard):
                 piece.copy_(local)
         for p in self.params:
             p.grad = None
-
-    def inner_of(self) -> dict[int, int]:
-        """id(shown parameter) -> its index here (the inner parameters included)."""
-        out = {id(p): i for i, p in enumerate(self.params)}
-        out.update({id(s): i for i, s in enumerate(self.shown)})
-        return out

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.errors import UserError
 from shardwise.parallel.wrappers.dtensors import (
-    dp_mesh, init_optim_state, is_dtensor, local_of, plain_state_dicts, rows_of, to_dtensor, to_local,
+    dp_mesh, init_optim_state, is_dtensor, local_of, placed, plain_state_dicts, rows_of, to_dtensor, to_local,
 )
 from shardwise.parallel.wrappers.from_rank0 import broadcast_from_rank0 as from_rank0
 from shardwise.parallel.wrappers.from_rank0 import dp_comm
@@ -136,8 +136,6 @@ def _place_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[s
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
     (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
     sharding = sharded._fully_shard_state()
-    if dp_mesh(sharding) is None:
-        return
     state = named[STATE]
     scalars = []
     for flat in sharding.runtime.partition.flats:
@@ -146,9 +144,11 @@ def _place_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[s
             if not tuple(flat.shapes[i]):
                 scalars.append((flat, i, held))
                 continue
+            if placed(flat, i) is None:         # shown as plain rows (a TP slice without a DeviceMesh)
+                continue
             for key in [k for k, v in held.items() if _laid_out_like(v, p)]:
                 held[key] = to_dtensor(sharding, flat, i, held[key])
-    if not scalars or sharding.groups.dp.size == 1:
+    if not scalars or sharding.groups.dp.size == 1 or dp_mesh(sharding) is None:
         return
     # A 0-dim parameter's piece is [] on rank 0, like its scalar state: only the other ranks (pieces [0]) can
     # tell which keys follow it. Collective: rank 1's answer, then each piece broadcast from rank 0.
