@@ -10,6 +10,8 @@ world size:
 - `DistributedDataParallel(find_unused_parameters=True)`: a parameter no rank used in a step keeps None and AdamW's
   weight decay leaves it alone; one used on one rank only, or in one micro-batch of an accumulation, is averaged:
   torch DDP's gradients and parameters, step by step. A DDP model pickles (`torch.save(model)`) and trains on.
+- FSDP2's explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and
+  `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters.
 - At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
   `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
@@ -146,6 +148,43 @@ def _ddp_unused(which: str) -> dict:
     return {"missing": missing, "states": states}
 
 
+def _explicit_prefetch(which: str) -> dict:
+    """FSDP2's explicit prefetching: each block's forward launches the next two blocks' all-gathers, its backward
+    the previous two's; every parameter placed by shard_placement_fn (Shard(0))."""
+    from torch.distributed.tensor import Shard
+    fully_shard = _fully_shard_fn(which)
+    model = tiny_gpt(seq_len=SEQ, n_layer=4)
+    blocks = list(model.blocks)
+    for block in blocks:
+        fully_shard(block, shard_placement_fn=lambda p: Shard(0))
+    fully_shard(model)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(i - 2, 0):i][::-1])
+    seen: list[list[str]] = []
+    if which == "ours":             # while block 0 runs, blocks 1 and 2 are gathered or gathering, not sharded
+        runtime = model._fully_shard_state().runtime
+        units = {id(u.module): u for u in runtime.units}
+        blocks[0].register_forward_pre_hook(
+            lambda *_: seen.append([units[id(b)].gather_state.name for b in blocks[1:]]))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for b in global_batches():
+        (rows,) = shard_global_batch(b, dp_size=dist.get_world_size(), dp_rank=dist.get_rank(), grad_accum=1)
+        loss = model(*lm_pair(rows))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(float(loss.detach())))
+    refused = ""
+    try:
+        _fully_shard_fn(which)(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
+    except Exception as e:          # FSDP2 takes Shard(1); shardwise refuses it in one line
+        refused = str(e)
+    return {"losses": losses, "seen": seen, "refused": refused,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
 def _ddp_pickled() -> dict:
     """`torch.save(model)` of a DistributedDataParallel model loads back as one that trains on, averaging."""
     import io
@@ -165,11 +204,27 @@ def _ddp_pickled() -> dict:
             "expected": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
+def _torch_tp_refused() -> str:
+    """A model split by torch's own parallelize_module: fully_shard names shardwise's."""
+    import shardwise
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    try:
+        shardwise.fully_shard(model, mesh=mesh["dp"])
+    except shardwise.UserError as e:
+        return str(e)
+    return "accepted"
+
+
 def _pairs() -> dict:
     torch.set_num_threads(1)
     out = {name: {which: fn(which) for which in ("torch", "ours")}
-           for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused))}
-    return {**out, "pickled": _ddp_pickled()}
+           for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
+                            ("prefetch", _explicit_prefetch))}
+    return {**out, "pickled": _ddp_pickled(), "torch_tp": _torch_tp_refused()}
 
 
 def _check_clip(results: list[dict], world: int) -> None:
@@ -202,6 +257,14 @@ def test_torch_view_two_ranks():
         assert ours["missing"] == theirs["missing"], f"rank {rank}: {ours['missing']}"
         for step, (mine, ref) in enumerate(zip(ours["states"], theirs["states"])):
             assert_state_close(mine, ref, what=f"DDP find_unused_parameters, rank {rank}, step {step}")
+        ours, theirs = r["prefetch"]["ours"], r["prefetch"]["torch"]
+        # (by default only the next block is gathered ahead)
+        assert ours["seen"] and all("SHARDED" not in states[:2] for states in ours["seen"]), ours["seen"]
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"explicit prefetch, rank {rank}")
+        assert_state_close(ours["state"], theirs["state"], what=f"explicit prefetch, rank {rank}", adam=True)
+        assert "shard_placement_fn gave Shard(dim=1)" in ours["refused"] and "\n" not in ours["refused"]
+        assert 'parameter "0.weight" is already a DTensor' in r["torch_tp"] and "shardwise.parallelize_module" in \
+            r["torch_tp"] and "\n" not in r["torch_tp"], r["torch_tp"]
         pickled = r["pickled"]
         assert pickled["kind"] == "DistributedDataParallel"
         assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -89,6 +89,7 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
 
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
     """Shard `module`'s parameters over the data-parallel group of `mesh` (see `policies.groups_of`); apply it to
@@ -99,7 +100,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     that gathers, frees, prefetches and reduce-scatters exactly as the engine's stage 3 does. The units use
     `RowLayout`, FSDP2's dim-0 sharding; the engine's keep `FlatLayout` (its checkpoints depend on it).
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
-    whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole."""
+    whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
+    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
+    sharded along dim 0."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -130,6 +133,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
     owned = {id(p) for u in adopted for f in u.flats for p in [*f.params, *getattr(f, "shown", ())]}
     params = [p for p in module.parameters() if id(p) not in owned]
+    if shard_placement_fn is not None:
+        _check_placements(module, params, shard_placement_fn)
     device = _compute_device(groups, params)
     done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
     with torch.no_grad():
@@ -178,6 +183,19 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module.register_forward_hook(lambda _m, _args, output: cast_floating(output, out))
     assert isinstance(module, FSDPModule)
     return module
+
+
+def _check_placements(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any]) -> None:
+    """FSDP2's `shard_placement_fn`: the row layout shards every parameter along dim 0, so only that is taken."""
+    from torch.distributed.tensor import Shard
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p in params:
+        placement = fn(p)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+            continue
+        raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
+                        f"(shape {tuple(p.shape)}); shardwise shards every parameter along dim 0: return None or "
+                        f"Shard(0)")
 
 
 def _tp_mesh_of(module: nn.Module) -> Any:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
@@ -57,6 +57,35 @@ class FSDPModule(_ModuleBase):
         accumulation); the first backward with True reduce-scatters the sum. Applies to the whole model the
         outermost wrapper drives."""
         self._fully_shard_state().runtime.reduce_grads = bool(requires_gradient_sync)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's forward starts, launch the all-gathers of `modules` (wrapped modules of the same
+        model, in the order their forwards come), beyond the one unit gathered ahead by default (FSDP2's
+        explicit forward prefetch)."""
+        self._prefetch_list(modules, "set_modules_to_forward_prefetch")
+        setattr(self, FORWARD_PREFETCH_ATTR, list(modules))
+        self._hook_prefetch()
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's backward starts (its outputs' gradients are ready), launch the all-gathers of
+        `modules` (those whose backward comes next) beyond the default (FSDP2's explicit backward prefetch)."""
+        self._prefetch_list(modules, "set_modules_to_backward_prefetch")
+        setattr(self, BACKWARD_PREFETCH_ATTR, list(modules))
+        self._hook_prefetch()
+
+    def _hook_prefetch(self) -> None:
+        """Once per module: the hooks that launch the listed modules' all-gathers."""
+        if not getattr(self, "_shardwise_prefetch_hooked", False):
+            self.register_forward_pre_hook(_prefetch_forward)
+            self.register_forward_hook(_arm_backward_prefetch)
+            self._shardwise_prefetch_hooked = True
+
+    def _prefetch_list(self, modules: list[FSDPModule], fn: str) -> None:
+        root = self._fully_shard_state().root
+        for m in modules:
+            if not isinstance(m, FSDPModule) or m._fully_shard_state().root is not root:
+                raise UserError(f"{fn}: {type(m).__name__} is not a module fully_shard wrapped in this model; give "
+                                f"wrapped modules of the same model")
 
     def reshard(self) -> None:
         """Free every gathered unit now (the next forward gathers what it needs)."""
@@ -153,6 +182,43 @@ class FSDPModule(_ModuleBase):
         mesh). `torch.distributed.checkpoint` saves it and loads it at any world size; `load_state_dict` takes
         it back. Collective only for a model with a 0-dim parameter."""
         return self.state_dict()
+
+
+FORWARD_PREFETCH_ATTR = "_shardwise_forward_prefetch"
+BACKWARD_PREFETCH_ATTR = "_shardwise_backward_prefetch"
+"""Attributes of a wrapped module: the modules whose all-gathers its forward / backward launches."""
+
+
+def _units_of(module: FSDPModule, attr: str) -> list:
+    """The units of the modules listed under `attr` on `module`, in the runtime that drives them now (the one of
+    the outermost wrapped module: wrapping the root rebuilt it)."""
+    wanted = getattr(module, attr, [])
+    if not wanted:
+        return []
+    runtime = module._fully_shard_state().runtime
+    by_module = {id(u.module): u for u in runtime.units}
+    return [by_module[id(m)] for m in wanted if id(m) in by_module]
+
+
+def _prefetch_forward(module: nn.Module, _args: Any) -> None:
+    assert isinstance(module, FSDPModule)
+    if torch._C._current_graph_task_id() != -1:        # recomputation inside a backward: no forward prefetch
+        return
+    units = _units_of(module, FORWARD_PREFETCH_ATTR)
+    if units:
+        module._fully_shard_state().runtime.prefetch_units(units)
+
+
+def _arm_backward_prefetch(module: nn.Module, _args: Any, output: Any) -> None:
+    """Hook the forward's outputs: when their gradient is ready, this module's backward starts."""
+    assert isinstance(module, FSDPModule)
+    if torch._C._current_graph_task_id() != -1 or not getattr(module, BACKWARD_PREFETCH_ATTR, None):
+        return
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda _grads: module._fully_shard_state().runtime.prefetch_units(
+                _units_of(module, BACKWARD_PREFETCH_ATTR)), mode="any")
 
 
 # The one conversion between "a tensor laid out as this rank holds a parameter" (its rows of the shard: the
