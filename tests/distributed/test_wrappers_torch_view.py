@@ -10,6 +10,8 @@ world size:
 - `DistributedDataParallel(find_unused_parameters=True)`: a parameter no rank used in a step keeps None and AdamW's
   weight decay leaves it alone; one used on one rank only, or in one micro-batch of an accumulation, is averaged:
   torch DDP's gradients and parameters, step by step. A DDP model pickles (`torch.save(model)`) and trains on.
+- torch's own `get_state_dict` / `set_state_dict` with `torch.distributed.checkpoint` save and resume a
+  fully_shard model and its optimizer exactly.
 - FSDP2's explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and
   `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters.
 - At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
@@ -219,12 +221,48 @@ def _torch_tp_refused() -> str:
     return "accepted"
 
 
-def _pairs() -> dict:
+def _torch_dcp(path: str) -> dict:
+    """torch's own `get_state_dict` / `set_state_dict` and `torch.distributed.checkpoint` on fully_shard: saved
+    after one step, loaded into a model of other weights, the next steps are the ones the first run took."""
+    import shardwise
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(seed: int):
+        model = tiny_gpt(seq_len=SEQ, seed=seed)
+        for block in model.blocks:
+            shardwise.fully_shard(block)
+        shardwise.fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def step(model, opt, batch) -> float:
+        (rows,) = shard_global_batch(batch, dp_size=dist.get_world_size(), dp_rank=dist.get_rank(), grad_accum=1)
+        loss = model(*lm_pair(rows))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    batches = global_batches()
+    model, opt = build(0)
+    step(model, opt, batches[0])
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    went_on = [step(model, opt, b) for b in batches[1:]]
+    fresh, fresh_opt = build(5)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"went_on": went_on, "resumed": [step(fresh, fresh_opt, b) for b in batches[1:]]}
+
+
+def _pairs(path: str) -> dict:
     torch.set_num_threads(1)
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
                             ("prefetch", _explicit_prefetch))}
-    return {**out, "pickled": _ddp_pickled(), "torch_tp": _torch_tp_refused()}
+    return {**out, "pickled": _ddp_pickled(), "torch_tp": _torch_tp_refused(), "torch_dcp": _torch_dcp(path)}
 
 
 def _check_clip(results: list[dict], world: int) -> None:
@@ -240,10 +278,13 @@ def _check_clip(results: list[dict], world: int) -> None:
         assert_state_close(ours["state"], theirs["state"], what=what, adam=True)
 
 
-def test_torch_view_two_ranks():
-    results = run_distributed(_pairs, 2, timeout=300)
+def test_torch_view_two_ranks(tmp_path):
+    results = run_distributed(_pairs, 2, args=(str(tmp_path / "dcp"),), timeout=300)
     _check_clip(results, 2)
     for rank, r in enumerate(results):
+        # the same arithmetic from the same state: exact
+        assert_close_lists(r["torch_dcp"]["resumed"], r["torch_dcp"]["went_on"], rtol=0,
+                           what=f"torch's get_state_dict + DCP, resumed, rank {rank}")
         ours, theirs = r["non_root"]["ours"], r["non_root"]["torch"]
         # model[1:] keep the zeros zero_grad(set_to_none=False) left, then None after zero_grad()
         assert theirs["missing"] == [[False] * 12, [False] * 4 + [True] * 8], theirs["missing"]
