@@ -386,10 +386,12 @@ def _two_d_torch_plan(which: str) -> dict:
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=WEIGHT_DECAY)
     x = torch.randn(4, 2, 6, 8, generator=torch.Generator().manual_seed(12))[:, mesh["dp"].get_local_rank()]
-    losses, norms = [], []
+    losses, norms, method_norms = [], [], []
     for step in range(4):
         loss = model(x[step]).square().mean()
         loss.backward()
+        if which == "ours":         # FSDPModule's own method, not clipping here: the same norm
+            method_norms.append(float(model.clip_grad_norm_(float("inf"))))
         norms.append(_clip_2d(model, 0.5) if which == "torch" else
                      float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()))
         opt.step()
@@ -397,7 +399,7 @@ def _two_d_torch_plan(which: str) -> dict:
         losses.append(mean_over_ranks(float(loss.detach())))
     placements = {n: (str(p.placements), tuple(p.shape), tuple(p.to_local().shape))
                   for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    return {"losses": losses, "norms": norms, "placements": placements,
+    return {"losses": losses, "norms": norms, "method_norms": method_norms, "placements": placements,
             "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
 
 
@@ -442,5 +444,6 @@ def test_torch_view_four_ranks():
                 assert placements == "(Shard(dim=0),)", (what, name, placements)
                 assert ours["placements"][name] == ("(Shard(dim=0), Replicate())", *shapes), (what, name)
         assert_close_lists(ours["norms"], theirs["norms"], rtol=1e-5, what=f"{what}: norms")
+        assert_close_lists(ours["method_norms"], theirs["norms"], rtol=1e-5, what=f"{what}: clip_grad_norm_ method")
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{what}: losses")
         assert_state_close(ours["state"], theirs["state"], what=what)

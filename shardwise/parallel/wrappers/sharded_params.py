@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers.dtensors import local_of
 from shardwise.parallel.zero.flat import FlatShard, _resize
 
@@ -140,6 +141,9 @@ class ShownFlat(FlatShard):
                 shown = nn.Parameter(spec.dtensor(pieces[i]), requires_grad=p.requires_grad)
                 grad = None if g is None else spec.dtensor(g)
             setattr(shown, sharded_attr, True)
+            for attr in (TP_DIM_ATTR, TP_MESH_ATTR):     # what a wrapping further up reads of the parameter
+                if hasattr(p, attr):
+                    setattr(shown, attr, getattr(p, attr))
             self.shown.append(shown)
             self.shown_grads.append(grad)
             if p.requires_grad:
