@@ -342,7 +342,8 @@ def parallelize_module(module: nn.Module, device_mesh: Any, parallelize_plan: Ma
     (`parallel/tensor_parallel/plan.py`); None: the model's own plan (`parallelize_model`: the built-in GPT,
     Hugging Face models with a base_model_tp_plan, `shardwise_tp_plan`). Each named layer is replaced in place by
     one cut from it, whose parameters are this rank's plain slices; every parameter is marked with the tp mesh,
-    so `fully_shard` over the dp mesh shows it as a DTensor of the whole model. Returns `module`."""
+    so `fully_shard` over the dp mesh shows it as a DTensor of the whole model. Returns `module`. (A model split
+    by torch's own `parallelize_module` also composes with `fully_shard`: `parallel/wrappers/torch_tp.py`.)"""
     from shardwise.comm.ledger import CommLedger
     from shardwise.errors import UserError
     group, mesh = device_mesh, None

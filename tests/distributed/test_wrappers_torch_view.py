@@ -18,12 +18,14 @@ world size:
   `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
   with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
-  (the same placements, norms, losses and parameters).
+  (the same placements, norms, losses and parameters), applied by shardwise's parallelize_module, or by torch's
+  under shardwise's fully_shard (also with activation checkpointing of each block).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -206,21 +208,6 @@ def _ddp_pickled() -> dict:
             "expected": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
 
 
-def _torch_tp_refused() -> str:
-    """A model split by torch's own parallelize_module: fully_shard names shardwise's."""
-    import shardwise
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    model = nn.Sequential(nn.Linear(4, 4))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-    try:
-        shardwise.fully_shard(model, mesh=mesh["dp"])
-    except shardwise.UserError as e:
-        return str(e)
-    return "accepted"
-
-
 def _torch_dcp(path: str) -> dict:
     """torch's own `get_state_dict` / `set_state_dict` and `torch.distributed.checkpoint` on fully_shard: saved
     after one step, loaded into a model of other weights, the next steps are the ones the first run took."""
@@ -262,7 +249,7 @@ def _pairs(path: str) -> dict:
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
                             ("prefetch", _explicit_prefetch))}
-    return {**out, "pickled": _ddp_pickled(), "torch_tp": _torch_tp_refused(), "torch_dcp": _torch_dcp(path)}
+    return {**out, "pickled": _ddp_pickled(), "torch_dcp": _torch_dcp(path)}
 
 
 def _check_clip(results: list[dict], world: int) -> None:
@@ -304,8 +291,6 @@ def test_torch_view_two_ranks(tmp_path):
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"explicit prefetch, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"explicit prefetch, rank {rank}", adam=True)
         assert "shard_placement_fn gave Shard(dim=1)" in ours["refused"] and "\n" not in ours["refused"]
-        assert 'parameter "0.weight" is already a DTensor' in r["torch_tp"] and "shardwise.parallelize_module" in \
-            r["torch_tp"] and "\n" not in r["torch_tp"], r["torch_tp"]
         pickled = r["pickled"]
         assert pickled["kind"] == "DistributedDataParallel"
         assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)
@@ -372,7 +357,7 @@ def _two_d_torch_plan(which: str) -> dict:
     torch.manual_seed(11)
     model = nn.Sequential(*[_FeedForward(8) for _ in range(2)])
     plan = {"*.w1": ColwiseParallel(), "*.w2": RowwiseParallel()}
-    if which == "torch":
+    if which.startswith("torch"):      # torch's parallelize_module (then FSDP2's, or shardwise's fully_shard)
         from torch.distributed.tensor.parallel import parallelize_module
         plan = {f"{i}.{name}": style for i in range(2) for name, style in (("w1", ColwiseParallel()),
                                                                           ("w2", RowwiseParallel()))}
@@ -380,7 +365,11 @@ def _two_d_torch_plan(which: str) -> dict:
     else:
         import shardwise
         shardwise.parallelize_module(model, mesh["tp"], plan)
-    fully_shard = _fully_shard_fn(which)
+    if which == "torch_tp_checkpointed":     # backward runs each block's forward again, on a gather in backward
+        from torch.utils.checkpoint import checkpoint
+        for ff in model:
+            ff.forward = functools.partial(checkpoint, ff.forward, use_reentrant=False)
+    fully_shard = _fully_shard_fn("torch" if which == "torch" else "ours")
     for ff in model:
         fully_shard(ff, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -390,7 +379,7 @@ def _two_d_torch_plan(which: str) -> dict:
     for step in range(4):
         loss = model(x[step]).square().mean()
         loss.backward()
-        if which == "ours":         # FSDPModule's own method, not clipping here: the same norm
+        if which != "torch":        # FSDPModule's own method, not clipping here: the same norm
             method_norms.append(float(model.clip_grad_norm_(float("inf"))))
         norms.append(_clip_2d(model, 0.5) if which == "torch" else
                      float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).full_tensor()))
@@ -418,7 +407,8 @@ def _clip_2d(model: nn.Module, max_norm: float) -> float:
 def _four_ranks() -> dict:
     torch.set_num_threads(1)
     return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}, "gpt_2d": _two_d_gpt(),
-            "plan_2d": {which: _two_d_torch_plan(which) for which in ("torch", "ours")}}
+            "plan_2d": {which: _two_d_torch_plan(which)
+                        for which in ("torch", "ours", "torch_tp", "torch_tp_checkpointed")}}
 
 
 def test_torch_view_four_ranks():
@@ -431,19 +421,23 @@ def test_torch_view_four_ranks():
         assert_close_lists(ours["norms"], ref["norms"], rtol=1e-5, what=f"{what}: norms")
         assert_close_lists(ours["losses"], ref["losses"], rtol=1e-5, what=f"{what}: losses")
         assert_state_close(ours["state"], ref["state"], what=what, adam=True)
-        ours, theirs = r["plan_2d"]["ours"], r["plan_2d"]["torch"]
-        what = f"(dp, tp) = (2, 2), torch's plan, rank {rank}"
-        # FSDP2 + TP's placements (_StridedShard over dp for dim-0 TP slices), global and local shapes; the
-        # parameters outside the plan are on the (dp, tp) mesh too (Replicate over tp), where torch leaves them on
-        # the dp mesh, which its own clip_grad_norm_ then refuses to mix with the others
-        assert ours["placements"].keys() == theirs["placements"].keys(), what
-        for name, (placements, *shapes) in theirs["placements"].items():
-            if "w1" in name or "w2" in name:
-                assert ours["placements"][name] == (placements, *shapes), (what, name, ours["placements"][name])
-            else:
-                assert placements == "(Shard(dim=0),)", (what, name, placements)
-                assert ours["placements"][name] == ("(Shard(dim=0), Replicate())", *shapes), (what, name)
-        assert_close_lists(ours["norms"], theirs["norms"], rtol=1e-5, what=f"{what}: norms")
-        assert_close_lists(ours["method_norms"], theirs["norms"], rtol=1e-5, what=f"{what}: clip_grad_norm_ method")
-        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{what}: losses")
-        assert_state_close(ours["state"], theirs["state"], what=what)
+        theirs = r["plan_2d"]["torch"]
+        for name in ("ours", "torch_tp", "torch_tp_checkpointed"):
+            _check_plan_2d(r["plan_2d"][name], theirs, what=f"(dp, tp) = (2, 2), torch's plan, {name}, rank {rank}")
+
+
+def _check_plan_2d(ours: dict, theirs: dict, *, what: str) -> None:
+    """Against torch's own TP + FSDP2: FSDP2 + TP's placements (_StridedShard over dp for dim-0 TP slices), global
+    and local shapes; the parameters outside the plan are on the (dp, tp) mesh too (Replicate over tp), where torch
+    leaves them on the dp mesh, which its own clip_grad_norm_ then refuses to mix with the others."""
+    assert ours["placements"].keys() == theirs["placements"].keys(), what
+    for name, (placements, *shapes) in theirs["placements"].items():
+        if "w1" in name or "w2" in name:
+            assert ours["placements"][name] == (placements, *shapes), (what, name, ours["placements"][name])
+        else:
+            assert placements == "(Shard(dim=0),)", (what, name, placements)
+            assert ours["placements"][name] == ("(Shard(dim=0), Replicate())", *shapes), (what, name)
+    assert_close_lists(ours["norms"], theirs["norms"], rtol=1e-5, what=f"{what}: norms")
+    assert_close_lists(ours["method_norms"], theirs["norms"], rtol=1e-5, what=f"{what}: clip_grad_norm_ method")
+    assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{what}: losses")
+    assert_state_close(ours["state"], theirs["state"], what=what)

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
-from shardwise.parallel.wrappers import dtensors
+from shardwise.parallel.wrappers import dtensors, torch_tp
 from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
@@ -121,9 +121,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         raise UserError(f"fully_shard({type(module).__name__}): some of its parameters are already sharded by a "
                         f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
                         f"root last (a parameter shared by two blocks belongs to their common parent's call)")
+    torch_tp.adopt(module, SHARDED_ATTR)          # torch's parallelize_module's DTensors, taken apart
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     clock = next(iter(below.values())).clock if below else StepClock(ledger)
     groups = _with_tp(groups_of(mesh, ledger=ledger), module, mesh, ledger)
+    model_tp_mesh = _tp_mesh_of(module) if groups.tp.size > 1 else None
     for g in below.values():
         if not _same_group(g.groups, groups):
             raise UserError(f"fully_shard({type(module).__name__}): its blocks were wrapped over another group of "
@@ -153,8 +155,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         slots = param_slots(module)
         for f in mine.flats:
             assert isinstance(f, ShownFlat)
-            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups) for p, shape in zip(f.params, f.shapes)],
-                      slots, SHARDED_ATTR)
+            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh)
+                       for p, shape in zip(f.params, f.shapes)], slots, SHARDED_ATTR)
     names = {id(m): n for n, m in module.named_modules()}
     for k, u in enumerate(units):
         u.index, u.is_root = k, u is mine
@@ -199,14 +201,9 @@ def _check_placements(module: nn.Module, params: list[nn.Parameter], fn: Callabl
 
 
 def _tp_mesh_of(module: nn.Module) -> Any:
-    """The 1-D tp DeviceMesh `shardwise.parallelize_module` split the module's parameters over, or None. A model
-    split by torch's own `parallelize_module` (DTensor parameters) is refused: its layers compute on DTensors,
-    which this runtime's gathers do not rebuild."""
-    for name, p in module.named_parameters():
-        if dtensors.is_dtensor(p) and not getattr(p, SHARDED_ATTR, False):
-            raise UserError(f'fully_shard({type(module).__name__}): parameter "{name}" is already a DTensor (torch\'s '
-                            f"parallelize_module?); split the model with shardwise.parallelize_module(model, "
-                            f'mesh["tp"], plan) instead: it takes the same plan (ColwiseParallel(), ...)')
+    """The 1-D tp DeviceMesh the module's parameters were split over (by `shardwise.parallelize_module`, or by
+    torch's, taken apart by `torch_tp.adopt`), or None."""
+    for p in module.parameters():
         tp_mesh = getattr(p, TP_MESH_ATTR, None)
         if tp_mesh is not None:
             return tp_mesh
@@ -214,8 +211,8 @@ def _tp_mesh_of(module: nn.Module) -> Any:
 
 
 def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: CommLedger) -> DataParallelGroups:
-    """`groups` with the tp group of a model `shardwise.parallelize_module` split over a tp DeviceMesh, when
-    `mesh` is the dp dimension of the same (dp, tp) DeviceMesh."""
+    """`groups` with the tp group of a model split over a tp DeviceMesh, when `mesh` is the dp dimension of the
+    same (dp, tp) DeviceMesh."""
     tp_mesh = _tp_mesh_of(module)
     if tp_mesh is None or groups.tp.size > 1:
         return groups
@@ -228,10 +225,11 @@ def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: C
     return DataParallelGroups(groups.dp, Comm(tp_mesh.get_group(), ledger, name="tp"))
 
 
-def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any,
-               groups: DataParallelGroups) -> Placed | None:
-    """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows."""
-    tp_mesh = getattr(p, TP_MESH_ATTR, None)
+def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any, groups: DataParallelGroups,
+               model_tp_mesh: Any) -> Placed | None:
+    """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows. Under a tp
+    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp."""
+    tp_mesh = getattr(p, TP_MESH_ATTR, None) or model_tp_mesh
     if tp_mesh is None:
         # a tp group known only as a process group (ParallelMesh): TP slices this module cannot place
         return placement(dp_mesh, shape) if groups.tp.size == 1 else None

@@ -34,6 +34,7 @@ from torch import nn
 
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers.dtensors import local_of
+from shardwise.parallel.wrappers.torch_tp import TORCH_TP_ATTR
 from shardwise.parallel.zero.flat import FlatShard, _resize
 
 SlotList = list[tuple[nn.Module, str]]
@@ -161,7 +162,9 @@ class ShownFlat(FlatShard):
     def attach(self) -> None:
         super().attach()
         if self.shown:
-            self._hold(self.params)
+            # a layer of torch's TP computes on a DTensor over the gathered TP slice (`torch_tp.py`)
+            self._hold([p if (tp := getattr(p, TORCH_TP_ATTR, None)) is None else tp.forward_tensor(p)
+                        for p in self.params])
 
     def release(self) -> None:
         if not self.shown:              # not presented yet (wrapping in progress): the plain pieces
