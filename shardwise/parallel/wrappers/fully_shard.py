@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers import dtensors, torch_tp
 from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.wrappers.steps import StepClock
-from shardwise.comm.collectives import Comm
-from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers.sharded_params import Placed, ShownFlat, param_slots, placement
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.params import Partition, Unit
@@ -50,7 +50,8 @@ class FullyShardState:
     ledger: CommLedger
     clock: StepClock
     mesh: Any = None
-    """The 1-D DeviceMesh over the dp group the parameters are DTensors on; None under a (dp, tp) mesh."""
+    """The 1-D DeviceMesh over the dp group (0-dim parameters' state dict entries are placed on it); None under
+    a (dp, tp) mesh, where each parameter's own placement (`ShownFlat.specs`) says where it lives."""
 
     def where(self) -> dict[int, tuple[FlatShard, int]]:
         """id(parameter) -> (its flat, its index there), for the inner and the shown parameters alike."""
