@@ -31,8 +31,8 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 def dp_device_mesh(groups, device: torch.device) -> Any | None:
     """The 1-D DeviceMesh over the dp ranks of `groups` (a `DataParallelGroups`), on `device`'s type; None under a
-    (dp, tp) mesh, whose parameters are TP slices sharded again over dp (a 2-D placement this module does not
-    build: they stay plain tensors)."""
+    (dp, tp) mesh, whose parameters each carry their own 2-D placement (`sharded_params.placement`), or stay
+    plain under a `ParallelMesh`."""
     if groups.tp.size != 1:
         return None
     import torch.distributed as dist
@@ -120,13 +120,13 @@ def as_shown(sharding, module: nn.Module, state: dict[str, Any], prefix: str = "
     """In place: each entry of a parameter the module holds as a DTensor (`sharded_params.py`), given as this
     rank's rows or as the whole value (plain tensors: `rows_of` ran), as a DTensor over this rank's rows, which
     `load_state_dict` copies into the parameter's rows. The ZeRO-3 runtime's own load hook skips these."""
+    from shardwise.parallel.wrappers.module import rank_piece
     where = sharding.where()
     for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
         value = state.get(name)
         if id(p) not in where or not is_dtensor(p) or not isinstance(value, torch.Tensor) or is_dtensor(value):
             continue
         flat, i = where[id(p)]
-        from shardwise.parallel.wrappers.module import rank_piece
         local = flat.layout.local_shape(i, flat.rank)
         if tuple(value.shape) != tuple(local) and tuple(value.shape) == tuple(flat.shapes[i]):
             value = rank_piece(flat, i, value)
