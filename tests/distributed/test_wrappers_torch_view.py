@@ -204,8 +204,8 @@ def _ddp_pickled() -> dict:
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         m(x, True).backward()
         opt.step()
-    return {"kind": type(again).__name__, "state": {k: v.detach().clone() for k, v in again.module.state_dict().items()},
-            "expected": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    state = lambda m: {k: v.detach().clone() for k, v in m.module.state_dict().items()}  # noqa: E731
+    return {"kind": type(again).__name__, "state": state(again), "expected": state(model)}
 
 
 def _torch_dcp(path: str) -> dict:
