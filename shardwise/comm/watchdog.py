@@ -1,5 +1,9 @@
 """Hang reports: when a collective waits longer than communication.timeout_minutes, every rank says from its
-ledger where it is, and the run ends with one line naming the ranks that did not arrive.
+ledger where it is, and the run ends with one line naming the ranks that did not arrive, or, when the reports
+show ranks waiting in collectives that cannot pair, the desync it is (`DesyncError`).
+
+"Waiting" means not completed (`CommLedger.waiting`): on NCCL `wait()` returns at once, so a collective counts
+until its work says it completed or the GPU reached the event recorded behind it.
 
 The reports travel over the store the process group was built on (torchrun's TCPStore, the test harness's
 FileStore), never over the hung communicator; `HangWatchdog.attach(ledger, ...)` starts one daemon thread per rank.
@@ -17,7 +21,8 @@ import weakref
 from typing import Any
 
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import CollectiveTimeout
+from shardwise.comm.sequence import desync_in_reports
+from shardwise.errors import CollectiveTimeout, DesyncError
 
 _instances = itertools.count()
 """Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
@@ -68,7 +73,11 @@ def describe(report: dict[str, Any]) -> str:
 
 
 def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
-    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
+    """The one line: the desync the reports show (`desync_in_reports`), else who did not arrive (no report, or
+    not in a collective) and what the others wait on."""
+    desync = desync_in_reports(reports)
+    if desync is not None:
+        return desync
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
     idle = [(r, rep) for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
@@ -136,9 +145,11 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._run, name="shardwise-hang-watchdog", daemon=True)
 
     @classmethod
-    def attach(cls, ledger: CommLedger, *, rank: int, world: int, timeout_s: float) -> "HangWatchdog | None":
-        """A started watchdog explaining `ledger`'s failures, or None in a world of one (or without a store)."""
-        store = _default_store()
+    def attach(cls, ledger: CommLedger, *, rank: int, world: int, timeout_s: float,
+               store: Any | None = None) -> "HangWatchdog | None":
+        """A started watchdog explaining `ledger`'s failures, or None in a world of one (or without a store).
+        `store`: where the reports go (default: the store the default process group was built on)."""
+        store = store if store is not None else _default_store()
         if store is None:
             return None
         dog = cls(ledger, store=store, rank=rank, world=world, timeout_s=timeout_s)
@@ -193,13 +204,16 @@ class HangWatchdog:
                 return 0
             self._reported = True
         waiting = ledger.waiting()
-        report: dict[str, Any] = {"step": ledger.step}
+        report: dict[str, Any] = {"step": ledger.step, "counts": ledger.counts()}
         if waiting:
             w = waiting[0]
-            report.update(op=w.op, group=w.group, seq=w.seq, age=time.perf_counter() - w.started, step=w.step)
+            report.update(op=w.op, group=w.group, seq=w.seq, age=time.perf_counter() - w.started, step=w.step,
+                          signature=w.signature)
         elif ledger.last_done is not None:
             d = ledger.last_done
             report["last"] = {"op": d.op, "group": d.group, "seq": d.seq}
+        if ledger.sequence_state is not None:
+            report["seq_state"] = ledger.sequence_state()
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
         print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
@@ -245,4 +259,6 @@ class HangWatchdog:
         if self._verdict is None:
             return error
         self._raised = True
+        if self._verdict.startswith("desync"):
+            return DesyncError(self._verdict)
         return CollectiveTimeout(self._verdict)
