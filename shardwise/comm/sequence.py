@@ -280,7 +280,7 @@ def desync_in_reports(reports: dict[int, dict[str, Any] | None]) -> str | None:
         members = {r: {"ops": ops} for r, (s, ops) in aligned.items() if s == stage}
         line = _first_content_difference(members)
         if line is not None:
-            return f"desync at {at} (found as a hang): {line}; {fix}"
+            return f"desync at {at}: {line}; {fix}"
     if not all(rep.get("op") for rep in present.values()):
         return None
     waits: dict[tuple[str, int], list[int]] = {}
@@ -295,7 +295,7 @@ def desync_in_reports(reports: dict[int, dict[str, Any] | None]) -> str | None:
         short = sorted(r for r, other in present.items() if other.get("counts", {}).get(group, 0) < seq)
         behind = f", which rank(s) {_ranks(short)} did not launch" if short else ""
         parts.append(f'rank(s) {_ranks(ranks)} wait in {what} on "{group}" #{seq}{behind}')
-    return f"desync at {at} (found as a hang): the ranks wait in collectives that cannot pair: " \
+    return f"desync at {at}: the ranks wait in collectives that cannot pair: " \
            f"{'; '.join(parts)}; {fix}"
 
 

@@ -12,6 +12,8 @@ FileStore), never over the hung communicator; `HangWatchdog.attach(ledger, ...)`
 from __future__ import annotations
 
 import atexit
+import datetime
+import os
 import itertools
 import json
 import sys
@@ -20,6 +22,7 @@ import time
 import weakref
 from typing import Any
 
+from shardwise.comm.abort import on_terminate
 from shardwise.comm.ledger import CommLedger
 from shardwise.comm.sequence import desync_in_reports
 from shardwise.errors import CollectiveTimeout, DesyncError
@@ -98,6 +101,8 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
             + "; ".join(parts))
 
 
+_ABORT_HOOK: list[bool] = []
+"""Whether this process's terminate handler reports (set once, by the first watchdog)."""
 _LIVE: "weakref.WeakSet[HangWatchdog]" = weakref.WeakSet()
 """Every started watchdog still referenced: one exit handler stops them all (a process may build many engines)."""
 
@@ -114,6 +119,13 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def _report_before_abort() -> None:
+    """The process is aborting (`comm.abort`: a backend's check failed on its own thread): every live watchdog
+    of a ledger with a collective in flight reports at once."""
+    for dog in list(_LIVE):
+        dog.report_before_abort()
 
 
 class HangWatchdog:
@@ -156,6 +168,8 @@ class HangWatchdog:
         ledger.explain = dog.explain
         dog._thread.start()
         _LIVE.add(dog)
+        if not _ABORT_HOOK:
+            _ABORT_HOOK.append(on_terminate(_report_before_abort))
         return dog
 
     def stop(self) -> None:
@@ -184,7 +198,9 @@ class HangWatchdog:
                 if not self._reported and (age >= self.timeout_s or now - last_poll >= self.idle_poll):
                     last_poll = now
                     if age >= self.timeout_s or self.store.check([f"{self.prefix}/declared"]):
-                        if self._report(ledger) == 1:
+                        # after a peer's abort the lines are its desync's: no line of our own
+                        quiet = self.store.check([f"{self.prefix}/abort"])
+                        if self._report(ledger, quiet=quiet) == 1:
                             declared_at = now
                             self._reporter = True
                 if declared_at is not None and now - declared_at >= self.grace and self._verdict is None:
@@ -197,8 +213,9 @@ class HangWatchdog:
             finally:
                 del ledger
 
-    def _report(self, ledger: CommLedger) -> int:
-        """Post this rank's report (once); returns the declaration count (1: this rank is the reporter)."""
+    def _report(self, ledger: CommLedger, quiet: bool = False) -> int:
+        """Post this rank's report (once; `quiet`: without printing it); returns the declaration count (1: this rank
+        is the reporter)."""
         with self._lock:
             if self._reported:
                 return 0
@@ -215,7 +232,8 @@ class HangWatchdog:
         if ledger.sequence_state is not None:
             report["seq_state"] = ledger.sequence_state()
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
-        print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
 
     def _publish_verdict(self) -> None:
@@ -236,6 +254,37 @@ class HangWatchdog:
                 and time.monotonic() - declared_at > self.grace + _margin(self.timeout_s) + 3.0):
             self._raised = True
             print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
+
+    # -- the aborting thread ----------------------------------------------------------------------------
+    def report_before_abort(self) -> None:
+        """On the thread that aborts the process (gloo's, after a message of the wrong size): declare at once,
+        wait (the grace period) for the other ranks' reports, which show what each ran since the ranks last
+        agreed, and publish the verdict. A desync then ends this process quietly (exit 1): the peers' collectives
+        fail as it leaves, and they raise the verdict's `DesyncError` (`explain`), one line. Anything else is left
+        to the backend's own abort."""
+        ledger = self._ledger()
+        if ledger is None or not ledger.waiting():
+            return
+        try:
+            self.store.set(f"{self.prefix}/abort", str(self.rank))
+            if self._report(ledger, quiet=True) == 1:
+                keys = [f"{self.prefix}/report/{r}" for r in range(self.world)]
+                try:
+                    self.store.wait(keys, datetime.timedelta(seconds=self.grace))
+                except RuntimeError:       # a rank that does not report in time is named as such
+                    pass
+                self._publish_verdict()
+            else:
+                deadline = time.monotonic() + self.grace + 2.0
+                while not self.store.check([f"{self.prefix}/verdict"]) and time.monotonic() < deadline:
+                    time.sleep(self.tick)
+                if self.store.check([f"{self.prefix}/verdict"]):
+                    self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
+        except Exception:   # noqa: BLE001 - the store is gone too: the backend's abort is all there is
+            return
+        if self._verdict is not None and self._verdict.startswith("desync"):
+            sys.stderr.flush()
+            os._exit(1)
 
     # -- the main thread -------------------------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:

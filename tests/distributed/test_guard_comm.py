@@ -12,7 +12,7 @@ import torch.distributed as dist
 import shardwise
 from shardwise.comm.collectives import Comm
 from shardwise.errors import CollectiveTimeout, DesyncError
-from shardwise.testing import run_distributed
+from shardwise.testing import DistributedTestError, run_distributed
 
 ROWS = 4
 
@@ -79,9 +79,17 @@ def _extra_collective(where: str) -> str:
         for i in range(4):
             if i == 2 and rank == 1 and where == "between steps":
                 extra.all_reduce(torch.ones(3))
-            _step(engine, i)
+            g = torch.Generator().manual_seed(i * 10 + rank)
+            x, y = torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 1, generator=g)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            if i == 2 and rank == 1 and where == "inside a step":
+                extra.all_reduce(torch.ones(3))
+            engine.backward(loss)
+            engine.step()
         engine.destroy()
     except (DesyncError, CollectiveTimeout) as e:
+        if where == "inside a step":      # one rank aborts: the harness shows the others' errors as failures
+            raise
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -147,3 +155,19 @@ def test_the_watchdog_counts_a_collective_as_waiting_until_it_completes_not_unti
     assert got["waiting_after_wait"] == [("all_reduce", "dp", 1)], got
     assert got["verdict"] is not None and 'rank(s) 0 wait in all_reduce on "dp" #1' in got["verdict"], got
     assert got["waiting_once_completed"] == [] and got["last_done"] == "all_reduce", got
+
+
+def test_an_extra_collective_inside_a_step_is_the_desync_line_not_glooss_abort(one_thread, capfd) -> None:
+    # rank 1's extra all-reduce meets rank 0's first gradient bucket: gloo's size check fails on rank 1's I/O thread
+    # and aborts it; rank 1 reports before it goes, and rank 0 raises the line when its collective fails.
+    with pytest.raises(DistributedTestError) as failed:
+        run_distributed(_extra_collective, world_size=2, args=("inside a step",), timeout=180)
+    text = str(failed.value)
+    lines = [line for line in text.splitlines() if line.startswith("shardwise.errors.DesyncError")]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("shardwise.errors.DesyncError: desync at step 2: operation "), lines
+    assert 'on "dp" since the last check differs: rank(s) 0 ran all_reduce float32[' in lines[0], lines
+    assert "rank(s) 1 ran all_reduce float32[3]" in lines[0], lines
+    assert "ranks [1] did not finish" in text and "exit codes [1]" in text, text
+    stderr = capfd.readouterr().err
+    assert "terminate called" not in stderr and "EnforceNotMet" not in stderr, stderr
