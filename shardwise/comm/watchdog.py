@@ -257,34 +257,53 @@ class HangWatchdog:
 
     # -- the aborting thread ----------------------------------------------------------------------------
     def report_before_abort(self) -> None:
-        """On the thread that aborts the process (gloo's, after a message of the wrong size): declare at once,
-        wait (the grace period) for the other ranks' reports, which show what each ran since the ranks last
-        agreed, and publish the verdict. A desync then ends this process quietly (exit 1): the peers' collectives
-        fail as it leaves, and they raise the verdict's `DesyncError` (`explain`), one line. Anything else is left
-        to the backend's own abort."""
+        """On the thread that aborts the process. Two cases:
+        - gloo's size check failed (a collective of another size on a peer): this rank declares at once, waits
+          (the grace period) for the other ranks' reports, which show what each ran since the ranks last agreed,
+          and publishes the verdict if it is a desync; then it ends quietly (exit 1): the peers' collectives fail
+          as it leaves, and they raise the verdict's `DesyncError` (`explain`), one line. Anything else is left to
+          the backend's own abort (and the peers to their backend's error).
+        - a hang was declared before and the backend now gives up (NCCL's watchdog aborts where gloo would raise):
+          the main thread, blocked in a device read, will never raise the verdict, so the reporter prints it and
+          every rank ends with exit 1 instead of the backend's abort text.
+        """
         ledger = self._ledger()
-        if ledger is None or not ledger.waiting():
+        if ledger is None:
             return
         try:
-            self.store.set(f"{self.prefix}/abort", str(self.rank))
-            if self._report(ledger, quiet=True) == 1:
-                keys = [f"{self.prefix}/report/{r}" for r in range(self.world)]
-                try:
-                    self.store.wait(keys, datetime.timedelta(seconds=self.grace))
-                except RuntimeError:       # a rank that does not report in time is named as such
-                    pass
-                self._publish_verdict()
-            else:
-                deadline = time.monotonic() + self.grace + 2.0
-                while not self.store.check([f"{self.prefix}/verdict"]) and time.monotonic() < deadline:
-                    time.sleep(self.tick)
-                if self.store.check([f"{self.prefix}/verdict"]):
-                    self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
+            hang_declared = self._reported or self.store.check([f"{self.prefix}/verdict"])
+            if not hang_declared:
+                if not ledger.waiting():
+                    return
+                self.store.set(f"{self.prefix}/abort", str(self.rank))
+                if self._report(ledger, quiet=True) == 1:
+                    keys = [f"{self.prefix}/report/{r}" for r in range(self.world)]
+                    try:
+                        self.store.wait(keys, datetime.timedelta(seconds=self.grace))
+                    except RuntimeError:       # a rank that does not report in time is named as such
+                        pass
+                    found = verdict(self._collect(), self.timeout_s)
+                    if not found.startswith("desync"):
+                        return
+                    self._verdict = found
+                    self.store.set(f"{self.prefix}/verdict", found)
+                    sys.stderr.flush()
+                    os._exit(1)
+            deadline = time.monotonic() + self.grace + 2.0
+            while not self.store.check([f"{self.prefix}/verdict"]) and time.monotonic() < deadline:
+                time.sleep(self.tick)
+            if not self.store.check([f"{self.prefix}/verdict"]):
+                return
+            self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
         except Exception:   # noqa: BLE001 - the store is gone too: the backend's abort is all there is
             return
-        if self._verdict is not None and self._verdict.startswith("desync"):
-            sys.stderr.flush()
-            os._exit(1)
+        if not hang_declared and not self._verdict.startswith("desync"):
+            return
+        if hang_declared and self._reporter and not self._raised:
+            self._raised = True
+            print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)
 
     # -- the main thread -------------------------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:
