@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable
 
 _HANDLER = ctypes.CFUNCTYPE(None)
-_callbacks: list[Callable[[], None]] = []
+_callbacks: list[Callable[[str | None], None]] = []
 _installed: dict[str, Any] = {}
 _lock = threading.Lock()
 
@@ -37,9 +37,10 @@ def _set_terminate() -> Any | None:
     return fn
 
 
-def on_terminate(callback: Callable[[], None]) -> bool:
-    """Run `callback` (on whichever thread terminates, with the GIL) before the process aborts. Returns whether the
-    handler is in place. Callbacks must not raise (what they raise is printed and ignored) and should be quick:
+def on_terminate(callback: Callable[[str | None], None]) -> bool:
+    """Run `callback(exception type)` (on whichever thread terminates, with the GIL) before the process aborts;
+    the type is the C++ exception's mangled name ("N4gloo14EnforceNotMetE"), None without one. Returns whether
+    the handler is in place. Callbacks must not raise (what they raise is printed and ignored) and should be quick:
     the process is going down."""
     with _lock:
         _callbacks.append(callback)
@@ -54,10 +55,34 @@ def on_terminate(callback: Callable[[], None]) -> bool:
         return True
 
 
+def current_exception_type() -> str | None:
+    """The mangled type name of the C++ exception being handled (inside the terminate handler), or None.
+
+    `__cxa_current_exception_type` (the Itanium C++ ABI, libstdc++'s and libc++'s) returns its `std::type_info`,
+    whose layout is a vtable pointer followed by the `const char*` name."""
+    try:
+        fn = ctypes.CDLL("libstdc++.so.6").__cxa_current_exception_type
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    info = fn()
+    if not info:
+        return None
+    name = ctypes.c_char_p.from_address(info + ctypes.sizeof(ctypes.c_void_p)).value
+    return name.decode(errors="replace").lstrip("*") if name else None
+
+
+def is_gloo_check(exception_type: str | None) -> bool:
+    """Whether the exception is gloo's failed check (`gloo::EnforceNotMet`: a message of another size than the
+    receive posted for it, among others)."""
+    return exception_type is not None and "gloo" in exception_type and "EnforceNotMet" in exception_type
+
+
 def _run_callbacks() -> None:
+    reason = current_exception_type()
     for callback in list(_callbacks):
         try:
-            callback()
+            callback(reason)
         except BaseException as e:   # noqa: BLE001 - the process aborts next; say why the report is missing
             print(f"shardwise: while aborting: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     previous = _installed.get("previous")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shardwise.comm.abort import is_gloo_check
 from shardwise.comm.collectives import Comm, Handle
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import DesyncError
@@ -262,9 +263,11 @@ def desync_in_reports(reports: dict[int, dict[str, Any] | None]) -> str | None:
     `op`, `group`, `seq`, `signature` of the operation a rank waits on, `counts` of operations per group, `seq_state`
     from `SequenceCheck.state`), or None when it is no desync (a rank absent, or outside any collective: a stall).
 
-    Two findings, the first that applies:
+    Three findings, the first that applies:
     - operation i of a group since the check the ranks last agreed on differs in kind or shape between ranks (the
       mismatch NCCL would run silently or hang in);
+    - a rank's process is aborting on gloo's failed check (`comm.abort`) while the others wait in collectives:
+      its collective met one of another size (it may be one shardwise did not launch, which no ledger shows);
     - every rank waits in a collective, but not all in the same one: each waits for ranks that are themselves waiting
       elsewhere, which only a different order of collectives causes (an extra or a missing collective).
     """
@@ -281,6 +284,14 @@ def desync_in_reports(reports: dict[int, dict[str, Any] | None]) -> str | None:
         line = _first_content_difference(members)
         if line is not None:
             return f"desync at {at}: {line}; {fix}"
+    failed = [r for r, rep in sorted(present.items()) if is_gloo_check(rep.get("aborted"))]
+    if failed and all(rep.get("op") for r, rep in present.items() if r not in failed):
+        inside = [_where(present[r]) for r in failed if present[r].get("op")]
+        parts = [f"rank(s) {_ranks(failed)} failed gloo's message-size check in "
+                 + (" / ".join(inside) if len(inside) == len(failed)
+                    else "a collective shardwise did not launch (torch.distributed called directly?)")]
+        parts += [f"rank {r} waits in {_where(rep)}" for r, rep in sorted(present.items()) if r not in failed]
+        return f"desync at {at}: {'; '.join(parts)}; {fix}"
     if not all(rep.get("op") for rep in present.values()):
         return None
     waits: dict[tuple[str, int], list[int]] = {}
@@ -297,6 +308,12 @@ def desync_in_reports(reports: dict[int, dict[str, Any] | None]) -> str | None:
         parts.append(f'rank(s) {_ranks(ranks)} wait in {what} on "{group}" #{seq}{behind}')
     return f"desync at {at}: the ranks wait in collectives that cannot pair: " \
            f"{'; '.join(parts)}; {fix}"
+
+
+def _where(rep: dict[str, Any]) -> str:
+    """'all_reduce float32[3] on "dp" #5': the operation a report waits in."""
+    what = f'{rep["op"]} {rep.get("signature", "")}'.strip()
+    return f'{what} on "{rep["group"]}" #{rep["seq"]}'
 
 
 def _aligned_since_agreed(reports: dict[int, dict[str, Any]]) -> dict[int, tuple[int, dict[str, list[str]]]]:

@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Any
 
-from shardwise.comm.abort import on_terminate
+from shardwise.comm.abort import is_gloo_check, on_terminate
 from shardwise.comm.ledger import CommLedger
 from shardwise.comm.sequence import desync_in_reports
 from shardwise.errors import CollectiveTimeout, DesyncError
@@ -121,11 +121,11 @@ def _stop_at_exit() -> None:
 atexit.register(_stop_at_exit)
 
 
-def _report_before_abort() -> None:
-    """The process is aborting (`comm.abort`: a backend's check failed on its own thread): every live watchdog
-    of a ledger with a collective in flight reports at once."""
+def _report_before_abort(reason: str | None) -> None:
+    """The process is aborting (`comm.abort`: a backend's check failed on its own thread, `reason` the C++
+    exception's type): every live watchdog reports at once."""
     for dog in list(_LIVE):
-        dog.report_before_abort()
+        dog.report_before_abort(reason)
 
 
 class HangWatchdog:
@@ -213,9 +213,9 @@ class HangWatchdog:
             finally:
                 del ledger
 
-    def _report(self, ledger: CommLedger, quiet: bool = False) -> int:
-        """Post this rank's report (once; `quiet`: without printing it); returns the declaration count (1: this rank
-        is the reporter)."""
+    def _report(self, ledger: CommLedger, quiet: bool = False, aborted: str | None = None) -> int:
+        """Post this rank's report (once; `quiet`: without printing it; `aborted`: the C++ exception ending this
+        process); returns the declaration count (1: this rank is the reporter)."""
         with self._lock:
             if self._reported:
                 return 0
@@ -231,6 +231,8 @@ class HangWatchdog:
             report["last"] = {"op": d.op, "group": d.group, "seq": d.seq}
         if ledger.sequence_state is not None:
             report["seq_state"] = ledger.sequence_state()
+        if aborted is not None:
+            report["aborted"] = aborted
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
         if not quiet:
             print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
@@ -256,7 +258,7 @@ class HangWatchdog:
             print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
 
     # -- the aborting thread ----------------------------------------------------------------------------
-    def report_before_abort(self) -> None:
+    def report_before_abort(self, reason: str | None = None) -> None:
         """On the thread that aborts the process. Two cases:
         - gloo's size check failed (a collective of another size on a peer): this rank declares at once, waits
           (the grace period) for the other ranks' reports, which show what each ran since the ranks last agreed,
@@ -273,10 +275,12 @@ class HangWatchdog:
         try:
             hang_declared = self._reported or self.store.check([f"{self.prefix}/verdict"])
             if not hang_declared:
-                if not ledger.waiting():
+                # gloo's failed check in a collective not launched through a `Comm` (the ledger shows none
+                # in flight) is reported too: the peers' reports still show where they wait
+                if not ledger.waiting() and not is_gloo_check(reason):
                     return
                 self.store.set(f"{self.prefix}/abort", str(self.rank))
-                if self._report(ledger, quiet=True) == 1:
+                if self._report(ledger, quiet=True, aborted=reason) == 1:
                     keys = [f"{self.prefix}/report/{r}" for r in range(self.world)]
                     try:
                         self.store.wait(keys, datetime.timedelta(seconds=self.grace))

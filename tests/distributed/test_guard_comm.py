@@ -84,11 +84,13 @@ def _extra_collective(where: str) -> str:
             loss = torch.nn.functional.mse_loss(engine(x), y)
             if i == 2 and rank == 1 and where == "inside a step":
                 extra.all_reduce(torch.ones(3))
+            if i == 2 and rank == 1 and where == "inside a step, outside shardwise":
+                dist.all_reduce(torch.ones(3))      # a collective no ledger sees
             engine.backward(loss)
             engine.step()
         engine.destroy()
     except (DesyncError, CollectiveTimeout) as e:
-        if where == "inside a step":      # one rank aborts: the harness shows the others' errors as failures
+        if where != "between steps":      # one rank aborts: the harness shows the others' errors as failures
             raise
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -157,17 +159,27 @@ def test_the_watchdog_counts_a_collective_as_waiting_until_it_completes_not_unti
     assert got["waiting_once_completed"] == [] and got["last_done"] == "all_reduce", got
 
 
-def test_an_extra_collective_inside_a_step_is_the_desync_line_not_glooss_abort(one_thread, capfd) -> None:
-    # rank 1's extra all-reduce meets rank 0's first gradient bucket: gloo's size check fails on rank 1's I/O thread
-    # and aborts it; rank 1 reports before it goes, and rank 0 raises the line when its collective fails.
+def _desync_line_after_abort(where: str, capfd) -> str:
+    """rank 1's extra all-reduce meets rank 0's first gradient bucket: gloo's size check fails on rank 1's I/O thread
+    and aborts it; rank 1 reports before it goes (exit 1), and rank 0 raises the line when its collective fails."""
     with pytest.raises(DistributedTestError) as failed:
-        run_distributed(_extra_collective, world_size=2, args=("inside a step",), timeout=180)
+        run_distributed(_extra_collective, world_size=2, args=(where,), timeout=180)
     text = str(failed.value)
     lines = [line for line in text.splitlines() if line.startswith("shardwise.errors.DesyncError")]
     assert len(lines) == 1, text
-    assert lines[0].startswith("shardwise.errors.DesyncError: desync at step 2: operation "), lines
-    assert 'on "dp" since the last check differs: rank(s) 0 ran all_reduce float32[' in lines[0], lines
-    assert "rank(s) 1 ran all_reduce float32[3]" in lines[0], lines
     assert "ranks [1] did not finish" in text and "exit codes [1]" in text, text
     stderr = capfd.readouterr().err
     assert "terminate called" not in stderr and "EnforceNotMet" not in stderr, stderr
+    return lines[0]
+
+
+def test_an_extra_collective_inside_a_step_is_the_desync_line_not_gloos_abort(one_thread, capfd) -> None:
+    line = _desync_line_after_abort("inside a step", capfd)
+    assert line.startswith("shardwise.errors.DesyncError: desync at step 2: operation "), line
+    assert 'on "dp" since the last check differs: rank(s) 0 ran all_reduce float32[' in line, line
+    assert "rank(s) 1 ran all_reduce float32[3]" in line, line
+    # the same for a collective made with torch.distributed itself, which no ledger records
+    line = _desync_line_after_abort("inside a step, outside shardwise", capfd)
+    assert line.startswith("shardwise.errors.DesyncError: desync at step 2: rank(s) 1 failed gloo's message-size "
+                           "check in a collective shardwise did not launch (torch.distributed called directly?); "
+                           "rank 0 waits in all_reduce float32["), line

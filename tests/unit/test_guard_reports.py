@@ -186,6 +186,13 @@ def test_hang_reports_that_show_a_desync_become_its_line_and_a_stall_stays_a_tim
     same = {r: _report(step=2, launched=3, intervals={"3": common}, since={}, op="all_reduce", group="dp", seq=3,
                        signature="float32[161]") for r in (0, 1)}
     assert desync_in_reports(same) is None
+    # a rank aborting on gloo's size check in a collective no ledger recorded, while the other waits in one
+    aborted = {0: same[0], 1: dict(stalled[1], aborted="N4gloo14EnforceNotMetE")}
+    line = desync_in_reports(aborted)
+    assert line is not None and line.startswith(
+        "desync at step 2: rank(s) 1 failed gloo's message-size check in a collective shardwise did not launch "
+        '(torch.distributed called directly?); rank 0 waits in all_reduce float32[161] on "dp" #3'), line
+    assert desync_in_reports({0: same[0], 1: dict(stalled[1], aborted="St9bad_alloc")}) is None
     # and the watchdog's verdict is that line
     assert verdict(apart, 3.0) == desync_in_reports(apart)
     assert verdict(stalled, 3.0).startswith("collective timeout")
