@@ -270,7 +270,7 @@ class HangWatchdog:
           every rank ends with exit 1 instead of the backend's abort text.
         """
         ledger = self._ledger()
-        if ledger is None:
+        if ledger is None or self._stop.is_set():      # an engine closed earlier in this process
             return
         try:
             hang_declared = self._reported or self.store.check([f"{self.prefix}/verdict"])
