@@ -140,6 +140,9 @@ class CommLedger:
     before_op: Callable[[str], None] | None = None
     """Called (outside the lock) with the group name before every operation is recorded: the desync check judges
     its pending result there, before the step's first collective can pair with a drifted rank's."""
+    guard_groups: set[str] = field(default_factory=set)
+    """Groups that carry only the guards' own collectives (the desync check): no backend check can fail there, so
+    an aborting rank's failed collective is never one of theirs."""
     sequence_state: Callable[[], dict[str, Any]] | None = None
     """What the desync check knows of this rank's operations since the ranks last agreed (for a hang report)."""
 

@@ -85,6 +85,7 @@ class SequenceCheck:
         check = cls(ledger, comm, stage=stage, stages=stages, store=store, wait_s=wait_s, enabled=enabled)
         check._explain_failures()
         ledger.before_op = check._before_op
+        ledger.guard_groups.add(comm.name)
         ledger.sequence_state = check.state
         return check
 

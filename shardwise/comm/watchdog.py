@@ -221,6 +221,8 @@ class HangWatchdog:
                 return 0
             self._reported = True
         waiting = ledger.waiting()
+        if aborted is not None:     # the collective that failed: not the check still completing beside it
+            waiting = [w for w in waiting if w.group not in ledger.guard_groups]
         report: dict[str, Any] = {"step": ledger.step, "counts": ledger.counts()}
         if waiting:
             w = waiting[0]
