@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 import itertools
 import json
+import os
 import sys
 import threading
 import time
