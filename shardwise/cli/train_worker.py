@@ -36,7 +36,6 @@ from shardwise.cli.run_dir import CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE
 from shardwise.cli.stop import StopRequest
 from shardwise.cli.train import WorkerArgs
 from shardwise.cli.train_model import RunData, build_run_model
-from shardwise.comm.collectives import Comm
 from shardwise.data import CorpusError, load_corpus
 from shardwise.errors import UserError
 from shardwise.models.registry import flops_per_token as model_flops_per_token
@@ -174,8 +173,6 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
               + f"; MFU divides by {format_rate(peak_flops)} FLOP/s, the peak of the {len(peaks)} rank(s)",
               flush=True)
 
-    world = Comm(None, engine.ledger, name="world:stop")
-
     def save(step: int) -> str:
         state = client_state(engine, loader, step=step, elapsed_s=clock + time.perf_counter() - start)
         engine.save_checkpoint(str(checkpoints), client_state=state)
@@ -214,7 +211,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
             saved = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
             if saved:
                 save(step)
-            signum = stop.agreed(world)       # the same answer on every rank, after the same step
+            signum = stop.agreed(engine.sequence_check)     # the same answer on every rank, after the same step
             if signum and step < args.steps:
                 path = save(step) if not saved else str(checkpoints / f"global_step{engine.global_steps}")
                 stopped = Stopped(signum=signum, step=step, checkpoint=path)

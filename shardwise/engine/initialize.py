@@ -116,8 +116,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages),
                               timeout_s=backend_timeout_s(timeout_s))
     watchdog = HangWatchdog.attach(ledger, rank=dist.get_rank(), world=world, timeout_s=timeout_s)
-    check = (SequenceCheck.build(ledger, stage=mesh.rank(Axis.PP), stages=mesh.size(Axis.PP),
-                                 wait_s=min(timeout_s, 60.0)) if cfg.communication.desync_check else None)
+    check = SequenceCheck.build(ledger, mesh.guard_comm(ledger, name="world:check"), stage=mesh.rank(Axis.PP),
+                                stages=mesh.size(Axis.PP), wait_s=min(timeout_s, 60.0),
+                                enabled=cfg.communication.desync_check)
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)

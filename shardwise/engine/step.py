@@ -151,10 +151,10 @@ class TrainingSteps:
     def open_step(self) -> None:
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
         recording it, and the ranks check they ran the same collectives so far (`comm.sequence`). The check's
-        result rides in the update's one host read and is judged after it."""
+        all-reduce runs on the host, beside the step; it is judged before the step's first collective."""
         self._step_open = True
         self.ledger.begin_step(self.global_steps)
-        if self.sequence_check is not None:      # judged with the step's verdict (`_step`), or when the next opens
+        if self.sequence_check is not None:      # judged before this rank's next collective, or the update
             self.sequence_check.launch(self.global_steps)
 
     def step(self) -> None:
@@ -179,15 +179,10 @@ class TrainingSteps:
             self.micro_steps += 1
             self.step_applied = False       # DeepSpeed's was_step_applied: whether the latest step() updated
             return
-        check = self.sequence_check
-        if check is not None and check.pending is not None:     # its result rides in the verdict's read
-            if extra is None:
-                extra = ExtraSums(check.pending.new_zeros(0, dtype=torch.float32), self.metrics_comm)
-            extra.agreed = check.pending
+        if self.sequence_check is not None:     # judged before the update at the latest (a host all-reduce)
+            self.sequence_check.settle()
         with self.monitor.timed(STEP):
             applied = self.updater.step(extra)
-            if extra is not None and extra.agreed is not None:
-                self._settle_check(extra)
             self.step_applied = applied
             if applied:
                 if self.lr_scheduler is not None:
@@ -203,13 +198,6 @@ class TrainingSteps:
         self.monitor.after_step(self)
         self.micro_steps += 1
         self.skips.after_step(applied, step=self.global_steps - 1, lr=self.get_lr()[0], loss_scale=self.loss_scale)
-
-    def _settle_check(self, extra: ExtraSums) -> None:
-        """Judge the desync check from the values read after the extra sums (or read it alone)."""
-        assert self.sequence_check is not None
-        ours = extra.tensor.numel()
-        values, extra.values = extra.values, (extra.values[:ours] if extra.values is not None else None)
-        self.sequence_check.settle(values[ours:] if values is not None else None)
 
     def stage_forwards(self) -> ContextManager[Callable[[int], Any] | None]:
         return self.monitor.stage_forwards(self)

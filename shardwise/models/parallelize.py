@@ -282,7 +282,8 @@ def recompute_hf_attention(config: Any) -> None:
 
 class HuggingFaceAttention:
     """`AttentionFunctions` for Hugging Face models, whose attention layers call the function their config names:
-    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores."""
+    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores, and whole blocks
+    recompute without their key/value cache."""
 
     def found_in(self, blocks: list[nn.Module]) -> bool:
         return bool(_hf_attention_configs(blocks))
@@ -290,6 +291,28 @@ class HuggingFaceAttention:
     def recompute(self, blocks: list[nn.Module]) -> None:
         for config in _hf_attention_configs(blocks):
             recompute_hf_attention(config)
+
+    def prepare_blocks(self, blocks: list[nn.Module]) -> None:
+        """A Hugging Face decoder layer with `use_cache` (Llama's default) appends its keys and values [b, kv, s, d]
+        to the cache as it runs, so a replay would attend over 2s keys (eager attention then fails on its [b, 1,
+        s, s] mask; sdpa's causal kernel hides it) and the cache would hold what recomputation drops. Their own
+        switch for checkpointed layers (`GradientCheckpointingLayer.gradient_checkpointing`) passes no cache and
+        `use_cache=False` in training under autograd; its checkpoint function is set to a plain call, ours wraps
+        the layer."""
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:       # an older transformers: its layers have no such switch and are left as they are
+            return
+        for block in blocks:
+            if isinstance(block, GradientCheckpointingLayer):
+                block.gradient_checkpointing = True
+                setattr(block, "_gradient_checkpointing_func", _plain_call)
+
+
+def _plain_call(function: Any, *args: Any) -> Any:
+    """The checkpoint function a Hugging Face layer calls when it is checkpointed: shardwise's recomputation wraps
+    the layer itself, so this runs it as it is."""
+    return function(*args)
 
 
 # -- the engine's entry point -------------------------------------------------------------------------
