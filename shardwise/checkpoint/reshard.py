@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 _CHUNK_BYTES = 256 << 20   # module tensors assembled at once: a ZeRO-3 rank never holds its whole TP slice
 VALUE = "value"          # the stepped tensor's value (fp32 master, or the parameter itself)
+RUN_OWN_OPTIONS = frozenset({"initial_lr", "foreach", "fused", "capturable", "differentiable"})
+"""Param-group options each run keeps as its own: torch's kernel choice and the scheduler's bookkeeping, not the
+arithmetic (DeepSpeed's optimizer has no `initial_lr` and builds torch's Adam with fused=None)."""
 
 
 class FileReader:
@@ -34,6 +37,8 @@ class FileReader:
     def __init__(self, path: Path, *, mmap: bool = True):
         self.path = path
         self.mmap = mmap
+        self.head = ckpt.head_name(path) or ckpt.MODEL_STATES
+        """The model-states file holding the counters, config and client state."""
         self._open: dict[str, Any] = {}
 
     def __call__(self, name: str) -> Any:
@@ -43,7 +48,7 @@ class FileReader:
                 raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
                                            f"restore it or load another tag")
             try:
-                self._open[name] = torch.load(file, map_location="cpu", weights_only=False, mmap=self.mmap)
+                self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "
@@ -254,7 +259,7 @@ class Plan:
                     return f"the checkpoint's optimizer shards do not cover {name!r}: some of its files are missing"
             if pieces:
                 saved = self.saved_entry(pieces).options
-                if set(saved) != set(options):
+                if set(saved) - RUN_OWN_OPTIONS != set(options) - RUN_OWN_OPTIONS:
                     return (f"the checkpoint's optimizer has options {sorted(saved)} and this run's "
                             f"{sorted(options)}: it was written with another optimizer; configure the same one")
         return None
@@ -266,7 +271,7 @@ class Plan:
         if self.optimizer:
             names |= {piece.name for pieces in self.stepped for piece in pieces}
         files |= {index.entries[f.entry].file for n in names for f in index.fragments.get(n, ())}
-        return sorted(files | {ckpt.model_states_name(0)})
+        return sorted(files | {self.read.head})
 
     def _open_files(self) -> str | None:
         try:

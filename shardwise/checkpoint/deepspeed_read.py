@@ -1,0 +1,206 @@
+"""A tag DeepSpeed wrote, seen through the layout-independent index: `load_checkpoint` then reads it like one
+of ours (`reshard.py`), at any dp size and ZeRO stage, weights and optimizer state.
+
+    read = DeepSpeedReader(tag_dir)         # DeepSpeed's files, each with an added view in our state format
+    index = deepspeed_index(read)           # where each tensor lives, built from DeepSpeed's own metadata
+
+What DeepSpeed writes (`runtime/engine.py` `_save_checkpoint`, `_save_zero_checkpoint`):
+
+    mp_rank_00_model_states.pt              module, optimizer (stage 0: torch's state dict), lr_scheduler, counters,
+                                            param_shapes (ZeRO: per group, name -> shape, in flat order),
+                                            buffer_names, shared_params, client keys at the top level
+    zero_pp_rank_D_mp_rank_00_model_states.pt    ZeRO-3 instead of the above, one per dp rank (placeholders)
+    zero_pp_rank_D_mp_rank_00_optim_states.pt    ZeRO: rank D's flat fp32 partition(s) and the torch optimizer's
+                                            state over them (`deepspeed_layout.py` says where each element is)
+
+The view a file gets under `VIEW` is what `reshard._Assembler` reads of ours: {"optimizer": torch state dict,
+"masters": [flat fp32 tensors] or None, "scaler": {"cur_scale", ...}}.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from shardwise.checkpoint import deepspeed_layout as layout
+from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint.index import CheckpointIndex, Dims, Fragment, IndexEntry, TensorInfo
+from shardwise.checkpoint.reshard import RUN_OWN_OPTIONS, FileReader
+
+VIEW = "shardwise_view"
+"""The key under which a DeepSpeed file's optimizer state is seen in our format (added when the file is read)."""
+
+STATE_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps",
+    "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config", "ds_version",
+    "universal_checkpoint_info",
+})
+"""The keys DeepSpeed's model-states file holds for itself; every other top-level key is the client state."""
+
+def written_by_deepspeed(head: Mapping[str, Any]) -> bool:
+    """A tag without our index whose model states carry DeepSpeed's metadata."""
+    return "buffer_names" in head and "ds_version" in head
+
+
+def _scaler_state(scaler: Any) -> dict[str, Any]:
+    """DeepSpeed's LossScaler / DynamicLossScaler object as our scaler's state dict."""
+    state: dict[str, Any] = {"cur_scale": float(getattr(scaler, "cur_scale", 1.0))}
+    if getattr(scaler, "dynamic", False):
+        state.update(cur_iter=scaler.cur_iter, last_overflow_iter=scaler.last_overflow_iter,
+                     cur_hysteresis=getattr(scaler, "cur_hysteresis", getattr(scaler, "delayed_shift", 1)))
+    return state
+
+
+class DeepSpeedReader(FileReader):
+    """DeepSpeed's files of one tag, each loaded once, with our view of their optimizer state added."""
+
+    def __call__(self, name: str) -> Any:
+        loaded = super().__call__(name)
+        if isinstance(loaded, dict) and VIEW not in loaded:
+            loaded[VIEW] = _view(loaded)
+        return loaded
+
+
+def _view(loaded: dict[str, Any]) -> dict[str, Any] | None:
+    sd = loaded.get(ckpt.OPTIMIZER_STATE_DICT)
+    if isinstance(sd, dict) and "zero_stage" in sd:
+        if int(sd["zero_stage"]) == 3:
+            return {"optimizer": sd["optimizer_state_dict"], "masters": sd["fp32_flat_groups"],
+                    "scaler": _scaler_state(sd.get("loss_scaler"))}
+        return {"optimizer": sd["base_optimizer_state"], "masters": sd["single_partition_of_fp32_groups"],
+                "scaler": _scaler_state(sd.get("loss_scaler"))}
+    if isinstance(loaded.get("optimizer"), dict) and "state" in loaded["optimizer"]:
+        return {"optimizer": loaded["optimizer"], "masters": None, "scaler": {"cur_scale": 1.0}}
+    return None
+
+
+def _options(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params" and k not in RUN_OWN_OPTIONS}
+
+
+def _group_of(param_groups: list[dict[str, Any]], index: int) -> dict[str, Any]:
+    for group in param_groups:
+        if index in group["params"]:
+            return group
+    raise ckpt.CheckpointError(f"the optimizer state of this DeepSpeed checkpoint has no param group holding "
+                               f"tensor {index}: the file is damaged; restore it or load another tag")
+
+
+def _numel(shape: Any) -> int:
+    return int(math.prod(shape))
+
+
+def deepspeed_index(read: DeepSpeedReader) -> CheckpointIndex:
+    """Where each tensor of a DeepSpeed tag lives, in our index's terms. Raises `CheckpointError` for what it
+    does not read (tensor or pipeline parallelism, DeepSpeed's elastic ZeRO-1/2 layout, bf16/fp16 optimizer
+    wrappers at stage 0)."""
+    head = read(read.head)
+    where = read.path
+    dp, mp = int(head.get("dp_world_size", 1)), int(head.get("mp_world_size", 1))
+    dims = head.get("checkpoint_parallel_dimensions") or {}
+    if mp != 1 or int(dims.get("pp_degree", 1)) != 1 or int(dims.get("tp_degree", 1)) != 1:
+        raise ckpt.CheckpointError(f"{where} was written by DeepSpeed with model parallelism (mp_world_size={mp}, "
+                                   f"{dims}); shardwise reads DeepSpeed checkpoints without it: convert it with "
+                                   f"DeepSpeed's ds_to_universal.py and load the universal checkpoint")
+    module: dict[str, torch.Tensor] = head["module"] or {}
+    buffers = set(head.get("buffer_names") or ())
+    tensors: dict[str, TensorInfo] = {}
+    held: dict[str, dict[int, str]] = {}
+    for name, t in module.items():
+        tensors[name] = TensorInfo(tuple(t.shape), None)
+        if t.numel() > 0 or name in buffers:
+            held[name] = {0: read.head}
+    entries: list[IndexEntry] = []
+    fragments: dict[str, list[Fragment]] = {}
+    shapes: list[Mapping[str, Any]] | None = head.get("param_shapes")
+    if shapes is None:
+        _stage0(read, head, entries, fragments)
+    else:
+        for group in shapes:
+            for name, shape in group.items():
+                tensors[name] = TensorInfo(tuple(int(n) for n in shape), None)
+        _zero(read, dp, shapes, entries, fragments)
+    for alias, source in (head.get("shared_params") or {}).items():
+        if source in tensors:
+            tensors[alias] = tensors[source]
+    return CheckpointIndex(dims=Dims(dp=dp, tp=1, pp=1), tensors=tensors, module=held, entries=tuple(entries),
+                           fragments={n: tuple(f) for n, f in fragments.items()})
+
+
+def _stage0(read: DeepSpeedReader, head: dict[str, Any], entries: list[IndexEntry],
+            fragments: dict[str, list[Fragment]]) -> None:
+    """ZeRO stage 0: torch's optimizer state dict in the model states, its tensors numbered in the order of the
+    model's parameters (DeepSpeed saves no names for them: the module's, without buffers and tied copies)."""
+    optimizer = head.get("optimizer")
+    if optimizer is None:
+        return                                    # saved without an optimizer: weights only
+    if "state" not in optimizer or "param_groups" not in optimizer:
+        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's stage-0 optimizer state here is a bf16/fp16 "
+                                   f"optimizer wrapper's ({sorted(optimizer)[:4]}...), which shardwise does not "
+                                   f"read; load it with load_optimizer_states=False, or save it in fp32")
+    buffers = set(head.get("buffer_names") or ())
+    seen: set[tuple[int, int]] = set()
+    names = []
+    for name, t in head["module"].items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if name in buffers or key in seen:
+            continue
+        seen.add(key)
+        names.append(name)
+    for group in optimizer["param_groups"]:
+        for i in group["params"]:
+            if i >= len(names):
+                raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's optimizer steps {i + 1}+ tensors but the model "
+                                           f"states hold {len(names)} parameters; it was written for another model")
+            name = names[i]
+            numel = head["module"][name].numel()
+            saved = optimizer["state"].get(i, {})
+            moment = next((v for v in saved.values() if torch.is_tensor(v) and v.dim() > 0), None)
+            if moment is not None and moment.numel() != numel:
+                raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's optimizer tensor {i} has {moment.numel()} "
+                                           f"elements and parameter {name!r} {numel}: the optimizer was built over "
+                                           f"the parameters in another order than the model's; shardwise reads "
+                                           f"only the model's order")
+            fragments.setdefault(name, []).append(Fragment(0, 0, numel, len(entries), 0))
+            entries.append(IndexEntry(read.head, VIEW, i, None, numel, _options(group)))
+
+
+def _zero(read: DeepSpeedReader, dp: int, shapes: list[Mapping[str, Any]], entries: list[IndexEntry],
+          fragments: dict[str, list[Fragment]]) -> None:
+    """ZeRO 1-3: one entry per (dp rank, flat group), fragments from DeepSpeed's flat layout."""
+    files = [ckpt.optim_states_name(r, 0) for r in range(dp)]
+    first = read(files[0])[ckpt.OPTIMIZER_STATE_DICT]
+    stage = int(first["zero_stage"])
+    view = read(files[0])[VIEW]
+    if stage < 3 and not isinstance(first["base_optimizer_state"], dict):
+        raise ckpt.CheckpointError(f"{read.path} was written with DeepSpeed's zero_optimization.elastic_checkpoint, "
+                                   f"which shardwise does not read; convert it with ds_to_universal.py")
+    param_groups = view["optimizer"]["param_groups"]
+    paddings = first.get("param_alignment_paddings") or [[0] * len(g) for g in shapes]
+    for g, group in enumerate(shapes):
+        numels = [_numel(s) for s in group.values()]
+        if stage == 3:
+            runs = layout.zero3_runs(numels, dp)
+            flat = [layout.zero3_flat_numel(numels, dp)] * dp
+        else:
+            runs = layout.zero12_runs(numels, paddings[g], dp)
+            part = layout.zero12_partition_numel(numels, paddings[g], dp)
+            total = sum(numels) + sum(paddings[g])
+            flat = [max(0, min(part, total - r * part)) for r in range(dp)]     # saved without the end padding
+        optimizer_index = param_groups[g]["params"][0] if stage < 3 else g
+        options = _options(_group_of(param_groups, optimizer_index))
+        base = len(entries)
+        for r in range(dp):
+            entries.append(IndexEntry(files[r], VIEW, optimizer_index, g, flat[r], options))
+        for name, param_runs in zip(group, runs):
+            fragments.setdefault(name, []).extend(Fragment(0, run.lo, run.hi, base + run.rank, run.dst)
+                                                  for run in param_runs)
+
+
+def client_state(head: Mapping[str, Any], reserved: frozenset[str]) -> dict[str, Any]:
+    """What DeepSpeed's load_checkpoint returns as the client state: every top-level key it does not keep for
+    itself (and, for a tag of ours, none of ours)."""
+    return {k: v for k, v in head.items() if k not in STATE_KEYS and k not in reserved and k != VIEW}

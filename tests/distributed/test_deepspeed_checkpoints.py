@@ -1,0 +1,225 @@
+"""Checkpoints cross with DeepSpeed 0.19 both ways, at ZeRO stages 0-3 (fp32, 2 gloo ranks, DeepSpeed on CPU with
+torch's Adam). Per stage, in one pair of spawned ranks:
+
+- DeepSpeed trains SAVE_AT steps and saves, then continues AFTER steps: its next losses. shardwise, built fresh,
+  loads DeepSpeed's tag and trains the same AFTER steps: the same losses. The first of them comes from the loaded
+  weights alone and is bitwise DeepSpeed's; the later ones follow updates whose arithmetic is the same up to the
+  summation order of the clip norm (`test_deepspeed_parity.py`: rtol 1e-5).
+- The reverse: shardwise trains and saves, continues; DeepSpeed, built fresh, loads shardwise's tag and continues.
+- DeepSpeed's zero_to_fp32 (`get_fp32_state_dict_from_zero_checkpoint`) on shardwise's tag gives shardwise's
+  consolidated weights bitwise (stages 1-3; at stage 0 DeepSpeed's tool reads no checkpoint, its own neither).
+- The counters, the scheduler's lr and the client state come back on both sides.
+Also: DeepSpeed's tag at another layout (tensor_parallel 2, so dp 1: resharded through the index), and the
+load_module_only / load_optimizer_states=False variants against DeepSpeed's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.testing import assert_close_lists, run_distributed, tiny_gpt, token_batches
+
+pytest.importorskip("deepspeed")
+
+WORLD, SEQ, BATCH, SAVE_AT, AFTER = 2, 16, 8, 2, 3
+LOSS_RTOL = 1e-5        # fp32 after an update: the clip norm's summation order differs (see the module docstring)
+
+
+def config(stage: int, **extra) -> dict:
+    cfg = {"train_batch_size": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+           "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3,
+                                                        "warmup_num_steps": 4, "warmup_type": "linear"}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
+                                 "stage3_param_persistence_threshold": 40}}
+    cfg.update(extra)
+    return cfg
+
+
+def _deepspeed():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def _steps(engine, first: int, n: int) -> list[float]:
+    """Global batches first .. first + n - 1, this rank's rows, DeepSpeed's loop."""
+    dp = engine.dp_world_size if hasattr(engine, "dp_world_size") and not callable(engine.dp_world_size) \
+        else engine.dp_size
+    rank = torch.distributed.get_rank() % dp if dp > 1 else 0
+    losses = []
+    for step in range(first, first + n):
+        rows = token_batches(1, BATCH, SEQ + 1, seed=100 + step)[0]
+        mine = rows.view(dp, BATCH // dp, SEQ + 1)[rank]
+        loss = engine(mine[:, :-1], mine[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class _LinearGuard:
+    """DeepSpeed's ZeRO-3 swaps torch.nn.functional.linear for its own and leaves it: put torch's back."""
+
+    def __enter__(self):
+        self.linear = torch.nn.functional.linear
+
+    def __exit__(self, *exc):
+        torch.nn.functional.linear = self.linear
+
+
+def _ds_engine(deepspeed, cfg: dict):
+    model = tiny_gpt(seq_len=SEQ)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    return engine
+
+
+def _sw_engine(cfg: dict):
+    import shardwise
+    model = tiny_gpt(seq_len=SEQ, seed=99)        # other initial weights: the load must replace them all
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    return engine
+
+
+def _both_ways(root: str, stage: int) -> dict:
+    import torch.distributed as dist
+    deepspeed = _deepspeed()
+    out: dict = {}
+    cfg = config(stage)
+    ds_dir, sw_dir = f"{root}/ds{stage}", f"{root}/sw{stage}"
+    with _LinearGuard():
+        ds = _ds_engine(deepspeed, cfg)
+        _steps(ds, 0, SAVE_AT)
+        ds.save_checkpoint(ds_dir, client_state={"epoch": 7, "note": "ds"})
+        out["ds_continued"] = _steps(ds, SAVE_AT, AFTER)
+        out["ds_lr"] = ds.get_lr()
+        del ds
+    sw = _sw_engine(cfg)
+    path, client = sw.load_checkpoint(ds_dir)
+    out["sw_loaded_client"], out["sw_loaded_steps"] = client, sw.global_steps
+    out["sw_from_ds"] = _steps(sw, SAVE_AT, AFTER)
+    out["sw_lr"] = sw.get_lr()
+    sw.close()
+
+    sw = _sw_engine(cfg)
+    torch.manual_seed(0)
+    sw.load_checkpoint(ds_dir, load_module_only=True)        # weights only: a fresh optimizer and step 0
+    out["sw_module_only"] = (_steps(sw, SAVE_AT, AFTER), sw.global_steps)
+    sw.close()
+    sw = _sw_engine(cfg)
+    sw.load_checkpoint(ds_dir, load_optimizer_states=False)  # weights, counters, scheduler; fresh moments
+    out["sw_no_optimizer"] = (_steps(sw, SAVE_AT, AFTER), sw.global_steps)
+    sw.close()
+    with _LinearGuard():
+        ds = _ds_engine(deepspeed, cfg)
+        ds.load_checkpoint(ds_dir, load_module_only=True)
+        out["ds_module_only"] = (_steps(ds, SAVE_AT, AFTER), ds.global_steps)
+        del ds
+        ds = _ds_engine(deepspeed, cfg)
+        ds.load_checkpoint(ds_dir, load_optimizer_states=False)
+        out["ds_no_optimizer"] = (_steps(ds, SAVE_AT, AFTER), ds.global_steps)
+        del ds
+
+    sw = _sw_engine(cfg)
+    sw.load_checkpoint(ds_dir)      # start from the same weights as DeepSpeed's run, then save our own tag
+    sw.save_checkpoint(sw_dir, client_state={"epoch": 8})
+    full = sw.consolidated_state_dict()        # the weights saved (world rank 0; None elsewhere)
+    full = {k: v.detach().clone() for k, v in full.items()} if full is not None else None     # not the live ones
+    out["sw_continued"] = _steps(sw, SAVE_AT, AFTER)
+    sw.close()
+    with _LinearGuard():
+        ds = _ds_engine(deepspeed, cfg)
+        path, client = ds.load_checkpoint(sw_dir)
+        out["ds_loaded_client"], out["ds_loaded_steps"] = client.get("epoch"), ds.global_steps
+        out["ds_from_sw"] = _steps(ds, SAVE_AT, AFTER)
+        del ds
+    if dist.get_rank() == 0 and stage > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        theirs = get_fp32_state_dict_from_zero_checkpoint(sw_dir)
+        out["zero_to_fp32"] = {k: torch.equal(theirs[k].contiguous() if hasattr(theirs[k], "contiguous") else
+                                              theirs[k], v) for k, v in full.items()}
+        out["zero_to_fp32_extra"] = sorted(set(theirs) - set(full))
+    if stage == 2:          # DeepSpeed's tag at tensor_parallel 2 (dp 1): resharded through the index
+        sw = _sw_engine({**cfg, "tensor_parallel": {"size": 2}})
+        sw.load_checkpoint(ds_dir)
+        out["sw_tp2_from_ds"] = _steps(sw, SAVE_AT, AFTER)
+        sw.close()
+    return out
+
+
+def _run(root: str) -> dict:
+    torch.set_num_threads(1)
+    return {stage: _both_ways(root, stage) for stage in (0, 1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("ds_ckpt")
+    return run_distributed(_run, WORLD, args=(str(root),), timeout=600)
+
+
+def _same_next_losses(ours: list[float], theirs: list[float], what: str) -> None:
+    assert ours[0] == theirs[0], f"{what}: the first loss after the load differs: {ours[0]!r} vs {theirs[0]!r}"
+    assert_close_lists(ours, theirs, rtol=LOSS_RTOL, what=what)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_checkpoint_resumes_under_shardwise(results: list[dict], stage: int) -> None:
+    for rank, res in enumerate(results):
+        r = res[stage]
+        _same_next_losses(r["sw_from_ds"], r["ds_continued"], f"stage {stage} rank {rank}")
+        assert r["sw_loaded_steps"] == SAVE_AT
+        assert r["sw_loaded_client"]["epoch"] == 7 and r["sw_loaded_client"]["note"] == "ds"
+        assert_close_lists(r["sw_lr"], r["ds_lr"], rtol=1e-12, what="lr after the steps")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shardwise_checkpoint_resumes_under_deepspeed(results: list[dict], stage: int) -> None:
+    for rank, res in enumerate(results):
+        r = res[stage]
+        _same_next_losses(r["ds_from_sw"], r["sw_continued"], f"stage {stage} rank {rank}")
+        assert r["ds_loaded_steps"] == SAVE_AT and r["ds_loaded_client"] == 8
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_load_variants_match_deepspeed(results: list[dict], stage: int) -> None:
+    """load_module_only: weights only (step 0, fresh Adam); load_optimizer_states=False: weights, counters and
+    scheduler, fresh moments; as DeepSpeed does each. One deliberate difference: DeepSpeed's load_module_only at
+    ZeRO-3 loads its module states, which hold only placeholders there, so its model keeps the weights it was
+    built with; shardwise loads the saved weights (from the optimizer files' masters)."""
+    for rank, res in enumerate(results):
+        r = res[stage]
+        if stage == 3:
+            ours, our_steps = r["sw_module_only"]
+            assert ours[0] == r["ds_continued"][0] and our_steps == AFTER      # counted from 0
+            assert r["ds_module_only"][0][0] != r["ds_continued"][0]      # DeepSpeed's: the built weights
+        for key in ("no_optimizer",) if stage == 3 else ("module_only", "no_optimizer"):
+            (ours, our_steps), (theirs, their_steps) = r[f"sw_{key}"], r[f"ds_{key}"]
+            _same_next_losses(ours, theirs, f"stage {stage} {key} rank {rank}")
+            assert our_steps == their_steps, f"stage {stage} {key}: global_steps {our_steps} vs {their_steps}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_to_fp32_reads_shardwise_checkpoints(results: list[dict], stage: int) -> None:
+    r = results[0][stage]
+    assert all(r["zero_to_fp32"].values()), [k for k, same in r["zero_to_fp32"].items() if not same]
+    assert r["zero_to_fp32_extra"] == []
+
+
+def test_deepspeed_checkpoint_reshards(results: list[dict]) -> None:
+    """DeepSpeed's dp=2 ZeRO-2 tag loaded at tensor_parallel 2 (dp 1): the same next losses, up to the
+    summation order tensor parallelism changes (rtol 1e-5, as `test_reshard.py`). A dp=1 rank's loss is the
+    whole batch's: the mean of DeepSpeed's two ranks' half batches."""
+    theirs = [(a + b) / 2 for a, b in zip(results[0][2]["ds_continued"], results[1][2]["ds_continued"])]
+    for rank, res in enumerate(results):
+        assert_close_lists(res[2]["sw_tp2_from_ds"], theirs, rtol=LOSS_RTOL, what=f"tp2 rank {rank}")
