@@ -253,9 +253,12 @@ def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
-def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False) -> CheckpointIndex:
+def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False,
+                      exclude_frozen: bool = False) -> CheckpointIndex:
     """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
-    on a dp rank other than 0, what it would write of the model states (what it reads back at this layout)."""
+    on a dp rank other than 0, what it would write of the model states (what it reads back at this layout).
+    `exclude_frozen`: the parameters that do not require grad are left out (save_checkpoint's
+    exclude_frozen_parameters)."""
     tp, tp_rank = where["tp_size"], where["tp_rank"]
     names = ctx.naming.full_names(ctx.module)
     own = ctx.module.state_dict(keep_vars=True)
@@ -268,7 +271,10 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
                   ckpt.model_states_name(where["mp_rank"]))
     tensors: dict[str, TensorInfo] = {}
     module: dict[str, dict[int, str]] = {}
+    left_out = {id(p) for p in ctx.module.parameters() if not p.requires_grad} if exclude_frozen else set()
     for local, t in own.items():
+        if id(t) in left_out:
+            continue
         full, dim = names[local], getattr(t, TP_DIM_ATTR, None)
         # A ZeRO-3 parameter between uses is an empty placeholder: its shape comes from its pieces.
         shape = tuple(t.shape) if t.numel() > 0 else local_shape.get(id(t))

@@ -217,6 +217,10 @@ class Plan:
         if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
             self.module = {n: v for n, v in self.module.items() if n in tensors}
         for name, mine in self.module.items():
+            if name not in tensors and name in self.frozen:
+                return (f"the checkpoint has no value for the frozen parameter {name!r} (saved with "
+                        f"exclude_frozen_parameters=True?): load it with load_module_strict=False, which keeps "
+                        f"this model's value")
             if name not in tensors:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
                         f"another model; load it into the model that wrote it")

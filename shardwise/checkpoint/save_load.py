@@ -70,8 +70,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     if not save_dir:
         raise UserError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
                         f"into")
-    tag = f"global_step{ctx.progress.global_steps}" if tag is None else str(tag)
-    _validate_tag(ctx, tag)
+    tag = _agreed_tag(ctx, f"global_step{ctx.progress.global_steps}" if tag is None else str(tag))
     client = dict(client_state or {})
     clash = sorted(set(client) & (deepspeed_read.STATE_KEYS | RESERVED_KEYS))
     if clash:
@@ -114,7 +113,8 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
         files[optim_file] = {ckpt.NATIVE_OPTIMIZER_STATE_DICT: native, "ds_config": ctx.raw_config,
                              "ds_version": deepspeed_write.DEEPSPEED_VERSION}
     # Every rank gets the index: the second phase reads the staged shards through it.
-    index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where), everywhere=True)
+    index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where, exclude_frozen=exclude_frozen),
+                                       everywhere=True)
     assert index is not None
     if dist.get_rank() == 0:
         files[checkpoint_index.INDEX] = index.to_dict()
@@ -136,22 +136,26 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     return True
 
 
-def _validate_tag(ctx: CheckpointContext, tag: str) -> None:
-    """DeepSpeed's checkpoint.tag_validation: every rank must save under the same tag. "Fail" raises on every
-    rank, "Warn" warns, "Ignore" does not compare."""
-    mode = ctx.tag_validation.upper()
-    if mode == "IGNORE":
-        return
-    tags = {tag}
+def _agreed_tag(ctx: CheckpointContext, tag: str) -> str:
+    """The tag every rank saves under: DeepSpeed's checkpoint.tag_validation compares the ranks' tags ("Fail":
+    one `UserError` line on every rank; "Warn": one warning line; "Ignore": none). A save is written by all ranks
+    into one directory, so with "Warn" and "Ignore" the ranks then use world rank 0's tag (DeepSpeed would scatter
+    the files over several directories, none of them loadable)."""
+    tags = [tag]
     for c in _comms(ctx):
-        tags = {t for part in c.all_gather_object(sorted(tags)) for t in part}
-    if len(tags) == 1:
-        return
-    line = (f"save_checkpoint: the ranks save under different tags {sorted(tags)[:4]}: a tag with rank-specific "
-            f"parts cannot be restored at another world size; give every rank the same tag")
+        tags = [t for part in c.all_gather_object(tags) for t in part]
+    # After dp, tp and pp in turn, every rank holds every rank's tag, world rank 0's first.
+    if len(set(tags)) == 1:
+        return tag
+    mode = ctx.tag_validation.upper()
+    line = (f"save_checkpoint: the ranks save under different tags ({sorted(set(tags))[:4]}): a tag with "
+            f"rank-specific parts cannot be restored at another world size; give every rank the same tag")
     if mode == "FAIL":
         raise UserError(line + ' (checkpoint.tag_validation = "Fail")')
-    warnings.warn(line, ckpt.CheckpointWarning, stacklevel=3)
+    if mode == "WARN":
+        warnings.warn(f"{line}; saving under world rank 0's tag {tags[0]!r}", ckpt.CheckpointWarning,
+                      stacklevel=4)
+    return tags[0]
 
 
 def _any_failed(ctx: CheckpointContext, failed: bool) -> bool:
