@@ -20,6 +20,9 @@ The view a file gets under `VIEW` is what `reshard._Assembler` reads of ours: {"
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
@@ -54,14 +57,62 @@ def _scaler_state(scaler: Any) -> dict[str, Any]:
     return state
 
 
+LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
+"""A DeepSpeed PipelineModule's layer file (without tensor parallelism): layer i's own state dict."""
+PIPELINE_PREFIX = "layers."
+"""Our PipelineModule's name for layer i is "layers.i"; DeepSpeed's is "i"."""
+
+
+def pipeline_name(name: str) -> str:
+    """A DeepSpeed PipelineModule's tensor name ("3.ln.weight") under ours ("layers.3.ln.weight")."""
+    return PIPELINE_PREFIX + name
+
+
 class DeepSpeedReader(FileReader):
-    """DeepSpeed's files of one tag, each loaded once, with our view of their optimizer state added."""
+    """DeepSpeed's files of one tag, each loaded once, with our view of their optimizer state added (and a
+    pipeline layer file's tensors under our module's names, as "module")."""
 
     def __call__(self, name: str) -> Any:
+        if name.startswith(UNIVERSAL_DIR + "/") and name not in self._open:
+            self._open[name] = _universal_view(self.path / name)
         loaded = super().__call__(name)
         if isinstance(loaded, dict) and VIEW not in loaded:
+            layer = LAYER_FILE.fullmatch(name)
+            if layer is not None:
+                loaded["module"] = {pipeline_name(f"{int(layer.group(1))}.{k}"): v for k, v in loaded.items()
+                                    if torch.is_tensor(v)}
+            elif "module" in loaded and loaded["module"] is None:
+                # A pipeline's model states hold no module (its layers are in their own files): their tensors
+                # stand in, where a stage-0 optimizer entry reads its parameter's value.
+                merged: dict[str, torch.Tensor] = {}
+                for f in sorted(p.name for p in self.path.iterdir() if LAYER_FILE.fullmatch(p.name)):
+                    merged.update(self(f)["module"])
+                loaded["module"] = merged
             loaded[VIEW] = _view(loaded)
         return loaded
+
+
+UNIVERSAL_DIR = "zero"
+"""DeepSpeed's universal checkpoint (ds_to_universal.py): TAG/zero/<parameter name>/{fp32,exp_avg,...}.pt, each
+the whole parameter (TP slices merged), and TAG/zero/optimizer_state.pt with the param groups."""
+
+
+def _universal_view(folder: Path) -> dict[str, Any]:
+    """One parameter's folder of a universal checkpoint in our view: its fp32 value as the one master, its
+    optimizer states as state 0."""
+    if not (folder / "fp32.pt").is_file():
+        raise ckpt.CheckpointError(f"universal checkpoint folder {folder} has no fp32.pt: the conversion is "
+                                   f"incomplete; run ds_to_universal.py again")
+    state: dict[str, Any] = {}
+    master = None
+    for file in sorted(folder.glob("*.pt")):
+        saved = ckpt.torch_load(file)
+        value = saved["param"] if isinstance(saved, dict) else saved
+        if file.stem == "fp32":
+            master = value.reshape(-1)
+        else:
+            state[file.stem] = value.reshape(-1) if torch.is_tensor(value) and value.dim() > 0 else value
+    return {VIEW: {"optimizer": {"state": {0: state}}, "masters": [master], "scaler": {"cur_scale": 1.0}}}
 
 
 def _view(loaded: dict[str, Any]) -> dict[str, Any] | None:
@@ -95,68 +146,115 @@ def _numel(shape: Any) -> int:
 
 def deepspeed_index(read: DeepSpeedReader) -> CheckpointIndex:
     """Where each tensor of a DeepSpeed tag lives, in our index's terms. Raises `CheckpointError` for what it
-    does not read (tensor or pipeline parallelism, DeepSpeed's elastic ZeRO-1/2 layout, bf16/fp16 optimizer
-    wrappers at stage 0)."""
+    does not read (tensor parallelism, tied pipeline layers, DeepSpeed's elastic ZeRO-1/2 layout, bf16/fp16
+    optimizer wrappers at stage 0)."""
     head = read(read.head)
     where = read.path
-    dp, mp = int(head.get("dp_world_size", 1)), int(head.get("mp_world_size", 1))
+    dp = int(head.get("dp_world_size", 1))
     dims = head.get("checkpoint_parallel_dimensions") or {}
-    if mp != 1 or int(dims.get("pp_degree", 1)) != 1 or int(dims.get("tp_degree", 1)) != 1:
-        raise ckpt.CheckpointError(f"{where} was written by DeepSpeed with model parallelism (mp_world_size={mp}, "
-                                   f"{dims}); shardwise reads DeepSpeed checkpoints without it: convert it with "
-                                   f"DeepSpeed's ds_to_universal.py and load the universal checkpoint")
-    module: dict[str, torch.Tensor] = head["module"] or {}
-    buffers = set(head.get("buffer_names") or ())
+    tp, pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
+    layers = sorted((int(m.group(1)), f.name) for f in where.iterdir() if (m := LAYER_FILE.fullmatch(f.name)))
+    pipeline = bool(layers)
+    if tp != 1 or int(head.get("mp_world_size", 1)) != (pp if pipeline else 1):
+        raise ckpt.CheckpointError(f"{where} was written by DeepSpeed with tensor parallelism (mp_world_size="
+                                   f"{head.get('mp_world_size')}, {dims}); shardwise reads DeepSpeed checkpoints "
+                                   f"without it: convert it with DeepSpeed's ds_to_universal.py and load the "
+                                   f"universal checkpoint")
+    rename = pipeline_name if pipeline else (lambda n: n)
     tensors: dict[str, TensorInfo] = {}
     held: dict[str, dict[int, str]] = {}
-    for name, t in module.items():
-        tensors[name] = TensorInfo(tuple(t.shape), None)
-        if t.numel() > 0 or name in buffers:
-            held[name] = {0: read.head}
+    buffers: set[str] = set()
+    module_order: list[tuple[str, torch.Tensor]] = []       # every tensor, in the model's order
+    model_files = [ckpt.model_states_name(m) for m in range(pp)] if pipeline else [read.head]
+    for file in model_files:
+        buffers |= {rename(b) for b in read(file).get("buffer_names") or ()}
+    sources = [(f, read(f)["module"]) for _, f in layers] if pipeline else [(read.head, head["module"] or {})]
+    for file, module in sources:
+        for name, t in module.items():
+            tensors[name] = TensorInfo(tuple(t.shape), None)
+            module_order.append((name, t))
+            if t.numel() > 0 or name in buffers:
+                held[name] = {0: file}
     entries: list[IndexEntry] = []
     fragments: dict[str, list[Fragment]] = {}
-    shapes: list[Mapping[str, Any]] | None = head.get("param_shapes")
-    if shapes is None:
-        _stage0(read, head, entries, fragments)
-    else:
+    if (where / UNIVERSAL_DIR / "optimizer_state.pt").is_file():
+        _universal(read, head, tensors, entries, fragments)
+        return CheckpointIndex(dims=Dims(dp=dp, tp=1, pp=1), tensors=tensors, module=held, entries=tuple(entries),
+                               fragments={n: tuple(f) for n, f in fragments.items()})
+    params = _distinct_params(module_order, buffers)
+    for mp_rank, file in enumerate(model_files):
+        states = read(file)
+        shapes: list[Mapping[str, Any]] | None = states.get("param_shapes")
+        if shapes is None:
+            params = _stage0(read, file, states, params, entries, fragments)
+            continue
+        shapes = [OrderedDict((rename(n), s) for n, s in group.items()) for group in shapes]
+        if any(n.startswith(PIPELINE_PREFIX + "tied_modules.") for g in shapes for n in g):
+            raise ckpt.CheckpointError(f"{where}: DeepSpeed's pipeline here ties layers (TiedLayerSpec), whose "
+                                       f"names shardwise does not map; load it with DeepSpeed and save the "
+                                       f"weights with save_16bit_model")
         for group in shapes:
             for name, shape in group.items():
                 tensors[name] = TensorInfo(tuple(int(n) for n in shape), None)
-        _zero(read, dp, shapes, entries, fragments)
+        _zero(read, dp, mp_rank, shapes, entries, fragments)
     for alias, source in (head.get("shared_params") or {}).items():
-        if source in tensors:
-            tensors[alias] = tensors[source]
-    return CheckpointIndex(dims=Dims(dp=dp, tp=1, pp=1), tensors=tensors, module=held, entries=tuple(entries),
+        if rename(source) in tensors:
+            tensors[rename(alias)] = tensors[rename(source)]
+    return CheckpointIndex(dims=Dims(dp=dp, tp=1, pp=pp), tensors=tensors, module=held, entries=tuple(entries),
                            fragments={n: tuple(f) for n, f in fragments.items()})
 
 
-def _stage0(read: DeepSpeedReader, head: dict[str, Any], entries: list[IndexEntry],
-            fragments: dict[str, list[Fragment]]) -> None:
-    """ZeRO stage 0: torch's optimizer state dict in the model states, its tensors numbered in the order of the
-    model's parameters (DeepSpeed saves no names for them: the module's, without buffers and tied copies)."""
-    optimizer = head.get("optimizer")
-    if optimizer is None:
-        return                                    # saved without an optimizer: weights only
-    if "state" not in optimizer or "param_groups" not in optimizer:
-        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's stage-0 optimizer state here is a bf16/fp16 "
-                                   f"optimizer wrapper's ({sorted(optimizer)[:4]}...), which shardwise does not "
-                                   f"read; load it with load_optimizer_states=False, or save it in fp32")
-    buffers = set(head.get("buffer_names") or ())
+def _universal(read: DeepSpeedReader, head: dict[str, Any], tensors: dict[str, TensorInfo],
+               entries: list[IndexEntry], fragments: dict[str, list[Fragment]]) -> None:
+    """A universal checkpoint: one entry per parameter, its whole value (any dp, tp, ZeRO stage reads it)."""
+    common = ckpt.torch_load(read.path / UNIVERSAL_DIR / "optimizer_state.pt")
+    groups = common.get("param_groups") or [{}]
+    for g, shapes in enumerate(head.get("param_shapes") or []):
+        options = _options(groups[min(g, len(groups) - 1)])
+        for name, shape in shapes.items():
+            if not (read.path / UNIVERSAL_DIR / name).is_dir():
+                continue                # not converted (frozen): the model states' value, if any
+            numel = _numel(shape)
+            tensors[name] = TensorInfo(tuple(int(n) for n in shape), None)
+            fragments[name] = [Fragment(0, 0, numel, len(entries), 0)]
+            entries.append(IndexEntry(f"{UNIVERSAL_DIR}/{name}", VIEW, 0, 0, numel, options))
+
+
+def _distinct_params(module: list[tuple[str, torch.Tensor]], buffers: set[str]) -> list[str]:
+    """The parameters of saved module states in order: without buffers and tied copies (one storage)."""
     seen: set[tuple[int, int]] = set()
     names = []
-    for name, t in head["module"].items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+    for name, t in module:
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if name in buffers or key in seen:
             continue
         seen.add(key)
         names.append(name)
+    return names
+
+
+def _stage0(read: DeepSpeedReader, file: str, states: dict[str, Any], params: list[str],
+            entries: list[IndexEntry], fragments: dict[str, list[Fragment]]) -> list[str]:
+    """ZeRO stage 0: torch's optimizer state dict in the model states (one per pipeline stage), its tensors
+    numbered in the order of the model's parameters: DeepSpeed saves no names for them, so they are the next
+    `params` in order (those of the stage's layers). Returns the parameters left for the next stages."""
+    optimizer = states.get("optimizer")
+    if optimizer is None:
+        return params                              # saved without an optimizer: weights only
+    if "state" not in optimizer or "param_groups" not in optimizer:
+        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's stage-0 optimizer state here is a bf16/fp16 "
+                                   f"optimizer wrapper's ({sorted(optimizer)[:4]}...), which shardwise does not "
+                                   f"read; load it with load_optimizer_states=False, or save it in fp32")
+    count = sum(len(g["params"]) for g in optimizer["param_groups"])
+    if count > len(params):
+        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's optimizer steps {count} tensors but the model states "
+                                   f"hold {len(params)} more parameters; it was written for another model")
+    mine = {i: name for i, name in enumerate(params[:count])}
+    module = {n: t for n, t in _module_tensors(read, file).items()}
     for group in optimizer["param_groups"]:
         for i in group["params"]:
-            if i >= len(names):
-                raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's optimizer steps {i + 1}+ tensors but the model "
-                                           f"states hold {len(names)} parameters; it was written for another model")
-            name = names[i]
-            numel = head["module"][name].numel()
+            name = mine[i]
+            numel = module[name].numel()
             saved = optimizer["state"].get(i, {})
             moment = next((v for v in saved.values() if torch.is_tensor(v) and v.dim() > 0), None)
             if moment is not None and moment.numel() != numel:
@@ -165,13 +263,19 @@ def _stage0(read: DeepSpeedReader, head: dict[str, Any], entries: list[IndexEntr
                                            f"the parameters in another order than the model's; shardwise reads "
                                            f"only the model's order")
             fragments.setdefault(name, []).append(Fragment(0, 0, numel, len(entries), 0))
-            entries.append(IndexEntry(read.head, VIEW, i, None, numel, _options(group)))
+            entries.append(IndexEntry(file, VIEW, i, None, numel, _options(group)))
+    return params[count:]
 
 
-def _zero(read: DeepSpeedReader, dp: int, shapes: list[Mapping[str, Any]], entries: list[IndexEntry],
+def _module_tensors(read: DeepSpeedReader, file: str) -> dict[str, torch.Tensor]:
+    """The weights a stage-0 optimizer steps, by name: the file's module (a pipeline's: its layer files')."""
+    return dict(read(file)["module"])
+
+
+def _zero(read: DeepSpeedReader, dp: int, mp_rank: int, shapes: list[Mapping[str, Any]], entries: list[IndexEntry],
           fragments: dict[str, list[Fragment]]) -> None:
     """ZeRO 1-3: one entry per (dp rank, flat group), fragments from DeepSpeed's flat layout."""
-    files = [ckpt.optim_states_name(r, 0) for r in range(dp)]
+    files = [ckpt.optim_states_name(r, mp_rank) for r in range(dp)]
     first = read(files[0])[ckpt.OPTIMIZER_STATE_DICT]
     stage = int(first["zero_stage"])
     view = read(files[0])[VIEW]

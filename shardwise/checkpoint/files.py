@@ -41,6 +41,7 @@ def zero3_model_states_name(dp_rank: int, mp_rank: int = 0) -> str:
 MODEL_STATES = model_states_name(0)
 ZERO3_MODEL_STATES = zero3_model_states_name(0)
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 NATIVE_OPTIMIZER_STATE_DICT = "shardwise_optimizer_state_dict"
 """Where a ZeRO optimizer file keeps our own shard, beside DeepSpeed's `optimizer_state_dict` (a file written
@@ -188,6 +189,8 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
     root = Path(load_dir)
     if tag is None:
         latest = root / LATEST
+        if not latest.is_file() and (root / LATEST_UNIVERSAL).is_file():
+            latest = root / LATEST_UNIVERSAL            # only a universal checkpoint (ds_to_universal.py)
         if not latest.is_file():
             warnings.warn(f"no checkpoint loaded: unable to find latest file at {latest} (tags present: "
                           f"{_tags(root) or 'none'}); pass an explicit tag to load another", CheckpointWarning,

@@ -9,8 +9,9 @@ torch's Adam). Per stage, in one pair of spawned ranks:
 - DeepSpeed's zero_to_fp32 (`get_fp32_state_dict_from_zero_checkpoint`) on shardwise's tag gives shardwise's
   consolidated weights bitwise (stages 1-3; at stage 0 DeepSpeed's tool reads no checkpoint, its own neither).
 - The counters, the scheduler's lr and the client state come back on both sides.
-Also: DeepSpeed's tag at another layout (tensor_parallel 2, so dp 1: resharded through the index), and the
-load_module_only / load_optimizer_states=False variants against DeepSpeed's own.
+Also: DeepSpeed's tag at another layout (tensor_parallel 2, so dp 1: resharded through the index), the
+load_module_only / load_optimizer_states=False variants against DeepSpeed's own, DeepSpeed's universal
+checkpoint (ds_to_universal.py) and a DeepSpeed PipelineModule's tag (2 stages, ZeRO-1) resuming under shardwise.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
+from torch import nn
 
 from shardwise.testing import assert_close_lists, run_distributed, tiny_gpt, token_batches
 
@@ -149,17 +152,90 @@ def _both_ways(root: str, stage: int) -> dict:
         out["zero_to_fp32"] = {k: torch.equal(theirs[k].contiguous() if hasattr(theirs[k], "contiguous") else
                                               theirs[k], v) for k, v in full.items()}
         out["zero_to_fp32_extra"] = sorted(set(theirs) - set(full))
-    if stage == 2:          # DeepSpeed's tag at tensor_parallel 2 (dp 1): resharded through the index
+    if stage == 2:
+        # DeepSpeed's tag at tensor_parallel 2 (dp 1): resharded through the index
         sw = _sw_engine({**cfg, "tensor_parallel": {"size": 2}})
         sw.load_checkpoint(ds_dir)
         out["sw_tp2_from_ds"] = _steps(sw, SAVE_AT, AFTER)
         sw.close()
+        # DeepSpeed's universal checkpoint of the same tag (ds_to_universal.py), loaded at ZeRO-3
+        universal = f"{root}/universal"
+        if dist.get_rank() == 0:
+            import deepspeed.checkpoint.ds_to_universal as tool
+            subprocess.run([sys.executable, tool.__file__, "--input_folder", f"{ds_dir}/global_step{SAVE_AT}",
+                            "--output_folder", f"{universal}/global_step{SAVE_AT}_universal", "--inject_missing_state",
+                            "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                           check=True, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        dist.barrier()
+        sw = _sw_engine(config(3))
+        path, client = sw.load_checkpoint(universal)         # its `latest_universal`
+        out["sw_from_universal"] = (_steps(sw, SAVE_AT, AFTER), path, client.get("epoch"))
+        sw.close()
     return out
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP over [b, h]."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.ln(x))))
+
+
+def _pipeline_net(pipe):
+    layers = [pipe.LayerSpec(nn.Linear, 8, 16), *[pipe.LayerSpec(Block, 16) for _ in range(3)],
+              pipe.LayerSpec(nn.Linear, 16, 4)]
+    return pipe.PipelineModule(layers=layers, loss_fn=nn.MSELoss(), num_stages=2, partition_method="uniform")
+
+
+def _pipeline_batches(first: int, n: int) -> list:
+    """Micro-batches (x [2, 8], y [2, 4]) of global batches first .. first + n - 1 (2 micro-batches each)."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)) for _ in range(2 * (first + n))]
+    return data[2 * first:]
+
+
+def _pipeline(root: str) -> dict:
+    """DeepSpeed's PipelineModule over 2 stages (dp 1), ZeRO-1, Adam: its tag resumes under shardwise's
+    PipelineModule of the same layers."""
+    deepspeed = _deepspeed()
+    from deepspeed import pipe as ds_pipe
+    from shardwise import pipe
+    import shardwise
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "steps_per_print": 1 << 30, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = _pipeline_net(ds_pipe)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=copy.deepcopy(cfg))
+    data = iter(_pipeline_batches(0, SAVE_AT + AFTER))
+    for _ in range(SAVE_AT):
+        engine.train_batch(data_iter=data)
+    engine.save_checkpoint(f"{root}/pipe")
+    theirs = [float(engine.train_batch(data_iter=data)) for _ in range(AFTER)]
+    del engine
+    torch.manual_seed(5)
+    net = _pipeline_net(pipe)
+    engine, *_ = shardwise.initialize(model=net, model_parameters=list(net.parameters()), config=copy.deepcopy(cfg))
+    engine.load_checkpoint(f"{root}/pipe")
+    data = iter(_pipeline_batches(SAVE_AT, AFTER))
+    ours = [float(engine.train_batch(data)) for _ in range(AFTER)]
+    steps = engine.global_steps
+    engine.close()
+    return {"theirs": theirs, "ours": ours, "steps": steps}
 
 
 def _run(root: str) -> dict:
     torch.set_num_threads(1)
-    return {stage: _both_ways(root, stage) for stage in (0, 1, 2, 3)}
+    out: dict = {stage: _both_ways(root, stage) for stage in (0, 1, 2, 3)}
+    out["pipeline"] = _pipeline(root)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +299,19 @@ def test_deepspeed_checkpoint_reshards(results: list[dict]) -> None:
     theirs = [(a + b) / 2 for a, b in zip(results[0][2]["ds_continued"], results[1][2]["ds_continued"])]
     for rank, res in enumerate(results):
         assert_close_lists(res[2]["sw_tp2_from_ds"], theirs, rtol=LOSS_RTOL, what=f"tp2 rank {rank}")
+
+
+def test_deepspeed_universal_checkpoint_resumes_under_shardwise(results: list[dict]) -> None:
+    """ds_to_universal.py's output of DeepSpeed's ZeRO-2 tag, loaded at ZeRO-3: DeepSpeed's next losses."""
+    for rank, res in enumerate(results):
+        losses, path, epoch = res[2]["sw_from_universal"]
+        assert path.endswith(f"global_step{SAVE_AT}_universal") and epoch == 7
+        _same_next_losses(losses, res[2]["ds_continued"], f"universal rank {rank}")
+
+
+def test_deepspeed_pipeline_checkpoint_resumes_under_shardwise(results: list[dict]) -> None:
+    """DeepSpeed's PipelineModule tag (per-layer files, ZeRO-1 shards per stage) under shardwise's."""
+    for rank, res in enumerate(results):
+        r = res["pipeline"]
+        _same_next_losses(r["ours"], r["theirs"], f"pipeline rank {rank}")
+        assert r["steps"] == SAVE_AT + AFTER
