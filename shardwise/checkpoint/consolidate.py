@@ -109,7 +109,7 @@ def _from_index(tag: Path, index: Any, reference: nn.Module) -> dict[str, Tensor
 def _saved_dtype(build: Any, index: Any, name: str) -> torch.dtype:
     """The training dtype of a parameter whose value comes from the fp32 masters: its model-states placeholder's."""
     for mp_rank in range(index.dims.tp * index.dims.pp):
-        placeholder = build.read(ckpt.model_states_file(build.read.path, mp_rank).name)["module"].get(name)
+        placeholder = (build.read(ckpt.model_states_file(build.read.path, mp_rank).name)["module"] or {}).get(name)
         if placeholder is not None:
             return placeholder.dtype  # type: ignore[no-any-return]
     return torch.float32

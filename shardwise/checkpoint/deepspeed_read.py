@@ -20,7 +20,6 @@ The view a file gets under `VIEW` is what `reshard._Assembler` reads of ours: {"
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from collections import OrderedDict
 from typing import Any, Mapping
@@ -57,8 +56,7 @@ def _scaler_state(scaler: Any) -> dict[str, Any]:
     return state
 
 
-LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
-"""A DeepSpeed PipelineModule's layer file (without tensor parallelism): layer i's own state dict."""
+LAYER_FILE = ckpt.LAYER_FILE
 PIPELINE_PREFIX = "layers."
 """Our PipelineModule's name for layer i is "layers.i"; DeepSpeed's is "i"."""
 
@@ -77,11 +75,7 @@ class DeepSpeedReader(FileReader):
             self._open[name] = _universal_view(self.path / name)
         loaded = super().__call__(name)
         if isinstance(loaded, dict) and VIEW not in loaded:
-            layer = LAYER_FILE.fullmatch(name)
-            if layer is not None:
-                loaded["module"] = {pipeline_name(f"{int(layer.group(1))}.{k}"): v for k, v in loaded.items()
-                                    if torch.is_tensor(v)}
-            elif "module" in loaded and loaded["module"] is None:
+            if "module" in loaded and loaded["module"] is None:
                 # A pipeline's model states hold no module (its layers are in their own files): their tensors
                 # stand in, where a stage-0 optimizer entry reads its parameter's value.
                 merged: dict[str, torch.Tensor] = {}

@@ -80,9 +80,15 @@ def flat_groups(ctx: CheckpointContext) -> list[Group]:
 
 
 def model_state_keys(ctx: CheckpointContext, groups: list[Group], *, zero_stage: int,
-                     exclude_frozen: bool) -> dict[str, Any]:
-    """DeepSpeed's metadata keys of a model-states file (`_common_checkpoint_state`)."""
-    names = ctx.naming.full_names(ctx.module)
+                     exclude_frozen: bool, strip: str = "") -> dict[str, Any]:
+    """DeepSpeed's metadata keys of a model-states file (`_common_checkpoint_state`). `strip`: a prefix our names
+    have and DeepSpeed's not (a PipelineModule's layer "layers.3" is DeepSpeed's "3")."""
+    names = {k: v[len(strip):] if strip and v.startswith(strip) else v
+             for k, v in ctx.naming.full_names(ctx.module).items()}
+
+    def ds(name: str) -> str:
+        return name[len(strip):] if strip and name.startswith(strip) else name
+
     params = {n for n, _ in ctx.module.named_parameters(remove_duplicate=False)}
     buffers = [names[n] for n in ctx.module.state_dict(keep_vars=True) if n not in params]
     first: dict[int, str] = {}
@@ -99,7 +105,7 @@ def model_state_keys(ctx: CheckpointContext, groups: list[Group], *, zero_stage:
     keep_frozen = zero_stage == 2 and not exclude_frozen
     return {
         "buffer_names": buffers,
-        "param_shapes": [OrderedDict(zip(g.names, g.shapes)) for g in groups] if zero else None,
+        "param_shapes": [OrderedDict(zip(map(ds, g.names), g.shapes)) for g in groups] if zero else None,
         "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if keep_frozen else
         (OrderedDict() if zero_stage >= 2 else None),
         "shared_params": shared if zero else None,

@@ -62,6 +62,32 @@ def head_name(path: Path) -> str | None:
     return None
 
 
+LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
+"""A pipeline layer's own state dict, as DeepSpeed's PipelineModule saves each layer (without tensor
+parallelism): layer i's tensors under the layer's own names."""
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+"""Our PipelineModule's (and every layer-list pipeline's) name of a tensor of layer i: "layers.i.<name>"."""
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer_{layer:02d}-model_states.pt"
+
+
+def layer_file_of(full_name: str) -> tuple[str, str] | None:
+    """(layer file, name in it) of a layer-list pipeline's tensor ("layers.3.ln.weight" -> layer_03, "ln.weight");
+    None for another name."""
+    m = _LAYER_NAME.fullmatch(full_name)
+    return None if m is None else (layer_file_name(int(m.group(1))), m.group(2))
+
+
+def layer_module(file: str, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """A layer file's tensors under our pipeline's full names; None when `file` is no layer file."""
+    m = LAYER_FILE.fullmatch(file)
+    if m is None:
+        return None
+    return {f"layers.{int(m.group(1))}.{k}": v for k, v in saved.items() if hasattr(v, "shape")}
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     with os.fdopen(fd, "w") as f:
@@ -165,7 +191,7 @@ def _tags(root: Path) -> list[str]:
         if root.is_dir() else []
 
 
-_OURS = re.compile(r"((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
+_OURS = re.compile(r"((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
                    r"shardwise_index\.pt)(\.tmp-.*)?")
 
 

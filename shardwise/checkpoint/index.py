@@ -253,6 +253,15 @@ def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
+def per_layer(ctx: CheckpointContext, where: dict[str, int]) -> bool:
+    """Whether the module states go into one file per pipeline layer, as DeepSpeed's PipelineModule saves them
+    (`layer_XX-model_states.pt`, DeepSpeed's PipelineEngine reads nothing else): a pipeline without tensor
+    parallelism whose stages hold layers of a layer list ("layers.<i>.<name>": our PipelineModule's)."""
+    if where["pp_size"] == 1 or where["tp_size"] > 1:
+        return False
+    return all(ckpt.layer_file_of(n) is not None for n in ctx.naming.full_names(ctx.module).values())
+
+
 def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False,
                       exclude_frozen: bool = False) -> CheckpointIndex:
     """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
@@ -283,7 +292,8 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
         # At ZeRO-3 a trained parameter's value is its masters' (the model states hold DeepSpeed's placeholder).
         placeholder = ctx.zero_stage == 3 and isinstance(t, torch.nn.Parameter) and t.requires_grad
         if writes_model and t.numel() > 0 and not placeholder:
-            module[full] = {tp_rank: model_file}
+            layer = ckpt.layer_file_of(full) if per_layer(ctx, where) else None
+            module[full] = {tp_rank: layer[0] if layer is not None else model_file}
     entries: list[IndexEntry] = []
     fragments: dict[str, list[Fragment]] = {}
     if state.checkpoint_per_rank or writes_model:

@@ -49,6 +49,9 @@ class FileReader:
                                            f"restore it or load another tag")
             try:
                 self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
+                layer = ckpt.layer_module(name, self._open[name])
+                if layer is not None:       # a pipeline layer's file: its tensors under the full names too
+                    self._open[name]["module"] = layer
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "

@@ -92,9 +92,15 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             # ones we hold whole); the values are the optimizer files' masters.
             trained = {names[n] for n, p in ctx.module.named_parameters(remove_duplicate=False) if p.requires_grad}
             module = type(module)((k, v.new_empty(0) if k in trained else v) for k, v in module.items())
+        layers = checkpoint_index.per_layer(ctx, where)
+        if layers:          # DeepSpeed's PipelineModule: a file per layer, under the layer's own names
+            for name, value in module.items():
+                file, key = ckpt.layer_file_of(name)  # type: ignore[misc]
+                files.setdefault(file, {})[key] = value
         files[model_states_file(ctx, where["mp_rank"], ctx.dp_rank)] = {
-            "module": module,
-            **deepspeed_write.model_state_keys(ctx, groups, zero_stage=ctx.zero_stage, exclude_frozen=exclude_frozen),
+            "module": None if layers else module,
+            **deepspeed_write.model_state_keys(ctx, groups, zero_stage=ctx.zero_stage, exclude_frozen=exclude_frozen,
+                                               strip=deepspeed_read.PIPELINE_PREFIX if layers else ""),
             # Stage 0: torch's optimizer state dict is DeepSpeed's "optimizer"; ours holds it with the masters
             # and the loss scaler (pickled once: the same object).
             "optimizer": None if per_rank else native["optimizer"],
@@ -103,7 +109,10 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             else None,
             "global_steps": ctx.progress.global_steps, "global_samples": ctx.progress.global_samples,
             "skipped_steps": ctx.progress.skipped_steps, "micro_steps": ctx.progress.micro_steps,
-            "dp_world_size": ctx.dp_size, "mp_world_size": where["tp_size"], "pp_world_size": where["pp_size"],
+            # DeepSpeed's PipelineEngine counts every stage's model-states file as model parallel; its engine with
+            # a Megatron mpu only the TP ranks.
+            "dp_world_size": ctx.dp_size, "pp_world_size": where["pp_size"],
+            "mp_world_size": where["tp_size"] * (where["pp_size"] if layers else 1),
             "checkpoint_parallel_dimensions": {"pp_degree": where["pp_size"], "tp_degree": where["tp_size"]},
             "ds_config": ctx.raw_config,
             **client,
@@ -119,7 +128,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     if dist.get_rank() == 0:
         files[checkpoint_index.INDEX] = index.to_dict()
     then = None
-    if per_rank and where["tp_size"] == 1 and where["pp_size"] == 1:
+    if per_rank and where["tp_size"] == 1:
         def then(staging: Path) -> dict[str, Any]:
             """DeepSpeed's partition of this rank, read from every rank's staged shard."""
             theirs = deepspeed_write.zero_optimizer_state(
@@ -261,8 +270,8 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
     where = layout(ctx)
     own = ckpt.model_states_file(path, where["mp_rank"]).name
     state = read(own if indexed or (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
-    saved = {"dp": state.get("dp_world_size", 1), "tp": state.get("mp_world_size", 1),
-             "pp": state.get("pp_world_size", 1)}
+    tp_saved = (state.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", state.get("mp_world_size", 1))
+    saved = {"dp": state.get("dp_world_size", 1), "tp": tp_saved, "pp": state.get("pp_world_size", 1)}
     now = {"dp": ctx.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
     per_rank = ctx.state.checkpoint_per_rank
     stage0 = state.get(checkpoint_index.NATIVE_STAGE0_KEY, state.get("optimizer"))
@@ -272,8 +281,12 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
             f"{path} was written without a layout index (by an earlier shardwise) at dp={saved['dp']}, "
             f"tp={saved['tp']}, pp={saved['pp']} and ZeRO stage {'1-3' if stage0 is None else 0}; "
             f"it loads only at that layout: load it there and save it again to reshard it")
-    if saved["pp"] != now["pp"]:
+    if state["module"] is None:         # one file per pipeline layer (every stage's: each stage takes its own)
         module: dict[str, Any] = {}
+        for file in sorted(f.name for f in path.iterdir() if ckpt.LAYER_FILE.fullmatch(f.name)):
+            module.update(read(file)["module"])
+    elif saved["pp"] != now["pp"]:
+        module = {}
         mp = where["tp_rank"]
         while ckpt.model_states_file(path, mp).is_file():
             module.update(read(ckpt.model_states_file(path, mp).name)["module"])

@@ -202,7 +202,7 @@ def _pipeline_batches(first: int, n: int) -> list:
 
 def _pipeline(root: str) -> dict:
     """DeepSpeed's PipelineModule over 2 stages (dp 1), ZeRO-1, Adam: its tag resumes under shardwise's
-    PipelineModule of the same layers."""
+    PipelineModule of the same layers, and shardwise's tag under DeepSpeed's."""
     deepspeed = _deepspeed()
     from deepspeed import pipe as ds_pipe
     from shardwise import pipe
@@ -224,11 +224,19 @@ def _pipeline(root: str) -> dict:
     net = _pipeline_net(pipe)
     engine, *_ = shardwise.initialize(model=net, model_parameters=list(net.parameters()), config=copy.deepcopy(cfg))
     engine.load_checkpoint(f"{root}/pipe")
+    engine.save_checkpoint(f"{root}/pipe_sw")          # per-layer files, as DeepSpeed's PipelineModule
     data = iter(_pipeline_batches(SAVE_AT, AFTER))
     ours = [float(engine.train_batch(data)) for _ in range(AFTER)]
     steps = engine.global_steps
     engine.close()
-    return {"theirs": theirs, "ours": ours, "steps": steps}
+    torch.manual_seed(7)
+    net = _pipeline_net(ds_pipe)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=copy.deepcopy(cfg))
+    engine.load_checkpoint(f"{root}/pipe_sw")
+    data = iter(_pipeline_batches(SAVE_AT, AFTER))
+    ds_from_sw = [float(engine.train_batch(data_iter=data)) for _ in range(AFTER)]
+    del engine
+    return {"theirs": theirs, "ours": ours, "steps": steps, "ds_from_sw": ds_from_sw}
 
 
 def _run(root: str) -> dict:
@@ -309,9 +317,11 @@ def test_deepspeed_universal_checkpoint_resumes_under_shardwise(results: list[di
         _same_next_losses(losses, res[2]["ds_continued"], f"universal rank {rank}")
 
 
-def test_deepspeed_pipeline_checkpoint_resumes_under_shardwise(results: list[dict]) -> None:
-    """DeepSpeed's PipelineModule tag (per-layer files, ZeRO-1 shards per stage) under shardwise's."""
+def test_pipeline_checkpoints_cross_both_ways(results: list[dict]) -> None:
+    """DeepSpeed's PipelineModule tag (per-layer files, ZeRO-1 shards per stage) under shardwise's, and the
+    reverse."""
     for rank, res in enumerate(results):
         r = res["pipeline"]
         _same_next_losses(r["ours"], r["theirs"], f"pipeline rank {rank}")
+        _same_next_losses(r["ds_from_sw"], r["ours"], f"pipeline, DeepSpeed from shardwise, rank {rank}")
         assert r["steps"] == SAVE_AT + AFTER
