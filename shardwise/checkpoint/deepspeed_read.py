@@ -270,6 +270,8 @@ def _zero(read: DeepSpeedReader, dp: int, mp_rank: int, shapes: list[Mapping[str
           fragments: dict[str, list[Fragment]]) -> None:
     """ZeRO 1-3: one entry per (dp rank, flat group), fragments from DeepSpeed's flat layout."""
     files = [ckpt.optim_states_name(r, mp_rank) for r in range(dp)]
+    if not (read.path / files[0]).is_file() and (read.path / ("bf16_" + files[0])).is_file():
+        files = ["bf16_" + f for f in files]        # DeepSpeed's name when it trained in bf16
     first = read(files[0])[ckpt.OPTIMIZER_STATE_DICT]
     stage = int(first["zero_stage"])
     view = read(files[0])[VIEW]

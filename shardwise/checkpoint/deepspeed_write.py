@@ -9,7 +9,7 @@ then rank r reads, through the index, the elements of DeepSpeed's partition r fr
 its file with both.
 
 Only builtins and torch types are pickled (DeepSpeed opens the files without shardwise installed), except
-ZeRO-3's `loss_scaler`, which DeepSpeed requires to be its own class: it is pickled as a reference to
+the `loss_scaler`, which DeepSpeed requires to be its own class: it is pickled as a reference to
 DeepSpeed's class, resolved when DeepSpeed opens the file (`files.torch_load` resolves it to a plain record where
 DeepSpeed is not installed).
 """
@@ -157,18 +157,33 @@ class _Module:
         return importlib.import_module, (self.module,)
 
 
-class _StaticLossScaler:
-    """DeepSpeed's static `LossScaler(scale)`, pickled as a call of its class."""
+class _DeepSpeedLossScaler:
+    """DeepSpeed's `LossScaler(scale)` or `DynamicLossScaler(...)` with its counters, pickled as a call of its
+    class followed by its attributes."""
 
-    def __init__(self, scale: float):
-        self.scale = scale
+    def __init__(self, name: str, args: tuple[Any, ...], state: dict[str, Any]):
+        self.name, self.args, self.state = name, args, state
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _Reference("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), (self.scale,)
+    def __reduce__(self) -> tuple[Any, ...]:
+        made = (_Reference("deepspeed.runtime.fp16.loss_scaler", self.name), self.args)
+        return (*made, self.state) if self.state else made
+
+
+def loss_scaler(scaler: dict[str, Any], raw_config: dict[str, Any]) -> _DeepSpeedLossScaler:
+    """Our loss scaler's state as DeepSpeed's object: dynamic (fp16 with loss_scale 0, its window, floor and
+    hysteresis from the config, the counters from the state) or static."""
+    fp16 = raw_config.get("fp16") or {}
+    if "cur_iter" not in scaler:
+        return _DeepSpeedLossScaler("LossScaler", (float(scaler["cur_scale"]),), {})
+    args = (float(scaler["cur_scale"]), int(fp16.get("loss_scale_window", 1000)), float(fp16.get("min_loss_scale", 1)),
+            int(fp16.get("hysteresis", 2)), bool(fp16.get("consecutive_hysteresis", False)))
+    return _DeepSpeedLossScaler("DynamicLossScaler", args,
+                                {"cur_iter": scaler["cur_iter"], "last_overflow_iter": scaler["last_overflow_iter"],
+                                 "cur_hysteresis": scaler["cur_hysteresis"]})
 
 
 def zero_optimizer_state(ctx: CheckpointContext, index: CheckpointIndex, read: FileReader, groups: list[Group], *,
-                         zero_stage: int, clip: float) -> dict[str, Any]:
+                         zero_stage: int, clip: float, scaler: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's `optimizer_state_dict` of this rank's ZeRO file: its partition of each flat group (fp32
     values and per-element optimizer states, assembled from every rank's staged shard through `index`), the
     optimizer's scalars and options."""
@@ -200,12 +215,13 @@ def zero_optimizer_state(ctx: CheckpointContext, index: CheckpointIndex, read: F
         param_groups.append({**group.options, "params": [g]})
     optimizer = {"state": states, "param_groups": param_groups}
     if zero_stage == 3:
-        return {"zero_stage": 3, "loss_scaler": _StaticLossScaler(1.0), "dynamic_loss_scale": False,
-                "overflow": False, "partition_count": dp, "optimizer_state_dict": optimizer,
+        return {"zero_stage": 3, "loss_scaler": loss_scaler(scaler, ctx.raw_config),
+                "dynamic_loss_scale": "cur_iter" in scaler, "overflow": False, "partition_count": dp, "optimizer_state_dict": optimizer,
                 "fp32_flat_groups": flats}
     totals = [sum(g.numels) for g in groups]
     sizes = [layout.zero12_partition_numel(g.numels, [0] * len(g.numels), dp) for g in groups]
-    return {"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip,
+    return {"loss_scaler": loss_scaler(scaler, ctx.raw_config), "dynamic_loss_scale": "cur_iter" in scaler,
+            "overflow": False, "clip_grad": clip,
             "base_optimizer_state": optimizer, "single_partition_of_fp32_groups": flats,
             "zero_stage": zero_stage,
             "group_paddings": [min(s, max(0, (rank + 1) * s - t)) for s, t in zip(sizes, totals)],

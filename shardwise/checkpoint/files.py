@@ -97,8 +97,10 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
-    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+def optim_states_name(dp_rank: int, mp_rank: int = 0, *, bf16: bool = False) -> str:
+    """A ZeRO rank's optimizer file; DeepSpeed prefixes it "bf16_" when it trains in bf16 (and looks for that
+    name then)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -191,7 +193,7 @@ def _tags(root: Path) -> list[str]:
         if root.is_dir() else []
 
 
-_OURS = re.compile(r"((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
+_OURS = re.compile(r"((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
                    r"shardwise_index\.pt)(\.tmp-.*)?")
 
 
@@ -245,13 +247,14 @@ class _Unpickler(pickle.Unpickler):
 
 
 class _Absent:
-    """A module that is not installed: its classes build records of their arguments."""
+    """A module that is not installed: its classes build records of their arguments (and, once unpickled, of
+    their attributes)."""
 
     def __init__(self, module: str):
         self.module = module
 
-    def __getattr__(self, name: str) -> Callable[..., dict[str, Any]]:
-        return lambda *args: {"class": f"{self.module}.{name}", "args": args}
+    def __getattr__(self, name: str) -> Callable[..., types.SimpleNamespace]:
+        return lambda *args: types.SimpleNamespace(cls=f"{self.module}.{name}", args=args)
 
 
 def _import_or_record(module: str) -> Any:

@@ -117,7 +117,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             "ds_config": ctx.raw_config,
             **client,
         }
-    optim_file = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])
+    optim_file = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
     if per_rank:
         files[optim_file] = {ckpt.NATIVE_OPTIMIZER_STATE_DICT: native, "ds_config": ctx.raw_config,
                              "ds_version": deepspeed_write.DEEPSPEED_VERSION}
@@ -133,7 +133,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             """DeepSpeed's partition of this rank, read from every rank's staged shard."""
             theirs = deepspeed_write.zero_optimizer_state(
                 ctx, index, reshard.FileReader(staging), groups, zero_stage=ctx.zero_stage,
-                clip=float(ctx.raw_config.get("gradient_clipping", 1.0)))
+                clip=float(ctx.raw_config.get("gradient_clipping", 1.0)), scaler=native["scaler"])
             return {optim_file: {**files[optim_file], ckpt.OPTIMIZER_STATE_DICT: theirs}}
 
     def barrier() -> None:
@@ -303,8 +303,10 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
             module = {**module, full[local]: t}
     out = {"module": module}
     if not load_module_only:
-        out["optimizer"] = (ckpt.native_optimizer_state(read(ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])))
-                            if per_rank else stage0)
+        shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
+        if not (path / shard).is_file():        # written before bf16 runs took DeepSpeed's "bf16_" prefix
+            shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])
+        out["optimizer"] = ckpt.native_optimizer_state(read(shard)) if per_rank else stage0
     return out
 
 

@@ -210,6 +210,7 @@ class Engine(DeepSpeedEngineAPI):
                                  state=self._sharded_state, dp_runtime=self.dp_runtime,
                                  lr_scheduler=self.lr_scheduler, progress=self.steps,
                                  raw_config=self.config.raw, zero_stage=self.config.zero.stage,
+                                 bf16=self.compute_dtype == torch.bfloat16,
                                  tag_validation=str((self.config.raw.get("checkpoint") or {})
                                                     .get("tag_validation", "Warn")))
 
