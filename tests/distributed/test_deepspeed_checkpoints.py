@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -152,6 +153,14 @@ def _both_ways(root: str, stage: int) -> dict:
         out["zero_to_fp32"] = {k: torch.equal(theirs[k].contiguous() if hasattr(theirs[k], "contiguous") else
                                               theirs[k], v) for k, v in full.items()}
         out["zero_to_fp32_extra"] = sorted(set(theirs) - set(full))
+        if stage == 3:      # the script as users run it (a copy beside the checkpoints): one pytorch_model.bin
+            import deepspeed.utils.zero_to_fp32 as tool
+            shutil.copy(tool.__file__, f"{sw_dir}/zero_to_fp32.py")
+            subprocess.run([sys.executable, f"{sw_dir}/zero_to_fp32.py", sw_dir, f"{root}/fp32_{stage}"], check=True,
+                           capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+            script = torch.load(f"{root}/fp32_{stage}/pytorch_model.bin", weights_only=True)
+            out["zero_to_fp32_script"] = script.keys() == full.keys() and all(torch.equal(script[k], v)
+                                                                             for k, v in full.items())
     if stage == 2:
         # DeepSpeed's tag at tensor_parallel 2 (dp 1): resharded through the index
         sw = _sw_engine({**cfg, "tensor_parallel": {"size": 2}})
@@ -325,6 +334,8 @@ def test_zero_to_fp32_reads_shardwise_checkpoints(results: list[dict], stage: in
     r = results[0][stage]
     assert all(r["zero_to_fp32"].values()), [k for k, same in r["zero_to_fp32"].items() if not same]
     assert r["zero_to_fp32_extra"] == []
+    if stage == 3:
+        assert r["zero_to_fp32_script"]
 
 
 def test_deepspeed_checkpoint_reshards(results: list[dict]) -> None:
