@@ -1,8 +1,11 @@
 """Checkpoints in DeepSpeed's layout, written atomically.
 
-    SAVE_DIR/latest                              text: the newest tag
+    SAVE_DIR/latest                              text: the newest tag (`latest_universal` for DeepSpeed's
+                                                 universal checkpoints)
     SAVE_DIR/TAG/mp_rank_MM_model_states.pt      module, optimizer, scheduler, counters, config, client state
-    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_MM_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
+    SAVE_DIR/TAG/zero_pp_rank_R_mp_rank_MM_model_states.pt   ZeRO-3 instead: one per data-parallel rank
+    SAVE_DIR/TAG/[bf16_]zero_pp_rank_R_mp_rank_MM_optim_states.pt   ZeRO: data-parallel rank R's optimizer shard
+    SAVE_DIR/TAG/layer_XX-model_states.pt        a pipeline of layers: layer XX's module states
 
 MM is the model-parallel rank, pp_stage * tp + tp_rank as in DeepSpeed's grid (00 without model parallelism):
 each (stage, TP rank)'s files hold its slices, written by the ranks of data-parallel index 0 (model states) and

@@ -1,9 +1,15 @@
 """`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs. Files of one tag
 (`files.py` writes them, atomically and collectively):
 
-    mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
-    zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
+    mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config, client
+                                                state, DeepSpeed's metadata (ZeRO-3: one per dp rank D,
+                                                zero_pp_rank_D_mp_rank_MM_model_states.pt)
+    zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D, ours and
+                                                DeepSpeed's partition (`deepspeed_write.py`)
+    layer_XX-model_states.pt                    a pipeline of layers: each layer's module states
     shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
+
+DeepSpeed's load_checkpoint and zero_to_fp32.py read these tags; `load` reads DeepSpeed's (`deepspeed_read.py`).
 
 Nothing here asks which strategy runs: the mesh gives the layout, the context's `naming` names a stage's tensors,
 its `state` and `dp_runtime` give their state.
