@@ -100,17 +100,20 @@ def model_state_keys(ctx: CheckpointContext, groups: list[Group], *, zero_stage:
             first[id(p)] = names[local]
     zero = zero_stage > 0
     frozen = [(names[n], p) for n, p in ctx.module.named_parameters() if not p.requires_grad]
-    # DeepSpeed keeps frozen weights beside the flat groups from ZeRO-2 on (stage 2: whole; stage 3 would be the
-    # rank's piece, which our ZeRO-3 does not hold apart: left out there, as with exclude_frozen_parameters).
-    keep_frozen = zero_stage == 2 and not exclude_frozen
+    # DeepSpeed keeps frozen weights beside the flat groups from ZeRO-2 on (stage 2: whole). At stage 3 they would
+    # be the rank's piece, which our ZeRO-3 does not hold apart: None there (DeepSpeed then keeps its own values),
+    # as with exclude_frozen_parameters; an empty dict where there are none, as DeepSpeed writes it.
+    frozen_kept: OrderedDict[str, Any] | None = None
+    frozen_shapes: OrderedDict[str, Any] | None = None
+    if zero_stage >= 2 and not exclude_frozen and (zero_stage == 2 or not frozen):
+        frozen_kept = OrderedDict((n, p.detach().cpu()) for n, p in frozen)
+        frozen_shapes = OrderedDict((n, p.shape) for n, p in frozen)
     return {
         "buffer_names": buffers,
         "param_shapes": [OrderedDict(zip(map(ds, g.names), g.shapes)) for g in groups] if zero else None,
-        "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if keep_frozen else
-        (OrderedDict() if zero_stage >= 2 else None),
+        "frozen_param_shapes": frozen_shapes,
         "shared_params": shared if zero else None,
-        "frozen_param_fragments": OrderedDict((n, p.detach().cpu()) for n, p in frozen) if keep_frozen else
-        (OrderedDict() if zero_stage >= 2 else None),
+        "frozen_param_fragments": frozen_kept,
         "data_sampler": None,
         "random_ltd": None,
         "ds_version": DEEPSPEED_VERSION,

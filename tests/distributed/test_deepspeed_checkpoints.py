@@ -274,10 +274,48 @@ def _bf16(root: str, stage: int) -> dict:
     return out
 
 
+def _frozen(root: str) -> dict:
+    """exclude_frozen_parameters=True at ZeRO-2 (the position table frozen): DeepSpeed's strict load of our tag
+    refuses it, its non-strict load takes the rest and keeps its own frozen table."""
+    deepspeed = _deepspeed()
+    cfg = config(2)
+
+    def frozen(model):
+        model.get_parameter("embed.pos.weight").requires_grad_(False)
+        return model
+
+    import shardwise
+    model = frozen(tiny_gpt(seq_len=SEQ, seed=99))
+    sw, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+    _steps(sw, 0, SAVE_AT)
+    sw.save_checkpoint(f"{root}/frozen", exclude_frozen_parameters=True)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sw.close()
+    out: dict = {}
+    with _LinearGuard():
+        model = frozen(tiny_gpt(seq_len=SEQ))
+        ds, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+        built = model.state_dict()["embed.pos.weight"].clone()
+        try:
+            ds.load_checkpoint(f"{root}/frozen")
+            out["strict"] = None
+        except RuntimeError as e:
+            out["strict"] = str(e)
+        del ds
+        model = frozen(tiny_gpt(seq_len=SEQ))
+        ds, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
+        ds.load_checkpoint(f"{root}/frozen", load_module_strict=False)
+        loaded = model.state_dict()
+        out["same"] = {k: torch.equal(loaded[k], saved[k] if k != "embed.pos.weight" else built) for k in saved}
+        del ds
+    return out
+
+
 def _run(root: str) -> dict:
     torch.set_num_threads(1)
     out: dict = {stage: _both_ways(root, stage) for stage in (0, 1, 2, 3)}
     out["bf16"] = {stage: _bf16(root, stage) for stage in (1, 2, 3)}
+    out["frozen"] = _frozen(root)
     out["pipeline"] = _pipeline(root)          # last: DeepSpeed's pipeline leaves its model-parallel grid set
     return out
 
@@ -376,3 +414,10 @@ def test_bf16_checkpoints_cross_both_ways(results: list[dict], stage: int) -> No
         assert r["ds_from_sw"] == r["ds_continued"], f"bf16 stage {stage} rank {rank}"
         if stage < 3:
             assert r["sw_from_ds"] == r["ds_continued"], f"bf16 stage {stage} rank {rank}"
+
+
+def test_frozen_parameters_left_out_load_in_deepspeed_non_strict(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        r = res["frozen"]
+        assert r["strict"] is not None and "embed.pos.weight" in r["strict"], r["strict"]
+        assert all(r["same"].values()), [k for k, same in r["same"].items() if not same]
