@@ -133,6 +133,16 @@ def _both_ways(root: str, stage: int) -> dict:
         ds.load_checkpoint(ds_dir, load_optimizer_states=False)
         out["ds_no_optimizer"] = (_steps(ds, SAVE_AT, AFTER), ds.global_steps)
         del ds
+    if stage == 1:          # the scheduler starts over (its warm-up again); the optimizer's lr is the saved one
+        with _LinearGuard():
+            ds = _ds_engine(deepspeed, cfg)
+            ds.load_checkpoint(ds_dir, load_lr_scheduler_states=False)
+            out["ds_no_scheduler"] = (_steps(ds, SAVE_AT, AFTER), ds.global_steps)
+            del ds
+        sw = _sw_engine(cfg)
+        sw.load_checkpoint(ds_dir, load_lr_scheduler_states=False)
+        out["sw_no_scheduler"] = (_steps(sw, SAVE_AT, AFTER), sw.global_steps)
+        sw.close()
 
     sw = _sw_engine(cfg)
     sw.load_checkpoint(ds_dir)      # start from the same weights as DeepSpeed's run, then save our own tag
@@ -352,7 +362,8 @@ def test_shardwise_checkpoint_resumes_under_deepspeed(results: list[dict], stage
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_load_variants_match_deepspeed(results: list[dict], stage: int) -> None:
     """load_module_only: weights only (step 0, fresh Adam); load_optimizer_states=False: weights, counters and
-    scheduler, fresh moments; as DeepSpeed does each. One deliberate difference: DeepSpeed's load_module_only at
+    scheduler, fresh moments; load_lr_scheduler_states=False (stage 1): all but the scheduler; as DeepSpeed does
+    each. One deliberate difference: DeepSpeed's load_module_only at
     ZeRO-3 loads its module states, which hold only placeholders there, so its model keeps the weights it was
     built with; shardwise loads the saved weights (from the optimizer files' masters)."""
     for rank, res in enumerate(results):
@@ -361,7 +372,8 @@ def test_load_variants_match_deepspeed(results: list[dict], stage: int) -> None:
             ours, our_steps = r["sw_module_only"]
             assert ours[0] == r["ds_continued"][0] and our_steps == AFTER      # counted from 0
             assert r["ds_module_only"][0][0] != r["ds_continued"][0]      # DeepSpeed's: the built weights
-        for key in ("no_optimizer",) if stage == 3 else ("module_only", "no_optimizer"):
+        keys = ("no_optimizer",) if stage == 3 else ("module_only", "no_optimizer")
+        for key in keys + (("no_scheduler",) if stage == 1 else ()):
             (ours, our_steps), (theirs, their_steps) = r[f"sw_{key}"], r[f"ds_{key}"]
             _same_next_losses(ours, theirs, f"stage {stage} {key} rank {rank}")
             assert our_steps == their_steps, f"stage {stage} {key}: global_steps {our_steps} vs {their_steps}"
