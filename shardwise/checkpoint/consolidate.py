@@ -78,8 +78,8 @@ def consolidated_state_dict(path: str | Path, *, reference: nn.Module) -> dict[s
 def _from_index(tag: Path, index: Any, reference: nn.Module) -> dict[str, Tensor]:
     """Every tensor through the tag's index (`index.py`): from the model states where they hold it, else (a
     ZeRO-3 parameter) from the masters of the optimizer shards; TP slices joined along their split dim."""
-    from shardwise.checkpoint.reshard import VALUE, FileReader, _Assembler
-    build = _Assembler(index, FileReader(tag))
+    from shardwise.checkpoint.reshard import VALUE, FileReader, Assembler
+    build = Assembler(index, FileReader(tag))
     source: dict[int, str] = {}
     for name, p in reference.named_parameters(remove_duplicate=False):
         source.setdefault(id(p), name)

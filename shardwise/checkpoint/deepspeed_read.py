@@ -13,7 +13,7 @@ What DeepSpeed writes (`runtime/engine.py` `_save_checkpoint`, `_save_zero_check
     zero_pp_rank_D_mp_rank_00_optim_states.pt    ZeRO: rank D's flat fp32 partition(s) and the torch optimizer's
                                             state over them (`deepspeed_layout.py` says where each element is)
 
-The view a file gets under `VIEW` is what `reshard._Assembler` reads of ours: {"optimizer": torch state dict,
+The view a file gets under `VIEW` is what `reshard.Assembler` reads of ours: {"optimizer": torch state dict,
 "masters": [flat fp32 tensors] or None, "scaler": {"cur_scale", ...}}.
 """
 

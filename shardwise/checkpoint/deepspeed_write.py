@@ -4,7 +4,8 @@ then read a tag of ours as one of its own (fp32, without tensor or pipeline para
 
 Our ZeRO shards are cut otherwise than DeepSpeed's partitions (per bucket or unit, not per param group), so
 the DeepSpeed view of rank r's optimizer state holds elements other ranks hold. A save therefore runs in two
-phases (`files.write_tag`): every rank writes its own shard (under `files.NATIVE_OPTIMIZER_STATE_DICT`, which our index points to);
+phases (`files.write_tag`): every rank writes its own shard (under `files.NATIVE_OPTIMIZER_STATE_DICT`, which
+our index points to);
 then rank r reads, through the index, the elements of DeepSpeed's partition r from the staged files and rewrites
 its file with both.
 
@@ -25,7 +26,7 @@ import torch
 from shardwise.checkpoint import deepspeed_layout as layout
 from shardwise.checkpoint.index import CheckpointIndex
 from shardwise.comm.topology import Axis
-from shardwise.checkpoint.reshard import RUN_OWN_OPTIONS, VALUE, FileReader, _Assembler, _per_element
+from shardwise.checkpoint.reshard import RUN_OWN_OPTIONS, VALUE, FileReader, Assembler, per_element
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.context import CheckpointContext
@@ -190,7 +191,7 @@ def zero_optimizer_state(ctx: CheckpointContext, index: CheckpointIndex, read: F
     """DeepSpeed's `optimizer_state_dict` of this rank's ZeRO file: its partition of each flat group (fp32
     values and per-element optimizer states, assembled from every rank's staged shard through `index`), the
     optimizer's scalars and options."""
-    build = _Assembler(index, read)
+    build = Assembler(index, read)
     dp, rank = ctx.dp_size, ctx.dp_rank
     flats, states, param_groups = [], {}, []
     for g, group in enumerate(groups):
@@ -201,14 +202,14 @@ def zero_optimizer_state(ctx: CheckpointContext, index: CheckpointIndex, read: F
             pads = [0] * len(numels)
             runs, size = layout.zero12_runs(numels, pads, dp), layout.zero12_partition_numel(numels, pads, dp)
         saved = _saved_state(index, read, group.names[0])
-        keys = [VALUE] + [k for k, v in saved.items() if _per_element(v)]
+        keys = [VALUE] + [k for k, v in saved.items() if per_element(v)]
         out = {k: torch.zeros(size, dtype=torch.float32) for k in keys}
         for name, param_runs in zip(group.names, runs):
             for run in param_runs:
                 if run.rank == rank:
                     for k in keys:
                         out[k][run.dst:run.dst + run.hi - run.lo] = build.local(name, 0, 1, None, run.lo, run.hi, k)
-        state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items() if not _per_element(v)}
+        state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in saved.items() if not per_element(v)}
         state.update({k: out[k] for k in keys if k != VALUE})
         states[g] = state
         flat = out[VALUE]
@@ -219,7 +220,8 @@ def zero_optimizer_state(ctx: CheckpointContext, index: CheckpointIndex, read: F
     optimizer = {"state": states, "param_groups": param_groups}
     if zero_stage == 3:
         return {"zero_stage": 3, "loss_scaler": loss_scaler(scaler, ctx.raw_config),
-                "dynamic_loss_scale": "cur_iter" in scaler, "overflow": False, "partition_count": dp, "optimizer_state_dict": optimizer,
+                "dynamic_loss_scale": "cur_iter" in scaler, "overflow": False, "partition_count": dp,
+                "optimizer_state_dict": optimizer,
                 "fp32_flat_groups": flats}
     totals = [sum(g.numels) for g in groups]
     sizes = [layout.zero12_partition_numel(g.numels, [0] * len(g.numels), dp) for g in groups]

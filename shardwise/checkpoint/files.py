@@ -196,8 +196,9 @@ def _tags(root: Path) -> list[str]:
         if root.is_dir() else []
 
 
-_OURS = re.compile(r"((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
-                   r"shardwise_index\.pt)(\.tmp-.*)?")
+_OURS = re.compile(r"\.?((zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt|layer_\d+-model_states\.pt|"
+                   r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt|"
+                   r"shardwise_index\.pt)(\.tmp-.*)?")          # ".NAME.tmp-*": a half-written atomic_save
 
 
 def remove_stale_staging(root: Path, *, keep: Path) -> list[Path]:

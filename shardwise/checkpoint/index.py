@@ -297,8 +297,9 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
     entries: list[IndexEntry] = []
     fragments: dict[str, list[Fragment]] = {}
     if state.checkpoint_per_rank or writes_model:
-        file, key = ((ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16), ckpt.NATIVE_OPTIMIZER_STATE_DICT)
-                     if state.checkpoint_per_rank else (model_file, NATIVE_STAGE0_KEY))
+        shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
+        file, key = ((shard, ckpt.NATIVE_OPTIMIZER_STATE_DICT) if state.checkpoint_per_rank else
+                     (model_file, NATIVE_STAGE0_KEY))
         param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
         for k, (e, t) in enumerate(zip(stepped, state.stepped)):
             entries.append(IndexEntry(file, key, e.optimizer_index, e.master_index, t.numel(), e.options))

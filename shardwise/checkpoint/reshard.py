@@ -59,7 +59,7 @@ class FileReader:
         return self._open[name]
 
 
-class _Assembler:
+class Assembler:
     """Reads TP slices (or runs of them) of saved tensors out of the fragments and module files."""
 
     def __init__(self, index: CheckpointIndex, read: FileReader):
@@ -252,7 +252,7 @@ class Plan:
 
     def _check_optimizer(self) -> str | None:
         fragments, tensors = self.index.fragments, self.index.tensors
-        build = _Assembler(self.index, self.read)
+        build = Assembler(self.index, self.read)
         for pieces, options in zip(self.stepped, self.options):
             for piece in pieces:
                 name = piece.name
@@ -309,7 +309,7 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
     """Write the planned tensors into the run (after `agree`): module states a few at a time (at most
     ~`_CHUNK_BYTES` assembled at once), then what the optimizer steps and, with `load_optimizer_states`, its
     state, options and the loss scaler."""
-    ctx, build = plan.ctx, _Assembler(plan.index, plan.read)
+    ctx, build = plan.ctx, Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     for name, mine in plan.module.items():
@@ -339,18 +339,18 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
         options.append(dict(entry.options))
         state = saved["optimizer"]["state"].get(entry.optimizer_index, {})
         # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
-        states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
+        states.append({k: _stepped(build, plan, pieces, stepped, k) if per_element(v) else
                        (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
     ctx.state.load_stepped(values, states if load_optimizer_states else None,
                          options if load_optimizer_states else None, scaler)
 
 
-def _per_element(value: Any) -> bool:
+def per_element(value: Any) -> bool:
     """Adam's moments, SGD's momentum: one value per element (Adam's `step` is a 0-dim tensor)."""
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def _stepped(build: _Assembler, plan: Plan, pieces: list[LocalPiece], stepped: torch.Tensor,
+def _stepped(build: Assembler, plan: Plan, pieces: list[LocalPiece], stepped: torch.Tensor,
              key: str) -> torch.Tensor:
     """A tensor shaped like `stepped` (fp32, on the CPU) holding the saved `key` of each piece; padding 0."""
     out = torch.zeros(stepped.numel(), dtype=torch.float32)

@@ -128,8 +128,8 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
         files[optim_file] = {ckpt.NATIVE_OPTIMIZER_STATE_DICT: native, "ds_config": ctx.raw_config,
                              "ds_version": deepspeed_write.DEEPSPEED_VERSION}
     # Every rank gets the index: the second phase reads the staged shards through it.
-    index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where, exclude_frozen=exclude_frozen),
-                                       everywhere=True)
+    mine = checkpoint_index.rank_contribution(ctx, where, exclude_frozen=exclude_frozen)
+    index = checkpoint_index.gather_index(ctx, mine, everywhere=True)
     assert index is not None
     if dist.get_rank() == 0:
         files[checkpoint_index.INDEX] = index.to_dict()
