@@ -117,8 +117,16 @@ def _view(loaded: dict[str, Any]) -> dict[str, Any] | None:
                     "scaler": _scaler_state(sd.get("loss_scaler"))}
         return {"optimizer": sd["base_optimizer_state"], "masters": sd["single_partition_of_fp32_groups"],
                 "scaler": _scaler_state(sd.get("loss_scaler"))}
-    if isinstance(loaded.get("optimizer"), dict) and "state" in loaded["optimizer"]:
-        return {"optimizer": loaded["optimizer"], "masters": None, "scaler": {"cur_scale": 1.0}}
+    optimizer = loaded.get("optimizer")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        return {"optimizer": optimizer, "masters": None, "scaler": {"cur_scale": 1.0}}
+    if isinstance(optimizer, dict) and "fp32_groups" in optimizer:         # bf16 / fp16: DeepSpeed's wrapper
+        scaler = {"cur_scale": float(optimizer["cur_scale"])}
+        if optimizer.get("dynamic_loss_scale"):
+            scaler.update(cur_iter=optimizer["cur_iter"], last_overflow_iter=optimizer["last_overflow_iter"],
+                          cur_hysteresis=1)
+        masters = [m.reshape(-1) for group in optimizer["fp32_groups"] for m in group]
+        return {"optimizer": optimizer["optimizer_state_dict"], "masters": masters, "scaler": scaler}
     return None
 
 
@@ -235,10 +243,13 @@ def _stage0(read: DeepSpeedReader, file: str, states: dict[str, Any], params: li
     optimizer = states.get("optimizer")
     if optimizer is None:
         return params                              # saved without an optimizer: weights only
+    wrapped = "fp32_groups" in optimizer          # bf16 / fp16: the fp32 masters beside torch's state dict
+    if wrapped:
+        optimizer = optimizer["optimizer_state_dict"]
     if "state" not in optimizer or "param_groups" not in optimizer:
-        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's stage-0 optimizer state here is a bf16/fp16 "
-                                   f"optimizer wrapper's ({sorted(optimizer)[:4]}...), which shardwise does not "
-                                   f"read; load it with load_optimizer_states=False, or save it in fp32")
+        raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's stage-0 optimizer state here is an optimizer "
+                                   f"wrapper's ({sorted(optimizer)[:4]}...), which shardwise does not read; load it "
+                                   f"with load_module_only=True, or save it in fp32")
     count = sum(len(g["params"]) for g in optimizer["param_groups"])
     if count > len(params):
         raise ckpt.CheckpointError(f"{read.path}: DeepSpeed's optimizer steps {count} tensors but the model states "
@@ -257,7 +268,8 @@ def _stage0(read: DeepSpeedReader, file: str, states: dict[str, Any], params: li
                                            f"the parameters in another order than the model's; shardwise reads "
                                            f"only the model's order")
             fragments.setdefault(name, []).append(Fragment(0, 0, numel, len(entries), 0))
-            entries.append(IndexEntry(file, VIEW, i, None, numel, _options(group)))
+            # The fp32 master i (flattened over the groups, torch's numbering) when wrapped, else the parameter.
+            entries.append(IndexEntry(file, VIEW, i, i if wrapped else None, numel, _options(group)))
     return params[count:]
 
 

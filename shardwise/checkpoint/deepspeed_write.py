@@ -130,6 +130,24 @@ def scheduler_state(scheduler: Any) -> dict[str, Any]:
     return state
 
 
+def stage0_optimizer(ctx: CheckpointContext, native: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's stage-0 `optimizer`: torch's state dict in fp32; in bf16 / fp16 its FP16_UnfusedOptimizer's
+    (the loss scale, torch's state dict over the fp32 masters, and the masters per param group). The tensors are
+    our state dict's own (pickled once)."""
+    if native["masters"] is None:
+        return dict(native["optimizer"])
+    master_of = {e.optimizer_index: e.master_index for e in ctx.state.entries()}
+    groups = [[native["masters"][master_of[i]] for i in g["params"]] for g in native["optimizer"]["param_groups"]]
+    scaler = native["scaler"]
+    state: dict[str, Any] = {"dynamic_loss_scale": "cur_iter" in scaler, "cur_scale": scaler["cur_scale"],
+                             "cur_iter": scaler.get("cur_iter", 0)}
+    if "cur_iter" in scaler:
+        fp16 = ctx.raw_config.get("fp16") or {}
+        state.update(last_overflow_iter=scaler["last_overflow_iter"], scale_factor=2.0,
+                     scale_window=int(fp16.get("loss_scale_window", 1000)))
+    return {**state, "optimizer_state_dict": native["optimizer"], "fp32_groups": groups}
+
+
 def _plain(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
         return True

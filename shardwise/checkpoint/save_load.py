@@ -107,9 +107,9 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             "module": None if layers else module,
             **deepspeed_write.model_state_keys(ctx, groups, zero_stage=ctx.zero_stage, exclude_frozen=exclude_frozen,
                                                strip=deepspeed_read.PIPELINE_PREFIX if layers else ""),
-            # Stage 0: torch's optimizer state dict is DeepSpeed's "optimizer"; ours holds it with the masters
-            # and the loss scaler (pickled once: the same object).
-            "optimizer": None if per_rank else native["optimizer"],
+            # Stage 0: torch's optimizer state dict (in bf16 / fp16 inside DeepSpeed's wrapper's) is DeepSpeed's
+            # "optimizer"; ours holds it with the masters and the loss scaler (pickled once: the same objects).
+            "optimizer": None if per_rank else deepspeed_write.stage0_optimizer(ctx, native),
             "shardwise_optimizer": None if per_rank else native,
             "lr_scheduler": deepspeed_write.scheduler_state(ctx.lr_scheduler) if ctx.lr_scheduler is not None
             else None,
