@@ -16,7 +16,7 @@ from torch import nn
 from shardwise.comm.collectives import Comm
 from shardwise.models.gpt import GPT
 from shardwise.parallel.recompute import recompute_call
-from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
+from shardwise.parallel.tensor_parallel.layers import TP_MESH_ATTR, TensorParallelError, not_divisible
 from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor_parallel.plan import (
     COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, own_plan, pattern_regex, resolve_plan,
@@ -321,3 +321,43 @@ def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool =
                               f"{type(model).__name__}; use shardwise.models.GPT, a Hugging Face model whose config "
                               f"has base_model_tp_plan, or set model.shardwise_tp_plan (module-name patterns -> "
                               f'"colwise", "rowwise", "vocab", ...; see shardwise.parallel.tensor_parallel.plan)')
+
+
+# -- the torch-native entry point ---------------------------------------------------------------------
+
+def parallelize_module(module: nn.Module, device_mesh: Any, parallelize_plan: Mapping[str, Any] | None = None, *,
+                       sequence_parallel: bool = False) -> nn.Module:
+    """Tensor parallelism in torch's shape (`torch.distributed.tensor.parallel.parallelize_module`), on shardwise's
+    layers, as torchtitan composes it with `fully_shard`:
+
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        shardwise.parallelize_module(model, mesh["tp"], {"blocks.*.mlp.fc": ColwiseParallel(),
+                                                         "blocks.*.mlp.proj": RowwiseParallel()})
+        for block in model.blocks:
+            shardwise.fully_shard(block, mesh=mesh["dp"])
+        shardwise.fully_shard(model, mesh=mesh["dp"])  # parameters: DTensors on the (dp, tp) mesh
+
+    `device_mesh`: the 1-D tp mesh (or a ProcessGroup). `parallelize_plan`: module-name patterns (`*` for an
+    index) -> torch's ColwiseParallel / RowwiseParallel / SequenceParallel objects or shardwise's style names
+    (`parallel/tensor_parallel/plan.py`); None: the model's own plan (`parallelize_model`: the built-in GPT,
+    Hugging Face models with a base_model_tp_plan, `shardwise_tp_plan`). Each named layer is replaced in place by
+    one cut from it, whose parameters are this rank's plain slices; every parameter is marked with the tp mesh,
+    so `fully_shard` over the dp mesh shows it as a DTensor of the whole model. Returns `module`. (A model split
+    by torch's own `parallelize_module` also composes with `fully_shard`: `parallel/wrappers/torch_tp.py`.)"""
+    from shardwise.comm.ledger import CommLedger
+    from shardwise.errors import UserError
+    group, mesh = device_mesh, None
+    if hasattr(device_mesh, "get_group") and hasattr(device_mesh, "ndim"):       # torch's DeviceMesh
+        if device_mesh.ndim != 1:
+            raise UserError(f"parallelize_module: device_mesh is {device_mesh.ndim}-D; give its tp dimension, "
+                            f'mesh["tp"]')
+        group, mesh = device_mesh.get_group(), device_mesh
+    comm = group if isinstance(group, Comm) else Comm(group, CommLedger(), name="tp")
+    if parallelize_plan is None:
+        parallelize_model(module, comm, sequence_parallel=sequence_parallel)
+    else:
+        apply_tensor_parallel(module, comm, parallelize_plan)
+    if mesh is not None:
+        for p in module.parameters():
+            setattr(p, TP_MESH_ATTR, mesh)
+    return module
