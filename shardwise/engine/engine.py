@@ -221,13 +221,20 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return CheckpointContext(module=self.module, mesh=self.mesh, ledger=self.ledger, naming=self._naming,
                                  state=self._sharded_state, dp_runtime=self.dp_runtime,
                                  lr_scheduler=self.lr_scheduler, progress=self.steps,
-                                 raw_config=self.config.raw)
+                                 raw_config=self.config.raw, zero_stage=self.config.zero.stage,
+                                 bf16=self.compute_dtype == torch.bfloat16,
+                                 tag_validation=str((self.config.raw.get("checkpoint") or {})
+                                                    .get("tag_validation", "Warn")))
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True) -> bool:
-        """Collective: every rank calls it. DeepSpeed's layout, per model-parallel rank (`checkpoint.save_load`).
-        With save_latest=False the tag is written but `latest` keeps naming the tag it named."""
-        return save_load.save(self.checkpoint_context(), save_dir, tag, client_state, save_latest=save_latest)
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: every rank calls it. DeepSpeed's files and keys, per model-parallel rank
+        (`checkpoint.save_load`): DeepSpeed's load_checkpoint and zero_to_fp32.py read them. With save_latest=False
+        the tag is written but `latest` keeps naming the tag it named; with exclude_frozen_parameters the
+        parameters that do not require grad are left out of the model states (load them with
+        load_module_strict=False, as with DeepSpeed)."""
+        return save_load.save(self.checkpoint_context(), save_dir, tag, client_state, save_latest=save_latest,
+                              exclude_frozen=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
