@@ -18,7 +18,9 @@ DeepSpeed's other names scripts use: `shardwise.add_config_arguments`, `shardwis
 The torch-native way in, for a plain optimizer and loop: `shardwise.fully_shard(block)` per block then on the
 model (FSDP2's shape, `MixedPrecisionPolicy`, `CPUOffloadPolicy`), `shardwise.FullyShardedDataParallel(model,
 mixed_precision=shardwise.MixedPrecision(...))` (FSDP1's) and `shardwise.DistributedDataParallel(model)`;
-`shardwise.get_state_dict` / `set_state_dict` save and resume them (model and optimizer, full or sharded).
+`shardwise.get_state_dict` / `set_state_dict` save and resume them (model and optimizer, full or sharded);
+`shardwise.parallelize_module(model, mesh["tp"], plan)` splits a model over a (dp, tp) DeviceMesh's tp dimension
+before `fully_shard(..., mesh=mesh["dp"])`, as torchtitan composes them.
 
 Names are resolved lazily so that torch-free parts (the planner) can be imported without torch.
 """
@@ -34,6 +36,8 @@ _EXPORTS = {
     "initialize": "shardwise.engine.initialize",
     "init_distributed": "shardwise.comm.dist_api",
     "Engine": "shardwise.engine.engine",
+    "DeepSpeedEngine": "shardwise.engine.engine",
+    "PipelineEngine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
     "ConfigWarning": "shardwise.config",
@@ -52,6 +56,7 @@ _EXPORTS = {
     "OffloadPolicy": "shardwise.parallel.wrappers",
     "get_state_dict": "shardwise.parallel.wrappers",
     "set_state_dict": "shardwise.parallel.wrappers",
+    "parallelize_module": "shardwise.models.parallelize",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -61,6 +66,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing", "zero", "ops",
-                "utils"):
+                "utils", "runtime"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

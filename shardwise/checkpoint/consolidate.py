@@ -30,7 +30,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{str(p)!r}: no such run directory or checkpoint")
-    if (p / ckpt.MODEL_STATES).is_file():
+    if ckpt.head_name(p) is not None:
         return p
     if (p / CHECKPOINT_DIR).is_dir():
         p = p / CHECKPOINT_DIR
@@ -52,6 +52,10 @@ def consolidated_state_dict(path: str | Path, *, reference: nn.Module) -> dict[s
     files (`_fill_zero3`).
     """
     tag = resolve_checkpoint(path)
+    from shardwise.checkpoint.index import read_index
+    index = read_index(tag)
+    if index is not None:
+        return _from_index(tag, index, reference)
     head = ckpt.read_model_states(tag, 0)
     tp, pp = int(head.get("mp_world_size", 1)), int(head.get("pp_world_size", 1))
     full = reference.state_dict(keep_vars=True)
@@ -69,6 +73,46 @@ def consolidated_state_dict(path: str | Path, *, reference: nn.Module) -> dict[s
         raise CheckpointError(f"{tag} does not fit the model ({example}): it was written for another model; "
                               f"check --model / RUN_DIR/model.json")
     return {name: _join_tp(name, [s[name] for s in per_tp], full[name].shape) for name in full}
+
+
+def _from_index(tag: Path, index: Any, reference: nn.Module) -> dict[str, Tensor]:
+    """Every tensor through the tag's index (`index.py`): from the model states where they hold it, else (a
+    ZeRO-3 parameter) from the masters of the optimizer shards; TP slices joined along their split dim."""
+    from shardwise.checkpoint.reshard import VALUE, FileReader, Assembler
+    build = Assembler(index, FileReader(tag))
+    source: dict[int, str] = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        source.setdefault(id(p), name)
+    first = {name: source[id(p)] for name, p in reference.named_parameters(remove_duplicate=False)}
+    out: dict[str, Tensor] = {}
+    for name, t in reference.state_dict(keep_vars=True).items():
+        info = index.tensors.get(name)
+        held = first.get(name, name)
+        key = "module" if name in index.module else VALUE
+        if info is None or (key == VALUE and held not in index.fragments):
+            raise CheckpointError(f"{tag} does not fit the model (no weights for {name}): it was written for "
+                                  f"another model; check --model / RUN_DIR/model.json")
+        if tuple(info.shape) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(info.shape)} and the model "
+                                  f"{tuple(t.shape)}: it was written for another model; check --model / "
+                                  f"RUN_DIR/model.json")
+        value = build.local(name if key == "module" else held, 0, 1, info.tp_dim, 0, t.numel(), key).view(t.shape)
+        dtype = _saved_dtype(build, index, name) if key == VALUE else value.dtype
+        out[name] = value.to(dtype)
+    extra = sorted(set(index.tensors) - set(out))
+    if extra:
+        raise CheckpointError(f"{tag} does not fit the model (weights for {extra[0]}, not in the model): it was "
+                              f"written for another model; check --model / RUN_DIR/model.json")
+    return out
+
+
+def _saved_dtype(build: Any, index: Any, name: str) -> torch.dtype:
+    """The training dtype of a parameter whose value comes from the fp32 masters: its model-states placeholder's."""
+    for mp_rank in range(index.dims.tp * index.dims.pp):
+        placeholder = (build.read(ckpt.model_states_file(build.read.path, mp_rank).name)["module"] or {}).get(name)
+        if placeholder is not None:
+            return placeholder.dtype  # type: ignore[no-any-return]
+    return torch.float32
 
 
 def _merge_stages(tag: Path, tp_rank: int, tp: int, pp: int) -> dict[str, Tensor]:
@@ -150,7 +194,7 @@ def _fill_zero3(tag: Path, head: dict[str, Any], module: dict[str, Tensor], refe
     dp = int(head.get("dp_world_size", 1))
     threshold, model_threshold = _zero3_thresholds(head, dp * int(head.get("mp_world_size", 1)))
     plans, _ = plan_units(reference, persistence_threshold=threshold, model_persistence_threshold=model_threshold)
-    shards = [ckpt.read_optim_states(tag, r, tp_rank)["optimizer_state_dict"] for r in range(dp)]
+    shards = [ckpt.native_optimizer_state(ckpt.read_optim_states(tag, r, tp_rank)) for r in range(dp)]
     sizes = [[p.numel() for p in plan.params] for plan in plans]
     recorded = shards[0].get("flat_numels", [])
     if shards[0].get("zero_stage") != 3 or recorded[:len(sizes)] != [sum(s) for s in sizes] \

@@ -41,6 +41,14 @@ class CheckpointContext:
     progress: Progress
     raw_config: dict[str, Any]
     """The config as the user gave it, saved as DeepSpeed's ds_config."""
+    zero_stage: int = 0
+    """The ZeRO stage: DeepSpeed's file names and optimizer-state format depend on it (its ZeRO-3 model states
+    are one file per dp rank; its ZeRO optimizer files hold flat partitions of another shape per stage)."""
+    bf16: bool = False
+    """Whether the run trains in bf16: DeepSpeed then names the ZeRO optimizer files "bf16_zero_pp_rank_...".
+    """
+    tag_validation: str = "Warn"
+    """DeepSpeed's checkpoint.tag_validation: "Ignore", "Warn" or "Fail" when ranks save under different tags."""
 
     def comm(self, axis: Axis) -> Comm:
         """The `axis` group for the checkpoint's own small collectives (barriers, agreement, the index)."""

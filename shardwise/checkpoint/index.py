@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 INDEX = "shardwise_index.pt"
 VERSION = 1
+NATIVE_STAGE0_KEY = "shardwise_optimizer"
+"""Where stage 0's model states keep our optimizer state (torch's state dict, the masters, the loss scaler);
+DeepSpeed's `optimizer` beside it is torch's state dict alone."""
 
 
 @dataclass(frozen=True)
@@ -250,9 +253,21 @@ def _full_shape(local: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, 
     return tuple(n * tp if d == dim else n for d, n in enumerate(local))
 
 
-def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False) -> CheckpointIndex:
+def per_layer(ctx: CheckpointContext, where: dict[str, int]) -> bool:
+    """Whether the module states go into one file per pipeline layer, as DeepSpeed's PipelineModule saves them
+    (`layer_XX-model_states.pt`, DeepSpeed's PipelineEngine reads nothing else): a pipeline without tensor
+    parallelism whose stages hold layers of a layer list ("layers.<i>.<name>": our PipelineModule's)."""
+    if where["pp_size"] == 1 or where["tp_size"] > 1:
+        return False
+    return all(ckpt.layer_file_of(n) is not None for n in ctx.naming.full_names(ctx.module).values())
+
+
+def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_writer: bool = False,
+                      exclude_frozen: bool = False) -> CheckpointIndex:
     """What this rank's files hold, under the full model's names (the index before merging). `as_writer`: also
-    on a dp rank other than 0, what it would write of the model states (what it reads back at this layout)."""
+    on a dp rank other than 0, what it would write of the model states (what it reads back at this layout).
+    `exclude_frozen`: the parameters that do not require grad are left out (save_checkpoint's
+    exclude_frozen_parameters)."""
     tp, tp_rank = where["tp_size"], where["tp_rank"]
     names = ctx.naming.full_names(ctx.module)
     own = ctx.module.state_dict(keep_vars=True)
@@ -260,22 +275,31 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
     stepped = state.entries()
     local_shape = {id(p.param): p.shape for e in stepped for p in e.pieces}
     writes_model = ctx.dp_rank == 0 or as_writer
-    model_file = ckpt.model_states_name(where["mp_rank"])
+    # DeepSpeed's names: at ZeRO-3 every dp rank writes model states; dp rank 0's are the ones indexed.
+    model_file = (ckpt.zero3_model_states_name(0, where["mp_rank"]) if ctx.zero_stage == 3 else
+                  ckpt.model_states_name(where["mp_rank"]))
     tensors: dict[str, TensorInfo] = {}
     module: dict[str, dict[int, str]] = {}
+    left_out = {id(p) for p in ctx.module.parameters() if not p.requires_grad} if exclude_frozen else set()
     for local, t in own.items():
+        if id(t) in left_out:
+            continue
         full, dim = names[local], getattr(t, TP_DIM_ATTR, None)
         # A ZeRO-3 parameter between uses is an empty placeholder: its shape comes from its pieces.
         shape = tuple(t.shape) if t.numel() > 0 else local_shape.get(id(t))
         if shape is not None:
             tensors[full] = TensorInfo(_full_shape(shape, dim, tp), dim)
-        if writes_model and t.numel() > 0:
-            module[full] = {tp_rank: model_file}
+        # At ZeRO-3 a trained parameter's value is its masters' (the model states hold DeepSpeed's placeholder).
+        placeholder = ctx.zero_stage == 3 and isinstance(t, torch.nn.Parameter) and t.requires_grad
+        if writes_model and t.numel() > 0 and not placeholder:
+            layer = ckpt.layer_file_of(full) if per_layer(ctx, where) else None
+            module[full] = {tp_rank: layer[0] if layer is not None else model_file}
     entries: list[IndexEntry] = []
     fragments: dict[str, list[Fragment]] = {}
     if state.checkpoint_per_rank or writes_model:
-        file, key = ((ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"]), "optimizer_state_dict")
-                     if state.checkpoint_per_rank else (model_file, "optimizer"))
+        shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
+        file, key = ((shard, ckpt.NATIVE_OPTIMIZER_STATE_DICT) if state.checkpoint_per_rank else
+                     (model_file, NATIVE_STAGE0_KEY))
         param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
         for k, (e, t) in enumerate(zip(stepped, state.stepped)):
             entries.append(IndexEntry(file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
@@ -285,14 +309,16 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
                            fragments={n: tuple(f) for n, f in fragments.items()})
 
 
-def gather_index(ctx: CheckpointContext, contribution: CheckpointIndex) -> CheckpointIndex | None:
-    """Every rank's contribution merged into the index, on world rank 0 (None elsewhere). Collective: the
-    contributions travel over dp, then tp, then pp, so after the three every rank's has arrived."""
+def gather_index(ctx: CheckpointContext, contribution: CheckpointIndex, *,
+                 everywhere: bool = False) -> CheckpointIndex | None:
+    """Every rank's contribution merged into the index, on world rank 0 (None elsewhere unless `everywhere`).
+    Collective: the contributions travel over dp, then tp, then pp, so after the three every rank's has
+    arrived."""
     parts = [contribution]
     for axis in (Axis.DP, Axis.TP, Axis.PP):
         comm = ctx.comm(axis)
         parts = [p for group in comm.all_gather_object(parts) for p in group]
-    if ctx.mesh.global_rank != 0:
+    if ctx.mesh.global_rank != 0 and not everywhere:
         return None
     return CheckpointIndex.merged(parts)
 

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 _CHUNK_BYTES = 256 << 20   # module tensors assembled at once: a ZeRO-3 rank never holds its whole TP slice
 VALUE = "value"          # the stepped tensor's value (fp32 master, or the parameter itself)
+RUN_OWN_OPTIONS = frozenset({"initial_lr", "foreach", "fused", "capturable", "differentiable"})
+"""Param-group options each run keeps as its own: torch's kernel choice and the scheduler's bookkeeping, not the
+arithmetic (DeepSpeed's optimizer has no `initial_lr` and builds torch's Adam with fused=None)."""
 
 
 class FileReader:
@@ -34,6 +37,8 @@ class FileReader:
     def __init__(self, path: Path, *, mmap: bool = True):
         self.path = path
         self.mmap = mmap
+        self.head = ckpt.head_name(path) or ckpt.MODEL_STATES
+        """The model-states file holding the counters, config and client state."""
         self._open: dict[str, Any] = {}
 
     def __call__(self, name: str) -> Any:
@@ -43,7 +48,10 @@ class FileReader:
                 raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
                                            f"restore it or load another tag")
             try:
-                self._open[name] = torch.load(file, map_location="cpu", weights_only=False, mmap=self.mmap)
+                self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
+                layer = ckpt.layer_module(name, self._open[name])
+                if layer is not None:       # a pipeline layer's file: its tensors under the full names too
+                    self._open[name]["module"] = layer
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "
@@ -51,7 +59,7 @@ class FileReader:
         return self._open[name]
 
 
-class _Assembler:
+class Assembler:
     """Reads TP slices (or runs of them) of saved tensors out of the fragments and module files."""
 
     def __init__(self, index: CheckpointIndex, read: FileReader):
@@ -212,6 +220,10 @@ class Plan:
         if not strict:              # DeepSpeed's load_module_strict=False: this model's extra tensors stay
             self.module = {n: v for n, v in self.module.items() if n in tensors}
         for name, mine in self.module.items():
+            if name not in tensors and name in self.frozen:
+                return (f"the checkpoint has no value for the frozen parameter {name!r} (saved with "
+                        f"exclude_frozen_parameters=True?): load it with load_module_strict=False, which keeps "
+                        f"this model's value")
             if name not in tensors:
                 return (f"the checkpoint has no tensor {name!r} of this model {written}: it was written for "
                         f"another model; load it into the model that wrote it")
@@ -240,7 +252,7 @@ class Plan:
 
     def _check_optimizer(self) -> str | None:
         fragments, tensors = self.index.fragments, self.index.tensors
-        build = _Assembler(self.index, self.read)
+        build = Assembler(self.index, self.read)
         for pieces, options in zip(self.stepped, self.options):
             for piece in pieces:
                 name = piece.name
@@ -254,7 +266,7 @@ class Plan:
                     return f"the checkpoint's optimizer shards do not cover {name!r}: some of its files are missing"
             if pieces:
                 saved = self.saved_entry(pieces).options
-                if set(saved) != set(options):
+                if set(saved) - RUN_OWN_OPTIONS != set(options) - RUN_OWN_OPTIONS:
                     return (f"the checkpoint's optimizer has options {sorted(saved)} and this run's "
                             f"{sorted(options)}: it was written with another optimizer; configure the same one")
         return None
@@ -266,7 +278,7 @@ class Plan:
         if self.optimizer:
             names |= {piece.name for pieces in self.stepped for piece in pieces}
         files |= {index.entries[f.entry].file for n in names for f in index.fragments.get(n, ())}
-        return sorted(files | {ckpt.model_states_name(0)})
+        return sorted(files | {self.read.head})
 
     def _open_files(self) -> str | None:
         try:
@@ -297,7 +309,7 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
     """Write the planned tensors into the run (after `agree`): module states a few at a time (at most
     ~`_CHUNK_BYTES` assembled at once), then what the optimizer steps and, with `load_optimizer_states`, its
     state, options and the loss scaler."""
-    ctx, build = plan.ctx, _Assembler(plan.index, plan.read)
+    ctx, build = plan.ctx, Assembler(plan.index, plan.read)
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     for name, mine in plan.module.items():
@@ -327,18 +339,18 @@ def apply(plan: Plan, *, load_optimizer_states: bool) -> None:
         options.append(dict(entry.options))
         state = saved["optimizer"]["state"].get(entry.optimizer_index, {})
         # Per-element states are assembled like the values; scalars (Adam's step) copied out of the mapped file.
-        states.append({k: _stepped(build, plan, pieces, stepped, k) if _per_element(v) else
+        states.append({k: _stepped(build, plan, pieces, stepped, k) if per_element(v) else
                        (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
     ctx.state.load_stepped(values, states if load_optimizer_states else None,
                          options if load_optimizer_states else None, scaler)
 
 
-def _per_element(value: Any) -> bool:
+def per_element(value: Any) -> bool:
     """Adam's moments, SGD's momentum: one value per element (Adam's `step` is a 0-dim tensor)."""
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def _stepped(build: _Assembler, plan: Plan, pieces: list[LocalPiece], stepped: torch.Tensor,
+def _stepped(build: Assembler, plan: Plan, pieces: list[LocalPiece], stepped: torch.Tensor,
              key: str) -> torch.Tensor:
     """A tensor shaped like `stepped` (fp32, on the CPU) holding the saved `key` of each piece; padding 0."""
     out = torch.zeros(stepped.numel(), dtype=torch.float32)

@@ -1,9 +1,15 @@
 """`engine.save_checkpoint` / `engine.load_checkpoint` over every layout the engine runs. Files of one tag
 (`files.py` writes them, atomically and collectively):
 
-    mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config
-    zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D
+    mp_rank_MM_model_states.pt                  module, optimizer (stage 0), scheduler, counters, config, client
+                                                state, DeepSpeed's metadata (ZeRO-3: one per dp rank D,
+                                                zero_pp_rank_D_mp_rank_MM_model_states.pt)
+    zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D, ours and
+                                                DeepSpeed's partition (`deepspeed_write.py`)
+    layer_XX-model_states.pt                    a pipeline of layers: each layer's module states
     shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
+
+DeepSpeed's load_checkpoint and zero_to_fp32.py read these tags; `load` reads DeepSpeed's (`deepspeed_read.py`).
 
 Nothing here asks which strategy runs: the mesh gives the layout, the context's `naming` names a stage's tensors,
 its `state` and `dp_runtime` give their state.
@@ -12,6 +18,7 @@ its `state` and `dp_runtime` give their state.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +26,19 @@ import torch
 import torch.distributed as dist
 
 from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint import deepspeed_read, deepspeed_write
 from shardwise.checkpoint import index as checkpoint_index
 from shardwise.checkpoint import reshard
 from shardwise.checkpoint.context import CheckpointContext
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Axis
+from shardwise.errors import UserError
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict
 
 _SPANNING = (Axis.DP, Axis.TP, Axis.PP)
+RESERVED_KEYS = frozenset({"micro_steps", "pp_world_size", "client_state", "shardwise_optimizer",
+                           "shardwise_version"})
+"""Our own keys of the model states, beside DeepSpeed's (`deepspeed_read.STATE_KEYS`): not client state."""
 
 
 def _comms(ctx: CheckpointContext) -> list[Comm]:
@@ -46,40 +58,119 @@ def layout(ctx: CheckpointContext) -> dict[str, int]:
             "mp_rank": pp_stage * tp_size + tp_rank}
 
 
+def model_states_file(ctx: CheckpointContext, mp_rank: int, dp_rank: int = 0) -> str:
+    """The model-states file of (model-parallel rank, dp rank): DeepSpeed's names, one per model-parallel rank,
+    or at ZeRO-3 one per (dp rank, model-parallel rank)."""
+    if ctx.zero_stage == 3:
+        return ckpt.zero3_model_states_name(dp_rank, mp_rank)
+    return ckpt.model_states_name(mp_rank)
+
+
 def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, *,
-         save_latest: bool = True) -> bool:
-    """Write one tag. Model states come from the ranks of data-parallel index 0 (one per (stage, TP rank)), keyed
-    by the full model's names ("blocks.3.attn.q_proj.weight"); ZeRO shards from every rank; the index from world
-    rank 0. Collective over the mesh."""
-    tag = f"global_step{ctx.progress.global_steps}" if tag is None else str(tag)
+         save_latest: bool = True, exclude_frozen: bool = False) -> bool:
+    """Write one tag in DeepSpeed's files and keys, plus our index. Model states come from the ranks of
+    data-parallel index 0 (one per (stage, TP rank); at ZeRO-3 from every rank, as DeepSpeed's), keyed by the
+    full model's names ("blocks.3.attn.q_proj.weight"), the client state's keys at their top level; ZeRO shards
+    from every rank (ours, and DeepSpeed's partition of the same state: `deepspeed_write.py`); the index from
+    world rank 0. Collective over the mesh."""
+    if not save_dir:
+        raise UserError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
+                        f"into")
+    tag = _agreed_tag(ctx, f"global_step{ctx.progress.global_steps}" if tag is None else str(tag))
+    client = dict(client_state or {})
+    clash = sorted(set(client) & (deepspeed_read.STATE_KEYS | RESERVED_KEYS))
+    if clash:
+        raise UserError(f"save_checkpoint: client_state key {clash[0]!r} is one the checkpoint keeps for itself "
+                        f"(DeepSpeed's and ours: {sorted(deepspeed_read.STATE_KEYS | RESERVED_KEYS)}); rename it")
     where = layout(ctx)
     per_rank = ctx.state.checkpoint_per_rank
+    native = ctx.state.state_dict()
+    groups = deepspeed_write.flat_groups(ctx)
     files: dict[str, Any] = {}
-    if ctx.dp_rank == 0:       # one writer per (stage, TP rank): its layers' slices
-        files[ckpt.model_states_name(where["mp_rank"])] = {
-            "module": ctx.naming.module_state_dict(ctx.module),
-            "optimizer": None if per_rank else ctx.state.state_dict(),
-            "lr_scheduler": ctx.lr_scheduler.state_dict() if ctx.lr_scheduler is not None else None,
+    if ctx.dp_rank == 0 or ctx.zero_stage == 3:       # one writer per (stage, TP rank); at ZeRO-3 every rank
+        module = ctx.naming.module_state_dict(ctx.module)
+        names = ctx.naming.full_names(ctx.module)
+        frozen = {names[n] for n, p in ctx.module.named_parameters() if not p.requires_grad}
+        if exclude_frozen:
+            module = type(module)((k, v) for k, v in module.items() if k not in frozen)
+        if ctx.zero_stage == 3:
+            # DeepSpeed's ZeRO-3 module states: every trained parameter an empty placeholder (also the persistent
+            # ones we hold whole); the values are the optimizer files' masters.
+            trained = {names[n] for n, p in ctx.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            module = type(module)((k, v.new_empty(0) if k in trained else v) for k, v in module.items())
+        layers = checkpoint_index.per_layer(ctx, where)
+        if layers:          # DeepSpeed's PipelineModule: a file per layer, under the layer's own names
+            for name, value in module.items():
+                file, key = ckpt.layer_file_of(name)  # type: ignore[misc]
+                files.setdefault(file, {})[key] = value
+        files[model_states_file(ctx, where["mp_rank"], ctx.dp_rank)] = {
+            "module": None if layers else module,
+            **deepspeed_write.model_state_keys(ctx, groups, zero_stage=ctx.zero_stage, exclude_frozen=exclude_frozen,
+                                               strip=deepspeed_read.PIPELINE_PREFIX if layers else ""),
+            # Stage 0: torch's optimizer state dict (in bf16 / fp16 inside DeepSpeed's wrapper's) is DeepSpeed's
+            # "optimizer"; ours holds it with the masters and the loss scaler (pickled once: the same objects).
+            "optimizer": None if per_rank else deepspeed_write.stage0_optimizer(ctx, native),
+            "shardwise_optimizer": None if per_rank else native,
+            "lr_scheduler": deepspeed_write.scheduler_state(ctx.lr_scheduler) if ctx.lr_scheduler is not None
+            else None,
             "global_steps": ctx.progress.global_steps, "global_samples": ctx.progress.global_samples,
             "skipped_steps": ctx.progress.skipped_steps, "micro_steps": ctx.progress.micro_steps,
-            "dp_world_size": ctx.dp_size, "mp_world_size": where["tp_size"], "pp_world_size": where["pp_size"],
+            # DeepSpeed's PipelineEngine counts every stage's model-states file as model parallel; its engine with
+            # a Megatron mpu only the TP ranks.
+            "dp_world_size": ctx.dp_size, "pp_world_size": where["pp_size"],
+            "mp_world_size": where["tp_size"] * (where["pp_size"] if layers else 1),
+            "checkpoint_parallel_dimensions": {"pp_degree": where["pp_size"], "tp_degree": where["tp_size"]},
             "ds_config": ctx.raw_config,
-            "client_state": dict(client_state or {}),
+            **client,
         }
+    optim_file = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
     if per_rank:
-        files[ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])] = {
-            "optimizer_state_dict": ctx.state.state_dict()}
+        files[optim_file] = {ckpt.NATIVE_OPTIMIZER_STATE_DICT: native, "ds_config": ctx.raw_config,
+                             "ds_version": deepspeed_write.DEEPSPEED_VERSION}
+    # Every rank gets the index: the second phase reads the staged shards through it.
+    mine = checkpoint_index.rank_contribution(ctx, where, exclude_frozen=exclude_frozen)
+    index = checkpoint_index.gather_index(ctx, mine, everywhere=True)
+    assert index is not None
+    if dist.get_rank() == 0:
+        files[checkpoint_index.INDEX] = index.to_dict()
+    then = None
+    if per_rank and where["tp_size"] == 1:
+        def then(staging: Path) -> dict[str, Any]:
+            """DeepSpeed's partition of this rank, read from every rank's staged shard."""
+            theirs = deepspeed_write.zero_optimizer_state(
+                ctx, index, reshard.FileReader(staging), groups, zero_stage=ctx.zero_stage,
+                clip=float(ctx.raw_config.get("gradient_clipping", 1.0)), scaler=native["scaler"])
+            return {optim_file: {**files[optim_file], ckpt.OPTIMIZER_STATE_DICT: theirs}}
 
     def barrier() -> None:
         for c in _comms(ctx):
             c.barrier()
 
-    index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where))
-    if index is not None:                       # world rank 0
-        files[checkpoint_index.INDEX] = index.to_dict()
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
-                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest)
+                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest, then=then)
     return True
+
+
+def _agreed_tag(ctx: CheckpointContext, tag: str) -> str:
+    """The tag every rank saves under: DeepSpeed's checkpoint.tag_validation compares the ranks' tags ("Fail":
+    one `UserError` line on every rank; "Warn": one warning line; "Ignore": none). A save is written by all ranks
+    into one directory, so with "Warn" and "Ignore" the ranks then use world rank 0's tag (DeepSpeed would scatter
+    the files over several directories, none of them loadable)."""
+    tags = [tag]
+    for c in _comms(ctx):
+        tags = [t for part in c.all_gather_object(tags) for t in part]
+    # After dp, tp and pp in turn, every rank holds every rank's tag, world rank 0's first.
+    if len(set(tags)) == 1:
+        return tag
+    mode = ctx.tag_validation.upper()
+    line = (f"save_checkpoint: the ranks save under different tags ({sorted(set(tags))[:4]}): a tag with "
+            f"rank-specific parts cannot be restored at another world size; give every rank the same tag")
+    if mode == "FAIL":
+        raise UserError(line + ' (checkpoint.tag_validation = "Fail")')
+    if mode == "WARN":
+        warnings.warn(f"{line}; saving under world rank 0's tag {tags[0]!r}", ckpt.CheckpointWarning,
+                      stacklevel=4)
+    return tags[0]
 
 
 def _any_failed(ctx: CheckpointContext, failed: bool) -> bool:
@@ -101,13 +192,18 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
         return None, None
-    read = reshard.FileReader(path)
+    read: reshard.FileReader = reshard.FileReader(path)
     plan: reshard.Plan | None = None
     own: dict[str, Any] | None = None
     problem: str | None = None
     same = False
+    foreign = False
     try:
         index = checkpoint_index.read_index(path)
+        if index is None and deepspeed_read.written_by_deepspeed(read(read.head)):
+            # DeepSpeed wrote it: its own metadata gives the index, its files are read through our view.
+            read, foreign = deepspeed_read.DeepSpeedReader(path), True
+            index = deepspeed_read.deepspeed_index(read)
     except ckpt.CheckpointError as e:
         index, problem = None, str(e)
     else:
@@ -117,7 +213,7 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
                 problem = plan.problem
                 # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
                 mine = checkpoint_index.rank_contribution(ctx, layout(ctx), as_writer=True)
-                same = not load_module_only and checkpoint_index.same_layout(index, mine)
+                same = not foreign and not load_module_only and checkpoint_index.same_layout(index, mine)
             if index is None or (same and problem is None):
                 # Read whole, as before indexes: what it returns becomes the optimizer's state.
                 own = _read_own(ctx, path, reshard.FileReader(path, mmap=False), load_module_only,
@@ -139,16 +235,37 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
         ctx.naming.load_module_state(ctx.module, own["module"], strict)
         if not load_module_only:
             ctx.state.load_state_dict(own["optimizer"], load_optimizer_states=load_optimizer_states)
-    state = read(ckpt.model_states_name(0))
+    state = read(read.head)
     if load_module_only:
         ctx.state.sync_masters_from_model()
     else:
         if load_lr_scheduler_states and ctx.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            ctx.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        ctx.progress.resume(global_steps=state["global_steps"], global_samples=state["global_samples"],
+            load_scheduler_state(ctx.lr_scheduler, state["lr_scheduler"])
+        ctx.progress.resume(global_steps=state["global_steps"],
+                            global_samples=state.get("global_samples", 0),
                             skipped_steps=state["skipped_steps"])
     ctx.dp_runtime.zero_grad()
-    return str(path), copy.deepcopy(state["client_state"])     # its tensors out of the mapped file
+    return str(path), saved_client_state(state)
+
+
+def saved_client_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The client state a tag holds: top-level keys of the model states other than the engine's (DeepSpeed's
+    place for it, and ours), or the `client_state` entry of a tag written by an earlier shardwise. A copy: its
+    tensors out of the mapped file."""
+    if "client_state" in state and "buffer_names" not in state:
+        return copy.deepcopy(state["client_state"])
+    return copy.deepcopy(deepspeed_read.client_state(state, RESERVED_KEYS))
+
+
+def load_scheduler_state(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Restore the lr scheduler from its saved state: ours, or DeepSpeed's schedules' {"last_batch_iteration":
+    it}, which our closed-form schedules (the same lr at every iteration) take as last_epoch = it + 1."""
+    if "last_epoch" not in saved and "last_batch_iteration" in saved and hasattr(scheduler, "_lrs_at"):
+        it = int(saved["last_batch_iteration"])
+        scheduler.last_epoch, scheduler._step_count = it + 1, it + 2
+        scheduler._last_lr = list(scheduler._lrs_at(it))
+        return
+    scheduler.load_state_dict(saved)
 
 
 def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load_module_only: bool, *,
@@ -157,30 +274,45 @@ def _read_own(ctx: CheckpointContext, path: Path, read: reshard.FileReader, load
     without an index (an earlier shardwise), which loads only there (weights also at another number of
     stages), checked here before anything changes."""
     where = layout(ctx)
-    own = ckpt.model_states_name(where["mp_rank"])
+    own = ckpt.model_states_file(path, where["mp_rank"]).name
     state = read(own if indexed or (path / own).is_file() else ckpt.model_states_name(where["tp_rank"]))
-    saved = {"dp": state.get("dp_world_size", 1), "tp": state.get("mp_world_size", 1),
-             "pp": state.get("pp_world_size", 1)}
+    tp_saved = (state.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", state.get("mp_world_size", 1))
+    saved = {"dp": state.get("dp_world_size", 1), "tp": tp_saved, "pp": state.get("pp_world_size", 1)}
     now = {"dp": ctx.dp_size, "tp": where["tp_size"], "pp": where["pp_size"]}
     per_rank = ctx.state.checkpoint_per_rank
+    stage0 = state.get(checkpoint_index.NATIVE_STAGE0_KEY, state.get("optimizer"))
     differs = [k for k in ("tp", "pp", "dp") if saved[k] != now[k] and not (load_module_only and k != "tp")]
-    if differs or (not load_module_only and (state["optimizer"] is None) != per_rank):
+    if differs or (not load_module_only and (stage0 is None) != per_rank):
         raise ckpt.CheckpointError(
             f"{path} was written without a layout index (by an earlier shardwise) at dp={saved['dp']}, "
-            f"tp={saved['tp']}, pp={saved['pp']} and ZeRO stage {'1-3' if state['optimizer'] is None else 0}; "
+            f"tp={saved['tp']}, pp={saved['pp']} and ZeRO stage {'1-3' if stage0 is None else 0}; "
             f"it loads only at that layout: load it there and save it again to reshard it")
-    if saved["pp"] != now["pp"]:
+    if state["module"] is None:         # one file per pipeline layer (every stage's: each stage takes its own)
         module: dict[str, Any] = {}
+        for file in sorted(f.name for f in path.iterdir() if ckpt.LAYER_FILE.fullmatch(f.name)):
+            module.update(read(file)["module"])
+    elif saved["pp"] != now["pp"]:
+        module = {}
         mp = where["tp_rank"]
-        while (path / ckpt.model_states_name(mp)).is_file():
-            module.update(read(ckpt.model_states_name(mp))["module"])
+        while ckpt.model_states_file(path, mp).is_file():
+            module.update(read(ckpt.model_states_file(path, mp).name)["module"])
             mp += saved["tp"]
     else:
         module = state["module"]
+    # A ZeRO-3 placeholder of a parameter this rank holds whole (persistent): keep its tensor, which the
+    # optimizer's masters then overwrite.
+    own_state = ctx.module.state_dict()
+    full = ctx.naming.full_names(ctx.module)
+    for local, t in own_state.items():
+        saved_t = module.get(full[local])
+        if torch.is_tensor(saved_t) and saved_t.numel() == 0 and t.numel() > 0:
+            module = {**module, full[local]: t}
     out = {"module": module}
     if not load_module_only:
-        out["optimizer"] = (read(ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"]))["optimizer_state_dict"]
-                            if per_rank else state["optimizer"])
+        shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
+        if not (path / shard).is_file():        # written before bf16 runs took DeepSpeed's "bf16_" prefix
+            shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"])
+        out["optimizer"] = ckpt.native_optimizer_state(read(shard)) if per_rank else stage0
     return out
 
 

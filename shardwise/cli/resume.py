@@ -7,7 +7,9 @@ as the run that was not interrupted: its losses are bitwise the same (fp32).
 
 from __future__ import annotations
 
+import copy
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,9 +90,11 @@ def resume(engine: Any, loader: TokenLoader, checkpoints: Path) -> Resumed | Non
     """Load checkpoints/latest into the engine, the loader and the random streams; None when there is none.
     Collective: every rank calls it (the engine's load agrees across ranks). The random streams are restored when
     the saved data-parallel size is this run's; after a layout change dropout draws fresh masks (the caller says
-    so once, from `rng_restored`)."""
+    so once, from `rng_restored`). The learning-rate schedule is this launch's config's, at the checkpoint's
+    position (`follow_config_schedule`): an extended run's recomputed warm-up applies from the resumed step."""
     if not (checkpoints / "latest").is_file():
         return None
+    fresh = schedule_start(engine.lr_scheduler)
     path, client = engine.load_checkpoint(str(checkpoints))
     if path is None:
         return None
@@ -100,9 +104,93 @@ def resume(engine: Any, loader: TokenLoader, checkpoints: Path) -> Resumed | Non
         raise CheckpointError(f"{path} was not written by `shardwise train` (its client state has no data "
                               f"position): resume it with the script that wrote it, or choose another --out")
     loader.load_state_dict(client["data"])
+    follow_config_schedule(engine.lr_scheduler, fresh)
     streams = client.get("rng") or []
     restored = len(streams) == engine.dp_size
     if restored:
         set_rng_state(engine, streams[engine.dp_rank])
     return Resumed(path=path, step=int(client.get("step", engine.global_steps)),
                    elapsed_s=float(client.get("elapsed_s", 0.0)), rng_restored=restored)
+
+
+# -- the learning-rate schedule of a resumed run ------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleStart:
+    """A scheduler as the config built it (before any step), and its optimizer's learning rates then."""
+
+    state: dict[str, Any]
+    group_lrs: list[float]
+
+
+def schedule_start(scheduler: Any) -> ScheduleStart | None:
+    """Snapshot a scheduler as built, before a checkpoint's state replaces it (None without a scheduler)."""
+    if scheduler is None:
+        return None
+    return ScheduleStart(copy.deepcopy(scheduler.state_dict()),
+                         [float(g["lr"]) for g in scheduler.optimizer.param_groups])
+
+
+def follow_config_schedule(scheduler: Any, start: ScheduleStart | None) -> None:
+    """Put `scheduler` (just loaded from a checkpoint, which carries the schedule's parameters as the earlier
+    launch built them) back on this launch's schedule at the same position: its state as built, stepped as many
+    times as the checkpoint's. Steps the checkpoint skipped (inf/nan gradients) did not step the schedule
+    either, so the position is the scheduler's own count, not the global step. The same config gives the same
+    learning rates bit for bit (each schedule is a function of the step count)."""
+    if scheduler is None or start is None:
+        return
+    position = int(scheduler.last_epoch)
+    scheduler.load_state_dict(copy.deepcopy(start.state))
+    for group, lr in zip(scheduler.optimizer.param_groups, start.group_lrs):
+        group["lr"] = lr
+    with warnings.catch_warnings():
+        # torch warns when a schedule steps before its optimizer has: here it only replays the count.
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(position - int(scheduler.last_epoch)):
+            scheduler.step()
+
+
+def _lr_after(config: dict[str, Any], steps: int) -> float | None:
+    """The learning rate of the first param group after `steps` scheduler steps of `config`'s schedule: the lr
+    step `steps + 1` trains at. None when the config names no optimizer, or one built only on a device."""
+    from shardwise.config import ConfigError
+    from shardwise.config.schema import OptimizerSpec, SchedulerSpec
+    from shardwise.engine.optim import build_optimizer, build_scheduler
+
+    if not isinstance(config.get("optimizer"), dict):
+        return None
+    try:
+        optimizer = build_optimizer(OptimizerSpec(**config["optimizer"]), [torch.nn.Parameter(torch.zeros(1))])
+        if not isinstance(config.get("scheduler"), dict):
+            return float(optimizer.param_groups[0]["lr"])
+        scheduler = build_scheduler(SchedulerSpec(**config["scheduler"]), optimizer)
+    except (ConfigError, ValueError, TypeError, RuntimeError):
+        return None
+    start = schedule_start(scheduler)
+    scheduler.last_epoch = steps           # replayed from the start as a resumed rank does
+    follow_config_schedule(scheduler, start)
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def schedule_note(before: dict[str, Any], now: dict[str, Any], steps_before: int, steps_now: int, at: int) -> str:
+    """One line for a run resumed at step `at` with --steps changed: the schedule's length there and now, and the
+    lr step `at + 1` trains at under each."""
+    def length(config: dict[str, Any]) -> dict[str, Any]:
+        scheduler = config.get("scheduler")
+        params = scheduler.get("params", {}) if isinstance(scheduler, dict) else {}
+        return {key.removesuffix("_num_steps"): params[key] for key in ("warmup_num_steps", "total_num_steps")
+                if key in params}
+
+    there, here = length(before), length(now)
+    lengths = ", ".join(f"{name} {there.get(name, 'unset')} -> {here.get(name, 'unset')}"
+                        if there.get(name) != here.get(name) else f"{name} {here[name]}" for name in {**there, **here})
+    old, new = _lr_after(before, at), _lr_after(now, at)
+    if old is None or new is None:
+        lrs = f"step {at + 1} trains at the new schedule's lr"
+    elif old == new:
+        lrs = f"step {at + 1} trains at lr {new:.4g}, as it would have"
+    else:
+        lrs = f"step {at + 1} trains at lr {new:.4g} where the old schedule gave {old:.4g}"
+    if there == here:
+        same = f" ({lengths} steps)" if lengths else ""
+        return f"--steps {steps_before} -> {steps_now}: the schedule's length is unchanged{same}; {lrs}"
+    return f"--steps {steps_before} -> {steps_now}: the schedule is recomputed ({lengths} steps); {lrs}"

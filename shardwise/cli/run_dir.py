@@ -13,7 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from shardwise.errors import UserError
 
@@ -21,8 +21,21 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 LOGS_DIR = "logs"
 LATEST = "latest"
-IDENTITY = ("model", "seq_len", "data", "seed", "config")
-"""The WorkerArgs fields that make two runs the same run (`steps` may grow: extending a run is resuming it)."""
+IDENTITY = ("model", "seq_len", "vocab_size", "data", "seed")
+"""The WorkerArgs fields that make two runs the same run, with the config's keys that change what is computed
+(`what_matters`). `steps` may change: extending a run is resuming it."""
+LAYOUT_KEYS = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "tensor_parallel", "autotp_size", "pipeline", "activation_checkpointing", "communication",
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "csv_monitor", "wandb",
+    "comms_logger", "flops_profiler", "dataloader_drop_last"})
+"""Config keys that say how a run is laid out over its ranks (and what it prints), not what it computes: a
+checkpoint reshards across them exactly, so a run may resume with them changed. So does `zero_optimization`,
+except its quantization keys (`LOSSY_ZERO_KEY`), which change the arithmetic."""
+LOSSY_ZERO_KEY = "quantiz"
+SCHEDULE_LENGTH_KEYS = ("warmup_num_steps", "total_num_steps")
+"""scheduler.params that follow the run's length: the default config derives its warm-up from --steps, so an
+extended run recomputes them (and says so)."""
 OUTPUTS = (METRICS_FILE, "summary.json", "loss.png", "pipeline_timeline.png", "pipeline_trace.json", CHECKPOINT_DIR)
 """What --overwrite removes: the earlier run's results (its logs/ stay: they are small and explain its end)."""
 
@@ -31,10 +44,17 @@ _TAG_STEP = re.compile(r"global_step(\d+)")
 
 @dataclass(frozen=True)
 class Decision:
-    """How this launch uses RUN_DIR: `resume_step` None starts from step 0; `message` is said once."""
+    """How this launch uses RUN_DIR: `resume_step` None starts from step 0; `message` and then each of `notes`
+    (what changed since the checkpoint: the schedule, the layout, the global batch) are said once."""
 
     resume_step: int | None
     message: str | None
+    notes: tuple[str, ...] = ()
+
+
+ScheduleNote = Callable[[dict[str, Any], dict[str, Any], int, int, int], str]
+"""(config there, config now, steps there, steps now, checkpoint step) -> the one line saying what an extended
+run's recomputed schedule means for its learning rate (`shardwise.cli.resume.schedule_note`)."""
 
 
 def latest_step(run_dir: Path) -> tuple[str, int | None] | None:
@@ -63,13 +83,69 @@ def _first_difference(before: Any, now: Any, path: str) -> str | None:
     return None
 
 
+def what_matters(config: Any, *, schedule_length: bool = True) -> Any:
+    """The part of a config dict that changes what a run computes: without `LAYOUT_KEYS`, without the layout
+    keys of zero_optimization, and (`schedule_length=False`) without the scheduler's length parameters."""
+    if not isinstance(config, dict):
+        return config
+    kept = {k: v for k, v in config.items() if k not in LAYOUT_KEYS}
+    zero = kept.pop("zero_optimization", None)
+    if isinstance(zero, dict):
+        lossy = {k: v for k, v in zero.items() if LOSSY_ZERO_KEY in k}
+        if lossy:
+            kept["zero_optimization"] = lossy
+    scheduler = kept.get("scheduler")
+    if not schedule_length and isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict):
+        params = {k: v for k, v in scheduler["params"].items() if k not in SCHEDULE_LENGTH_KEYS}
+        kept["scheduler"] = {**scheduler, "params": params}
+    return kept
+
+
 def identity_difference(earlier: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """None when `earlier` and `now` (WorkerArgs as dicts) are the same run, else the first difference."""
+    """None when `earlier` and `now` (WorkerArgs as dicts) are the same run, else the first difference. The
+    scheduler's length may differ only when --steps did."""
     for field in IDENTITY:
         diff = _first_difference(earlier.get(field), now.get(field), field)
         if diff is not None:
             return diff
-    return None
+    same_length = earlier.get("steps") == now.get("steps")
+    return _first_difference(what_matters(earlier.get("config"), schedule_length=same_length),
+                             what_matters(now.get("config"), schedule_length=same_length), "config")
+
+
+_UNSET: Any = object()       # a key one side lacks
+
+
+def _leaf_changes(before: Any, now: Any, path: str) -> list[str]:
+    """Every leaf that differs, as 'path A -> B' ('unset' where a key is missing)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [change for key in sorted(set(before) | set(now), key=str)
+                for change in _leaf_changes(before.get(key, _UNSET), now.get(key, _UNSET), f"{path}.{key}")]
+    if before == now:
+        return []
+    shown = ["unset" if v is _UNSET else json.dumps(v) for v in (before, now)]
+    return [f"{path.lstrip('.')} {shown[0]} -> {shown[1]}"]
+
+
+def layout_notes(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What a resumed run changes of the layout (one line) and of the global batch (one line), if anything."""
+    def layout(config: Any) -> dict[str, Any]:
+        config = config if isinstance(config, dict) else {}
+        kept = {k: v for k, v in config.items() if k in LAYOUT_KEYS and k not in ("train_batch_size",)}
+        zero = config.get("zero_optimization")
+        if isinstance(zero, dict):
+            kept["zero_optimization"] = {k: v for k, v in zero.items() if LOSSY_ZERO_KEY not in k}
+        return kept
+
+    notes = []
+    changes = _leaf_changes(layout(earlier.get("config")), layout(now.get("config")), "")
+    if changes:
+        notes.append(f"at another layout than the checkpoint's (it reshards exactly): {'; '.join(changes)}")
+    before, after = earlier.get("train_batch_size"), now.get("train_batch_size")
+    if before is not None and after is not None and before != after:
+        notes.append(f"the global batch changes from {before} to {after} sequences per step: the steps from here "
+                     f"each train on {after}, so the run's later losses are not those of a run at {before}")
+    return notes
 
 
 def _has_results(run_dir: Path) -> bool:
@@ -120,13 +196,17 @@ def lock(run_dir: Path, name: str) -> IO[str]:
     return handle
 
 
-def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool) -> Decision:
+def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool,
+           schedule_note: ScheduleNote | None = None) -> Decision:
     """Start, resume or refuse (UserError, one line) a run described by `now` (WorkerArgs as a dict) in
     `run_dir`, whose earlier arguments are in `args_name`:
 
     - nothing worth keeping there (no metrics, no checkpoint): start from step 0;
-    - the same run (same model, sequence length, corpus, seed and config; `--steps` may grow) with a checkpoint:
-      resume from `latest` (automatic; `--resume` only insists on it), said in one line;
+    - the same run (same model, sequence length, corpus, seed and the config's keys that change what is computed,
+      `what_matters`) with a checkpoint: resume from `latest` (automatic; `--resume` only insists on it), said in
+      one line, with a line for each change: another `--steps` (the schedule recomputed: `schedule_note`),
+      another layout (ZeRO stage, offload, tensor or pipeline parallel sizes, micro-batch and accumulation), another
+      global batch;
     - the same run without a checkpoint, or another run: refused in one line, unless `overwrite`, which removes
       that run's outputs first (the user's explicit choice: the only path that deletes anything).
     """
@@ -160,4 +240,9 @@ def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, 
     if step is not None and step >= now["steps"]:
         raise UserError(f"--out {where} has trained {step} steps already (checkpoint {tag}); --steps "
                         f"{now['steps']} is done: pass a larger --steps to train further.")
-    return Decision(step, f"resuming {where} from checkpoint {tag} (the same run: metrics.jsonl is appended to)")
+    notes = layout_notes(earlier, now)
+    if schedule_note is not None and step is not None and earlier.get("steps") not in (None, now["steps"]):
+        notes.insert(0, schedule_note(earlier.get("config") or {}, now["config"], int(earlier["steps"]),
+                                      int(now["steps"]), step))
+    return Decision(step, f"resuming {where} from checkpoint {tag} (the same run: metrics.jsonl is appended to)",
+                    tuple(notes))

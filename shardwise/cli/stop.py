@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from shardwise.comm.collectives import Comm
+from shardwise.comm.sequence import SequenceCheck
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -60,9 +60,10 @@ class StopRequest:
         sys.stderr.flush()
         os._exit(128 + signum)
 
-    def agreed(self, comm: Comm) -> int:
-        """The signal any rank of `comm` was stopped by (the largest number), 0 if none. Collective: one float."""
-        return int(comm.all_reduce_object_max(float(self.signum)))
+    def agreed(self, vote: SequenceCheck | None) -> int:
+        """The signal any rank was stopped by (the largest number), 0 if none, the same on every rank: the engine's
+        stop vote (`SequenceCheck.agree_stop`, on the guards' communicator; None in a world of one)."""
+        return vote.agree_stop(self.signum) if vote is not None else self.signum
 
 
 def _term_when_parent_dies() -> None:

@@ -64,6 +64,7 @@ class WorkerArgs:
     vocab_size: int | None = None  # --vocab-size (the resolved model is RUN_DIR/model.json)
     eval_every: int = 0           # evaluate on the held-out split every N steps (0: never)
     eval_batches: int = 0         # micro-batches per rank of each evaluation
+    train_batch_size: int | None = None   # sequences per step over all ranks (a resumed run says when it changes)
 
     def write(self, path: Path) -> Path:
         # Written to a temporary name and renamed: two nodes on one host may share RUN_DIR.
@@ -230,13 +231,15 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                              steps_per_print=int(steps_per_print), pipeline_trace=args.pipeline_trace,
                              vocab_size=args.vocab_size, eval_every=args.eval_every,
                              eval_batches=args.eval_batches,
+                             train_batch_size=int(engine_config.batch.train_batch_size),
                              launch=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     name = "train_args.json" if args.nnodes == 1 else f"train_args.node{args.node_rank}.json"
 
     # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
     def decide() -> run_dir.Decision:
+        from shardwise.cli.resume import schedule_note
         return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, schedule_note=schedule_note)
 
     existed = out.is_dir()
     decision = decide() if not existed else None
@@ -246,8 +249,9 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
         raise UserError(f"--out {str(out)!r}: cannot create the run directory ({e.strerror}).") from None
     _held.append(run_dir.lock(out, f".{Path(name).stem}.lock"))
     decision = decision or decide()
-    if decision.message:
-        print(f"shardwise train: {decision.message}", flush=True)
+    for line in (decision.message, *decision.notes):
+        if line:
+            print(f"shardwise train: {line}", flush=True)
     from shardwise.models.registry import MODEL_FILE
     model_cfg.write(out / MODEL_FILE)
     return worker_args, worker_args.write(out / name)

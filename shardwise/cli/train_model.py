@@ -30,8 +30,11 @@ def run_model_choice(args: Any) -> ModelChoice:
 
 
 def build_run_model(args: Any) -> tuple[ModelChoice, Any]:
+    """The run's model in train mode, whatever mode its loader returned it in: transformers' `from_pretrained`
+    returns an eval-mode model, which would train with dropout off, and the engine measures activations and
+    opens each step's communication record only in a training forward."""
     choice = run_model_choice(args)
-    return choice, build_model(choice)
+    return choice, build_model(choice).train()
 
 
 def perplexity(loss: float) -> float:
@@ -70,9 +73,13 @@ class RunData:
 
     def evaluate(self, engine: Any, step: int, last_step: int) -> dict[str, float]:
         """On every `eval_every`-th step and the last one: the held-out mean loss and perplexity, the same on
-        every rank (collective: every rank calls it at every step). {} on other steps."""
+        every rank (collective: every rank calls it at every step), and what they averaged over: `eval_windows`
+        windows (the held-out split's first ones, wrapping around: `read_windows`) of `seq_len` predictions each,
+        `eval_tokens` predictions in all. {} on other steps."""
         if self.eval_windows is None or not (step % self.eval_every == 0 or step == last_step):
             return {}
         batches = model_batches(self.choice, self.eval_windows.batches())
         loss = float(engine.eval_batch(batches, num_micro_batches=self.eval_batches))
-        return {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
+        windows = self.eval_windows.windows_read(self.eval_batches)
+        return {"eval_loss": loss, "eval_perplexity": perplexity(loss), "eval_windows": windows,
+                "eval_tokens": windows * self.eval_windows.seq_len}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -35,14 +36,16 @@ from shardwise.cli.run_dir import CHECKPOINT_DIR, LOGS_DIR, METRICS_FILE
 from shardwise.cli.stop import StopRequest
 from shardwise.cli.train import WorkerArgs
 from shardwise.cli.train_model import RunData, build_run_model
-from shardwise.comm.collectives import Comm
 from shardwise.data import CorpusError, load_corpus
 from shardwise.errors import UserError
 from shardwise.models.registry import flops_per_token as model_flops_per_token
 from shardwise.comm.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak import device_peak_flops
-from shardwise.telemetry.peak_cache import PeakCache, PeakFlops, PeakGuard, measured_peak, resolve_peak
+from shardwise.telemetry.metrics import format_rate
+from shardwise.telemetry.peak_cache import (
+    PeakCache, PeakFlops, PeakGuard, PeakOrigin, agree_measured, measured_peak, resolve_peak,
+)
 from shardwise.telemetry import (
     MetricsWriter,
     StepMetrics,
@@ -140,6 +143,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         # The parent printed the config's warnings once before launching; every rank would repeat them.
         warnings.simplefilter("ignore", shardwise.ConfigWarning)
         engine, _, _, _ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=args.config)
+    engine.monitor.progress_lines = False      # rank 0's TrainProgress prints the one line of each interval
     batch = engine.config.batch
     data = RunData.build(tokens, args, choice, engine)     # with --eval-every, the held-out split is cut off
     loader = data.loader
@@ -152,16 +156,22 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         print(f"shardwise: {again}resumed from {resumed.path} at step {done}{streams}", flush=True)
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
-    peak_cache = PeakCache(writer=int(os.environ.get("LOCAL_RANK", "0")) == 0)   # one writer per node
-    rank_peak = rank_peak_flops(args, compute_dtype, engine.device, peak_cache)
-    peak_flops = sum(float(p) for p in gather(rank_peak.flops))   # all ranks together
+    # Every rank resolves its peak (those that measure do so at once), then they agree on one figure per kind of
+    # device; one writer per node caches that figure, so a later run divides by what this one does.
+    rank_peak = rank_peak_flops(args, compute_dtype, engine.device, PeakCache(writer=False))
+    peaks = agree_measured(gather(rank_peak))
+    rank_peak = peaks[rank]
+    peak_cache = PeakCache(writer=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    if rank_peak.origin is PeakOrigin.MEASURED:
+        peak_cache.put(rank_peak.cache_key, rank_peak.flops)
+    # All ranks together: MFU's denominator. fsum rounds once, so N equal figures make exactly N times the one.
+    peak_flops = math.fsum(p.flops for p in peaks)
     guard = PeakGuard(peak_flops, rank_peak, cache=peak_cache if is_main else None)
     tokens_per_step = batch.train_batch_size * args.seq_len     # all ranks together
     if is_main:
-        print(f"peak: {rank_peak.describe()}" + (f"; kept in {peak_cache.path}" if rank_peak.cache_key else ""),
+        print(f"peak: {rank_peak.describe()}" + (f"; kept in {peak_cache.path}" if rank_peak.cache_key else "")
+              + f"; MFU divides by {format_rate(peak_flops)} FLOP/s, the peak of the {len(peaks)} rank(s)",
               flush=True)
-
-    world = Comm(None, engine.ledger, name="world:stop")
 
     def save(step: int) -> str:
         state = client_state(engine, loader, step=step, elapsed_s=clock + time.perf_counter() - start)
@@ -189,17 +199,19 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
                                       step_time_s=step_time, elapsed_s=clock + time.perf_counter() - start,
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
-                                      loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps,
+                                      loss_scale=engine.current_loss_scale, skipped_steps=engine.skipped_steps,
                                       skipped=not engine.was_step_applied())
                 writer.write({**dataclasses.asdict(m), **evaluated})
                 progress.update(m)
                 if evaluated:
                     progress.console.print(f"step {step}: eval loss {evaluated['eval_loss']:.4f}, perplexity "
-                                           f"{evaluated['eval_perplexity']:.2f}", markup=False, highlight=False)
+                                           f"{evaluated['eval_perplexity']:.2f} (held-out split: "
+                                           f"{evaluated['eval_windows']} windows, {evaluated['eval_tokens']:,} "
+                                           f"tokens)", markup=False, highlight=False, soft_wrap=True)
             saved = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
             if saved:
                 save(step)
-            signum = stop.agreed(world)       # the same answer on every rank, after the same step
+            signum = stop.agreed(engine.sequence_check)     # the same answer on every rank, after the same step
             if signum and step < args.steps:
                 path = save(step) if not saved else str(checkpoints / f"global_step{engine.global_steps}")
                 stopped = Stopped(signum=signum, step=step, checkpoint=path)

@@ -142,6 +142,9 @@ class Comm:
             self.ledger.finish(token, op=op, group=self.name, group_size=size, nbytes=amount, dtype=dtype)
 
         work = self._explained(launch)()
+        completed = getattr(work, "is_completed", None)
+        if completed is not None:      # NCCL's wait() returns at once: completion says whether it still waits
+            self.ledger.watch(token, completed)
         handle = Handle(self._explained(work.wait) if work is not None else _nothing, on_done)
         if not async_op:
             handle.wait()
@@ -327,6 +330,7 @@ class Comm:
         for i, (op, t, _) in enumerate(items):
             # NCCL coalesces the batch into one work for all operations; gloo returns one per operation.
             mine = [works[i]] if len(works) == len(items) else works
+            self.ledger.watch(tokens[i], functools.partial(_all_completed, mine))
 
             def on_done(token: int = tokens[i], op: str = op, amount: int = nbytes(t),
                         dtype: str = str(t.dtype).removeprefix("torch.")) -> None:

@@ -233,9 +233,9 @@ def _run_batched(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left
     communicator with the left neighbour waits on a rank that is itself waiting. So a tensor on a device takes
     this path: at each step j ONE `batch_isend_irecv([send chunk (r - j) to the right, receive chunk
     (r - j - 1) from the left])`, one NCCL group launch in which every rank's send and receive progress together,
-    then (reduce-scatter steps) the add. Every rank of the group takes part in every step, which NCCL requires of
-    the first batched call. `wait()` on NCCL only makes the current stream wait, so the host does not block; the
-    caller runs it on the thread that owns the device (not a worker thread, whose current CUDA device is 0),
+    then (reduce-scatter steps) the add. Every rank of the group makes every step's call, also where its chunks
+    are empty (a tensor of fewer elements than ranks): NCCL requires every rank in the first batched call.
+    `wait()` on NCCL only makes the current stream wait, so the host does not block; the caller runs it on the thread that owns the device (not a worker thread, whose current CUDA device is 0),
     under `torch.cuda.device(tensor.device)`. gloo runs the same batched walk too (tests check it there).
     """
     # scratch: [largest chunk], the incoming chunk of a reduce-scatter step before it is added.
@@ -245,14 +245,12 @@ def _run_batched(flat: torch.Tensor, plan: RingPlan, rank: int, right: int, left
         recv_start, recv_len = plan.chunk_bounds(plan.recv_chunk(rank, step))
         reducing = plan.is_reduce_step(step)
         target = scratch[:recv_len] if reducing else flat[recv_start:recv_start + recv_len]
-        ops = []
-        # The peer's chunk has the same length as this rank's (same chunk index): both sides skip empty ones.
-        if send_len:
-            ops.append(dist.P2POp(dist.isend, flat[send_start:send_start + send_len], right, group, tag=step))
-        if recv_len:
-            ops.append(dist.P2POp(dist.irecv, target, left, group, tag=step))
-        if not ops:
-            continue
+        # Both operations on every rank at every step, empty ones included: NCCL builds the communicator in the
+        # first batched call, which every rank of the group must make (a rank that skipped it would leave the
+        # others waiting there), and a zero-byte send and receive still pair up. The right neighbour receives
+        # exactly the chunk this rank sends (same index, same length), so an empty send meets an empty receive.
+        ops = [dist.P2POp(dist.isend, flat[send_start:send_start + send_len], right, group, tag=step),
+               dist.P2POp(dist.irecv, target, left, group, tag=step)]
         for work in dist.batch_isend_irecv(ops):
             if work is not None:
                 work.wait()

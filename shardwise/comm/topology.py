@@ -123,13 +123,21 @@ class SoloComm(Comm):
 
 class ParallelMesh:
     """The process groups of one run, one per axis for this rank. An axis spanning every rank uses the
-    default group (no duplicate communicator); an axis of size 1 has no group (`comm` gives a `SoloComm`)."""
+    default group (no duplicate communicator); an axis of size 1 has no group (`comm` gives a `SoloComm`).
 
-    def __init__(self, shape: MeshShape, rank: int, groups: dict[Axis, dist.ProcessGroup | None]):
+    Beside them, one group of every rank for the guards alone (`guard_comm`: the desync check, the stop vote),
+    on gloo whatever the training backend: collectives pair by order within a communicator, so a guard
+    collective on the training groups could pair with a drifted rank's gradient bucket (on NCCL silently). On
+    their own communicator guard collectives pair only with guard collectives; on the host they never wait behind
+    the GPU's queue or a stalled NCCL kernel, and cost no device synchronisation."""
+
+    def __init__(self, shape: MeshShape, rank: int, groups: dict[Axis, dist.ProcessGroup | None],
+                 guard: dist.ProcessGroup | None = None):
         self.shape = shape
         self.global_rank = rank
         self._groups = groups
         self._same_tp: dist.ProcessGroup | None = None
+        self._guard = guard
 
     @classmethod
     def build(cls, shape: MeshShape, *, timeout_s: float | None = None) -> "ParallelMesh":
@@ -152,7 +160,8 @@ class ParallelMesh:
                     group = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
                         groups[axis] = group
-        mesh = cls(shape, rank, groups)
+        guard = dist.new_group(list(range(world)), timeout=timeout, backend="gloo") if world > 1 else None
+        mesh = cls(shape, rank, groups, guard)
         if shape.tp > 1 and shape.pp * shape.dp > 1:     # pp x dp of one TP coordinate (3D, and ZeRO under PP)
             for ranks in shape.groups_sharing(Axis.TP):
                 group = dist.new_group(ranks, timeout=timeout)
@@ -166,6 +175,12 @@ class ParallelMesh:
         if self.shape.pp * self.shape.dp == 1 and not self._world_of_one_communicates():
             return SoloComm(None, ledger, name=name)
         return Comm(self._same_tp if self.shape.tp > 1 else None, ledger, name=name)
+
+    def guard_comm(self, ledger: CommLedger, name: str) -> Comm:
+        """A `Comm` over every rank on the guards' own gloo group (host tensors); a `SoloComm` in a world of one."""
+        if self._guard is None:
+            return SoloComm(None, ledger, name=name)
+        return Comm(self._guard, ledger, name=name)
 
     def _world_of_one_communicates(self) -> bool:
         """The test switch (`collectives_at_world_one`) at world size 1: every axis is the world group, whose

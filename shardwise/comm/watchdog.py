@@ -1,5 +1,9 @@
 """Hang reports: when a collective waits longer than communication.timeout_minutes, every rank says from its
-ledger where it is, and the run ends with one line naming the ranks that did not arrive.
+ledger where it is, and the run ends with one line naming the ranks that did not arrive, or, when the reports
+show ranks waiting in collectives that cannot pair, the desync it is (`DesyncError`).
+
+"Waiting" means not completed (`CommLedger.waiting`): on NCCL `wait()` returns at once, so a collective counts
+until its work says it completed or the GPU reached the event recorded behind it.
 
 The reports travel over the store the process group was built on (torchrun's TCPStore, the test harness's
 FileStore), never over the hung communicator; `HangWatchdog.attach(ledger, ...)` starts one daemon thread per rank.
@@ -8,16 +12,20 @@ FileStore), never over the hung communicator; `HangWatchdog.attach(ledger, ...)`
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import json
+import os
 import sys
 import threading
 import time
 import weakref
 from typing import Any
 
+from shardwise.comm.abort import is_gloo_check, on_terminate
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import CollectiveTimeout
+from shardwise.comm.sequence import desync_in_reports
+from shardwise.errors import CollectiveTimeout, DesyncError
 
 _instances = itertools.count()
 """Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
@@ -68,7 +76,11 @@ def describe(report: dict[str, Any]) -> str:
 
 
 def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
-    """The one line: who did not arrive (no report, or not in a collective) and what the others wait on."""
+    """The one line: the desync the reports show (`desync_in_reports`), else who did not arrive (no report, or
+    not in a collective) and what the others wait on."""
+    desync = desync_in_reports(reports)
+    if desync is not None:
+        return desync
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
     idle = [(r, rep) for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
@@ -89,6 +101,8 @@ def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
             + "; ".join(parts))
 
 
+_ABORT_HOOK: list[bool] = []
+"""Whether this process's terminate handler reports (set once, by the first watchdog)."""
 _LIVE: "weakref.WeakSet[HangWatchdog]" = weakref.WeakSet()
 """Every started watchdog still referenced: one exit handler stops them all (a process may build many engines)."""
 
@@ -105,6 +119,13 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def _report_before_abort(reason: str | None) -> None:
+    """The process is aborting (`comm.abort`: a backend's check failed on its own thread, `reason` the C++
+    exception's type): every live watchdog reports at once."""
+    for dog in list(_LIVE):
+        dog.report_before_abort(reason)
 
 
 class HangWatchdog:
@@ -136,15 +157,19 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._run, name="shardwise-hang-watchdog", daemon=True)
 
     @classmethod
-    def attach(cls, ledger: CommLedger, *, rank: int, world: int, timeout_s: float) -> "HangWatchdog | None":
-        """A started watchdog explaining `ledger`'s failures, or None in a world of one (or without a store)."""
-        store = _default_store()
+    def attach(cls, ledger: CommLedger, *, rank: int, world: int, timeout_s: float,
+               store: Any | None = None) -> "HangWatchdog | None":
+        """A started watchdog explaining `ledger`'s failures, or None in a world of one (or without a store).
+        `store`: where the reports go (default: the store the default process group was built on)."""
+        store = store if store is not None else _default_store()
         if store is None:
             return None
         dog = cls(ledger, store=store, rank=rank, world=world, timeout_s=timeout_s)
         ledger.explain = dog.explain
         dog._thread.start()
         _LIVE.add(dog)
+        if not _ABORT_HOOK:
+            _ABORT_HOOK.append(on_terminate(_report_before_abort))
         return dog
 
     def stop(self) -> None:
@@ -173,7 +198,9 @@ class HangWatchdog:
                 if not self._reported and (age >= self.timeout_s or now - last_poll >= self.idle_poll):
                     last_poll = now
                     if age >= self.timeout_s or self.store.check([f"{self.prefix}/declared"]):
-                        if self._report(ledger) == 1:
+                        # after a peer's abort the lines are its desync's: no line of our own
+                        quiet = self.store.check([f"{self.prefix}/abort"])
+                        if self._report(ledger, quiet=quiet) == 1:
                             declared_at = now
                             self._reporter = True
                 if declared_at is not None and now - declared_at >= self.grace and self._verdict is None:
@@ -186,22 +213,31 @@ class HangWatchdog:
             finally:
                 del ledger
 
-    def _report(self, ledger: CommLedger) -> int:
-        """Post this rank's report (once); returns the declaration count (1: this rank is the reporter)."""
+    def _report(self, ledger: CommLedger, quiet: bool = False, aborted: str | None = None) -> int:
+        """Post this rank's report (once; `quiet`: without printing it; `aborted`: the C++ exception ending this
+        process); returns the declaration count (1: this rank is the reporter)."""
         with self._lock:
             if self._reported:
                 return 0
             self._reported = True
         waiting = ledger.waiting()
-        report: dict[str, Any] = {"step": ledger.step}
+        if aborted is not None:     # the collective that failed: not the check still completing beside it
+            waiting = [w for w in waiting if w.group not in ledger.guard_groups]
+        report: dict[str, Any] = {"step": ledger.step, "counts": ledger.counts()}
         if waiting:
             w = waiting[0]
-            report.update(op=w.op, group=w.group, seq=w.seq, age=time.perf_counter() - w.started, step=w.step)
+            report.update(op=w.op, group=w.group, seq=w.seq, age=time.perf_counter() - w.started, step=w.step,
+                          signature=w.signature)
         elif ledger.last_done is not None:
             d = ledger.last_done
             report["last"] = {"op": d.op, "group": d.group, "seq": d.seq}
+        if ledger.sequence_state is not None:
+            report["seq_state"] = ledger.sequence_state()
+        if aborted is not None:
+            report["aborted"] = aborted
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
-        print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
 
     def _publish_verdict(self) -> None:
@@ -222,6 +258,58 @@ class HangWatchdog:
                 and time.monotonic() - declared_at > self.grace + _margin(self.timeout_s) + 3.0):
             self._raised = True
             print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
+
+    # -- the aborting thread ----------------------------------------------------------------------------
+    def report_before_abort(self, reason: str | None = None) -> None:
+        """On the thread that aborts the process. Two cases:
+        - gloo's size check failed (a collective of another size on a peer): this rank declares at once, waits
+          (the grace period) for the other ranks' reports, which show what each ran since the ranks last agreed,
+          and publishes the verdict if it is a desync; then it ends quietly (exit 1): the peers' collectives fail
+          as it leaves, and they raise the verdict's `DesyncError` (`explain`), one line. Anything else is left to
+          the backend's own abort (and the peers to their backend's error).
+        - a hang was declared before and the backend now gives up (NCCL's watchdog aborts where gloo would raise):
+          the main thread, blocked in a device read, will never raise the verdict, so the reporter prints it and
+          every rank ends with exit 1 instead of the backend's abort text.
+        """
+        ledger = self._ledger()
+        if ledger is None or self._stop.is_set():      # an engine closed earlier in this process
+            return
+        try:
+            hang_declared = self._reported or self.store.check([f"{self.prefix}/verdict"])
+            if not hang_declared:
+                # gloo's failed check in a collective not launched through a `Comm` (the ledger shows none
+                # in flight) is reported too: the peers' reports still show where they wait
+                if not ledger.waiting() and not is_gloo_check(reason):
+                    return
+                self.store.set(f"{self.prefix}/abort", str(self.rank))
+                if self._report(ledger, quiet=True, aborted=reason) == 1:
+                    keys = [f"{self.prefix}/report/{r}" for r in range(self.world)]
+                    try:
+                        self.store.wait(keys, datetime.timedelta(seconds=self.grace))
+                    except RuntimeError:       # a rank that does not report in time is named as such
+                        pass
+                    found = verdict(self._collect(), self.timeout_s)
+                    if not found.startswith("desync"):
+                        return
+                    self._verdict = found
+                    self.store.set(f"{self.prefix}/verdict", found)
+                    sys.stderr.flush()
+                    os._exit(1)
+            deadline = time.monotonic() + self.grace + 2.0
+            while not self.store.check([f"{self.prefix}/verdict"]) and time.monotonic() < deadline:
+                time.sleep(self.tick)
+            if not self.store.check([f"{self.prefix}/verdict"]):
+                return
+            self._verdict = self.store.get(f"{self.prefix}/verdict").decode()
+        except Exception:   # noqa: BLE001 - the store is gone too: the backend's abort is all there is
+            return
+        if not hang_declared and not self._verdict.startswith("desync"):
+            return
+        if hang_declared and self._reporter and not self._raised:
+            self._raised = True
+            print(f"shardwise: error: {self._verdict}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)
 
     # -- the main thread -------------------------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:
@@ -245,4 +333,6 @@ class HangWatchdog:
         if self._verdict is None:
             return error
         self._raised = True
+        if self._verdict.startswith("desync"):
+            return DesyncError(self._verdict)
         return CollectiveTimeout(self._verdict)

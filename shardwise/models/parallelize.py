@@ -16,7 +16,7 @@ from torch import nn
 from shardwise.comm.collectives import Comm
 from shardwise.models.gpt import GPT
 from shardwise.parallel.recompute import recompute_call
-from shardwise.parallel.tensor_parallel.layers import TensorParallelError, not_divisible
+from shardwise.parallel.tensor_parallel.layers import TP_MESH_ATTR, TensorParallelError, not_divisible
 from shardwise.parallel.tensor_parallel.loss import VocabParallelLoss
 from shardwise.parallel.tensor_parallel.plan import (
     COLWISE_STYLES, Style, TensorParallelInfo, apply_tensor_parallel, own_plan, pattern_regex, resolve_plan,
@@ -282,7 +282,8 @@ def recompute_hf_attention(config: Any) -> None:
 
 class HuggingFaceAttention:
     """`AttentionFunctions` for Hugging Face models, whose attention layers call the function their config names:
-    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores."""
+    what the engine hands `apply_recompute`, so "selective" recomputes their attention cores, and whole blocks
+    recompute without their key/value cache."""
 
     def found_in(self, blocks: list[nn.Module]) -> bool:
         return bool(_hf_attention_configs(blocks))
@@ -290,6 +291,28 @@ class HuggingFaceAttention:
     def recompute(self, blocks: list[nn.Module]) -> None:
         for config in _hf_attention_configs(blocks):
             recompute_hf_attention(config)
+
+    def prepare_blocks(self, blocks: list[nn.Module]) -> None:
+        """A Hugging Face decoder layer with `use_cache` (Llama's default) appends its keys and values [b, kv, s, d]
+        to the cache as it runs, so a replay would attend over 2s keys (eager attention then fails on its [b, 1,
+        s, s] mask; sdpa's causal kernel hides it) and the cache would hold what recomputation drops. Their own
+        switch for checkpointed layers (`GradientCheckpointingLayer.gradient_checkpointing`) passes no cache and
+        `use_cache=False` in training under autograd; its checkpoint function is set to a plain call, ours wraps
+        the layer."""
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except ImportError:       # an older transformers: its layers have no such switch and are left as they are
+            return
+        for block in blocks:
+            if isinstance(block, GradientCheckpointingLayer):
+                block.gradient_checkpointing = True
+                setattr(block, "_gradient_checkpointing_func", _plain_call)
+
+
+def _plain_call(function: Any, *args: Any) -> Any:
+    """The checkpoint function a Hugging Face layer calls when it is checkpointed: shardwise's recomputation wraps
+    the layer itself, so this runs it as it is."""
+    return function(*args)
 
 
 # -- the engine's entry point -------------------------------------------------------------------------
@@ -321,3 +344,43 @@ def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool =
                               f"{type(model).__name__}; use shardwise.models.GPT, a Hugging Face model whose config "
                               f"has base_model_tp_plan, or set model.shardwise_tp_plan (module-name patterns -> "
                               f'"colwise", "rowwise", "vocab", ...; see shardwise.parallel.tensor_parallel.plan)')
+
+
+# -- the torch-native entry point ---------------------------------------------------------------------
+
+def parallelize_module(module: nn.Module, device_mesh: Any, parallelize_plan: Mapping[str, Any] | None = None, *,
+                       sequence_parallel: bool = False) -> nn.Module:
+    """Tensor parallelism in torch's shape (`torch.distributed.tensor.parallel.parallelize_module`), on shardwise's
+    layers, as torchtitan composes it with `fully_shard`:
+
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        shardwise.parallelize_module(model, mesh["tp"], {"blocks.*.mlp.fc": ColwiseParallel(),
+                                                         "blocks.*.mlp.proj": RowwiseParallel()})
+        for block in model.blocks:
+            shardwise.fully_shard(block, mesh=mesh["dp"])
+        shardwise.fully_shard(model, mesh=mesh["dp"])  # parameters: DTensors on the (dp, tp) mesh
+
+    `device_mesh`: the 1-D tp mesh (or a ProcessGroup). `parallelize_plan`: module-name patterns (`*` for an
+    index) -> torch's ColwiseParallel / RowwiseParallel / SequenceParallel objects or shardwise's style names
+    (`parallel/tensor_parallel/plan.py`); None: the model's own plan (`parallelize_model`: the built-in GPT,
+    Hugging Face models with a base_model_tp_plan, `shardwise_tp_plan`). Each named layer is replaced in place by
+    one cut from it, whose parameters are this rank's plain slices; every parameter is marked with the tp mesh,
+    so `fully_shard` over the dp mesh shows it as a DTensor of the whole model. Returns `module`. (A model split
+    by torch's own `parallelize_module` also composes with `fully_shard`: `parallel/wrappers/torch_tp.py`.)"""
+    from shardwise.comm.ledger import CommLedger
+    from shardwise.errors import UserError
+    group, mesh = device_mesh, None
+    if hasattr(device_mesh, "get_group") and hasattr(device_mesh, "ndim"):       # torch's DeviceMesh
+        if device_mesh.ndim != 1:
+            raise UserError(f"parallelize_module: device_mesh is {device_mesh.ndim}-D; give its tp dimension, "
+                            f'mesh["tp"]')
+        group, mesh = device_mesh.get_group(), device_mesh
+    comm = group if isinstance(group, Comm) else Comm(group, CommLedger(), name="tp")
+    if parallelize_plan is None:
+        parallelize_model(module, comm, sequence_parallel=sequence_parallel)
+    else:
+        apply_tensor_parallel(module, comm, parallelize_plan)
+    if mesh is not None:
+        for p in module.parameters():
+            setattr(p, TP_MESH_ATTR, mesh)
+    return module

@@ -106,9 +106,11 @@ def recompute_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
 
 
 class AttentionFunctions(Protocol):
-    """Attention cores that are functions, not modules: the attention layers of some model families look their
-    core up at each call (Hugging Face's, by `config._attn_implementation`). Such a family supplies this, so that
-    "selective" can recompute those functions (with `recompute_call`)."""
+    """What a model family beside the models tells recomputation about its layers. Attention cores that are
+    functions, not modules: the attention layers of some families look their core up at each call (Hugging Face's,
+    by `config._attn_implementation`), so that "selective" can recompute those functions (with `recompute_call`).
+    And blocks that write state outside themselves as they run (a key/value cache): a recomputed block runs twice,
+    so such writes must be switched off for it (`prepare_blocks`)."""
 
     def found_in(self, blocks: list[nn.Module]) -> bool:
         """Do `blocks` hold attention layers whose core this rewires?"""
@@ -116,6 +118,11 @@ class AttentionFunctions(Protocol):
 
     def recompute(self, blocks: list[nn.Module]) -> None:
         """Make the attention cores of `blocks` recompute in backward."""
+        ...
+
+    def prepare_blocks(self, blocks: list[nn.Module]) -> None:
+        """`blocks` are about to be recomputed whole: in training under autograd they must run the same way twice
+        (no cache written by the forward and read back, longer, by the replay)."""
         ...
 
 
@@ -168,6 +175,9 @@ def apply_recompute(blocks: list[nn.Module], section: ActivationCheckpointingCon
                           cpu=section.cpu_checkpointing, synchronize=section.synchronize_checkpoint_boundary,
                           times=times if section.profile else None)
     chosen = plan_recompute(blocks, section, attention_functions=attention_functions)
+    whole = [m for m in chosen if m in blocks]      # "selective" chooses cores inside the blocks instead
+    if whole and attention_functions is not None:
+        attention_functions.prepare_blocks(whole)
     for m in chosen:
         recompute_module(m, stored)
     if section.policy is RecomputePolicy.SELECTIVE and not chosen and attention_functions is not None:

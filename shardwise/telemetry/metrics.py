@@ -36,7 +36,8 @@ class StepMetrics:
     gradient_clipping is 0 and no norm is taken; `loss_scale` is 1.0 unless fp16; `skipped` means fp16 overflow:
     the parameters did not move. `tokens` and `tokens_per_s` count the whole job (all data-parallel ranks), so
     MFU divides by the peak of all ranks together. A step after which the run evaluated also holds `eval_loss`
-    (mean cross-entropy on the held-out split) and `eval_perplexity` (its exp) in its line.
+    (mean cross-entropy on the held-out split), `eval_perplexity` (its exp) and what they averaged over:
+    `eval_windows` windows, `eval_tokens` predictions, in its line.
     """
 
     step: int
@@ -133,6 +134,7 @@ class RunSummary:
     skipped_steps: int = 0                  # over the whole run
     final_eval_loss: float | None = None    # the last evaluation's held-out loss (None: the run did not evaluate)
     final_eval_perplexity: float | None = None
+    final_eval_windows: int | None = None   # the windows it averaged over (None: not recorded)
 
     @property
     def comm_bytes_per_step(self) -> int:
@@ -182,6 +184,8 @@ def summarize_run(records: Sequence[Mapping[str, Any]], *, world_size: int, flop
         final_loss_scale=float(last.get("loss_scale", 1.0)), skipped_steps=int(last.get("skipped_steps", 0)),
         final_eval_loss=float(evaluated[-1]["eval_loss"]) if evaluated else None,
         final_eval_perplexity=float(evaluated[-1]["eval_perplexity"]) if evaluated else None,
+        final_eval_windows=int(evaluated[-1]["eval_windows"]) if evaluated and "eval_windows" in evaluated[-1]
+        else None,
     )
 
 

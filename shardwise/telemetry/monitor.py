@@ -99,6 +99,9 @@ class TrainingMonitor:
                                     names=module_names)
                       if section.flops_profiler.enabled and profiles else None)
         self._flops_reported = False
+        self.progress_lines = True
+        """DeepSpeed's two progress lines every steps_per_print steps; off where the caller prints its own line per
+        interval (`shardwise train`), so an interval shows one line, not three with different throughputs."""
         self._losses: list[torch.Tensor] = []
         self._in_batch = 0
         self._window_steps = 0             # optimizer steps since the last timers/comms print
@@ -164,8 +167,9 @@ class TrainingMonitor:
         spp = self.section.steps_per_print
         if spp and steps.global_steps % spp == 0:
             iter_s = self._batch_seconds / self._batch_count
-            self._say(f"steps: {steps.global_steps} loss: {result.loss:0.4f} iter time (s): {iter_s:0.3f} "
-                      f"samples/sec: {self._batch_samples / self._batch_seconds:0.3f}")
+            if self.progress_lines:
+                self._say(f"steps: {steps.global_steps} loss: {result.loss:0.4f} iter time (s): {iter_s:0.3f} "
+                          f"samples/sec: {self._batch_samples / self._batch_seconds:0.3f}")
             self._batch_seconds, self._batch_samples, self._batch_count = 0.0, 0, 0
 
     def eval_loss(self, steps: StepProgress, loss: float) -> None:
@@ -180,7 +184,7 @@ class TrainingMonitor:
             self.events.write(self._step_events(steps, step_ms))
         self._losses = []
         spp = self.section.steps_per_print
-        if spp and step % spp == 0:
+        if spp and step % spp == 0 and self.progress_lines:
             lr = steps.get_lr()
             mom = [momentum_of(g) for g in steps.optimizer.param_groups]
             self._say(f"[Rank 0] step={step}, skipped={steps.skipped_steps}, lr={lr}, mom={mom}")

@@ -5,10 +5,15 @@ identical runs reported MFUs 30-46% apart. The measurement is therefore taken on
 threads, torch version) and kept in a small JSON file (`PeakCache`); identical runs then divide by the same number.
 
     peak = resolve_peak(device=device, dtype=torch.bfloat16, given_tflops=args.peak_tflops)
+
+The ranks of a job that measure do so at once, and each gets its own figure; they agree on one (`agree_measured`)
+before any is cached or divided by, so the job's peak is the rank count times the figure printed and cached,
+in the run that measured as in the runs that read it back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -49,10 +54,26 @@ class PeakFlops:
     device_name: str
     dtype: torch.dtype
     cache_key: str = ""      # the entry it was read from or written to ("" when not cached)
+    measured_by: int = 1     # ranks whose measurements it is the mean of (`agree_measured`)
 
     def describe(self) -> str:
+        mean = f", the mean of {self.measured_by} ranks measuring at once" \
+            if self.origin is PeakOrigin.MEASURED and self.measured_by > 1 else ""
         return f"{self.flops / 1e12:.4g} TFLOP/s per rank, {str(self.dtype).removeprefix('torch.')} on " \
-               f"{self.device_name} ({self.origin.value})"
+               f"{self.device_name} ({self.origin.value}){mean}"
+
+
+def agree_measured(peaks: list[PeakFlops]) -> list[PeakFlops]:
+    """Every rank's peak (rank order), with the ranks that measured the same kind of device (one cache key) given
+    the mean of their measurements: the figure their job divides by per rank, and the one cached for later runs.
+    Without this, the job's peak would be the sum of N different figures while rank 0 prints and caches its own."""
+    groups: dict[str, list[float]] = {}
+    for peak in peaks:
+        if peak.origin is PeakOrigin.MEASURED:
+            groups.setdefault(peak.cache_key, []).append(peak.flops)
+    return [dataclasses.replace(p, flops=sum(groups[p.cache_key]) / len(groups[p.cache_key]),
+                                measured_by=len(groups[p.cache_key]))
+            if p.origin is PeakOrigin.MEASURED else p for p in peaks]
 
 
 def device_name(device: torch.device) -> str:
@@ -147,7 +168,8 @@ class PeakCache:
 
 def resolve_peak(*, device: torch.device, dtype: torch.dtype, given_tflops: float | None = None,
                  source: PeakSource = measured_peak, cache: PeakCache | None = None) -> PeakFlops:
-    """One rank's peak: `given_tflops`, else the cache, else `source` (cached when it measured)."""
+    """One rank's peak: `given_tflops`, else the cache, else `source` (cached when it measured, unless the cache
+    is not a `writer`: a job's ranks cache the figure they agree on, `agree_measured`)."""
     name = device_name(device)
     if given_tflops is not None:
         return PeakFlops(given_tflops * 1e12, PeakOrigin.GIVEN, name, dtype)

@@ -2,7 +2,9 @@
 
 Only global rank 0 shows anything (`enabled=False` elsewhere), so N ranks never print N bars. When
 stdout is not a terminal (CI logs, `| tee`, a file) a redrawn bar would be a wall of control codes,
-so the bar degrades to one plain line every `steps_per_print` steps (and on the first and last step).
+so the bar degrades to one plain line every `steps_per_print` steps (and on the first and last step), whose
+throughput, MFU and step time are those of the steps since the previous line: one line per interval, with the
+interval's figures (the summary's mean tokens/s is the same sum over more steps).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class TrainProgress:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._times: list[float] = []
+        self._window: list[StepMetrics] = []
+        """The steps since the last printed line (plain-line mode)."""
 
     # -- lifecycle --------------------------------------------------------------------------------
     def __enter__(self) -> "TrainProgress":
@@ -106,11 +110,20 @@ class TrainProgress:
             self._progress.update(self._task, completed=m.step, loss=f"{m.loss:.4f}",
                                   rate=format_rate(m.tokens_per_s), mfu=format_mfu(m.mfu), eta=eta,
                                   update=format_update(m))
-        elif self._should_print(m.step) or m.skipped:     # a skipped update is never silent
+            return
+        self._window.append(m)
+        if self._should_print(m.step) or m.skipped:     # a skipped update is never silent
+            window, self._window = self._window, []
+            seconds = sum(w.step_time_s for w in window)
+            rate = sum(w.tokens for w in window) / seconds if seconds > 0 else 0.0
+            # Time-weighted like the rate: the MFU of the interval's tokens over its time.
+            mfu = None if any(w.mfu is None for w in window) or seconds <= 0 else \
+                sum(float(w.mfu or 0.0) * w.step_time_s for w in window) / seconds
+            steps = f"step {m.step}" if len(window) == 1 else f"steps {window[0].step}-{m.step}"
             self.console.print(
                 f"step {m.step}/{self.total_steps} | loss {m.loss:.4f} | lr {m.lr:.3e} | {format_update(m)} | "
-                f"{format_rate(m.tokens_per_s)} tok/s | MFU {format_mfu(m.mfu)} | "
-                f"{m.step_time_s:.3f} s/step | ETA {eta}",
+                f"{format_rate(rate)} tok/s | MFU {format_mfu(mfu)} | "
+                f"{seconds / len(window):.3f} s/step ({steps}) | ETA {eta}",
                 markup=False, highlight=False, soft_wrap=True,
             )
 
@@ -138,7 +151,8 @@ def summary_tables(summary: RunSummary) -> list[Table]:
         ("wall time", format_eta(summary.total_time_s)),
     ]
     if summary.final_eval_loss is not None:
-        rows[2:2] = [("final eval loss (held out)", f"{summary.final_eval_loss:.4f}"),
+        over = "" if summary.final_eval_windows is None else f", {summary.final_eval_windows} windows"
+        rows[2:2] = [(f"final eval loss (held out{over})", f"{summary.final_eval_loss:.4f}"),
                      ("final eval perplexity", f"{summary.final_eval_perplexity:.3f}")]
     for name, value in rows:
         head.add_row(name, str(value))

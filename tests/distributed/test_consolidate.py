@@ -49,7 +49,8 @@ def test_consolidated_checkpoint_equals_save_16bit_model(tmp_path, one_thread):
         whole = torch.load(tmp_path / name / "whole.pt", weights_only=True)
         merged = consolidated_state_dict(tmp_path / name / "ckpt", reference=reference)
         if name.startswith("zero3"):    # the weights came from the optimizer shards, not the placeholders
-            module = torch.load(next((tmp_path / name / "ckpt").glob("*/mp_rank_00_model_states.pt")),
+            # DeepSpeed's ZeRO-3 name: model states per dp rank
+            module = torch.load(next((tmp_path / name / "ckpt").glob("*/zero_pp_rank_0_mp_rank_00_model_states.pt")),
                                 weights_only=False)["module"]
             assert any(t.numel() == 0 for t in module.values()), name
         assert merged.keys() == whole.keys(), name

@@ -88,14 +88,14 @@ def test_every_policy_is_bitwise_the_run_without_recomputation(layout: str):
     assert act["selective"] < act["none"], act
 
 
-def _hf_llama(policy: dict, attention: str = "sdpa") -> dict:
+def _hf_llama(policy: dict, attention: str = "sdpa", *, zero: int = 3, use_cache: bool = True) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         attention_dropout=0.1)
+                         attention_dropout=0.1, use_cache=use_cache)
     config._attn_implementation = attention
-    return _train_llama(LlamaForCausalLM(config), zero=3, policy=policy)
+    return _train_llama(LlamaForCausalLM(config), zero=zero, policy=policy)
 
 
 def _train_llama(model: torch.nn.Module, *, zero: int, policy: dict) -> dict:
@@ -128,13 +128,20 @@ def _hf_all() -> dict:
     # eager attention stores the [b, a, s, s] probabilities: what selective recomputation exists to drop
     out["eager_none"] = _hf_llama({"policy": "none"}, "eager")
     out["eager_selective"] = _hf_llama({"policy": "selective"}, "eager")
+    # Llama's use_cache default (True) makes each layer append its keys and values to a cache as it runs: full
+    # recomputation must not run a layer against what its own forward appended (eager attention fails on it)
+    out["eager_full"] = _hf_llama({"policy": "full"}, "eager")
+    out["eager_none_zero0"] = _hf_llama({"policy": "none"}, "eager", zero=0)
+    out["eager_full_zero0"] = _hf_llama({"policy": "full"}, "eager", zero=0)
+    out["eager_full_zero0_no_cache"] = _hf_llama({"policy": "full"}, "eager", zero=0, use_cache=False)
     return out
 
 
 def test_hugging_face_llama_under_zero3_recomputes_exactly():
     for runs in run_distributed(_hf_all, 2):
         for name, base in (("full", "none"), ("every_2", "none"), ("selective", "none"),
-                           ("eager_selective", "eager_none")):
+                           ("eager_selective", "eager_none"), ("eager_full", "eager_none"),
+                           ("eager_full_zero0", "eager_none_zero0"), ("eager_full_zero0_no_cache", "eager_none_zero0")):
             assert runs[name]["losses"] == runs[base]["losses"], name
             for k, v in runs[base]["state"].items():
                 assert torch.equal(runs[name]["state"][k], v), (name, k)

@@ -112,8 +112,11 @@ def test_tensor_parallel_with_zero_equals_single_process(tmp_path: Path, one_thr
             assert got["norms"][0] > case["clip"], f"{name}: clipping never engaged, the TP x ZeRO norm went untested"
             assert got["norms"] == results[0][name]["norms"], f"{name}: ranks disagree on the gradient norm"
             assert {"dp", "tp", "tp:metrics"} <= set(got["groups"]), got["groups"]
-            # a checkpoint per TP rank, and a fresh engine resumed from it takes exactly the same steps
-            assert got["files"] == sorted([f"mp_rank_{t:02d}_model_states.pt" for t in range(TP)]
+            # a checkpoint per TP rank (DeepSpeed's names: at ZeRO-3 model states per dp rank too), and a fresh
+            # engine resumed from it takes exactly the same steps
+            models = ([f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(2) for t in range(TP)]
+                      if case["stage"] == 3 else [f"mp_rank_{t:02d}_model_states.pt" for t in range(TP)])
+            assert got["files"] == sorted(models
                                           + [f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
                                              for d in range(2) for t in range(TP)]
                                           + ["shardwise_index.pt"]), got["files"]

@@ -95,7 +95,7 @@ def _ours_fully_shard(case: str, mp=None, *, reentrant: bool | None = None) -> d
                        no_sync=wrapper_state_cases.grad_sync_off(model))
     return {"losses": losses, "state": model.full_state_dict(),
             "sharded": wrapper_state_cases.portable(model.sharded_state_dict()),
-            "numel": sum(p.numel() for p in model.parameters()), "local": _local(model),
+            "numel": sum(v.numel() for v in _local(model).values()), "local": _local(model),
             "decayed": len(opt.param_groups[0]["params"])}
 
 

@@ -77,7 +77,7 @@ def policy_casts() -> dict:
     params = list(net.parameters())
     return {"buffer": net.scale.dtype, "input": net.seen, "output": out.dtype,
             "params": sorted({str(t.dtype) for p in params for t in (p, p.grad)}),
-            "numel": sum(p.numel() for p in params)}
+            "numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)}
 
 
 class _OddShapes(torch.nn.Module):
@@ -102,7 +102,8 @@ def odd_shapes(dp: int = 1, dp_rank: int = 0) -> dict:
     net = _OddShapes()
     if dp > 1:
         shardwise.fully_shard(net)
-    shapes = {n: tuple(p.shape) for n, p in net.named_parameters()}
+    # this rank's rows (a DTensor parameter's local tensor)
+    shapes = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in net.named_parameters()}
     opt = optimizer(NANOGPT, net.parameters())
     x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(4))
     for step in range(3):

@@ -1,4 +1,5 @@
-"""Kills one rank of a launched `shardwise train` after a given step: the fault the survive tests inject.
+"""Kills one rank of a launched `shardwise train` after a given step: the fault the survive tests inject (and, with
+SHARDWISE_TEST_EXTRA_COLLECTIVE_AT, makes one rank run an extra collective: the desync test's fault).
 
 Python imports `sitecustomize` at start-up from the first folder of its path that holds one; the
 `kill_rank_after_step` fixture (tests/conftest.py) puts this folder first on PYTHONPATH and sets
@@ -58,4 +59,37 @@ def _install() -> None:
         _kill_after_step(step)
 
 
+EXTRA_COLLECTIVE_ENV = "SHARDWISE_TEST_EXTRA_COLLECTIVE_AT"
+""""R:S": global rank R makes one extra all-reduce with torch.distributed itself (no shardwise ledger sees it) in
+step S, before the step's first backward: its peers meet it with their first gradient bucket."""
+
+
+def _extra_collective_in_step(step: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.engine.step import TrainingSteps
+
+    backward = TrainingSteps.backward
+    done: list[bool] = []
+
+    def backward_after_an_extra_collective(self, *args, **kwargs):
+        if self.global_steps + 1 == step and not done:     # global_steps: the steps completed before this one
+            done.append(True)
+            dist.all_reduce(torch.ones(3))
+        return backward(self, *args, **kwargs)
+
+    TrainingSteps.backward = backward_after_an_extra_collective
+
+
+def _install_extra_collective() -> None:
+    spec = os.environ.get(EXTRA_COLLECTIVE_ENV)
+    if not spec or "RANK" not in os.environ:
+        return
+    rank, step = (int(x) for x in spec.split(":"))
+    if int(os.environ["RANK"]) == rank:
+        _extra_collective_in_step(step)
+
+
 _install()
+_install_extra_collective()

@@ -66,6 +66,14 @@ def test_train_eval_generate_export_and_load_in_transformers(tmp_path: Path, cap
     assert held["data"].endswith("(held-out split)") and held["windows"] == 8 and held["tokens"] == 8 * SEQ
     # the 8 windows the run's last evaluation read (2 batches of 4, dp 1), now on one process from TP slices
     assert held["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5)
+    # by default: the windows the run's evaluation read at this checkpoint, so the figure it logged, said so
+    default = json.loads(_out(capsys, "eval", str(run), "--json"))
+    assert default["windows"] == 8 and default["averaged_over"] == "the windows of the run's held-out evaluation " \
+                                                                  "at step 4"
+    assert default["loss"] == pytest.approx(rows[-1]["eval_loss"], rel=1e-5) and default["run_eval_loss"] == \
+        rows[-1]["eval_loss"]
+    said = _out(capsys, "eval", str(run / "checkpoints" / "global_step4"))
+    assert "8 windows of 32 tokens, 256 predictions" in said and "the run logged eval loss" in said
     mine = json.loads(_out(capsys, "eval", str(run / "checkpoints"), "--data", str(corpus), "--max-windows", "3",
                            "--json"))
     greedy = _out(capsys, "generate", str(run), "--prompt", "line 7", "--max-new-tokens", "12", "--temperature", "0")
@@ -90,6 +98,11 @@ def test_train_eval_generate_export_and_load_in_transformers(tmp_path: Path, cap
                     optimizer={"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}})
     _train(zero3, "--model", f"hf:{tmp_path / 'hf'}", "--data", str(corpus), "--steps", "1", "--save-every", "1",
            "--out", str(run2))
+    # from_pretrained returns an eval-mode model: the run trains it in train mode, so the summary measures the
+    # step's collectives (ZeRO-3 over 2 ranks gathers and reduce-scatters) and the saved activations
+    trained = json.loads((run2 / "summary.json").read_text())
+    assert trained["comm_bytes_per_step"] > 0
+    assert all(rank["activations"] > 0 for rank in trained["memory_per_rank"])
     _out(capsys, "export", str(run2), "--to", "safetensors", "--out", str(tmp_path / "st"))
     from safetensors.torch import load_file
     again = load_file(str(tmp_path / "st" / "model.safetensors"))

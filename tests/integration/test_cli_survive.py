@@ -80,7 +80,21 @@ def _matrix(root: str, corpus: str) -> dict:
         train(_worker_args(resumed, Path(corpus), block, steps, save_every=2))
         if dist.get_rank() == 0:
             out[name] = (read_metrics(full / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl"))
+    # Extended and re-laid-out: 4 steps at dp 2 with a 2-step warm-up, then resumed to 8 steps with an 8-step
+    # warm-up at TP 2 x ZeRO-1 (dp 1: twice the accumulation keeps the global batch of 8 sequences).
+    extended = Path(root) / "extended"
+    train(_worker_args(extended, Path(corpus), {"scheduler": _warmup(2)}, 4, save_every=4))
+    train(_worker_args(extended, Path(corpus), {"scheduler": _warmup(8), "gradient_accumulation_steps": 4,
+                                               "tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 1}},
+                       8, save_every=4))
+    if dist.get_rank() == 0:
+        out["extended"] = read_metrics(extended / "metrics.jsonl")
     return out
+
+
+def _warmup(steps: int) -> dict:
+    return {"type": "WarmupLR", "params": {**BASE["scheduler"]["params"], "warmup_num_steps": steps,
+                                           "warmup_type": "linear"}}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +120,16 @@ def test_resume_continues_bitwise_at_every_layout(matrix: tuple[Path, dict], lay
     assert resumed[:half] == full[:half]
     _same_steps(resumed[half:], full[half:])
     assert resumed[-1]["elapsed_s"] > resumed[half - 1]["elapsed_s"]    # the clock continues
+
+
+def test_an_extended_run_resumes_at_another_layout_on_the_new_schedule(matrix: tuple[Path, dict]) -> None:
+    rows = matrix[1]["extended"]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    # WarmupLR: step s trains at iteration s - 2 of the ramp; from step 5 on, the 8-step ramp of the new config
+    # (the checkpoint carries the 2-step one, which would give 1e-3)
+    assert [r["lr"] for r in rows[4:]] == [1e-3 * (it / 8) for it in (3, 4, 5, 6)]
+    assert [r["lr"] for r in rows[:4]] == [0.0, 0.0, 5e-4, 1e-3]
+    assert all(r["loss"] < rows[0]["loss"] for r in rows[4:])       # it goes on from the trained weights
 
 
 def _launch(args: list[str], **env: str) -> subprocess.Popen:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from shardwise.telemetry import read_metrics
+from shardwise.telemetry.metrics import format_rate
 
 TRAIN = [sys.executable, "-m", "shardwise.cli.main", "train"]
 _OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3}}
@@ -47,6 +48,11 @@ def test_tp2_pp2_trace_then_a_zero2_run_reuses_the_cached_peak(tmp_path: Path) -
     entries = json.loads((cache / "peak_flops.json").read_text())
     assert len(entries) == 1 and "|float32|threads=1|" in next(iter(entries))
     cached = next(iter(entries.values()))["flops"]
+    # the run that measured divides by what it prints and caches: the 4 ranks' agreed figure, 4 times
+    if not any("too low" in line for line in first.stderr.splitlines()):
+        measured = json.loads((tmp_path / "tp2pp2" / "summary.json").read_text())["peak_flops"]
+        assert measured == 4 * cached
+        assert f"MFU divides by {format_rate(measured)} FLOP/s, the peak of the 4 rank(s)" in first.stdout
 
     # ZeRO-2 over 2 data-parallel ranks: its gathers went through the deprecated collective before.
     zero2 = {"train_micro_batch_size_per_gpu": 2, "optimizer": _OPTIMIZER, "zero_optimization": {"stage": 2}}

@@ -17,6 +17,7 @@ import pytest
 from shardwise.cli.main import main
 from shardwise.cli.train import threads_per_rank
 from shardwise.telemetry import read_metrics
+from shardwise.telemetry.metrics import format_rate
 
 TRAIN = [sys.executable, "-m", "shardwise.cli.main", "train"]
 
@@ -77,6 +78,12 @@ def test_two_ranks_on_stdlib_write_metrics_plot_and_summary(tmp_path: Path) -> N
 
     # Output is not a terminal here: plain progress lines, then the summary table.
     assert "step 1/12 | loss" in proc.stdout and "step 12/12 | loss" in proc.stdout
+    # one line per interval of steps_per_print (10), not the engine's DeepSpeed-style lines besides
+    progress = [line for line in proc.stdout.splitlines() if line.startswith(("step ", "steps: ", "[Rank 0] step="))]
+    assert [line.split(" |")[0] for line in progress] == ["step 1/12", "step 10/12", "step 12/12"], progress
+    # the last line's throughput is that of steps 11-12, as metrics.jsonl has them
+    rate = sum(r["tokens"] for r in rows[10:]) / sum(r["step_time_s"] for r in rows[10:])
+    assert f"| {format_rate(rate)} tok/s |" in progress[-1] and "(steps 11-12)" in progress[-1], progress[-1]
     assert "Training summary" in proc.stdout and "Memory per rank" in proc.stdout
     assert "final gradient norm" in proc.stdout and "skipped steps" in proc.stdout
 

@@ -62,8 +62,13 @@ def test_the_same_run_resumes_automatically_and_may_grow_its_steps(tmp_path: Pat
 @pytest.mark.parametrize("change, named", [
     ({"seed": 1}, "seed: 0 there, 1 now"),
     ({"model": "small"}, 'model: "tiny" there, "small" now'),
-    ({"config": {**ARGS["config"], "train_micro_batch_size_per_gpu": 4}},
-     "config.train_micro_batch_size_per_gpu: 2 there, 4 now"),
+    ({"config": {**ARGS["config"], "optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}}},
+     "config.optimizer.params.lr: 0.001 there, 0.002 now"),
+    ({"data": "other.txt"}, 'data: "stdlib" there, "other.txt" now'),
+    ({"vocab_size": 512}, "vocab_size: null there, 512 now"),
+    ({"config": {**ARGS["config"], "bf16": {"enabled": True}}}, "config.bf16 (only now)"),
+    ({"config": {**ARGS["config"], "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}},
+     "config.zero_optimization (only now)"),
     ({"config": {**ARGS["config"], "gradient_clipping": 1.0}}, "config.gradient_clipping (only now)"),
 ])
 def test_another_run_is_refused_in_one_line_naming_the_difference(tmp_path: Path, change: dict, named: str) -> None:
@@ -169,3 +174,55 @@ def test_train_into_another_runs_directory_is_one_line_exit_2_and_touches_nothin
     assert err.count("\n") == 1 and err.startswith(f"shardwise: error: --out {run} holds another run (different "
                                                    f"seed: 0 there, 1 now)"), err
     assert files() == before
+
+
+def _default_run(steps: int, **config: object) -> dict:
+    from shardwise.cli.train import default_config
+    return {**ARGS, "config": {**default_config(steps), **config}, "steps": steps, "train_batch_size": 8}
+
+
+def test_a_longer_run_resumes_with_its_schedule_recomputed_and_said_in_one_line(tmp_path: Path) -> None:
+    from shardwise.cli.resume import schedule_note
+
+    run = _earlier_run(tmp_path / "run", latest="global_step10", args=_default_run(10))
+    decision = decide(run, "train_args.json", _default_run(200), resume=False, overwrite=False,
+                      schedule_note=schedule_note)
+    assert decision.resume_step == 10
+    # WarmupLR over 20 steps (a tenth of the new run): step 11 is at iteration 9 of the ramp, 9/20 of the peak
+    assert decision.notes == ("--steps 10 -> 200: the schedule is recomputed (warmup 1 -> 20 steps); step 11 trains "
+                              "at lr 0.00045 where the old schedule gave 0.001",)
+    # the same config with another warm-up and the same --steps is a changed config: refused, naming it
+    changed = _default_run(10)
+    changed["config"]["scheduler"]["params"]["warmup_num_steps"] = 5
+    with pytest.raises(UserError, match=r"different config.scheduler.params.warmup_num_steps: 1 there, 5 now"):
+        _decide(run, changed)
+    # a longer run whose schedule changes otherwise (its peak) is refused too
+    other = _default_run(200)
+    other["config"]["scheduler"]["params"]["warmup_max_lr"] = 3e-3
+    with pytest.raises(UserError, match=r"different config.scheduler.params.warmup_max_lr: 0.001 there, 0.003 now"):
+        _decide(run, other)
+
+
+@pytest.mark.parametrize("layout", [
+    {"zero_optimization": {"stage": 3}},
+    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    {"tensor_parallel": {"size": 2}},
+    {"pipeline": {"stages": 2, "schedule": "1f1b"}},
+    {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+    {"activation_checkpointing": {"policy": "full"}, "communication": {"all_reduce": "ring"}},
+])
+def test_a_run_resumes_at_another_layout_and_says_what_changed(tmp_path: Path, layout: dict) -> None:
+    run = _earlier_run(tmp_path / "run", latest="global_step4", args=_default_run(10))
+    decision = _decide(run, _default_run(10, **layout))           # the global batch kept: 8 sequences
+    assert decision.resume_step == 4
+    assert len(decision.notes) == 1 and decision.notes[0].startswith("at another layout than the checkpoint's")
+    first = next(iter(layout))
+    assert first in decision.notes[0], decision.notes
+
+
+def test_another_global_batch_resumes_with_a_note(tmp_path: Path) -> None:
+    run = _earlier_run(tmp_path / "run", latest="global_step4", args=_default_run(10))
+    decision = _decide(run, {**_default_run(10), "train_batch_size": 16})     # two ranks where there was one
+    assert decision.notes == ("the global batch changes from 8 to 16 sequences per step: the steps from here each "
+                              "train on 16, so the run's later losses are not those of a run at 8",)
+    assert _decide(run, _default_run(10)).notes == ()

@@ -143,3 +143,56 @@ def test_the_backward_seed_turns_an_inf_loss_with_finite_gradients_into_a_skippe
     assert torch.equal(grads(True, [0.5, 0.0, 1.0]), grads(False, [0.5, 0.0, 1.0]))
     off = load_config({"train_batch_size": 2, "nonfinite": {"skip_step": False}}, dp_size=1)
     assert SkipGuard(off, global_rank=0).seed(torch.tensor(1.0), torch.tensor(1.0)) is None
+
+
+def _report(*, step: int, launched: int, intervals: dict, since: dict, op: str | None = None, group: str = "",
+            seq: int = 0, signature: str = "", counts: dict | None = None) -> dict:
+    rep = {"step": step, "counts": counts or {},
+           "seq_state": {"stage": 0, "launched": launched, "intervals": intervals, "since": since}}
+    if op:
+        rep.update(op=op, group=group, seq=seq, signature=signature, age=5.0)
+    return rep
+
+
+def test_hang_reports_that_show_a_desync_become_its_line_and_a_stall_stays_a_timeout() -> None:
+    from shardwise.comm.sequence import desync_in_reports
+    check = "all_reduce int64[9]"
+    common = {"dp": ["all_reduce float32[161]"], "world:check": [check]}
+    # the same place in "dp" since the last agreed check holds different operations: named, whatever the waits
+    shapes = {0: _report(step=2, launched=3, intervals={"3": common}, since={"dp": ["all_reduce float32[161]"]},
+                         op="all_reduce", group="dp", seq=5, signature="float32[161]"),
+              1: _report(step=2, launched=3, intervals={"3": common}, since={"dp": ["all_reduce float32[3]"]},
+                         op="all_reduce", group="dp", seq=5, signature="float32[3]")}
+    line = desync_in_reports(shapes)
+    assert line is not None and line.startswith('desync at step 2: operation 2 on "dp" since the last check '
+                                                'differs: rank(s) 0 ran all_reduce float32[161]; rank(s) 1 ran '
+                                                'all_reduce float32[3]'), line
+    # one check apart: rank 0 launched check 4 and waits in it, rank 1 waits in an extra "dp" collective
+    apart = {0: _report(step=3, launched=4, intervals={"3": common, "4": common}, since={"world:check": [check]},
+                        op="all_reduce", group="world:check", seq=4, signature="int64[9]",
+                        counts={"dp": 2, "world:check": 4}),
+             1: _report(step=2, launched=3, intervals={"3": common},
+                        since={"dp": ["all_reduce float32[161]", "all_reduce float32[3]"]},
+                        op="all_reduce", group="dp", seq=3, signature="float32[3]", counts={"dp": 3, "world:check": 3})}
+    line = desync_in_reports(apart)
+    assert line is not None and "the ranks wait in collectives that cannot pair" in line, line
+    assert 'rank(s) 0 wait in all_reduce int64[9] on "world:check" #4, which rank(s) 1 did not launch' in line
+    assert 'rank(s) 1 wait in all_reduce float32[3] on "dp" #3, which rank(s) 0 did not launch' in line
+    # a rank outside any collective (a stall), an absent rank, or everyone in the same collective: no desync
+    stalled = dict(apart)
+    stalled[1] = _report(step=2, launched=3, intervals={"3": common}, since={"dp": ["all_reduce float32[161]"]})
+    assert desync_in_reports(stalled) is None
+    assert desync_in_reports({0: apart[0], 1: None}) is None
+    same = {r: _report(step=2, launched=3, intervals={"3": common}, since={}, op="all_reduce", group="dp", seq=3,
+                       signature="float32[161]") for r in (0, 1)}
+    assert desync_in_reports(same) is None
+    # a rank aborting on gloo's size check in a collective no ledger recorded, while the other waits in one
+    aborted = {0: same[0], 1: dict(stalled[1], aborted="N4gloo14EnforceNotMetE")}
+    line = desync_in_reports(aborted)
+    assert line is not None and line.startswith(
+        "desync at step 2: rank(s) 1 failed gloo's message-size check in a collective shardwise did not launch "
+        '(torch.distributed called directly?); rank 0 waits in all_reduce float32[161] on "dp" #3'), line
+    assert desync_in_reports({0: same[0], 1: dict(stalled[1], aborted="St9bad_alloc")}) is None
+    # and the watchdog's verdict is that line
+    assert verdict(apart, 3.0) == desync_in_reports(apart)
+    assert verdict(stalled, 3.0).startswith("collective timeout")

@@ -102,6 +102,20 @@ def test_guard_keeps_mfu_at_most_one_says_so_once_and_drops_the_cache(tmp_path) 
     assert "--peak-tflops" in said[0] and "cached" not in said[0]
 
 
+def test_ranks_that_measure_agree_on_one_figure_the_job_divides_by_and_caches(tmp_path) -> None:
+    reader = pc.PeakCache(tmp_path / "peak.json", writer=False)
+    # Three ranks measuring at once get three figures; a rank given --peak-tflops keeps its own.
+    peaks = [pc.resolve_peak(device=CPU, dtype=torch.float32, source=CountingSource(f), cache=reader)
+             for f in (1e9, 2e9, 6e9)] + [pc.PeakFlops(5e9, pc.PeakOrigin.GIVEN, "cpu", torch.float32)]
+    assert reader.get(peaks[0].cache_key) is None          # not a writer: nothing cached before they agree
+    agreed = pc.agree_measured(peaks)
+    assert [p.flops for p in agreed] == [3e9, 3e9, 3e9, 5e9]
+    assert sum(p.flops for p in agreed) == sum(p.flops for p in peaks)     # the job's peak is unchanged
+    assert agreed[0].describe().endswith("(measured), the mean of 3 ranks measuring at once")
+    assert agreed[0].describe().startswith("0.003 TFLOP/s per rank")      # the figure printed is the one used
+    assert agreed[3] == peaks[3]
+
+
 def test_progress_line_shows_gradient_norm_loss_scale_and_skips() -> None:
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=300)
@@ -117,6 +131,23 @@ def test_progress_line_shows_gradient_norm_loss_scale_and_skips() -> None:
     assert len(lines) == 2                 # step 1, and step 2 because it skipped; step 3 is not due
     assert "gnorm 1.83 | scale 65536 | skipped 0 |" in lines[0]
     assert lines[1].startswith("step 2/10") and "gnorm inf | scale 32768 | skipped 1 (this step)" in lines[1]
+
+
+def test_one_progress_line_per_interval_with_the_interval_s_throughput() -> None:
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=300)
+    times = [0.5, 0.1, 0.2, 0.3, 0.4, 0.1, 0.2]          # step 1 pays for warm-up
+    with TrainProgress(7, enabled=True, steps_per_print=3, console=console) as progress:
+        for step, t in enumerate(times, start=1):
+            progress.update(StepMetrics.build(step=step, loss=1.0, lr=1e-3, tokens=100, step_time_s=t, elapsed_s=1.0,
+                                              flops_per_token=1e6, peak_flops=1e9, rss_bytes=1))
+    lines = buf.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 1/7", "step 3/7", "step 6/7", "step 7/7"]
+    # each line's tokens/s, MFU and s/step are those of the steps since the previous line
+    assert "| 200.0 tok/s | MFU 20.0% | 0.500 s/step (step 1) |" in lines[0]
+    assert "| 666.7 tok/s | MFU 66.7% | 0.150 s/step (steps 2-3) |" in lines[1]
+    assert "| 375.0 tok/s | MFU 37.5% | 0.267 s/step (steps 4-6) |" in lines[2]
+    assert "| 500.0 tok/s | MFU 50.0% | 0.200 s/step (step 7) |" in lines[3]
 
 
 def test_node_log_names_the_node_its_ranks_and_appends(tmp_path, monkeypatch, capsys) -> None:

@@ -34,6 +34,11 @@ def not_divisible(what: str, value: int, tp: int, fix: str) -> str:
             f"({value} = {tp} * {value // tp} + {value % tp}, {value % tp} left over); {fix}")
 
 
+TP_MESH_ATTR = "_shardwise_tp_mesh"
+"""Attribute of every parameter of a model split by `shardwise.parallelize_module` over a torch DeviceMesh: that
+1-D tp mesh, so that `fully_shard` over the dp mesh can place the parameter on the 2-D (dp, tp) mesh."""
+
+
 def is_tensor_parallel_shard(param: Tensor) -> bool:
     """True for a parameter each TP rank holds a different slice of (False: replicated)."""
     return getattr(param, TP_DIM_ATTR, None) is not None

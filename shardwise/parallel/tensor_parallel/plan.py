@@ -79,19 +79,60 @@ VOCAB_STYLES = frozenset({Style.VOCAB, Style.VOCAB_SP})
 REGION_STYLES = frozenset({Style.REGION, Style.REGION_SP})
 LAYER_STYLES = COLWISE_STYLES | ROWWISE_STYLES | VOCAB_STYLES
 
-Plan = Mapping[str, "Style | str"]
+Plan = Mapping[str, Any]
+"""Module-name patterns -> a `Style`, its string, or one of torch's style objects (`torch_style`)."""
 
 OWN_PLAN_ATTR = "shardwise_tp_plan"
 """The attribute through which any model may supply its own plan (module-name patterns -> styles)."""
 
 
-def parse_style(value: Style | str, key: str) -> Style:
+def parse_style(value: Any, key: str) -> Style:
+    """A plan entry's style: one of ours (a `Style` or its string), or torch's `ColwiseParallel`,
+    `RowwiseParallel` or `SequenceParallel` object, read as ours (`torch_style`)."""
+    if not isinstance(value, str):
+        return torch_style(value, key)
     try:
         return Style(value)
     except ValueError:
         valid = ", ".join(f'"{s}"' for s in Style)
         raise TensorParallelError(f'tensor-parallel plan entry "{key}": unknown style {value!r}; valid styles are '
                                   f'{valid}') from None
+
+
+def _layout(layouts: Any) -> Any:
+    """The one placement of a torch style's input_layouts / output_layouts (a placement or a 1-tuple)."""
+    return layouts[0] if isinstance(layouts, tuple) and len(layouts) == 1 else layouts
+
+
+def torch_style(value: Any, key: str) -> Style:
+    """torch's `torch.distributed.tensor.parallel` style objects as our styles, so that a plan written for torch's
+    `parallelize_module` (torchtitan's shape) applies shardwise's layers, which take and give plain tensors:
+    ColwiseParallel() "colwise" (output_layouts=Replicate(): "colwise_rep"; input_layouts=Shard(1): "colwise_sp"),
+    RowwiseParallel() "rowwise" (output_layouts=Shard(1): "rowwise_sp"; input_layouts=Replicate():
+    "rowwise_rep"), SequenceParallel() "sequence_parallel". `use_local_output` has no meaning here: outputs are
+    always this rank's plain tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    name = type(value).__name__
+    if isinstance(value, SequenceParallel):
+        return Style.SEQUENCE_PARALLEL
+    if isinstance(value, (ColwiseParallel, RowwiseParallel)):
+        into, out = _layout(value.input_layouts), _layout(value.output_layouts)
+        seq = Shard(1)
+        if isinstance(value, ColwiseParallel):
+            styles = {(Replicate(), Shard(-1)): Style.COLWISE, (Replicate(), Replicate()): Style.COLWISE_REP,
+                      (seq, Shard(-1)): Style.COLWISE_SP}
+        else:
+            styles = {(Shard(-1), Replicate()): Style.ROWWISE, (Shard(-1), seq): Style.ROWWISE_SP,
+                      (Replicate(), Replicate()): Style.ROWWISE_REP}
+        if (into, out) in styles:
+            return styles[(into, out)]
+        raise TensorParallelError(f'tensor-parallel plan entry "{key}": {name}(input_layouts={into}, '
+                                  f"output_layouts={out}) has no shardwise layer; give one of "
+                                  f"{', '.join(f'{name}(input_layouts={i}, output_layouts={o})' for i, o in styles)}")
+    valid = ", ".join(f'"{s}"' for s in Style)
+    raise TensorParallelError(f'tensor-parallel plan entry "{key}": {value!r} is not a style shardwise applies; give '
+                              f"ColwiseParallel(), RowwiseParallel(), SequenceParallel() or one of {valid}")
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:

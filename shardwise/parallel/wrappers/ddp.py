@@ -10,6 +10,7 @@ The runtime is the engine's stage-0 `BucketedAllReduce`; `_LoopReducer` adds wha
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -27,11 +28,23 @@ from shardwise.parallel.wrappers.steps import StepClock
 MIB = 1 << 20
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """The constructor's choices a pickled wrapper is rebuilt with."""
+
+    bucket_cap_mb: float
+    impl: AllReduceImpl
+    find_unused: bool
+
+
 class DistributedDataParallel(nn.Module):
     """torch DDP's behaviour: every rank starts from rank 0's parameters and buffers; gradients are averaged over
     the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation.
-    torch's `device_ids`, `output_device`, `dim`, `find_unused_parameters` and `gradient_as_bucket_view` are
-    accepted: gradients are always bucket views, and a parameter without a gradient in a backward adds zeros.
+    torch's `device_ids`, `output_device`, `dim` and `gradient_as_bucket_view` are accepted: gradients are always
+    bucket views, and a parameter without a gradient in a backward adds zeros to the sum. With
+    `find_unused_parameters=True`, as torch DDP, a parameter that no rank used since the last synchronizing step is
+    left as it was: a .grad that was None (after `optimizer.zero_grad()`) stays None, so the optimizer neither
+    decays nor moves it on momentum (one more all-reduce per synchronizing step, of a flag per parameter).
 
     `all_reduce`: "auto" (default) sums CPU gradients through shared memory when every rank of the group shares
     this host's /dev/shm with room for the buckets (`comm/shm.py`; cheaper than gloo's sockets), else calls the
@@ -54,25 +67,49 @@ class DistributedDataParallel(nn.Module):
         if device_ids and torch.cuda.is_available():
             torch.cuda.set_device(device_ids[0])
         self.module = module
-        self.ledger = CommLedger()
-        self.clock = StepClock(self.ledger)      # steps for comm_report(); the broadcasts below fall in step -1
-        self.groups = groups_of(device_mesh if device_mesh is not None else process_group, ledger=self.ledger)
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True
-        params = [p for p in module.parameters() if p.requires_grad]
+        # what a pickled wrapper is rebuilt from (`__setstate__`)
+        self._settings = _Settings(bucket_cap_mb, impl, find_unused_parameters)
+        self._build(device_mesh if device_mesh is not None else process_group, broadcast=True)
+
+    def _build(self, mesh: Any, *, broadcast: bool) -> None:
+        """The communication state: ledger, groups, the reducer and its hooks on the parameters."""
+        self.ledger = CommLedger()
+        self.clock = StepClock(self.ledger)      # steps for comm_report(); the broadcasts below fall in step -1
+        self.groups = groups_of(mesh, ledger=self.ledger)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise UserError("DistributedDataParallel: the module has no parameter that requires grad")
-        with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
-            self.groups.dp.broadcast_coalesced([*module.parameters(), *module.buffers()])
-        numel = int(bucket_cap_mb * MIB) // params[0].element_size()
+        if broadcast:
+            with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
+                self.groups.dp.broadcast_coalesced([*self.module.parameters(), *self.module.buffers()])
+        numel = int(self._settings.bucket_cap_mb * MIB) // params[0].element_size()
         # prescale: each gradient is divided by the dp size before the sum (torch DDP's arithmetic), by its hook as
         # it is final, so the division overlaps backward and the launch waits for none
-        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1), impl=impl, prescale=True)
+        self.reducer = _LoopReducer(params, self.groups.dp, bucket_numel=max(numel, 1),
+                                    impl=self._settings.impl, prescale=True)
+        if self._settings.find_unused:
+            self.reducer.track_unused(params)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """`torch.save(model)` pickles the module and the settings; the process group, the buckets (maybe in
+        shared memory) and the hooks are rebuilt on load, as torch DDP does, over the default group."""
+        state = self.__dict__.copy()
+        for name in ("ledger", "clock", "groups", "reducer"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.require_sync = True
+        self._build(None, broadcast=False)       # the weights are the pickled ones: nothing to broadcast
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self.clock.forward_started(self.require_sync)
             self.reducer.begin_backward(self.require_sync)
+            self.reducer.note_missing_grads()
             # .grads the optimizer set to None: the hooks write their slots (divided) as backward hands them over
             self.reducer.reclaim_grads()
             if self.broadcast_buffers and self.require_sync:
@@ -125,6 +162,41 @@ class _LoopReducer(BucketedAllReduce):
 
     _callback_queued = False
     comm_hook: tuple[Any, CommHook, str] | None = None     # (state, hook, its name): register_comm_hook's
+    # find_unused_parameters: the parameters, their index, which got a gradient on this rank since the last
+    # synchronizing backward, and which had .grad None at the last forward
+    _tracked: list[torch.nn.Parameter] = []
+    _index: dict[int, int] = {}
+    _used: bytearray | None = None
+    _was_none: list[bool] = []
+
+    _boundary = True
+
+    def begin_backward(self, boundary: bool) -> None:
+        super().begin_backward(boundary)
+        self._boundary = boundary
+
+    def track_unused(self, params: list[torch.nn.Parameter]) -> None:
+        """torch DDP's find_unused_parameters: leave the .grad of a parameter no rank used as it was."""
+        self._tracked = list(params)
+        self._index = {id(p): k for k, p in enumerate(params)}
+        self._used = bytearray(len(params))
+        self._was_none = [False] * len(params)
+
+    def note_missing_grads(self) -> None:
+        """At each forward with grad, before `reclaim_grads` gives every .grad its slot: which were None."""
+        if self._used is not None:
+            self._was_none = [p.grad is None for p in self._tracked]
+
+    def _settle_unused(self) -> None:
+        """After a synchronizing backward: one all-reduce of the used flags [n_params]; a parameter no rank used
+        whose .grad was None at the forward gets None back (its slot holds zeros, summed from every rank)."""
+        assert self._used is not None
+        used = torch.frombuffer(self._used, dtype=torch.uint8).to(self.buckets[0].buffer.device, torch.int32)
+        self.comm.all_reduce(used)
+        for k, count in enumerate(used.tolist()):
+            if count == 0 and self._was_none[k]:
+                self._tracked[k].grad = None
+        self._used = bytearray(len(self._tracked))
 
     def _hooks_divide(self) -> bool:
         return self.comm_hook is None and super()._hooks_divide()     # a comm hook does its own averaging
@@ -140,10 +212,16 @@ class _LoopReducer(BucketedAllReduce):
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         super()._on_grad_ready(p)
-        if self.enabled and not self._callback_queued:
+        if self._used is not None:
+            self._used[self._index[id(p)]] = 1
+        # find_unused_parameters settles after every synchronizing backward, on one rank too
+        settles = self.enabled or (self._used is not None and self._boundary)
+        if settles and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._callback_queued = False
         self.finish()
+        if self._used is not None:
+            self._settle_unused()

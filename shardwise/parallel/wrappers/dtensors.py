@@ -23,24 +23,28 @@ def is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this rank's rows); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dp_device_mesh(groups, device: torch.device) -> Any | None:
+    """The 1-D DeviceMesh over the dp ranks of `groups` (a `DataParallelGroups`), on `device`'s type; None under a
+    (dp, tp) mesh, whose parameters each carry their own 2-D placement (`sharded_params.placement`), or stay
+    plain under a `ParallelMesh`."""
+    if groups.tp.size != 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    group = groups.dp.group or dist.group.WORLD
+    assert group is not None        # groups_of refused to wrap before the process group was initialized
+    return DeviceMesh.from_group(group, device.type)
+
+
 def dp_mesh(sharding) -> Any | None:
-    """The 1-D DeviceMesh over the dp ranks of `sharding` (a `FullyShardState`; built once), or None when its entries stay plain tensors:
-    wrappers over a (dp, tp) mesh, whose parameters are TP slices sharded again over dp (a 2-D placement this
-    module does not build)."""
-    mesh = getattr(sharding, "_dtensor_mesh", False)
-    if mesh is not False:
-        return mesh
-    mesh = None
-    if sharding.groups.tp.size == 1:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-        flats = sharding.runtime.partition.flats
-        device = flats[0].compute_device or flats[0].shard.device if flats else torch.device("cpu")
-        group = sharding.groups.dp.group or dist.group.WORLD
-        assert group is not None        # groups_of refused to wrap before the process group was initialized
-        mesh = DeviceMesh.from_group(group, device.type)
-    sharding._dtensor_mesh = mesh
-    return mesh
+    """The DeviceMesh the sharded parameters of `sharding` (a `FullyShardState`) are DTensors on, or None."""
+    return sharding.mesh
 
 
 @contextlib.contextmanager
@@ -62,6 +66,9 @@ def to_dtensor(sharding, flat, i: int, local: torch.Tensor) -> torch.Tensor:
     0-dim parameter lives on rank 0 only; its entry is a Replicate DTensor of rank 0's value, broadcast, which
     makes `state_dict()` collective for a model with a scalar parameter (DCP calls it on every rank)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    spec = placed(flat, i)
+    if spec is not None:            # as the parameter itself is shown (`sharded_params.placement`)
+        return spec.dtensor(local)
     mesh = dp_mesh(sharding)
     shape = tuple(flat.shapes[i])
     if not shape:                   # a scalar: rank 0's value, everywhere
@@ -74,13 +81,25 @@ def to_dtensor(sharding, flat, i: int, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
+def placed(flat, i: int) -> Any:
+    """How parameter i of `flat` is shown as a DTensor (`sharded_params.Placed`), or None (plain rows)."""
+    specs = getattr(flat, "specs", None)
+    return specs[i] if specs else None
+
+
 def to_local(sharding, flat, i: int, value: Any) -> Any:
     """A loaded entry of parameter i of `flat` as this rank holds it (its rows): a DTensor's local tensor when it
-    is laid out as ours, else its whole value cut (`rank_piece`); anything else (a plain tensor) as it is."""
+    is laid out as ours, else its whole value cut (to this rank's TP slice on a (dp, tp) mesh, then
+    `rank_piece`); anything else (a plain tensor) as it is."""
     if not is_dtensor(value):
         return value
     from torch.distributed.tensor import Shard
     from shardwise.parallel.wrappers.module import rank_piece
+    spec = placed(flat, i)
+    if spec is not None and spec.matches(value):
+        return value.to_local()
+    if spec is not None and spec.mesh.ndim == 2:
+        return rank_piece(flat, i, spec.tp_slice(value.full_tensor()))
     mesh = value.device_mesh
     if tuple(flat.shapes[i]) and tuple(value.placements) == (Shard(0),) and mesh.ndim == 1 \
             and mesh.size() == sharding.groups.dp.size and mesh.get_local_rank() == sharding.groups.dp.rank:
@@ -90,11 +109,30 @@ def to_local(sharding, flat, i: int, value: Any) -> Any:
 
 def rows_of(sharding, module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
     """In place: each sharded parameter's DTensor entry in `state` (named under `prefix`) as this rank's rows."""
-    where = sharding.runtime.partition.where()
+    where = sharding.where()
     for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
         if id(p) in where and is_dtensor(state.get(name)):
             flat, i = where[id(p)]
             state[name] = to_local(sharding, flat, i, state[name])
+
+
+def as_shown(sharding, module: nn.Module, state: dict[str, Any], prefix: str = "") -> None:
+    """In place: each entry of a parameter the module holds as a DTensor (`sharded_params.py`), given as this
+    rank's rows or as the whole value (plain tensors: `rows_of` ran), as a DTensor over this rank's rows, which
+    `load_state_dict` copies into the parameter's rows. The ZeRO-3 runtime's own load hook skips these."""
+    from shardwise.parallel.wrappers.module import rank_piece
+    where = sharding.where()
+    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+        value = state.get(name)
+        if id(p) not in where or not is_dtensor(p) or not isinstance(value, torch.Tensor) or is_dtensor(value):
+            continue
+        flat, i = where[id(p)]
+        local = flat.layout.local_shape(i, flat.rank)
+        if tuple(value.shape) != tuple(local) and tuple(value.shape) == tuple(flat.shapes[i]):
+            value = rank_piece(flat, i, value)
+        elif tuple(value.shape) != tuple(local):
+            continue                # torch's load_state_dict names the entry and both shapes
+        state[name] = to_dtensor(sharding, flat, i, value.to(p.device))
 
 
 def install(module: nn.Module, state_of) -> None:
@@ -103,16 +141,23 @@ def install(module: nn.Module, state_of) -> None:
 
     def out(m: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
         sharding = state_of(m)
-        if getattr(sharding, PLAIN_ATTR, False) or dp_mesh(sharding) is None:
+        if getattr(sharding, PLAIN_ATTR, False):          # the parameters held as DTensors: their rows
+            for name, value in state.items():
+                if is_dtensor(value) and name.startswith(prefix):
+                    state[name] = value.to_local()
             return
-        where = sharding.runtime.partition.where()
+        if dp_mesh(sharding) is None:
+            return
+        where = sharding.where()
         for name, p in m.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if id(p) in where and name in state and not is_dtensor(state[name]):
                 flat, i = where[id(p)]
                 state[name] = to_dtensor(sharding, flat, i, state[name])
 
     def into(m: nn.Module, state: dict[str, Any], prefix: str, *_rest: Any) -> None:
-        rows_of(state_of(m), m, state, prefix.rstrip("."))
+        sharding = state_of(m)
+        rows_of(sharding, m, state, prefix.rstrip("."))
+        as_shown(sharding, m, state, prefix.rstrip("."))
 
     module.register_state_dict_post_hook(out)
     handle = module.register_load_state_dict_pre_hook(into)

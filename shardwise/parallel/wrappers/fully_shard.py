@@ -9,20 +9,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
 from shardwise.errors import UserError
-from shardwise.parallel.wrappers import dtensors
+from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
+from shardwise.parallel.wrappers import dtensors, torch_tp
 from shardwise.parallel.wrappers.policies import (
     CPUOffloadPolicy, DataParallelGroups, MixedPrecisionPolicy, OffloadPolicy, groups_of,
 )
 from shardwise.parallel.wrappers.steps import StepClock
-from shardwise.parallel.zero.flat import FlatKey
-from shardwise.parallel.zero.params import Partition, Unit, UnitPlan, build_units
+from shardwise.parallel.wrappers.sharded_params import Placed, ShownFlat, param_slots, placement
+from shardwise.parallel.zero.flat import FlatKey, FlatShard
+from shardwise.parallel.zero.params import Partition, Unit
 from shardwise.parallel.zero.partition import RowLayout
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
@@ -46,6 +49,19 @@ class FullyShardState:
     groups: DataParallelGroups
     ledger: CommLedger
     clock: StepClock
+    mesh: Any = None
+    """The 1-D DeviceMesh over the dp group (0-dim parameters' state dict entries are placed on it); None under
+    a (dp, tp) mesh, where each parameter's own placement (`ShownFlat.specs`) says where it lives."""
+
+    def where(self) -> dict[int, tuple[FlatShard, int]]:
+        """id(parameter) -> (its flat, its index there), for the inner and the shown parameters alike."""
+        out = {}
+        for f in self.runtime.partition.flats:
+            for i, p in enumerate(f.params):
+                out[id(p)] = (f, i)
+            for i, p in enumerate(getattr(f, "shown", ())):
+                out[id(p)] = (f, i)
+        return out
 
 
 def _same_group(a: DataParallelGroups, b: DataParallelGroups) -> bool:
@@ -74,6 +90,7 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
 
 
 def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
     """Shard `module`'s parameters over the data-parallel group of `mesh` (see `policies.groups_of`); apply it to
@@ -84,7 +101,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     that gathers, frees, prefetches and reduce-scatters exactly as the engine's stage 3 does. The units use
     `RowLayout`, FSDP2's dim-0 sharding; the engine's keep `FlatLayout` (its checkpoints depend on it).
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
-    whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole."""
+    whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
+    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
+    sharded along dim 0."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -98,14 +117,16 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if id(g.root) not in inside:
             raise UserError(f"fully_shard({type(module).__name__}): a module above it is already wrapped; apply "
                             f"fully_shard to the blocks first and to the root last")
-    below_params = {id(p) for g in below.values() for f in g.runtime.partition.flats for p in f.params}
+    below_params = {k for g in below.values() for k in g.where()}
     if any(getattr(p, SHARDED_ATTR, False) and id(p) not in below_params for p in module.parameters()):
         raise UserError(f"fully_shard({type(module).__name__}): some of its parameters are already sharded by a "
                         f"module above it or one sharing them; apply fully_shard to the blocks first and to the "
                         f"root last (a parameter shared by two blocks belongs to their common parent's call)")
+    torch_tp.adopt(module, SHARDED_ATTR)          # torch's parallelize_module's DTensors, taken apart
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     clock = next(iter(below.values())).clock if below else StepClock(ledger)
-    groups = groups_of(mesh, ledger=ledger)
+    groups = _with_tp(groups_of(mesh, ledger=ledger), module, mesh, ledger)
+    model_tp_mesh = _tp_mesh_of(module) if groups.tp.size > 1 else None
     for g in below.values():
         if not _same_group(g.groups, groups):
             raise UserError(f"fully_shard({type(module).__name__}): its blocks were wrapped over another group of "
@@ -113,8 +134,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         g.runtime.close()
     order = {id(m): k for k, m in enumerate(module.modules())}
     adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
-    owned = {id(p) for u in adopted for f in u.flats for p in f.params}
+    owned = {id(p) for u in adopted for f in u.flats for p in [*f.params, *getattr(f, "shown", ())]}
     params = [p for p in module.parameters() if id(p) not in owned]
+    if shard_placement_fn is not None:
+        _check_placements(module, params, shard_placement_fn)
     device = _compute_device(groups, params)
     done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
     with torch.no_grad():
@@ -127,8 +150,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                     m._buffers[name] = b.to(device, dtype)
     units = list(adopted)
     mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, reshard_after_forward)
+    dt_mesh = next(iter(below.values())).mesh if below else dtensors.dp_device_mesh(groups, device)
     if mine is not None:
         units.append(mine)
+        slots = param_slots(module)
+        for f in mine.flats:
+            assert isinstance(f, ShownFlat)
+            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh)
+                       for p, shape in zip(f.params, f.shapes)], slots, SHARDED_ATTR)
     names = {id(m): n for n, m in module.named_modules()}
     for k, u in enumerate(units):
         u.index, u.is_root = k, u is mine
@@ -140,7 +169,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
                                max_live_numel=1 << 62)
-    sharding = FullyShardState(module, runtime, groups, ledger, clock)
+    sharding = FullyShardState(module, runtime, groups, ledger, clock, dt_mesh)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
             setattr(m, STATE_ATTR, sharding)
@@ -157,6 +186,60 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         module.register_forward_hook(lambda _m, _args, output: cast_floating(output, out))
     assert isinstance(module, FSDPModule)
     return module
+
+
+def _check_placements(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any]) -> None:
+    """FSDP2's `shard_placement_fn`: the row layout shards every parameter along dim 0, so only that is taken."""
+    from torch.distributed.tensor import Shard
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p in params:
+        placement = fn(p)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+            continue
+        raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
+                        f"(shape {tuple(p.shape)}); shardwise shards every parameter along dim 0: return None or "
+                        f"Shard(0)")
+
+
+def _tp_mesh_of(module: nn.Module) -> Any:
+    """The 1-D tp DeviceMesh the module's parameters were split over (by `shardwise.parallelize_module`, or by
+    torch's, taken apart by `torch_tp.adopt`), or None."""
+    for p in module.parameters():
+        tp_mesh = getattr(p, TP_MESH_ATTR, None)
+        if tp_mesh is not None:
+            return tp_mesh
+    return None
+
+
+def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: CommLedger) -> DataParallelGroups:
+    """`groups` with the tp group of a model split over a tp DeviceMesh, when `mesh` is the dp dimension of the
+    same (dp, tp) DeviceMesh."""
+    tp_mesh = _tp_mesh_of(module)
+    if tp_mesh is None or groups.tp.size > 1:
+        return groups
+    root = tp_mesh._get_root_mesh()
+    names = getattr(mesh, "mesh_dim_names", None)
+    if root is tp_mesh or root.ndim != 2 or not names or mesh._get_root_mesh() != root:
+        raise UserError(f"fully_shard({type(module).__name__}): the model is split over the tp mesh "
+                        f"{tp_mesh.mesh_dim_names}; pass mesh=mesh[\"dp\"] of the same 2-D init_device_mesh(..., "
+                        f"mesh_dim_names=(\"dp\", \"tp\"))")
+    return DataParallelGroups(groups.dp, Comm(tp_mesh.get_group(), ledger, name="tp"))
+
+
+def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any, groups: DataParallelGroups,
+               model_tp_mesh: Any) -> Placed | None:
+    """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows. Under a tp
+    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp."""
+    tp_mesh = getattr(p, TP_MESH_ATTR, None) or model_tp_mesh
+    if tp_mesh is None:
+        # a tp group known only as a process group (ParallelMesh): TP slices this module cannot place
+        return placement(dp_mesh, shape) if groups.tp.size == 1 else None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if getattr(mesh, "ndim", 0) == 2:           # the (dp, tp) DeviceMesh itself
+        mesh = mesh["dp" if "dp" in names else "dp_shard"]
+    elif not names:
+        return None                             # a ParallelMesh or a process group: no DeviceMesh to place on
+    return placement(mesh, shape, tp_mesh=tp_mesh, tp_dim=getattr(p, TP_DIM_ATTR, None))
 
 
 def _clock_forward(module: nn.Module, _args: Any) -> None:
@@ -177,16 +260,20 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
 
     Where the optimizer steps: each parameter, while its unit is sharded, is its rows of the shard, shape
     [rows_r, *shape[1:]] (fewer or 0 rows on the last ranks: `RowLayout`), and its `.grad` the same rows of the
-    averaged gradient (`FlatShard.params_view_shard`), so any `torch.optim` optimizer built afterwards steps the shards in
-    place, and code that reads `p.dim()` or `p.shape[1:]` (nanoGPT's weight-decay grouping) sees what it would on
-    one process. A 0-dim parameter is one row of one element: it lives on rank 0 (shape []), an empty [0]
-    elsewhere."""
+    averaged gradient (`FlatShard.params_view_shard`), so any `torch.optim` optimizer built afterwards steps the
+    shards in place. The module holds them as DTensors of the whole shape over those rows (`sharded_params.py`,
+    made by the caller once the mesh is known), so code that reads `p.dim()` or `p.shape` (nanoGPT's weight-decay
+    grouping) sees what it would on one process. A 0-dim parameter is one row of one element: it lives on rank 0
+    (shape []), an empty [0] elsewhere, and is shown as that plain piece."""
     if not params:
         return None
-    key_of = lambda p: FlatKey(0 if p.requires_grad else None, p.dtype)  # noqa: E731
-    (unit,) = build_units([UnitPlan(type(module).__name__, module, params, is_root=True)], key_of=key_of,
-                          shape_of=lambda p: p.shape, dp_size=groups.dp.size, dp_rank=groups.dp.rank, device=device,
-                          layout_type=RowLayout)
+    by_key: dict[FlatKey, list[nn.Parameter]] = {}
+    for p in params:
+        by_key.setdefault(FlatKey(0 if p.requires_grad else None, p.dtype), []).append(p)
+    flats: list[FlatShard] = [ShownFlat.allocate(0, key, ps, [p.shape for p in ps], dp_size=groups.dp.size,
+                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout)
+                              for key, ps in by_key.items()]
+    unit = Unit(0, type(module).__name__, module, flats, is_root=True)
     unit.reshard_after_forward = reshard_after_forward
     with torch.no_grad():
         for f in unit.flats:

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
-from shardwise.parallel.wrappers.dtensors import plain_state_dicts
+from shardwise.parallel.wrappers.dtensors import local_of, plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
 from shardwise.comm.topology import SoloComm
 
@@ -58,23 +58,68 @@ class FSDPModule(_ModuleBase):
         outermost wrapper drives."""
         self._fully_shard_state().runtime.reduce_grads = bool(requires_gradient_sync)
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's forward starts, launch the all-gathers of `modules` (wrapped modules of the same
+        model, in the order their forwards come), beyond the one unit gathered ahead by default (FSDP2's
+        explicit forward prefetch)."""
+        self._prefetch_list(modules, "set_modules_to_forward_prefetch")
+        setattr(self, FORWARD_PREFETCH_ATTR, list(modules))
+        self._hook_prefetch()
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module's backward starts (its outputs' gradients are ready), launch the all-gathers of
+        `modules` (those whose backward comes next) beyond the default (FSDP2's explicit backward prefetch)."""
+        self._prefetch_list(modules, "set_modules_to_backward_prefetch")
+        setattr(self, BACKWARD_PREFETCH_ATTR, list(modules))
+        self._hook_prefetch()
+
+    def _hook_prefetch(self) -> None:
+        """Once per module: the hooks that launch the listed modules' all-gathers."""
+        if not getattr(self, "_shardwise_prefetch_hooked", False):
+            self.register_forward_pre_hook(_prefetch_forward)
+            self.register_forward_hook(_arm_backward_prefetch)
+            self._shardwise_prefetch_hooked = True
+
+    def _prefetch_list(self, modules: list[FSDPModule], fn: str) -> None:
+        root = self._fully_shard_state().root
+        for m in modules:
+            if not isinstance(m, FSDPModule) or m._fully_shard_state().root is not root:
+                raise UserError(f"{fn}: {type(m).__name__} is not a module fully_shard wrapped in this model; give "
+                                f"wrapped modules of the same model")
+
     def reshard(self) -> None:
         """Free every gathered unit now (the next forward gathers what it needs)."""
         self._fully_shard_state().runtime.release_gathered()
 
     def _my_flats(self) -> list[FlatShard]:
-        mine = {id(p) for p in self.parameters()}
-        return [f for u in self._fully_shard_state().runtime.units for f in u.flats
-                if any(id(p) in mine for p in f.params)]
+        where = self._fully_shard_state().where()
+        mine = {id(where[id(p)][0]) for p in self.parameters() if id(p) in where}
+        return [f for u in self._fully_shard_state().runtime.units for f in u.flats if id(f) in mine]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient shard so the whole model's gradient norm is at most `max_norm`; returns that norm
         (computed before clipping), as torch's clip_grad_norm_ does on one process. Collective over dp (and tp).
-        torch.nn.utils.clip_grad_norm_(model.parameters()) would see this rank's rows only."""
+        `torch.nn.utils.clip_grad_norm_(model.parameters())` gives the same (the parameters are DTensors), except
+        on a model with a 0-dim parameter, which has no Shard(0) placement and stays a plain tensor."""
         if float(norm_type) != 2.0:
             raise UserError(f"clip_grad_norm_: norm_type = {norm_type}; only the 2-norm is supported")
-        return clip_sharded_(list(self.parameters()), max_norm,
-                             self._fully_shard_state().groups, dp_sharded=True)
+        sharding = self._fully_shard_state()
+        where = sharding.where()
+        inner: list[torch.Tensor] = []
+        for p in self.parameters():              # the DTensors' rows, as the inner parameters' .grad for a while
+            flat, i = where.get(id(p), (None, 0))
+            if flat is None or flat.params[i] is p:
+                inner.append(p)
+                continue
+            q = flat.params[i]
+            q.grad = None if p.grad is None else local_of(p.grad)
+            inner.append(q)
+        try:
+            return clip_sharded_(inner, max_norm, sharding.groups, dp_sharded=True)
+        finally:
+            for shown, held in zip(self.parameters(), inner):
+                if held is not shown:
+                    held.grad = None
 
     @torch.no_grad()
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -95,9 +140,11 @@ class FSDPModule(_ModuleBase):
         with plain_state_dicts(sharding):
             state = {k: v.detach().to("cpu", copy=True)
                      for k, v in self.state_dict().items()}
+        where = sharding.where()
         for name, p in self.named_parameters(remove_duplicate=False):
-            if id(p) in values and name in state:
-                state[name] = values[id(p)]
+            inner = where[id(p)][0].params[where[id(p)][1]] if id(p) in where else p
+            if id(inner) in values and name in state:
+                state[name] = values[id(inner)]
         return state
 
     @torch.no_grad()
@@ -107,7 +154,7 @@ class FSDPModule(_ModuleBase):
         sharding = self._fully_shard_state()
         sharding.runtime.release_gathered()
         named = dict(self.named_parameters(remove_duplicate=False))
-        where = sharding.runtime.partition.where()
+        where = sharding.where()
         wanted = set(named) | {n for n, _ in self.named_buffers()}
         missing = sorted(wanted - state_dict.keys())
         if missing:
@@ -120,7 +167,7 @@ class FSDPModule(_ModuleBase):
             if tuple(value.shape) != tuple(flat.shapes[i]):
                 raise UserError(f'load_full_state_dict: "{name}" has shape {tuple(value.shape)}, the parameter '
                                 f'{tuple(flat.shapes[i])}')
-            p.data.copy_(rank_piece(flat, i, value))          # p is its piece of the shard
+            flat.params[i].data.copy_(rank_piece(flat, i, value))      # the inner parameter: its piece of the shard
         for name, b in self.named_buffers():
             b.copy_(state_dict[name])
 
@@ -135,6 +182,43 @@ class FSDPModule(_ModuleBase):
         mesh). `torch.distributed.checkpoint` saves it and loads it at any world size; `load_state_dict` takes
         it back. Collective only for a model with a 0-dim parameter."""
         return self.state_dict()
+
+
+FORWARD_PREFETCH_ATTR = "_shardwise_forward_prefetch"
+BACKWARD_PREFETCH_ATTR = "_shardwise_backward_prefetch"
+"""Attributes of a wrapped module: the modules whose all-gathers its forward / backward launches."""
+
+
+def _units_of(module: FSDPModule, attr: str) -> list:
+    """The units of the modules listed under `attr` on `module`, in the runtime that drives them now (the one of
+    the outermost wrapped module: wrapping the root rebuilt it)."""
+    wanted = getattr(module, attr, [])
+    if not wanted:
+        return []
+    runtime = module._fully_shard_state().runtime
+    by_module = {id(u.module): u for u in runtime.units}
+    return [by_module[id(m)] for m in wanted if id(m) in by_module]
+
+
+def _prefetch_forward(module: nn.Module, _args: Any) -> None:
+    assert isinstance(module, FSDPModule)
+    if torch._C._current_graph_task_id() != -1:        # recomputation inside a backward: no forward prefetch
+        return
+    units = _units_of(module, FORWARD_PREFETCH_ATTR)
+    if units:
+        module._fully_shard_state().runtime.prefetch_units(units)
+
+
+def _arm_backward_prefetch(module: nn.Module, _args: Any, output: Any) -> None:
+    """Hook the forward's outputs: when their gradient is ready, this module's backward starts."""
+    assert isinstance(module, FSDPModule)
+    if torch._C._current_graph_task_id() != -1 or not getattr(module, BACKWARD_PREFETCH_ATTR, None):
+        return
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda _grads: module._fully_shard_state().runtime.prefetch_units(
+                _units_of(module, BACKWARD_PREFETCH_ATTR)), mode="any")
 
 
 # The one conversion between "a tensor laid out as this rank holds a parameter" (its rows of the shard: the

@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.errors import UserError
 from shardwise.parallel.wrappers.dtensors import (
-    dp_mesh, init_optim_state, is_dtensor, plain_state_dicts, rows_of, to_dtensor, to_local,
+    dp_mesh, init_optim_state, is_dtensor, local_of, placed, plain_state_dicts, rows_of, to_dtensor, to_local,
 )
 from shardwise.parallel.wrappers.from_rank0 import broadcast_from_rank0 as from_rank0
 from shardwise.parallel.wrappers.from_rank0 import dp_comm
@@ -37,12 +37,19 @@ class _Target:
     sharded: FSDPModule | None
 
     def names(self) -> dict[int, str]:
-        """id(parameter) -> FQN; a shared parameter under its first name, as `named_parameters()` gives it."""
-        return {id(p): n for n, p in self.module.named_parameters()}
+        """id(parameter) -> FQN; a shared parameter under its first name, as `named_parameters()` gives it. A
+        sharded parameter's inner tensor (`sharded_params.py`) under its shown parameter's name."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        if self.sharded is not None:
+            for f in self.sharded._fully_shard_state().runtime.partition.flats:
+                for p, shown in zip(f.params, getattr(f, "shown", ())):
+                    if id(shown) in names:
+                        names.setdefault(id(p), names[id(shown)])
+        return names
 
     def where(self) -> dict[int, tuple[Any, int]]:
-        """id(parameter) -> (its flat, its index there), for sharded parameters."""
-        return {} if self.sharded is None else self.sharded._fully_shard_state().runtime.partition.where()
+        """id(parameter) -> (its flat, its index there), for sharded parameters (inner and shown)."""
+        return {} if self.sharded is None else self.sharded._fully_shard_state().where()
 
     def reshard(self) -> None:
         """Every sharded parameter back on its piece of the shard, which the optimizer's state is laid out like."""
@@ -96,7 +103,9 @@ def _named_optim_state(target: _Target, optims: Iterable[torch.optim.Optimizer],
     for k, optim in enumerate(optims):
         names = _param_names(target, optim, fn)
         osd = optim.state_dict() if natives is None else natives[k]
-        out[STATE].update({names[i]: dict(s) for i, s in osd[STATE].items()})
+        # state of a parameter held as a DTensor is one too: its rows, as the rest of this module lays them out
+        out[STATE].update({names[i]: {key: local_of(v) if target.sharded is not None else v
+                                      for key, v in s.items()} for i, s in osd[STATE].items()})
         out[GROUPS].extend({**g, PARAMS: [names[i] for i in g[PARAMS]]} for g in osd[GROUPS])
     return out
 
@@ -127,8 +136,6 @@ def _place_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[s
     """Replace, in place, every state tensor laid out like its sharded parameter's piece by a DTensor of the whole
     (its local tensor the piece, as the model's sharded state dict); scalar state (step) stays as it is."""
     sharding = sharded._fully_shard_state()
-    if dp_mesh(sharding) is None:
-        return
     state = named[STATE]
     scalars = []
     for flat in sharding.runtime.partition.flats:
@@ -137,9 +144,11 @@ def _place_optim_state(sharded: FSDPModule, names: dict[int, str], named: dict[s
             if not tuple(flat.shapes[i]):
                 scalars.append((flat, i, held))
                 continue
+            if placed(flat, i) is None:         # shown as plain rows (a TP slice without a DeviceMesh)
+                continue
             for key in [k for k, v in held.items() if _laid_out_like(v, p)]:
                 held[key] = to_dtensor(sharding, flat, i, held[key])
-    if not scalars or sharding.groups.dp.size == 1:
+    if not scalars or sharding.groups.dp.size == 1 or dp_mesh(sharding) is None:
         return
     # A 0-dim parameter's piece is [] on rank 0, like its scalar state: only the other ranks (pieces [0]) can
     # tell which keys follow it. Collective: rank 1's answer, then each piece broadcast from rank 0.
@@ -252,7 +261,8 @@ def _local_state(target: _Target, fqn: str, p: torch.Tensor, saved: dict[str, An
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
             continue
-        shape = tuple(flat.shapes[i]) if flat is not None else tuple(p.shape)
+        here = local_of(p)                  # a DTensor parameter: its rows
+        shape = tuple(flat.shapes[i]) if flat is not None else tuple(here.shape)
         if tuple(value.shape) != shape:
             hint = ("" if full or target.sharded is None else
                     "; a sharded state dict loads only at the world size it was saved at, else save and load with "
@@ -261,6 +271,10 @@ def _local_state(target: _Target, fqn: str, p: torch.Tensor, saved: dict[str, An
                             f"parameter {shape}{hint}")
         # (a view of the whole tensor would also keep all of it alive in the optimizer)
         out[key] = (rank_piece(flat, i, value) if flat is not None else value).clone()
+        if is_dtensor(p):       # the optimizer steps the DTensor parameter: its state is one too, over the rows
+            assert target.sharded is not None       # only fully_shard's parameters are DTensors here
+            shown_flat, j = target.where()[id(p)]
+            out[key] = to_dtensor(target.sharded._fully_shard_state(), shown_flat, j, out[key].to(here.device))
     return out
 
 

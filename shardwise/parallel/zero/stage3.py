@@ -180,6 +180,12 @@ class ZeroParamRuntime:
     def free_unit(self, u: Unit) -> None:
         self._free(u)
 
+    def prefetch_units(self, units: list[Unit]) -> None:
+        """Launch the all-gathers of `units` now, outside the prefetch bounds (FSDP2's explicit prefetch: the
+        module wrappers' `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`)."""
+        for u in units:
+            self._launch(u)
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
