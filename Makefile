@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEMO_STEPS ?= 200
 
-.PHONY: demo test typecheck install dev bench clean
+.PHONY: demo test typecheck install dev bench conformance clean
 
 $(VENV)/.installed: pyproject.toml scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test: $(VENV)/.dev-installed typecheck
 bench: $(VENV)/.dev-installed
 	DS_ACCELERATOR=cpu $(VENV)/bin/shardwise bench dp --nproc 2
 	DS_ACCELERATOR=cpu $(VENV)/bin/shardwise bench allreduce --nproc 2
+
+# The peers' own test suites run against shardwise (not part of `make test`: it needs their repositories).
+# DEEPSPEED_SRC: a DeepSpeed checkout (its tests/); TORCH_SRC: a pytorch checkout for the installed torch (its test/).
+conformance: $(VENV)/.dev-installed
+	$(PY) -m benchmarks.conformance.run $(if $(DEEPSPEED_SRC),--deepspeed-src $(DEEPSPEED_SRC)) \
+		$(if $(TORCH_SRC),--torch-src $(TORCH_SRC)) --out docs/conformance.md $(CONFORMANCE_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache

@@ -40,6 +40,7 @@ _EXPORTS = {
     "PipelineEngine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
+    "DeepSpeedConfigError": "shardwise.config",
     "ConfigWarning": "shardwise.config",
     "AutoValues": "shardwise.config",
     "UserError": "shardwise.errors",

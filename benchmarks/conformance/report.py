@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
-class TestResult:
+class Outcome:
     nodeid: str
     outcome: str            # passed | failed | skipped
     start: float
@@ -46,12 +46,12 @@ class FileRow:
     classes: dict[str, int] = field(default_factory=lambda: {"a": 0, "b": 0, "c": 0})
 
 
-def read_results(path: Path) -> dict[str, TestResult]:
-    results: dict[str, TestResult] = {}
+def read_results(path: Path) -> dict[str, Outcome]:
+    results: dict[str, Outcome] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            results[row["nodeid"]] = TestResult(row["nodeid"], row["outcome"], row["start"], row["end"],
+            results[row["nodeid"]] = Outcome(row["nodeid"], row["outcome"], row["start"], row["end"],
                                                 row["error"])
     return results
 
@@ -76,7 +76,7 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
-def classify(peer: dict[str, TestResult], ours: dict[str, TestResult], log: list[Access], *,
+def classify(peer: dict[str, Outcome], ours: dict[str, Outcome], log: list[Access], *,
              harness: tuple[str, ...], public: tuple[str, ...], deliberate: dict[str, str],
              internal: dict[str, str]) -> list[Verdict]:
     verdicts = []
@@ -151,3 +151,27 @@ def markdown(title: str, verdicts: list[Verdict], command: str) -> str:
             lines.append(f"| `{v.nodeid}` | ({v.klass}) | {reason} |")
         lines.append("")
     return "\n".join(lines)
+
+
+PAGE_HEAD = """# Conformance with the peers' own test suites
+
+The peers' own unit tests, run on this CPU against the peer and then against shardwise swapped in
+(`benchmarks/conformance/`). Counted: the tests of the candidate files that pass with the peer itself. A failure
+under shardwise is classed (a) a gap in public API, (b) a test of the peer's internals (the module named), or
+(c) a deliberate difference (README). "Exercise shardwise": the test read at least one name shardwise provides while
+it ran; the others ran only the peer's own code (its config or scheduler classes, for instance).
+"""
+
+
+def replace_sections(page: str, sections: dict[str, str]) -> str:
+    """The page with each peer's section replaced (between `<!-- peer -->` markers); other peers' kept."""
+    if not page.strip():
+        page = PAGE_HEAD
+    for peer, text in sections.items():
+        start, end = f"<!-- {peer} -->", f"<!-- /{peer} -->"
+        block = f"{start}\n{text}\n{end}"
+        if start in page and end in page:
+            page = page[:page.index(start)] + block + page[page.index(end) + len(end):]
+        else:
+            page = page.rstrip("\n") + "\n\n" + block + "\n"
+    return page

@@ -62,14 +62,20 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
 
 
 def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: int, harness: tuple[str, ...],
-             public: tuple[str, ...]) -> list[report.Verdict]:
+             public: tuple[str, ...], reuse_peer: bool = False) -> list[report.Verdict]:
     present = [f for f in files if (cwd / f).exists()]
     missing = sorted(set(files) - set(present))
     if missing:
         print(f"  {name}: not in this checkout, skipped: {', '.join(missing)}", flush=True)
-    peer_results, _ = _pytest(cwd, present, swap="", peers=name, work=work, label=f"{name}-peer",
-                              timeout_s=timeout_s)
-    peer = report.read_results(peer_results)
+    peer_results = work / f"{name}-peer.results.jsonl"
+    if reuse_peer and peer_results.exists():
+        # The peer's outcomes do not depend on shardwise: an earlier run's serve while shardwise changes.
+        print(f"  {name}-peer: reusing {peer_results}", flush=True)
+    else:
+        peer_results, _ = _pytest(cwd, present, swap="", peers=name, work=work, label=f"{name}-peer",
+                                  timeout_s=timeout_s)
+    peer = {nodeid: r for nodeid, r in report.read_results(peer_results).items()
+            if any(nodeid.startswith(f + "::") for f in present)}
     passed = [nodeid for nodeid, r in peer.items() if r.outcome == "passed"]
     if not passed:
         return []
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "conformance")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test before it counts as hung")
+    parser.add_argument("--reuse-peer", action="store_true",
+                        help="reuse the peer's results from an earlier run in --work (they do not depend on shardwise)")
     args = parser.parse_args(argv)
     if args.deepspeed_src is None and args.torch_src is None:
         parser.error("give --deepspeed-src DIR and/or --torch-src DIR (checkouts of the peers' repositories)")
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     def chosen(files: list[str]) -> list[str]:
         return [f for f in files if args.files is None or any(s in f for s in args.files)]
 
-    sections = []
+    sections: dict[str, str] = {}
     if args.deepspeed_src is not None:
         tests = args.deepspeed_src.resolve() / "tests"
         if not (tests / "unit" / "common.py").exists():
@@ -105,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         print("DeepSpeed's tests/unit:", flush=True)
         verdicts = run_peer("deepspeed", tests, chosen(suites.DEEPSPEED_FILES), work=args.work,
                             timeout_s=args.timeout, harness=suites.DEEPSPEED_HARNESS,
-                            public=suites.DEEPSPEED_PUBLIC_MODULES)
-        sections.append(report.markdown("DeepSpeed's own tests (tests/unit), deepspeed swapped for shardwise",
-                                        verdicts, "make conformance DEEPSPEED_SRC=DIR"))
+                            public=suites.DEEPSPEED_PUBLIC_MODULES, reuse_peer=args.reuse_peer)
+        sections["deepspeed"] = report.markdown("DeepSpeed's own tests (tests/unit), deepspeed swapped for shardwise",
+                                                verdicts, "make conformance DEEPSPEED_SRC=DIR")
     if args.torch_src is not None:
         tests = args.torch_src.resolve() / "test"
         if not (tests / "distributed").is_dir():
@@ -115,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"checkout")
         print("torch's test/distributed:", flush=True)
         verdicts = run_peer("torch", tests, chosen(suites.TORCH_FILES), work=args.work, timeout_s=args.timeout,
-                            harness=(), public=())
-        sections.append(report.markdown("torch's own FSDP2 / FSDP / DDP tests, the wrappers swapped for shardwise's",
-                                        verdicts, "make conformance TORCH_SRC=DIR"))
-    text = "\n".join(sections)
-    print(text)
+                            harness=(), public=(), reuse_peer=args.reuse_peer)
+        sections["torch"] = report.markdown("torch's own FSDP2 / FSDP / DDP tests, the wrappers swapped for shardwise's",
+                                            verdicts, "make conformance TORCH_SRC=DIR")
+    for text in sections.values():
+        print(text)
     if args.out is not None:
-        args.out.write_text(text)
+        previous = args.out.read_text() if args.out.exists() else ""
+        args.out.write_text(report.replace_sections(previous, sections))
     return 0
 
 

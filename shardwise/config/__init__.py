@@ -10,6 +10,9 @@ Importing this package does not import torch.
 from shardwise.config.auto import AutoResolution, AutoValues, resolve_auto
 from shardwise.config.batch import BatchSizes, resolve_batch
 from shardwise.config.errors import ConfigError, ConfigProblem, ConfigWarning
+
+# DeepSpeed's name for it: scripts that catch `deepspeed.DeepSpeedConfigError` catch ours.
+DeepSpeedConfigError = ConfigError
 from shardwise.config.load import load_config, load_config_for_world, parse_config, read_config
 from shardwise.config.monitoring import MonitoringConfig
 from shardwise.config.resolved import CommConfig, DataParallelConfig, DType, EngineConfig, PrecisionConfig
@@ -21,7 +24,7 @@ from shardwise.config.zero import OffloadDevice, OffloadOptimizerConfig, Offload
 
 __all__ = [
     "ActivationCheckpointingConfig", "AllReduceImpl", "AutoResolution", "AutoValues", "BatchSizes", "CommConfig",
-    "ConfigError", "ConfigProblem", "ConfigWarning", "DataParallelConfig",
+    "ConfigError", "DeepSpeedConfigError", "ConfigProblem", "ConfigWarning", "DataParallelConfig",
     "DType", "EngineConfig", "MonitoringConfig", "NonFiniteConfig", "OffloadDevice", "OffloadOptimizerConfig",
     "OffloadParamConfig", "OptimizerSpec", "PipelineConfig", "PipelinePartition", "PipelineSchedule",
     "PrecisionConfig", "RecomputePolicy", "SchedulerSpec", "TensorParallelConfig", "ZeroConfig", "load_config",

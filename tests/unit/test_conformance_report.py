@@ -1,0 +1,74 @@
+"""The conformance harness's own logic: classing failures from the swap log, and the page's sections."""
+
+from __future__ import annotations
+
+from benchmarks.conformance import report
+from benchmarks.conformance.report import Access, Outcome
+
+
+def _result(nodeid: str, outcome: str, start: float, end: float, error: str = "") -> Outcome:
+    return Outcome(nodeid, outcome, start, end, error)
+
+
+def test_failures_are_classed_from_what_the_test_read_while_it_ran() -> None:
+    peer = {n: _result(n, "passed", 0, 1) for n in ("f.py::gap", "f.py::internal", "f.py::ok", "f.py::deliberate",
+                                                     "f.py::public_path")}
+    peer["f.py::peer_failed"] = _result("f.py::peer_failed", "failed", 0, 1)
+    ours = {
+        "f.py::gap": _result("f.py::gap", "failed", 10, 11, "E  TypeError: x"),
+        "f.py::internal": _result("f.py::internal", "failed", 20, 21, "E  KeyError"),
+        "f.py::ok": _result("f.py::ok", "passed", 30, 31),
+        "f.py::deliberate": _result("f.py::deliberate", "failed", 40, 41, "E  UserError"),
+        "f.py::public_path": _result("f.py::public_path", "failed", 50, 51, "E  AttributeError"),
+    }
+    log = [Access(10.5, "ours", "deepspeed.initialize"),
+           Access(20.5, "ours", "deepspeed.initialize"),
+           Access(20.6, "theirs", "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"),
+           Access(20.7, "theirs", "deepspeed.accelerator.get_accelerator"),     # harness: ignored
+           Access(50.5, "theirs", "deepspeed.runtime.lr_schedules.OneCycle"),   # public path: still a gap
+           Access(60.0, "theirs", "deepspeed.runtime.engine.X")]                # outside every test's window
+    verdicts = {v.nodeid: v for v in report.classify(
+        peer, ours, log, harness=("deepspeed.accelerator",), public=("deepspeed.runtime.lr_schedules",),
+        deliberate={"::deliberate": "documented"}, internal={})}
+    assert "f.py::peer_failed" not in verdicts
+    assert (verdicts["f.py::gap"].klass, verdicts["f.py::gap"].reason) == ("a", "E  TypeError: x")
+    assert verdicts["f.py::internal"].klass == "b"
+    assert "deepspeed.runtime.zero.stage3" in verdicts["f.py::internal"].reason
+    assert "accelerator" not in verdicts["f.py::internal"].reason
+    assert verdicts["f.py::ok"].passed and not verdicts["f.py::ok"].exercised_ours
+    assert verdicts["f.py::deliberate"].klass == "c"
+    assert verdicts["f.py::public_path"].klass == "a"
+    table = report.markdown("t", list(verdicts.values()), "cmd")
+    assert "1 of 5 (20%) pass with shardwise" in table
+
+
+def test_a_peer_section_is_replaced_and_the_others_kept() -> None:
+    page = report.replace_sections("", {"deepspeed": "first"})
+    page = report.replace_sections(page, {"torch": "torch table"})
+    page = report.replace_sections(page, {"deepspeed": "second"})
+    assert "second" in page and "first" not in page and "torch table" in page
+    assert page.count("<!-- deepspeed -->") == 1
+
+
+def test_a_swapped_module_serves_ours_first_and_logs_each_side(tmp_path, monkeypatch) -> None:
+    import types
+
+    from benchmarks.conformance import swap
+
+    log = tmp_path / "access.tsv"
+    monkeypatch.setenv(swap.LOG_ENV, str(log))
+    ours = types.ModuleType("shardwise.fake")
+    ours.shared = "ours"
+    theirs = types.ModuleType("deepspeed.fake")
+    theirs.shared, theirs.only_theirs = "theirs", "theirs"
+    module = swap.SwappedModule("deepspeed.fake", ours, theirs)
+    assert module.shared == "ours"
+    assert module.only_theirs == "theirs"
+    try:
+        module.missing
+    except AttributeError as error:
+        assert "missing" in str(error)
+    else:
+        raise AssertionError("a name in neither module must raise AttributeError")
+    kinds = [line.split("\t")[2:] for line in log.read_text().splitlines()]
+    assert kinds == [["ours", "deepspeed.fake.shared"], ["theirs", "deepspeed.fake.only_theirs"]]
