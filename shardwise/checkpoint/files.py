@@ -10,17 +10,24 @@ by every rank (ZeRO optimizer shards).
 
 A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and renamed into place, and `latest` is
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
+
+Every file's size and CRC-32 are taken as it is written (`FileSum`) and kept in the tag's index, so a loader
+checks each file it reads (`verify_file`) and a flipped byte or a cut file is one line naming it. CRC-32 is
+zlib's (~2 GB/s on one core: ~50 ms for 100 MB, beside the write itself); it catches storage damage, not
+tampering.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 import tempfile
 import warnings
+import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Mapping, NamedTuple, cast
 
 import torch
 
@@ -47,11 +54,100 @@ def optim_states_name(dp_rank: int, mp_rank: int = 0) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def _save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+class FileSum(NamedTuple):
+    """A checkpoint file's size in bytes and the CRC-32 of its bytes."""
+
+    size: int
+    crc32: int
+
+
+class _Summing:
+    """A binary file that sums what is written through it (torch.save writes sequentially, never seeking)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+_CHUNK = 8 << 20
+
+
+def file_sum(path: Path) -> FileSum:
+    """The size and CRC-32 of a file as it is on disk, read in 8 MiB pieces."""
+    crc = size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return FileSum(size, crc)
+
+
+def verify_file(path: Path, expected: FileSum) -> None:
+    """CheckpointError, one line naming `path`, when it is not the file the save wrote."""
+    found = file_sum(path)
+    if found.size != expected.size:
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {found.size} bytes where the save "
+                              f"wrote {expected.size}; restore it or load another tag")
+    if found.crc32 != expected.crc32:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its CRC-32 is {found.crc32:08x} where the save "
+                              f"wrote {expected.crc32:08x}; restore it or load another tag")
+
+
+def _payload_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a checkpoint object, each storage once: about the size of its file."""
+    seen: dict[tuple[int, int], int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def _disk_full(error: BaseException, path: Path, obj: Any) -> CheckpointError | None:
+    """The one line for a write that ran out of space (torch reports it as "enforce fail ... unexpected pos"),
+    naming the file, the bytes it needs and the bytes free; None when the disk is not full."""
+    needed = _payload_bytes(obj)
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    out_of_space = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not out_of_space and free >= needed:
+        return None
+    return CheckpointError(f"no space left to save {path}: it needs about {needed:,} bytes and the disk holds "
+                           f"{free:,} free; free some space (or save elsewhere), then resume from the last "
+                           f"checkpoint")
+
+
+def _save(obj: Any, path: Path) -> FileSum:
+    """torch.save `obj` to `path` and fsync it; its size and CRC-32. A full disk is one `CheckpointError`."""
+    try:
+        with open(path, "wb") as f:
+            out = _Summing(f)
+            torch.save(obj, cast(IO[bytes], out))
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest is re-raised as it is
+        full = _disk_full(e, path, obj)
+        path.unlink(missing_ok=True)
+        if full is not None:
+            raise full from None
+        raise
+    return FileSum(out.size, out.crc)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -68,13 +164,17 @@ def atomic_save(obj: Any, path: Path) -> None:
 
 def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
-              any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True) -> Path:
+              any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True,
+              seal: Callable[[dict[str, FileSum]], dict[str, Any]] | None = None) -> Path:
     """Collective save: every rank writes its `files` ({name: object}) into SAVE_DIR/.TAG.staging; then rank 0
     moves the directory into place as SAVE_DIR/TAG (replacing an older one) and, with `save_latest`, points
     `latest` at it (without it `latest` keeps naming the tag it named: DeepSpeed's save_latest=False).
     Every rank must call it with the same tag. `barrier` synchronises the ranks and `any_failed(flag)` tells
     every rank whether any rank failed to write (both trivial for one process): then nothing is published
-    and the previous checkpoint and `latest` stay as they were."""
+    and the previous checkpoint and `latest` stay as they were.
+
+    `seal(sums)`, collective when given: every rank passes the sums of the files it wrote; it returns the files
+    that record them (world rank 0: the index with every rank's sums; {} elsewhere), written last."""
     if not tag or "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or a leading '.'")
     root = Path(save_dir)
@@ -85,11 +185,20 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
         staging.mkdir()
     barrier()
     error: BaseException | None = None
+    sums: dict[str, FileSum] = {}
     try:
         for name, obj in files.items():
-            _save(obj, staging / name)
+            sums[name] = _save(obj, staging / name)
     except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = e
+    if seal is not None:
+        sealed = seal(sums)       # collective: every rank calls it, also after a failed write
+        try:
+            for name, obj in sealed.items():
+                if error is None:
+                    _save(obj, staging / name)
+        except BaseException as e:  # noqa: BLE001 - as above
+            error = e
     if any_failed(error is not None):
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -156,7 +265,7 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
                           f"{_tags(root) or 'none'}); pass an explicit tag to load another", CheckpointWarning,
                           stacklevel=4)
             return None
-        tag = latest.read_text().strip()
+        tag = read_latest(latest)
     path = root / tag
     if not path.is_dir():
         warnings.warn(f"no checkpoint loaded: no tag {tag!r} in {root} (tags present: {_tags(root) or 'none'})",
@@ -166,6 +275,20 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {MODEL_STATES}; restore it or load "
                               f"another tag (tags present: {_tags(root)})")
     return path
+
+
+def read_latest(latest: Path) -> str:
+    """The tag a `latest` file names; one CheckpointError line naming it when it holds no tag name (binary
+    bytes, several lines, a path)."""
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{latest} is not text (it should hold a tag name such as global_step100): "
+                              f"write the tag to load into it, or pass the tag explicitly") from None
+    if not tag or "/" in tag or "\n" in tag or tag.startswith("."):
+        raise CheckpointError(f"{latest} holds {tag[:60]!r}, not a tag name such as global_step100: write the "
+                              f"tag to load into it, or pass the tag explicitly")
+    return tag
 
 
 def read_model_states(path: Path, mp_rank: int = 0) -> dict[str, Any]:

@@ -75,10 +75,10 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
             c.barrier()
 
     index = checkpoint_index.gather_index(ctx, checkpoint_index.rank_contribution(ctx, where))
-    if index is not None:                       # world rank 0
-        files[checkpoint_index.INDEX] = index.to_dict()
+    # World rank 0 writes the index last, with every file's size and CRC-32 (`index.sealer`).
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
-                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest)
+                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest,
+                   seal=checkpoint_index.sealer(ctx, index))
     return True
 
 

@@ -121,6 +121,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in RUN_DIR from its latest checkpoint (automatic when RUN_DIR holds "
                         "checkpoints of the same run); an error when there is none")
+    p.add_argument("--resume-from", default=None, metavar="TAG",
+                   help="continue the run in RUN_DIR from checkpoint TAG (e.g. global_step200) instead of the one "
+                        "`latest` names, when that one is damaged; later metrics rows are set aside")
     p.add_argument("--overwrite", action="store_true",
                    help="RUN_DIR holds another run (or this run without a checkpoint): delete its metrics, "
                         "checkpoints, summary and plots and start again")
@@ -237,9 +240,10 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
 
     # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
     def decide() -> run_dir.Decision:
-        from shardwise.cli.resume import schedule_note
+        from shardwise.cli.resume import schedule_note, tag_problem
         return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
-                              overwrite=args.overwrite, schedule_note=schedule_note)
+                              overwrite=args.overwrite, schedule_note=schedule_note,
+                              resume_from=getattr(args, "resume_from", None), tag_problem=tag_problem)
 
     existed = out.is_dir()
     decision = decide() if not existed else None
