@@ -1,0 +1,120 @@
+"""`shardwise train` never starts over beside checkpoints: a `latest` naming a missing or damaged tag, an
+unreadable `latest`, or tags without `latest` are refused in one line naming the file and offering the previous
+complete tag; `--resume-from TAG` resumes there. On resume the metrics rows after the resumed step are set aside
+in metrics.dropped.jsonl (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint.index import INDEX, CheckpointIndex, Dims, sealed
+from shardwise.cli.resume import tag_problem
+from shardwise.cli.run_dir import decide
+from shardwise.errors import UserError
+from shardwise.telemetry import read_metrics
+from shardwise.telemetry.metrics import drop_rows_after
+
+ARGS = {"config": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "train_micro_batch_size_per_gpu": 2},
+        "model": "tiny", "seq_len": 32, "data": "stdlib", "steps": 10, "seed": 0, "out": "/x"}
+LAYOUT = CheckpointIndex(dims=Dims(dp=1, tp=1, pp=1), tensors={}, module={}, entries=(), fragments={})
+
+
+def _run(run_dir: Path, tags: tuple[int, ...] = (2, 4, 6)) -> Path:
+    """A run directory with real (small) tags, `latest` naming the last."""
+    run_dir.mkdir()
+    (run_dir / "train_args.json").write_text(json.dumps(ARGS))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n"
+                                                   for s in range(1, max(tags) + 2)))
+    for step in tags:
+        ckpt.write_tag(run_dir / "checkpoints", f"global_step{step}",
+                       {ckpt.MODEL_STATES: {"module": {"w": torch.full((256,), float(step))}},
+                        ckpt.optim_states_name(0): {"optimizer_state_dict": {"m": torch.zeros(512)}}},
+                       seal=lambda sums: {INDEX: sealed(LAYOUT, sums)})
+    return run_dir
+
+
+def _decide(run_dir: Path, **flags):
+    return decide(run_dir, "train_args.json", ARGS, resume=False, overwrite=flags.pop("overwrite", False),
+                  tag_problem=tag_problem, **flags)
+
+
+def _refused(run_dir: Path, *, named: Path, offered: str | None, **flags) -> str:
+    with pytest.raises(UserError) as error:
+        _decide(run_dir, **flags)
+    line = str(error.value)
+    assert "\n" not in line and str(named) in line, line
+    if offered is None:
+        assert "--resume-from" not in line and "--overwrite" in line, line
+    else:
+        assert f"--resume-from {offered}" in line, line
+    return line
+
+
+def test_a_whole_latest_resumes(tmp_path: Path) -> None:
+    run = _run(tmp_path / "run")
+    assert _decide(run).resume_step == 6
+
+
+@pytest.mark.parametrize("damage", ["tag deleted", "shard deleted", "shard cut", "index cut", "model states deleted"])
+def test_a_damaged_latest_is_refused_naming_the_file_and_offering_the_previous_whole_tag(
+        tmp_path: Path, damage: str) -> None:
+    run = _run(tmp_path / "run")
+    tag = run / "checkpoints" / "global_step6"
+    victim = {"tag deleted": tag, "shard deleted": tag / ckpt.optim_states_name(0),
+              "shard cut": tag / ckpt.optim_states_name(0), "index cut": tag / INDEX,
+              "model states deleted": tag / ckpt.MODEL_STATES}[damage]
+    if damage == "tag deleted":
+        import shutil
+        shutil.rmtree(victim)
+    elif damage.endswith("cut"):
+        victim.write_bytes(victim.read_bytes()[:200])
+    else:
+        victim.unlink()
+    # global_step4 is damaged too: the offer skips it
+    (run / "checkpoints" / "global_step4" / ckpt.MODEL_STATES).unlink()
+    _refused(run, named=victim, offered="global_step2")
+    before = (run / "metrics.jsonl").read_text()
+    decision = _decide(run, resume_from="global_step2")
+    assert decision.resume_step == 2 and "--resume-from" in decision.message
+    assert (run / "checkpoints" / "latest").read_text() == "global_step2"
+    assert (run / "metrics.jsonl").read_text() == before         # the ranks set the rows aside, not the parent
+    _refused(run, named=run / "checkpoints" / "global_step4", offered="global_step2", resume_from="global_step4")
+    _refused(run, named=run / "checkpoints" / "global_step9", offered="global_step2", resume_from="global_step9")
+
+
+def test_an_unreadable_latest_or_tags_without_latest_are_refused_with_the_offer(tmp_path: Path) -> None:
+    run = _run(tmp_path / "run")
+    latest = run / "checkpoints" / "latest"
+    for content in (b"\xff\xfeg\x00l\x00o\x00", b"", b"global_step6\nglobal_step4"):
+        latest.write_bytes(content)
+        _refused(run, named=latest, offered="global_step6")
+    latest.unlink()
+    _refused(run, named=run, offered="global_step6")
+    assert _decide(run, resume_from="global_step6").resume_step == 6
+
+
+def test_no_whole_tag_left_offers_only_overwrite_and_overwrite_and_resume_from_contradict(tmp_path: Path) -> None:
+    run = _run(tmp_path / "run", tags=(2,))
+    (run / "checkpoints" / "global_step2" / ckpt.optim_states_name(0)).unlink()
+    _refused(run, named=run / "checkpoints" / "global_step2", offered=None)
+    with pytest.raises(UserError, match="--resume-from and --overwrite contradict"):
+        _decide(run, resume_from="global_step2", overwrite=True)
+    assert _decide(run, overwrite=True).resume_step is None
+
+
+def test_rows_after_the_resumed_step_are_set_aside_once(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": float(s)} for s in (1, 2, 3, 4, 3, 4, 5)]    # a restart redid 3 and 4, then died
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert drop_rows_after(metrics, 2) == 5
+    assert read_metrics(metrics) == rows[:2]
+    assert read_metrics(tmp_path / "metrics.dropped.jsonl") == rows[2:]
+    assert drop_rows_after(metrics, 2) == 0                             # nothing left to move
+    assert drop_rows_after(tmp_path / "none.jsonl", 0) == 0
+    assert drop_rows_after(metrics, 0) == 2                             # an attempt that saved nothing
+    assert metrics.read_text() == "" and len(read_metrics(tmp_path / "metrics.dropped.jsonl")) == 7
