@@ -204,7 +204,8 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
             shutil.rmtree(staging, ignore_errors=True)
         if error is not None:
             raise error
-        raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; nothing was published")
+        raise SaveFailedElsewhere(f"saving checkpoint {tag!r} failed on another rank (which reports why); "
+                                  f"nothing was published")
     final = root / tag
     if rank == 0:
         # Every rank has written its files: no save is still writing into another staging directory.
@@ -225,6 +226,11 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
             atomic_write_text(root / LATEST, tag)
     barrier()
     return final
+
+
+class SaveFailedElsewhere(RuntimeError):
+    """This rank wrote its part of a checkpoint, another rank failed to: a consequence, not the user's error
+    (the failing rank raises the cause, a full disk's `CheckpointError` for one)."""
 
 
 class CheckpointWarning(UserWarning):

@@ -157,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker_args, args_path = prepare(args)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
+        # torch's C++ warnings are off in the ranks: a lost peer or store makes every rank's store client log
+        # an 18-line C++ trace; the ranks' own reports say what happened (TORCH_CPP_LOG_LEVEL=INFO shows them).
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
               f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
         from shardwise.cli.launch import launch
