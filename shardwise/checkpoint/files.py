@@ -228,9 +228,9 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
     return final
 
 
-class SaveFailedElsewhere(RuntimeError):
-    """This rank wrote its part of a checkpoint, another rank failed to: a consequence, not the user's error
-    (the failing rank raises the cause, a full disk's `CheckpointError` for one)."""
+class SaveFailedElsewhere(CheckpointError):
+    """This rank wrote its part of a checkpoint, another rank failed to. A consequence: the failing rank raises
+    the cause (a full disk's line, say), which `shardwise train` reports instead of this."""
 
 
 class CheckpointWarning(UserWarning):
@@ -302,6 +302,7 @@ def read_model_states(path: Path, mp_rank: int = 0) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{path} has no model states for tensor-parallel rank {mp_rank} ({file.name}): it was "
                               f"written with a smaller tensor_parallel.size; load it with the size that wrote it")
+    _check_sum(path, file)
     states: dict[str, Any] = torch.load(file, map_location="cpu", weights_only=False)
     return states
 
@@ -311,5 +312,15 @@ def read_optim_states(path: Path, dp_rank: int, mp_rank: int = 0) -> dict[str, A
     if not file.is_file():
         raise CheckpointError(f"{path} has no optimizer shard for data-parallel rank {dp_rank} ({file.name}): it was "
                               f"written with fewer ranks or without ZeRO; load it with the layout that wrote it")
+    _check_sum(path, file)
     states: dict[str, Any] = torch.load(file, map_location="cpu", weights_only=False)
     return states
+
+
+def _check_sum(tag_dir: Path, file: Path) -> None:
+    """Verify `file` against the CRC-32 the tag's index recorded (nothing to check without one: said once)."""
+    from shardwise.checkpoint.index import read_checksums    # index.py builds on this module
+
+    sums = read_checksums(tag_dir)
+    if sums is not None and file.name in sums:
+        verify_file(file, sums[file.name])

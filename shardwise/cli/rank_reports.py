@@ -53,9 +53,11 @@ class ProcessExit:
 
 
 def is_user_error(error: BaseException) -> bool:
+    """A user error to report as such; not another rank's failed save, whose own report says why."""
+    from shardwise.checkpoint.files import SaveFailedElsewhere
     from shardwise.data import CorpusError
 
-    return isinstance(error, (UserError, CorpusError))
+    return isinstance(error, (UserError, CorpusError)) and not isinstance(error, SaveFailedElsewhere)
 
 
 def write_failure(folder: Path, *, rank: int, attempt: int, error: BaseException) -> RankReport:

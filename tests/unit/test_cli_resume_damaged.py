@@ -14,6 +14,7 @@ import torch
 from shardwise.checkpoint import files as ckpt
 from shardwise.checkpoint.index import INDEX, CheckpointIndex, Dims, sealed
 from shardwise.cli.resume import tag_problem
+from shardwise.cli.rank_reports import read_reports
 from shardwise.cli.run_dir import decide
 from shardwise.errors import UserError
 from shardwise.telemetry import read_metrics
@@ -118,3 +119,18 @@ def test_rows_after_the_resumed_step_are_set_aside_once(tmp_path: Path) -> None:
     assert drop_rows_after(tmp_path / "none.jsonl", 0) == 0
     assert drop_rows_after(metrics, 0) == 2                             # an attempt that saved nothing
     assert metrics.read_text() == "" and len(read_metrics(tmp_path / "metrics.dropped.jsonl")) == 7
+
+
+def test_another_ranks_failed_save_is_a_consequence_and_the_cause_is_the_line(tmp_path: Path) -> None:
+    from shardwise.cli.rank_reports import CRASH, failure_lines, write_failure
+    from shardwise.errors import CheckpointError
+
+    for rank, error in ((0, ckpt.SaveFailedElsewhere("saving checkpoint 'global_step2' failed on another rank")),
+                        (1, CheckpointError("no space left to save /x/zero_pp_rank_1: it needs about 8 bytes"))):
+        try:
+            raise error
+        except CheckpointError as e:
+            report = write_failure(tmp_path, rank=rank, attempt=0, error=e)
+        assert (report.kind == CRASH) == (rank == 0)
+    code, lines = failure_lines(read_reports(tmp_path), {}, tmp_path)
+    assert code == 2 and lines == ["shardwise: error: no space left to save /x/zero_pp_rank_1: it needs about 8 bytes"]
