@@ -221,6 +221,7 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
     model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
+    _check_micro_batch_fits(int(engine_config.batch.micro_batch), model_cfg.seq_len, args.nproc)
     if model_cfg.is_hf and engine_config.pipeline.stages > 1:
         raise UserError(f"--model {args.model}: pipeline.stages = {engine_config.pipeline.stages} needs a model "
                         f"shardwise can split into stages (a preset such as llama-tiny, or a PipelineModule); "
@@ -300,6 +301,26 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.nnodes > 1 and args.master_addr is None:
         raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
                         f"--node-rank 0 (127.0.0.1 when every node runs on this host).")
+
+
+def _node_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):    # not POSIX
+        return None
+
+
+def _check_micro_batch_fits(micro_batch: int, seq_len: int, nproc: int) -> None:
+    """Refuse a micro-batch whose token ids alone (int64 [micro_batch, seq_len + 1], drawn on the host by every
+    local rank) exceed this node's memory: a lower bound of what a step needs, so nothing that could run is
+    refused, and a typo such as 1e9 is one line instead of every rank's MemoryError."""
+    total = _node_memory_bytes()
+    need = micro_batch * (seq_len + 1) * 8 * nproc
+    if total is not None and need > total:
+        raise UserError(f"train_micro_batch_size_per_gpu {micro_batch}: one micro-batch of token ids is "
+                        f"{need / nproc / 2**30:.3g} GiB per rank (x{nproc} rank(s) at --seq-len {seq_len}), beyond "
+                        f"this node's {total / 2**30:.3g} GiB of memory; lower it (or raise "
+                        f"gradient_accumulation_steps for the same global batch)")
 
 
 def _check_gpus(nproc: int) -> None:

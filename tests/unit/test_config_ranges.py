@@ -41,3 +41,21 @@ def test_numbers_in_range_still_load() -> None:
                            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}, world_size=2)
     load_config_for_world({**BASE, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e18}},
                           world_size=2)
+
+
+def test_train_refuses_a_micro_batch_whose_token_ids_exceed_the_node_in_one_line(capsys, tmp_path) -> None:
+    import json
+    import os
+
+    from shardwise.cli.main import main
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    micro = memory // (33 * 8) + 1                 # token ids int64 [micro, 33]: one byte-row over the node's memory
+    config = tmp_path / "big.json"
+    config.write_text(json.dumps({**BASE, "train_micro_batch_size_per_gpu": micro}))
+    assert main(["train", str(config), "--seq-len", "32", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"train_micro_batch_size_per_gpu {micro}" in err and "beyond" in err, err
+    assert not (tmp_path / "run").exists()
+    from shardwise.cli.train import _check_micro_batch_fits
+    _check_micro_batch_fits(micro // 4, 32, 1)       # a quarter of the node: not refused by this bound
