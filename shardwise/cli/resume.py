@@ -86,10 +86,11 @@ class Resumed:
     rng_restored: bool
 
 
-def tag_problem(tag_dir: Path) -> str | None:
-    """Why the checkpoint in `tag_dir` cannot be resumed from, checked cheaply before any rank starts (the
-    directory, its index, and every file the index lists, present and of the size the save wrote; the ranks
-    check every byte they read), as one line naming the file; None when it looks whole."""
+def tag_problem(tag_dir: Path, *, every_byte: bool = False) -> str | None:
+    """Why the checkpoint in `tag_dir` cannot be resumed from, as one line naming the file; None when it looks
+    whole. Cheap by default, as the parent checks before any rank starts: the directory, its index, and every file
+    the index lists, present and of the size the save wrote (the ranks check every byte they read); with
+    `every_byte` also each file's CRC-32."""
     from shardwise.checkpoint import files as ckpt
     from shardwise.checkpoint.index import read_index
     from shardwise.errors import CheckpointError
@@ -109,6 +110,11 @@ def tag_problem(tag_dir: Path) -> str | None:
         if sums is not None and file.stat().st_size != sums.size:
             return (f"checkpoint file {file} is truncated or corrupt: {file.stat().st_size} bytes where the save "
                     f"wrote {sums.size}")
+        if sums is not None and every_byte:
+            try:
+                ckpt.verify_file(file, sums)
+            except CheckpointError as e:
+                return str(e)
     return None
 
 
@@ -117,7 +123,8 @@ def _refused(checkpoints: Path, problem: str, step: int | None) -> Exception:
     from shardwise.cli.run_dir import previous_complete
     from shardwise.errors import CheckpointError
 
-    previous = previous_complete(checkpoints.parent, step, tag_problem)
+    # On this failure path every byte of the tag offered is checked: the offer is one that loads.
+    previous = previous_complete(checkpoints.parent, step, lambda tag: tag_problem(tag, every_byte=True))
     offer = (f"; resume from the previous complete checkpoint with --resume-from {previous}" if previous is not None
              else "; no earlier complete checkpoint is there: --overwrite starts the run over")
     return CheckpointError(f"{problem}{offer}")
@@ -144,6 +151,10 @@ def resume(engine: Any, loader: TokenLoader, checkpoints: Path) -> Resumed | Non
     try:
         path, client = engine.load_checkpoint(str(checkpoints))
     except CheckpointError as e:
+        # A damaged tag: offer the previous whole one. Another refusal (a layout an index-less checkpoint cannot
+        # load at, say) is the same for every tag of the run: said as it is.
+        if tag_problem(checkpoints / tag, every_byte=True) is None:
+            raise
         raise _refused(checkpoints, str(e), tag_step(tag)) from None
     if path is None:           # `latest` names a tag that is not there: never train from step 0 instead
         raise _refused(checkpoints, f"checkpoint {checkpoints / tag} named by {latest} is missing", tag_step(tag))

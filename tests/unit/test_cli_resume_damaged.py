@@ -134,3 +134,36 @@ def test_another_ranks_failed_save_is_a_consequence_and_the_cause_is_the_line(tm
         assert (report.kind == CRASH) == (rank == 0)
     code, lines = failure_lines(read_reports(tmp_path), {}, tmp_path)
     assert code == 2 and lines == ["shardwise: error: no space left to save /x/zero_pp_rank_1: it needs about 8 bytes"]
+
+
+def test_a_rank_offers_the_previous_tag_only_when_the_tag_is_damaged(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from shardwise.cli.resume import resume
+    from shardwise.errors import CheckpointError
+
+    run = _run(tmp_path / "run")
+    checkpoints = run / "checkpoints"
+
+    def refusing(line: str):
+        def load_checkpoint(directory: str):
+            raise CheckpointError(line)
+        return SimpleNamespace(lr_scheduler=None, load_checkpoint=load_checkpoint)
+
+    layout = "written without a layout index (by an earlier shardwise) at dp=2; it loads only at that layout"
+    with pytest.raises(CheckpointError) as error:             # the tag is whole: the refusal as it is
+        resume(refusing(layout), None, checkpoints)
+    assert str(error.value) == layout
+    shard = checkpoints / "global_step6" / ckpt.optim_states_name(0)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                              # one flipped byte: same size, another CRC-32
+    shard.write_bytes(bytes(data))
+    assert tag_problem(shard.parent) is None and str(shard) in tag_problem(shard.parent, every_byte=True)
+    with pytest.raises(CheckpointError) as error:
+        resume(refusing(f"checkpoint file {shard} is corrupt"), None, checkpoints)
+    assert str(error.value).endswith("--resume-from global_step4")
+    missing = SimpleNamespace(lr_scheduler=None, load_checkpoint=lambda directory: (None, None))
+    (checkpoints / "latest").write_text("global_step9")        # a tag that is not there: never a fresh start
+    # offered: the newest tag whose every byte checks (global_step6 has the flipped byte)
+    with pytest.raises(CheckpointError, match="global_step9 named by .* is missing.*--resume-from global_step4"):
+        resume(missing, None, checkpoints)
