@@ -227,9 +227,9 @@ def _forced_overflow(device: torch.device, checks: Checks) -> None:
     data = iter(token_data(cfg, 2, 2, device))
     engine.train_batch(data)
     unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    ok = engine.skipped_steps == 1 and engine.loss_scale == 2.0 ** 39 and unchanged
+    ok = engine.skipped_steps == 1 and engine.current_loss_scale == 2.0 ** 39 and unchanged
     checks.add("B.fp16_forced_overflow", PASS if ok else FAIL,
-               f"skipped {engine.skipped_steps}, scale {engine.loss_scale:g}, weights kept {unchanged}",
+               f"skipped {engine.skipped_steps}, scale {engine.current_loss_scale:g}, weights kept {unchanged}",
                f"skipped 1, scale {2.0 ** 39:g}, weights kept")
     engine.close()
 

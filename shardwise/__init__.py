@@ -34,6 +34,8 @@ _EXPORTS = {
     "initialize": "shardwise.engine.initialize",
     "init_distributed": "shardwise.engine.initialize",
     "Engine": "shardwise.engine.engine",
+    "DeepSpeedEngine": "shardwise.engine.engine",
+    "PipelineEngine": "shardwise.engine.engine",
     "load_config": "shardwise.config",
     "ConfigError": "shardwise.config",
     "ConfigWarning": "shardwise.config",
@@ -61,6 +63,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing", "zero", "ops",
-                "utils"):
+                "utils", "runtime"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

@@ -2,9 +2,10 @@
 
 Prints the batch triple with its arithmetic, dtypes and loss scaling, the optimizer and schedule
 (as the torch objects they become), ZeRO, communication and parallel sizes; as a table or, with
---json, as JSON. Hugging Face "auto" values are filled as `shardwise.initialize` fills them, from
---hidden-size, --micro-batch and --lr. Any problem exits 2 with one line per problem naming the key; keys
-accepted but ignored print one "shardwise: warning:" line each on stderr.
+--json, as JSON. Hugging Face "auto" values are filled as its Trainer fills them, each from the flag named after
+the Trainer's argument (--micro-batch, --grad-accum, --lr, --betas, --eps, --weight-decay, --warmup-steps,
+--total-steps, --max-grad-norm, --precision) or the model's --hidden-size. Any problem exits 2 with one line per
+problem naming the key; keys accepted but ignored print one "shardwise: warning:" line each on stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +25,36 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
+    return value
+
+
+def _beta(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
     return value
 
 
@@ -51,9 +82,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help='the model\'s hidden size, to fill "auto" ZeRO bucket sizes (h*h, 0.9*h*h, 10*h)')
     parser.add_argument("--micro-batch", type=_positive_int, metavar="B",
                         help='the micro-batch size per process, to fill "auto" batch keys')
+    parser.add_argument("--grad-accum", type=_positive_int, metavar="N",
+                        help='gradient accumulation steps, to fill "auto" gradient_accumulation_steps (default: '
+                             'derived by the batch rule)')
     parser.add_argument("--lr", type=_positive_float, metavar="LR",
                         help='the learning rate, to fill "auto" in optimizer.params.lr and '
                              'scheduler.params.warmup_max_lr')
+    parser.add_argument("--betas", type=_beta, nargs=2, metavar=("B1", "B2"),
+                        help='Adam\'s betas, to fill "auto" optimizer.params.betas (default 0.9 0.999)')
+    parser.add_argument("--eps", type=_positive_float, metavar="EPS",
+                        help='Adam\'s epsilon, to fill "auto" optimizer.params.eps (default 1e-8)')
+    parser.add_argument("--weight-decay", type=_non_negative_float, metavar="WD",
+                        help='to fill "auto" optimizer.params.weight_decay (default 0)')
+    parser.add_argument("--warmup-steps", type=_non_negative_int, metavar="N",
+                        help='to fill "auto" scheduler.params.warmup_num_steps')
+    parser.add_argument("--total-steps", type=_positive_int, metavar="N",
+                        help='the run\'s optimizer steps, to fill "auto" scheduler.params.total_num_steps')
+    parser.add_argument("--max-grad-norm", type=_non_negative_float, metavar="NORM",
+                        help='to fill "auto" gradient_clipping (default 1.0; 0 = off)')
+    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
+                        help='to fill "auto" fp16.enabled / bf16.enabled (default: both false)')
     parser.add_argument("--json", action="store_true", help="print the resolved config as JSON")
     parser.set_defaults(func=run)
     return parser
@@ -125,7 +173,11 @@ def _monitoring(cfg: EngineConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    known = AutoValues(hidden_size=args.hidden_size, micro_batch=args.micro_batch, lr=args.lr)
+    known = AutoValues(hidden_size=args.hidden_size, micro_batch=args.micro_batch,
+                       gradient_accumulation_steps=args.grad_accum, lr=args.lr,
+                       betas=tuple(args.betas) if args.betas else None, eps=args.eps, weight_decay=args.weight_decay,
+                       warmup_num_steps=args.warmup_steps, total_num_steps=args.total_steps,
+                       gradient_clipping=args.max_grad_norm, precision=args.precision)
     with printed_config_warnings():
         cfg = load_config_for_world(args.config, world_size=args.world, auto=known)
     # Imported here: building the optimizer/scheduler needs torch, the config check itself does not.

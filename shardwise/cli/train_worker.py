@@ -210,7 +210,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
                                       step_time_s=step_time, elapsed_s=clock + time.perf_counter() - start,
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
-                                      loss_scale=engine.loss_scale, skipped_steps=engine.skipped_steps,
+                                      loss_scale=engine.current_loss_scale, skipped_steps=engine.skipped_steps,
                                       skipped=not engine.was_step_applied())
                 writer.write({**dataclasses.asdict(m), **evaluated})
                 progress.update(m)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from shardwise.config.errors import ConfigProblem, dotted
+from shardwise.config.fields import deepspeed_scalar
 from shardwise.config.zero import STAGE3_ALIASES
 
 AUTO = "auto"
@@ -27,8 +28,10 @@ class AutoValues:
     """What the caller knows to fill "auto" with; None where it does not know.
 
     `shardwise.initialize` finds the hidden size on the model (Hugging Face's `config.hidden_size`, our
-    GPT's `cfg.d_model`) and the micro-batch on a `training_data` loader; `check-config` takes them as
-    --hidden-size, --micro-batch and --lr. Pass `auto=AutoValues(...)` to `initialize` to give the rest."""
+    GPT's `cfg.d_model`) and the micro-batch on a `training_data` loader; `check-config` takes every one as a
+    flag (--hidden-size, --micro-batch, --grad-accum, --lr, --betas, --eps, --weight-decay, --warmup-steps,
+    --total-steps, --max-grad-norm, --precision). Pass `auto=AutoValues(...)` to `initialize` to give the rest.
+    The names follow the Trainer's arguments they stand for: gradient_clipping is its max_grad_norm."""
 
     hidden_size: int | None = None
     micro_batch: int | None = None
@@ -39,6 +42,8 @@ class AutoValues:
     weight_decay: float | None = None
     warmup_num_steps: int | None = None
     total_num_steps: int | None = None
+    gradient_clipping: float | None = None
+    """The Trainer's max_grad_norm; None: its default, 1.0."""
     precision: Literal["fp16", "bf16", "fp32"] | None = None
     """"fp16", "bf16" or "fp32"; None: neither fp16 nor bf16 (the Trainer's default)."""
 
@@ -84,7 +89,8 @@ def _rules(known: AutoValues, config: dict[str, Any]) -> dict[tuple[str, ...], C
     or raises `_Unresolved` with the reason."""
     h = known.hidden_size
     zero = config.get("zero_optimization")
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    # DeepSpeed reads the stage in lax mode: "3" is 3
+    stage = deepspeed_scalar(zero.get("stage", 0), int) if isinstance(zero, dict) else 0
 
     def given(value: Any, why: str) -> Callable[[], Any]:
         def fill() -> Any:
@@ -130,7 +136,7 @@ def _rules(known: AutoValues, config: dict[str, Any]) -> dict[tuple[str, ...], C
         ("train_micro_batch_size_per_gpu",): micro_batch,
         ("gradient_accumulation_steps",): lambda: known.gradient_accumulation_steps or _DROP,
         ("train_batch_size",): train_batch,
-        ("gradient_clipping",): lambda: 1.0,
+        ("gradient_clipping",): lambda: known.gradient_clipping if known.gradient_clipping is not None else 1.0,
         ("optimizer", "params", "lr"): given(known.lr, lr_why),
         ("optimizer", "params", "betas"): lambda: list(known.betas) if known.betas else [0.9, 0.999],
         ("optimizer", "params", "eps"): lambda: known.eps if known.eps is not None else 1e-8,
@@ -138,9 +144,9 @@ def _rules(known: AutoValues, config: dict[str, Any]) -> dict[tuple[str, ...], C
         ("scheduler", "params", "warmup_min_lr"): lambda: 0,
         ("scheduler", "params", "warmup_max_lr"): given(known.lr, lr_why),
         ("scheduler", "params", "warmup_num_steps"): given(
-            known.warmup_num_steps, _need("the number of warmup steps", "warmup_num_steps")),
+            known.warmup_num_steps, _need("the number of warmup steps", "warmup_num_steps", "--warmup-steps")),
         ("scheduler", "params", "total_num_steps"): given(
-            known.total_num_steps, _need("the number of training steps", "total_num_steps")),
+            known.total_num_steps, _need("the number of training steps", "total_num_steps", "--total-steps")),
         ("fp16", "enabled"): lambda: precision == "fp16",
         ("bf16", "enabled"): lambda: precision == "bf16",
         ("bfloat16", "enabled"): lambda: precision == "bf16",
@@ -182,7 +188,7 @@ def resolve_auto(raw: dict[str, Any], known: AutoValues | None = None) -> AutoRe
         train_micro_batch_size_per_gpu   the micro-batch size
         gradient_accumulation_steps      given, else derived by the batch rule (1 when nothing else fixes it)
         train_batch_size                 derived: micro-batch * accumulation * data-parallel size
-        gradient_clipping                1.0 (DeepSpeed's and the Trainer's default)
+        gradient_clipping                given (the Trainer's max_grad_norm), else 1.0 (its default)
         optimizer.params.lr              the learning rate; betas, eps, weight_decay: given, else the Trainer's
                                          defaults [0.9, 0.999], 1e-8, 0.0
         scheduler.params                 warmup_min_lr 0, warmup_max_lr = lr, warmup_num_steps, total_num_steps

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from shardwise.config.fields import Bool, Int, PositiveInt, Section, Str
+from shardwise.config.fields import Bool, DeepSpeedSection, Int, PositiveInt, Section, Str
 
 
 class FeatureSection(Section):
@@ -26,7 +26,7 @@ class LenientFeatureSection(FeatureSection):
     model_config = ConfigDict(extra="allow", frozen=True, validate_default=False)
 
 
-class CometSection(FeatureSection):
+class CometSection(DeepSpeedSection, FeatureSection):
     samples_log_interval: Int = 100
     project: Str | None = None
     workspace: Str | None = None
@@ -37,7 +37,7 @@ class CometSection(FeatureSection):
     mode: Str | None = None
 
 
-class HybridEngineSection(FeatureSection):
+class HybridEngineSection(DeepSpeedSection, FeatureSection):
     max_out_tokens: PositiveInt = 512
     inference_tp_size: Int = 1
     release_inference_cache: Bool = False
@@ -46,17 +46,25 @@ class HybridEngineSection(FeatureSection):
     enable_cuda_graph: Bool = False
 
 
-class WeightQuantizationSection(FeatureSection):
-    # DeepSpeed: present means on unless "enabled" says otherwise.
+class WeightQuantizationSection(DeepSpeedSection, FeatureSection):
+    """DeepSpeed's training acts on this block in one place only: a non-empty "quantized_initialization" makes
+    zero.Init quantize the weights it builds (whatever "enabled" says). "post_init_quant" is read only by its
+    inference quantization call, which scripts make themselves; empty dicts are DeepSpeed's defaults (off)."""
+
     enabled: Bool = True
-    num_bits: Any = 8
-    q_type: Any = "symmetric"
-    q_groups: Any = 1
-    quantized_initialization: Any = None
-    post_init_quant: Any = None
+    num_bits: Int = 8
+    q_type: Literal["symmetric", "asymmetric"] = "symmetric"
+    q_groups: Int = 1
+    quantized_initialization: dict[str, Any] = Field(default_factory=dict)
+    post_init_quant: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def acts(self) -> bool:
+        """Whether DeepSpeed's training would quantize anything with this block."""
+        return bool(self.quantized_initialization)
 
 
-class CompileSection(Section):
+class CompileSection(DeepSpeedSection):
     """DeepSpeed's "compile" (DeepCompile): on when "deepcompile" is true; its other knobs only tune it."""
 
     deepcompile: Bool = False
@@ -170,6 +178,8 @@ def enabled_blocks(model: DeepSpeedOnlyKeys) -> list[str]:
             active = block is not None and block is not False
         elif name == "compile":
             active = block is not None and block.deepcompile
+        elif name == "weight_quantization":
+            active = block is not None and block.acts
         else:
             active = block is not None and block.enabled
         if active:
@@ -190,6 +200,10 @@ def no_effect_warnings(model: DeepSpeedOnlyKeys) -> list[str]:
         if name in model.model_fields_set:
             lines.append(f'"{name}" is a DeepSpeed setting with no effect in shardwise (nothing it tunes exists '
                          f'here); ignored')
+    quantization = model.weight_quantization
+    if quantization is not None and not quantization.acts and quantization.post_init_quant:
+        lines.append('"weight_quantization.post_init_quant" is applied only by DeepSpeed\'s inference quantization '
+                     'call, which shardwise does not have; ignored')
     extra = [k for k in (model.data_types or {}) if k not in DATA_TYPES_DEFAULTS]
     for key in extra:   # DeepSpeed reads data_types with dict.get and never looks at other keys
         lines.append(f'"data_types.{key}" is not a key DeepSpeed reads; ignored (DeepSpeed ignores it too)')

@@ -11,10 +11,10 @@ import os
 
 from pydantic import Field
 
-from shardwise.config.fields import Bool, Int, NonNegativeFloat, PositiveInt, Section, Str
+from shardwise.config.fields import Bool, DeepSpeedSection, Int, NonNegativeFloat, PositiveInt, Section, Str
 
 
-class EventFilesConfig(Section):
+class EventFilesConfig(DeepSpeedSection):
     """"tensorboard" (TensorBoard event files; needs the `tensorboard` package) and "csv_monitor" (one CSV file per
     logged tag): events written under output_path/job_name by global rank 0."""
 
@@ -29,7 +29,7 @@ class EventFilesConfig(Section):
         return os.path.join(self.output_path, self.job_name)
 
 
-class WandbConfig(Section):
+class WandbConfig(DeepSpeedSection):
     """Weights & Biases run logged by global rank 0 (needs the `wandb` package; WANDB_MODE=offline works)."""
 
     enabled: Bool = False
@@ -39,7 +39,7 @@ class WandbConfig(Section):
     project: Str = "deepspeed"
 
 
-class CommsLoggerConfig(Section):
+class CommsLoggerConfig(DeepSpeedSection):
     """A per-op summary of the collectives (from the communication ledger), printed on global rank 0."""
 
     enabled: Bool = False

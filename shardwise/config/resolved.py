@@ -136,6 +136,17 @@ class EngineConfig:
     raw: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
     """A deep copy of the config as given (plain JSON types), saved in checkpoints."""
 
+    # DeepSpeed's `engine.config` is the config dict as given; Hugging Face's Trainer reads it so
+    # (`engine.config.get("zero_optimization", {}).get("stage")`). These read `raw` the same way.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
     @property
     def steps_per_print(self) -> int | None:
         return self.monitors.steps_per_print

@@ -14,7 +14,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.config.deepspeed_blocks import DeepSpeedOnlyKeys
-from shardwise.config.fields import Bool, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str
+from shardwise.config.fields import (
+    Bool, DeepSpeedSection, Float, Int, NonNegativeFloat, NonNegativeInt, PositiveInt, Section, Str, deepspeed_scalar,
+)
 from shardwise.config.monitoring import MonitoringConfig
 from shardwise.config.zero import ZeroConfig
 
@@ -49,7 +51,7 @@ class PipelinePartition(enum.StrEnum):
     FLOPS = "flops"            # balance the forward FLOPs per stage
 
 
-class FP16Section(Section):
+class FP16Section(DeepSpeedSection):
     """Mixed precision with fp16 weights/activations and loss scaling (DeepSpeed's "fp16")."""
 
     enabled: Bool = False
@@ -86,7 +88,7 @@ class FP16Section(Section):
         return self
 
 
-class BF16Section(Section):
+class BF16Section(DeepSpeedSection):
     """bfloat16 weights/activations with fp32 master weights (DeepSpeed's "bf16", alias "bfloat16")."""
 
     enabled: Bool = False
@@ -183,7 +185,7 @@ class NonFiniteConfig(Section):
     scaling the steps the scale needs to come down from its initial value are added on top."""
 
 
-class TensorParallelConfig(Section):
+class TensorParallelConfig(DeepSpeedSection):
     """shardwise: Megatron-style tensor parallelism. DeepSpeed's "autotp_size" is accepted for "size"."""
 
     size: PositiveInt = 1
@@ -211,7 +213,7 @@ class TensorParallelConfig(Section):
             data = dict(data)
             if "size" in data:
                 raise ValueError('give only one of "tensor_parallel.size" and "tensor_parallel.autotp_size"')
-            value = data.pop("autotp_size")
+            value = deepspeed_scalar(data.pop("autotp_size"), int)    # an int in DeepSpeed's lax model
             data["size"] = 1 if value == 0 and not isinstance(value, bool) else value  # DeepSpeed: 0 = off
         return data
 

@@ -23,6 +23,8 @@ FEATURE_NAMES = {
 
 
 def _how_to_switch_off(name: str) -> str:
+    if name == "weight_quantization":
+        return 'remove "weight_quantization.quantized_initialization" (or the block)'
     if name == "compile":
         return 'set "compile.deepcompile": false or remove the block'
     if name == "datastates_ckpt":

@@ -13,7 +13,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from shardwise.config.fields import Bool, Float, Int, NonNegativeInt, PositiveInt, Section, Str
+from shardwise.config.fields import (
+    Bool, DeepSpeedSection, Float, Int, NonNegativeInt, PositiveInt, Str, deepspeed_scalar, deepspeed_scalars,
+)
 
 
 class OffloadDevice(enum.StrEnum):
@@ -22,7 +24,7 @@ class OffloadDevice(enum.StrEnum):
     NVME = "nvme"
 
 
-class OffloadOptimizerConfig(Section):
+class OffloadOptimizerConfig(DeepSpeedSection):
     """Optimizer state (and the optimizer step) in CPU or NVMe memory. DeepSpeed: stages 1-3."""
 
     device: OffloadDevice = OffloadDevice.NONE
@@ -40,7 +42,7 @@ class OffloadOptimizerConfig(Section):
     cpuadam_cores_perc: Float = Field(0.8, ge=0.0, le=1.0)
 
 
-class OffloadParamConfig(Section):
+class OffloadParamConfig(DeepSpeedSection):
     """Parameters in CPU or NVMe memory. DeepSpeed: stage 3 only."""
 
     device: OffloadDevice = OffloadDevice.NONE
@@ -51,7 +53,7 @@ class OffloadParamConfig(Section):
     pin_memory: Bool = True
 
 
-class LeafModuleConfig(Section):
+class LeafModuleConfig(DeepSpeedSection):
     """ZeRO-3: modules fetched as one unit (no hooks inside). A single string is taken as a list."""
 
     classes: tuple[Str, ...] = (
@@ -98,7 +100,7 @@ def _move(data: dict[str, Any], old: str, new: str, value: Any) -> None:
     data[new] = value
 
 
-class ZeroConfig(Section):
+class ZeroConfig(DeepSpeedSection):
     """ZeRO: partition optimizer state (stage 1), + gradients (2), + parameters (3) over data parallel."""
 
     stage: Int = 0
@@ -159,6 +161,11 @@ class ZeroConfig(Section):
         for old, new in STAGE3_ALIASES.items():
             if old in data:
                 _move(data, old, new, data[old])
+        # Read as DeepSpeed reads them ("stage": "3" is 3) before the stage decides overlap_comm's default below.
+        data = deepspeed_scalars(cls, data)
+        for old in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+            if old in data:
+                data[old] = deepspeed_scalar(data[old], bool)
         # DeepSpeed: "cpu_offload": true means offload_optimizer on the CPU; false means nothing.
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if old in data:

@@ -12,7 +12,7 @@ driver's (`step.py`), which schedules drive too; checkpoints get a `CheckpointCo
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.comm.topology import Axis, ParallelMesh
 from shardwise.comm.watchdog import HangWatchdog
 from shardwise.config.resolved import EngineConfig
-from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI
+from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI, PipelineEngineAPI
 from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
 from shardwise.errors import UserError
@@ -34,9 +34,11 @@ from shardwise.parallel.interfaces import (
 from shardwise.telemetry.monitor import TrainingMonitor
 
 
-class Engine(DeepSpeedEngineAPI):
+class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     """Built by `shardwise.initialize`; see the module docstring for the training loop. DeepSpeed's smaller
-    accessors (batch sizes, ranks, no_sync, ...) come from `DeepSpeedEngineAPI`."""
+    accessors (batch sizes, ranks, no_sync, ...) come from `DeepSpeedEngineAPI`. An `nn.Module` whose one child is
+    `module`, as DeepSpeed's engine: `engine.named_parameters()` and `engine.state_dict()` name tensors
+    "module.<name>", `engine.to(...)` and `isinstance(engine, nn.Module)` work as scripts expect."""
 
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, update: UpdateStrategy,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
@@ -44,6 +46,7 @@ class Engine(DeepSpeedEngineAPI):
                  sequence_check: SequenceCheck | None = None, watchdog: HangWatchdog | None = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
+        torch.nn.Module.__init__(self)
         self.module = module
         self.mesh = mesh
         self.config = config
@@ -101,16 +104,6 @@ class Engine(DeepSpeedEngineAPI):
     def skipped_steps(self) -> int:
         return self.steps.skipped_steps
 
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        return self.module.parameters()
-
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.steps.is_gradient_accumulation_boundary()
 
@@ -121,8 +114,26 @@ class Engine(DeepSpeedEngineAPI):
         return self.steps.step_applied
 
     @property
-    def loss_scale(self) -> float:
+    def current_loss_scale(self) -> float:
+        """The loss scale in force (fp16's dynamic scale moves; 1.0 without fp16). DeepSpeed's `loss_scale()` is
+        the config's value."""
         return self.steps.loss_scale
+
+    if not TYPE_CHECKING:     # at run time only: the type checker keeps flagging unknown engine members
+        def __getattr__(self, name: str) -> Any:
+            """A member the engine lacks is the model's (DeepSpeed's engine falls back to its module the same
+            way): `engine.generate(...)`, `engine.gradient_checkpointing_enable()`, `engine.num_parameters()`."""
+            modules = self.__dict__.get("_modules", {})
+            if name in modules:                     # nn.Module's own lookup: the child `module`
+                return modules[name]
+            module = modules.get("module")
+            if module is None or name.startswith("__"):
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an "
+                                     f"attribute {name!r}") from None
 
     # -- forward / backward / step ------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -142,7 +153,8 @@ class Engine(DeepSpeedEngineAPI):
     def step(self) -> None:
         self.steps.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients the data-parallel runtime holds, cleared (DeepSpeed's: set to None)."""
         self.dp_runtime.zero_grad()
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
@@ -250,6 +262,40 @@ class Engine(DeepSpeedEngineAPI):
         self.dp_runtime.close()
         self.pipeline.close()
         self.monitor.close()
+
+
+DeepSpeedEngine = Engine
+"""DeepSpeed's name, for scripts that check `isinstance(engine, deepspeed.DeepSpeedEngine)`."""
+
+
+class PipelineEngine(PipelineEngineAPI, Engine):
+    """The engine of a pipeline model (a `PipelineModule`, or pipeline.stages > 1), as DeepSpeed's PipelineEngine:
+    the same engine, plus DeepSpeed's stage members (`is_first_stage()`, `stage_id`, `grid`, ...), its
+    `set_dataloader(loader)` and `set_batch_fn(fn)`."""
+
+    _batch_fn: Callable[[Any], Any] | None = None
+
+    def set_dataloader(self, loader: Any) -> None:
+        """The loader `train_batch()` reads when called without an iterator, restarted at its end."""
+        self.training_dataloader = loader
+        self._data_iterator = None
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Every batch read from the data (train_batch, eval_batch) goes through ``fn`` first, which returns the
+        (inputs, labels) pair the stages read: DeepSpeed's hook for loaders that yield another shape."""
+        self._batch_fn = fn
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        return super().train_batch(self._through_batch_fn(data_iter if data_iter is not None
+                                                          else self._default_iterator()))
+
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
+        fn = self._batch_fn
+        return super().eval_batch(map(fn, data_iter) if fn is not None else data_iter, num_micro_batches)
+
+    def _through_batch_fn(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        fn = self._batch_fn
+        return map(fn, data_iter) if fn is not None and data_iter is not None else data_iter
 
 
 def _loss_value(value: float) -> torch.Tensor:

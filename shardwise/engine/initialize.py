@@ -24,7 +24,7 @@ from shardwise.comm.watchdog import HangWatchdog, backend_timeout_s
 from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
 from shardwise.comm.device import select_device, uses_cuda
-from shardwise.engine.engine import Engine
+from shardwise.engine.engine import Engine, PipelineEngine
 from shardwise.errors import UserError
 from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
@@ -121,6 +121,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
+    original_model = model
     model, pipeline, stage_names = _pipeline(model, cfg, mesh, ledger, device)
     _recompute(model, pipeline, cfg, mesh, ledger)
     groups = param_groups_of(pipeline.owned(model_parameters) if model_parameters is not None
@@ -150,9 +151,12 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                               profiles=(mesh.rank(Axis.DP), mesh.rank(Axis.TP)) == (0, 0) if stages > 1 else None,
                               pipeline_stage=(mesh.rank(Axis.PP), stages) if stages > 1 else None,
                               module_names=stage_names)
-    engine = Engine(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime, pipeline=pipeline,
-                    lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype, monitor=monitor,
-                    sequence_check=check, watchdog=watchdog)
+    from shardwise.parallel.pipeline.module import PipelineModule
+    # DeepSpeed's rule: a PipelineModule gets a PipelineEngine, whatever its stage count.
+    engine_class = PipelineEngine if stages > 1 or isinstance(original_model, PipelineModule) else Engine
+    engine = engine_class(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime,
+                          pipeline=pipeline, lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype,
+                          monitor=monitor, sequence_check=check, watchdog=watchdog)
     loader: DataLoader[Any] | None = None
     if training_data is not None:
         from torch.utils.data import DataLoader

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -62,13 +63,17 @@ class TrainingSteps:
         # or a checkpoint is loaded, so a new accumulation count starts a fresh cycle instead of inheriting the old
         # count's phase.
         self.accum_origin = 0
+        self.boundary_override: bool | None = None
+        """Set by `set_gradient_accumulation_boundary`: whether the current micro-batch ends the global batch,
+        in place of counting micro-batches (None: counted)."""
+        self._step_open = False     # a training forward opened the step and no update closed it yet
         self.inside_no_sync = False
         """Inside `engine.no_sync()`: gradients accumulate locally, even on the boundary (DeepSpeed's rule)."""
         self.last_report_step = -1
         self.activation_bytes = 0
         """Bytes autograd saved for backward in the last training forward (or a schedule's measured peak)."""
         self._meter = SavedTensorMeter(dp_runtime.param_storage_keys)
-        self._unpack_args = _forward_wants_unpacking(module)
+        self._unpacking = BatchUnpacking.of(module)
         ledger.begin_step(0)
 
     # -- what schedules read --------------------------------------------------------------------------
@@ -92,22 +97,22 @@ class TrainingSteps:
         return [g["lr"] for g in self.updater.optimizer.param_groups]
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps - self.accum_origin + 1) % self.micro_batches == 0
 
     def at_global_batch_start(self) -> bool:
+        if self.boundary_override is not None:   # the caller ends global batches: one is open until its update
+            return not self._step_open
         return (self.micro_steps - self.accum_origin) % self.micro_batches == 0
 
     # -- a micro-batch ----------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Call the model. A single tuple/list (dict) argument is unpacked into positional (keyword) arguments
-        when the model's forward takes more than one parameter, so `engine(batch)` works for
-        `model(input_ids, labels)` as well as for `model(batch)`."""
-        if len(inputs) == 1 and not kwargs and self._unpack_args:
-            if isinstance(inputs[0], (tuple, list)):
-                inputs = tuple(inputs[0])
-            elif isinstance(inputs[0], dict):
-                kwargs = dict(inputs[0])
-                inputs = ()
+        """Call the model. A single batch argument is unpacked when the model's forward takes more than one
+        parameter (`BatchUnpacking`), so `engine(batch)` works for `model(input_ids, labels)`, for a Hugging Face
+        model given an `(input_ids, labels)` pair or a dict, and for `model(batch)`."""
+        if len(inputs) == 1 and not kwargs:
+            inputs, kwargs = self._unpacking.split(inputs[0])
         inputs = tuple(_to_device(x, self.device) for x in inputs)
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
         if not (self.module.training and torch.is_grad_enabled()):
@@ -138,11 +143,16 @@ class TrainingSteps:
         self.monitor.observe_loss(loss)
         return loss
 
+    def backward_seed(self, scaled: torch.Tensor, loss: torch.Tensor) -> torch.Tensor | None:
+        """What a schedule's loss backward starts from (`SkipGuard.seed`, as `backward`'s own)."""
+        return self.skips.seed(scaled, loss)
+
     # -- the step -----------------------------------------------------------------------------------------
     def open_step(self) -> None:
         """A training step begins (its first micro-batch, or a pipeline's global batch): the ledger starts
         recording it, and the ranks check they ran the same collectives so far (`comm.sequence`). The check's
         result rides in the update's one host read and is judged after it."""
+        self._step_open = True
         self.ledger.begin_step(self.global_steps)
         if self.sequence_check is not None:      # judged with the step's verdict (`_step`), or when the next opens
             self.sequence_check.launch(self.global_steps)
@@ -167,6 +177,7 @@ class TrainingSteps:
             raise UserError("engine.step() inside engine.no_sync(): leave the no_sync block before stepping")
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
+            self.step_applied = False       # DeepSpeed's was_step_applied: whether the latest step() updated
             return
         check = self.sequence_check
         if check is not None and check.pending is not None:     # its result rides in the verdict's read
@@ -186,6 +197,7 @@ class TrainingSteps:
             self._dp_runtime.zero_grad()
             self.updater.zero_master_grads()
         self.global_steps += 1
+        self._step_open = False
         self.global_samples += self.batch.train_batch_size
         self.last_report_step = self.global_steps - 1
         self.monitor.after_step(self)
@@ -215,6 +227,7 @@ class TrainingSteps:
         if batch is not None:
             self.batch = batch
         self.accum_origin = self.micro_steps
+        self._step_open = False
 
     def resume(self, *, global_steps: int, global_samples: int, skipped_steps: int) -> None:
         """The counters a checkpoint saved. `micro_steps` is derived, not restored (as DeepSpeed): another
@@ -237,14 +250,56 @@ class TrainingSteps:
             self.inside_no_sync = False
 
 
-def _forward_wants_unpacking(module: torch.nn.Module) -> bool:
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return False
-    positional = [p for p in sig.parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+@dataclass(frozen=True)
+class BatchUnpacking:
+    """How `engine(batch)` with one batch argument calls a model whose forward takes several parameters.
+
+    A dict becomes keyword arguments. A tuple or list becomes positional arguments, except that its last item is
+    passed as ``labels=`` when the forward has a ``labels`` parameter that the positions do not reach: a Hugging
+    Face model's forward is ``(input_ids, attention_mask, ...)`` or ``(input_ids, past_key_values, ...)`` and takes
+    ``labels`` far down, and an ``(inputs, labels)`` pair (DeepSpeed's batch shape, also its pipeline's) must not
+    land labels on the attention mask. Such a pair maps to ``model(inputs, labels=labels)``; a longer tuple is
+    refused (its middle items have no safe place), with the fix. A model with a single parameter gets the batch
+    as it is."""
+
+    unpack: bool
+    labels_position: int | None
+    """The index of ``labels`` among the forward's positional parameters; -1 when it is keyword-only; None when
+    the forward has no ``labels`` parameter."""
+    parameters: tuple[str, ...]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "BatchUnpacking":
+        try:
+            sig = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            return cls(False, None, ())
+        positional = [p for p in sig.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        names = [p.name for p in positional]
+        labels = sig.parameters.get("labels")
+        position = None if labels is None else names.index("labels") if "labels" in names else -1
+        unpack = len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+        return cls(unpack, position, tuple(names))
+
+    def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(positional, keyword) arguments for the model's forward from one batch argument."""
+        if not self.unpack:
+            return (batch,), {}
+        if isinstance(batch, dict):
+            return (), dict(batch)
+        if not isinstance(batch, (tuple, list)):
+            return (batch,), {}
+        items = tuple(batch)
+        if self.labels_position is None or len(items) < 2 or 0 <= self.labels_position < len(items):
+            return items, {}        # no labels parameter, or the positions reach it: the tuple means them
+        if len(items) == 2:
+            return items[:1], {"labels": items[1]}
+        landing = self.parameters[len(items) - 1] if len(items) <= len(self.parameters) else "*args"
+        raise UserError(f"engine(batch) with a {len(items)}-item {type(batch).__name__}: the model's forward takes "
+                        f"({', '.join(self.parameters[:3])}, ...) and labels by name, so the last item would become "
+                        f"{landing!r}; pass keywords (engine(input_ids=..., attention_mask=..., labels=...)) or a "
+                        f"dict batch")
 
 
 def _to_device(x: Any, device: torch.device) -> Any:

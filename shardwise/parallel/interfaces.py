@@ -190,6 +190,11 @@ class StepDriver(Protocol):
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor: ...
 
+    def backward_seed(self, scaled: torch.Tensor, loss: torch.Tensor) -> torch.Tensor | None:
+        """The gradient a schedule's loss backward starts from, for the scaled loss `scaled` of the loss function's
+        value `loss` (None: torch's 1): nan for an inf/nan loss when such steps are skipped."""
+        ...
+
     def step(self) -> None:
         """Count a micro-batch; on the boundary, the update."""
 

@@ -1,11 +1,12 @@
 """DeepSpeed's `deepspeed.zero` names for scripts (`import shardwise as deepspeed`):
 
     with shardwise.zero.Init(config_dict_or_path=ds_config):
-        model = GPT(cfg)                        # built sharded: no rank ever holds the whole model
+        model = AutoModelForCausalLM.from_config(cfg)   # sharded as it is constructed: no rank holds it whole
     with shardwise.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
         ...                                     # whole on every rank; rank 0's changes kept on exit
 
-Re-exports only; the implementation is `shardwise.parallel.zero` (`init_context.py`, `gathered.py`).
+Re-exports only; the implementation is `shardwise.parallel.zero` (`init_context.py`, `construction.py`,
+`gathered.py`).
 """
 
 from shardwise.parallel.zero.gathered import GatheredParameters

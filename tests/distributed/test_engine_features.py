@@ -75,7 +75,7 @@ def _run_fp16(steps: int, stage: int = 0) -> dict:
     rows = []
     for step in range(steps):
         before = [p.detach().clone() for p in model.parameters()]
-        scale = engine.loss_scale
+        scale = engine.current_loss_scale
         lr_steps_before = sched.last_epoch
         loss = _one_step(engine, step)
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))

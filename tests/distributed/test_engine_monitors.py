@@ -72,7 +72,7 @@ def _train(out: str) -> dict:
                 seen["loss"].append(sum(losses) / len(losses))    # this rank's micro-batch mean
             seen["samples"].append(engine.global_samples)
             seen["lr"].append(engine.get_lr())
-            seen["scale"].append(engine.loss_scale)
+            seen["scale"].append(engine.current_loss_scale)
             seen["skipped"].append(engine.skipped_steps)
         profile = engine.monitor.flops.profile if engine.monitor.flops is not None else None
         seen["flops"] = profile[0].flops if profile else None

@@ -162,3 +162,53 @@ def test_ignored_keys_print_one_warning_line_each(tmp_path: Path, capsys: pytest
     assert captured.err.strip().splitlines() == [
         'shardwise: warning: unknown key "fp8" ignored (DeepSpeed ignores unknown top-level keys too)',
         'shardwise: warning: unknown key "comms_config" ignored (DeepSpeed ignores unknown top-level keys too)']
+
+
+# Hugging Face's documented DeepSpeed configs (its DeepSpeed guide's ZeRO-2 and ZeRO-3 examples), "auto" throughout.
+_HF_FP16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+            "min_loss_scale": 1}
+_HF_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+_HF_COMMON = {"fp16": _HF_FP16, "optimizer": _HF_OPTIMIZER, "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "steps_per_print": 2000, "train_batch_size": "auto",
+              "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+HF_DOCS_ZERO2 = {**_HF_COMMON,
+                 "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto"}},
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                       "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                                       "contiguous_gradients": True}}
+HF_DOCS_ZERO3 = {**_HF_COMMON,
+                 "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                   "warmup_num_steps": "auto",
+                                                                   "total_num_steps": "auto"}},
+                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                                       "contiguous_gradients": True, "sub_group_size": 1e9,
+                                       "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                       "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                                       "stage3_max_reuse_distance": 1e9,
+                                       "stage3_gather_16bit_weights_on_model_save": True}}
+TRAINER_FLAGS = ["--micro-batch", "4", "--grad-accum", "2", "--lr", "2e-5", "--betas", "0.9", "0.95", "--eps", "1e-6",
+                 "--weight-decay", "0.01", "--warmup-steps", "10", "--total-steps", "100", "--max-grad-norm", "0.5",
+                 "--precision", "fp16", "--hidden-size", "64"]
+
+
+@pytest.mark.parametrize("config", [HF_DOCS_ZERO2, HF_DOCS_ZERO3], ids=["zero2", "zero3"])
+def test_hugging_face_documented_configs_pass_once_every_auto_is_given(
+        config: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = write(tmp_path, config)
+    assert main(["check-config", path, "--world", "2", "--json"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and all(re.search(r"--[a-z-]+ to check-config", line) for line in lines), lines
+    assert main(["check-config", path, "--world", "2", "--json", *TRAINER_FLAGS]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["batch"]["micro_batch"], d["batch"]["grad_accum"], d["batch"]["train_batch_size"]) == (4, 2, 16)
+    assert d["optimizer"]["params"] == {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.01}
+    params = d["scheduler"]["params"]
+    assert (params["warmup_min_lr"], params["warmup_max_lr"], params["warmup_num_steps"]) == (0, 2e-5, 10)
+    assert params.get("total_num_steps", 100) == 100
+    assert d["gradient_clipping"] == 0.5 and d["precision"]["dtype"] == "fp16"
+    if config is HF_DOCS_ZERO3:
+        assert (d["zero"]["reduce_bucket_size"], d["zero"]["stage3_prefetch_bucket_size"],
+                d["zero"]["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 10 * 64)

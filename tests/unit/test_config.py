@@ -55,7 +55,9 @@ def test_deepspeed_features_we_lack_are_refused_only_when_on() -> None:
 
 
 def _switched_on(name: str) -> object:
-    return {"compile": {"deepcompile": True}, "datastates_ckpt": {}}.get(name, {"enabled": True})
+    # weight_quantization acts (in DeepSpeed's zero.Init) only through quantized_initialization
+    return {"compile": {"deepcompile": True}, "datastates_ckpt": {},
+            "weight_quantization": {"quantized_initialization": {"num_bits": 8}}}.get(name, {"enabled": True})
 
 
 @pytest.mark.parametrize("name", FEATURE_BLOCKS)

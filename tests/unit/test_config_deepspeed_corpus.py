@@ -106,6 +106,27 @@ CORPUS = [
                                                              "inference_tp_size": 2})),
     Case("disabled_flops_profiler", with_batch(flops_profiler={"enabled": False, "profile_step": 3, "detailed": True})),
     Case("weight_quantization_off", with_batch(weight_quantization={"enabled": False, "num_bits": 4})),
+    # Empty dicts are DeepSpeed's defaults: nothing to quantize. post_init_quant serves only its inference call.
+    Case("weight_quantization_empty", with_batch(weight_quantization={"post_init_quant": {},
+                                                                      "quantized_initialization": {}})),
+    Case("weight_quantization_post_init_only", with_batch(weight_quantization={"post_init_quant": {"fc": {}}}),
+         warnings=1),
+    Case("weight_quantization_bad_q_type", with_batch(weight_quantization={"q_type": "Symmetric"}),
+         key="weight_quantization.q_type"),
+    # Blocks DeepSpeed validates with lax pydantic models take numbers and booleans as strings, true as 1, 1 as
+    # true; top-level keys it reads with dict.get do not (its batch arithmetic then fails).
+    Case("lax_values_in_deepspeed_blocks", with_batch(
+        zero_optimization={"stage": "2", "overlap_comm": "true", "reduce_bucket_size": "500",
+                           "offload_optimizer": {"device": "cpu", "pin_memory": "false"}},
+        fp16={"enabled": "true", "loss_scale": "0", "initial_scale_power": "16"},
+        tensorboard={"enabled": "false", "output_path": "/tmp/tb"}, comms_logger={"enabled": 0},
+        tensor_parallel={"autotp_size": "0"}, hybrid_engine={"enabled": False, "max_out_tokens": "8"})),
+    Case("lax_stage_true_is_1", with_batch(zero_optimization={"stage": True}, bf16={"enabled": 1})),
+    Case("lax_stage_from_float_string", with_batch(zero_optimization={"stage": "3.0", "cpu_offload": "false"})),
+    Case("lax_float_string_is_no_integer", with_batch(zero_optimization={"stage": 2, "reduce_bucket_size": "5e8"}),
+         key="zero_optimization.reduce_bucket_size"),
+    Case("lax_stage_not_a_stage", with_batch(zero_optimization={"stage": 1.5}), key="zero_optimization.stage"),
+    Case("top_level_number_as_string", {"train_batch_size": "8"}, key="train_batch_size"),
     Case("misspelled_key_in_a_disabled_block", with_batch(tensorboard={"enabled": False, "output_pat": "/tmp"}),
          key="tensorboard.output_pat"),
     # Settings with nothing to act on here.
@@ -164,6 +185,8 @@ CORPUS = [
     Case("allreduce_sum", with_batch(gradient_allreduce_op="sum"), Verdict.UNIMPLEMENTED, "gradient_allreduce_op"),
     Case("grad_accum_dtype", with_batch(data_types={"grad_accum_dtype": "fp32"}), Verdict.UNIMPLEMENTED,
          "data_types.grad_accum_dtype"),
+    Case("weight_quantization_at_init", with_batch(weight_quantization={"quantized_initialization": {"num_bits": 8}}),
+         Verdict.UNIMPLEMENTED, "weight_quantization"),
     Case("pipeline_layer_checkpointing", with_batch(pipeline={"activation_checkpoint_interval": 1}),
          Verdict.UNIMPLEMENTED, "pipeline.activation_checkpoint_interval"),
     Case("ulysses", with_batch(sequence_parallel_size=2), Verdict.UNIMPLEMENTED, "sequence_parallel_size"),
@@ -244,6 +267,27 @@ def test_filled_values_follow_hugging_face() -> None:
     bf16 = load_config(HF_ZERO2, dp_size=1, auto=AutoValues(hidden_size=H, micro_batch=2, lr=LR,
                                                             warmup_num_steps=5, precision="bf16"))
     assert bf16.precision.dtype.value == "bf16" and bf16.zero.reduce_bucket_size == H * H
+
+
+def test_lax_values_resolve_as_deepspeed_reads_them() -> None:
+    """The values, not only the verdict: shardwise reads the strings of DeepSpeed's lax blocks as DeepSpeed does."""
+    case = next(c for c in CORPUS if c.name == "lax_values_in_deepspeed_blocks")
+    ours = load_config(case.config, dp_size=1)
+    theirs = deepspeed("deepspeed.runtime.config").DeepSpeedConfig(case.config)
+    zero = theirs.zero_config
+    assert (ours.zero.stage, ours.zero.overlap_comm, ours.zero.reduce_bucket_size) == \
+        (int(zero.stage), zero.overlap_comm, zero.reduce_bucket_size) == (2, True, 500)
+    assert ours.zero.offload_optimizer.pin_memory is zero.offload_optimizer.pin_memory is False
+    fp16 = theirs.float16_config
+    assert (ours.precision.dtype.value, ours.precision.loss_scale, ours.precision.initial_scale_power) == \
+        ("fp16", fp16.loss_scale, fp16.initial_scale_power) == ("fp16", 0.0, 16)
+    assert ours.tensor_parallel.size == 1 and not ours.monitors.tensorboard.enabled
+    stage3 = load_config(with_batch(zero_optimization={"stage": "3"}), dp_size=1)
+    assert stage3.zero.stage == 3 and stage3.zero.overlap_comm      # stage 3's default, from the string
+    assert load_config(with_batch(zero_optimization={"stage": True}), dp_size=1).zero.stage == 1
+    # "auto" stage-3 keys follow a stage written as a string
+    filled = resolve_auto({**HF_ZERO3, "zero_optimization": {**HF_ZERO3["zero_optimization"], "stage": "3"}}, KNOWN)
+    assert filled.config["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * H
 
 
 def test_resolve_auto_is_pure_and_reports_every_key_at_once() -> None:

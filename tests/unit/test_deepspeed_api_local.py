@@ -100,3 +100,34 @@ def test_zero_init_disabled_and_mpu_as_deepspeed_reads_them() -> None:
     assert Init(config_dict_or_path=config, mpu=Mpu())._zero_section().stage3_param_persistence_threshold == 7
     with pytest.raises(ConfigError, match="train_batch_size"):     # one process: 8 != 4 * 1 * 1
         Init(config_dict_or_path=config)._zero_section()
+
+
+def test_one_batch_argument_maps_to_the_forward_parameters() -> None:
+    """`engine(batch)`: positional unless the forward takes labels where the positions do not reach; then an
+    (inputs, labels) pair passes labels=, and a longer tuple is refused (its middle items have no safe place)."""
+    import shardwise
+    from shardwise.engine.step import BatchUnpacking
+
+    class LabelsSecond(torch.nn.Module):       # our GPT's shape: the pair is positional
+        def forward(self, input_ids, labels=None, attention_mask=None): ...
+
+    class HuggingFace(torch.nn.Module):        # labels far down, as transformers' models
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs): ...
+
+    class KeywordLabels(torch.nn.Module):
+        def forward(self, x, mask=None, *, labels=None): ...
+
+    class Whole(torch.nn.Module):              # one parameter: the batch as it is
+        def forward(self, batch): ...
+
+    def split(module: torch.nn.Module, batch):
+        return BatchUnpacking.of(module).split(batch)
+
+    assert split(LabelsSecond(), (1, 2)) == ((1, 2), {}) and split(LabelsSecond(), (1, 2, 3)) == ((1, 2, 3), {})
+    for module in (HuggingFace(), KeywordLabels()):
+        assert split(module, (1, 2)) == ((1,), {"labels": 2}) and split(module, [1, 2]) == ((1,), {"labels": 2})
+        assert split(module, {"input_ids": 1}) == ((), {"input_ids": 1}) and split(module, (1,)) == ((1,), {})
+        with pytest.raises(shardwise.UserError, match="3-item tuple.*labels"):
+            split(module, (1, 2, 3))
+    assert split(HuggingFace(), (1, 2, 3, 4)) == ((1, 2, 3, 4), {})      # the positions reach labels
+    assert split(Whole(), (1, 2)) == (((1, 2),), {}) and split(Whole(), {"a": 1}) == (({"a": 1},), {})

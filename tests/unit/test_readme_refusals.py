@@ -40,7 +40,9 @@ REFUSED: dict[str, dict] = {
     "gradient_allreduce_op": {"gradient_allreduce_op": "sum"},
     "sequence_parallel_size": {"sequence_parallel_size": 2},
     "pipeline.activation_checkpoint_interval": {"pipeline": {"activation_checkpoint_interval": 1}},
-    **{name: {name: {"enabled": True}} for name in FEATURE_NAMES if name not in ("compile", "datastates_ckpt")},
+    **{name: {name: {"enabled": True}} for name in FEATURE_NAMES
+       if name not in ("compile", "datastates_ckpt", "weight_quantization")},
+    "weight_quantization": {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
     "compile": {"compile": {"deepcompile": True}},
     "datastates_ckpt": {"datastates_ckpt": {}},
 }

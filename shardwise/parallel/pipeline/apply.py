@@ -92,16 +92,17 @@ class PipelineRunner:
 
         The first and last stages read M = gradient_accumulation_steps micro-batches ``(inputs, labels)`` from
         ``data_iter`` (the middle stages read nothing, as in DeepSpeed); the runtime runs the schedule (the last
-        stage's loss / M starts each backward, times the fp16 loss scale); gradients are synchronised over dp
-        during the stage's last backward; the optimizer steps this stage's parameters. The step's loss (mean over
-        micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
+        stage's loss / M starts each backward, times the fp16 loss scale, seeded by the driver's `backward_seed`:
+        an inf/nan loss poisons its gradients, so the step is skipped as with one stage); gradients are
+        synchronised over dp during the stage's last backward; the optimizer steps this stage's parameters. The
+        step's loss (mean over micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
         driver.open_step()
         self.stage.train()
         with driver.stage_forwards() as around_forward:
             result = self.runtime.step(micro, loss_scale=driver.loss_scale, dp_runtime=driver.dp_runtime,
-                                       around_forward=around_forward)
+                                       around_forward=around_forward, backward_seed=driver.backward_seed)
         self.last = result
         loss = self._agreed_mean(result.losses)
         driver.complete_global_batch(micro_batches=num_micro, activation_bytes=result.peak_activation_bytes)

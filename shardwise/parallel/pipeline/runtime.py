@@ -68,6 +68,7 @@ class _Slot:
     outputs: list[Tensor]                 # outputs that require grad: the backward roots (data freed once sent)
     out_metas: list[TensorMeta]           # their shapes: the gradients to receive
     loss: Tensor | None = None            # last chunk: loss / M * loss_scale
+    unscaled_loss: Tensor | None = None   # last chunk: the loss function's value
     local_out: list[Tensor] = field(default_factory=list)
 
 
@@ -128,6 +129,7 @@ class PipelineRuntime:
         self._local: dict[Message, list[Tensor]] = {}     # hand-offs between chunks of this stage (P = 1)
         self._outbox: dict[Message, Outgoing] = {}         # outputs waiting for the next batch
         self._saved_output: dict[tuple[int, int], bool] = {}   # (chunk, output j) -> autograd saves it (metered)
+        self._backward_seed: Callable[[Tensor, Tensor], Tensor | None] | None = None   # the step's (`step`)
 
     def _schedule(self, num_microbatches: int) -> ActionTable:
         return build_schedule(self.kind, num_stages=self.stage.num_stages, num_microbatches=num_microbatches,
@@ -139,11 +141,16 @@ class PipelineRuntime:
     # -- the step -----------------------------------------------------------------------------------
     def step(self, micro_batches: Sequence[Any] | None, *, loss_scale: float = 1.0,
              dp_runtime: DataParallelRuntime | None = None,
-             around_forward: Callable[[int], ContextManager[Any]] | None = None) -> StepResult:
+             around_forward: Callable[[int], ContextManager[Any]] | None = None,
+             backward_seed: Callable[[Tensor, Tensor], Tensor | None] | None = None) -> StepResult:
         """Run every action of one global batch. ``micro_batches``: M pairs (inputs, labels) on a stage that
         holds the first or the last model chunk (inputs / labels are tensors or tuples of tensors); ignored
         elsewhere (None is fine). Parameter gradients accumulate into ``.grad`` (not zeroed here).
-        ``around_forward(m)``: a context entered around each forward of micro-batch m (a profiler's)."""
+        ``around_forward(m)``: a context entered around each forward of micro-batch m (a profiler's).
+        ``backward_seed(scaled, loss)``: the gradient each loss backward starts from (None: torch's 1), given the
+        scaled loss the backward starts at and the loss function's value; the engine's seeds an inf/nan loss with
+        nan, so that its step is skipped even where the loss's gradients are finite."""
+        self._backward_seed = backward_seed
         batches = self._check_batches(micro_batches, self.num_microbatches)
         measure = self._steps_run % self.measure_every == 0
         self._steps_run += 1
@@ -320,6 +327,7 @@ class PipelineRuntime:
         if loss is not None:
             losses[m] = checked_loss(loss)   # read after the step: no device sync per micro-batch
             slot.loss = loss.float() / self.num_microbatches * loss_scale
+            slot.unscaled_loss = loss
             if skip is not None:
                 self.meter.sample()
             return
@@ -359,7 +367,9 @@ class PipelineRuntime:
         if dp_runtime is not None:
             dp_runtime.begin_backward(boundary)
         if slot.loss is not None:
-            torch.autograd.backward(slot.loss)
+            assert slot.unscaled_loss is not None
+            seed = self._backward_seed(slot.loss, slot.unscaled_loss) if self._backward_seed is not None else None
+            torch.autograd.backward(slot.loss, seed)
         elif slot.outputs:
             assert grads is not None and len(grads) == len(slot.outputs)
             torch.autograd.backward(slot.outputs, grads)

@@ -1,6 +1,6 @@
-"""DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards,
-so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already. `shardwise.initialize`
-under zero_optimization.stage 3 then takes the shards as they are."""
+"""DeepSpeed's `zero.Init` (`shardwise.zero.Init`): models constructed inside the block are built as ZeRO-3 shards
+(`construction.py`), so no rank ever holds a whole model; ``Init(module=model)`` shards a model built already.
+`shardwise.initialize` under zero_optimization.stage 3 then takes the shards as they are."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules import module as module_hooks
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.dist_api import init_distributed
 from shardwise.comm.ledger import CommLedger
 from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
+from shardwise.parallel.zero.construction import ConstructionSharder, partition_constructed
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.gathered import StandaloneGatherer, record_locations
 from shardwise.parallel.zero.materialize import materialize_sharded
@@ -23,26 +23,30 @@ from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
 
 
 class Init:
-    """DeepSpeed's `zero.Init`, plus `init=`. As a context manager it builds models sharded: inside the block
-    tensors are created on the meta device (shapes only, no memory, no random draws); on exit each model
-    constructed in it (a module that no other module constructed in it holds) is materialized by
-    `materialize_sharded`: one module at a time, initialized, broadcast from rank 0, cut to this rank's shards.
-    Build only the model inside the block: every tensor created there is a meta tensor. ``module=`` shards a model
-    built already (the parameters are broadcast from rank 0, then cut one unit at a time).
+    """DeepSpeed's `zero.Init`. As a context manager it builds every model constructed in the block as ZeRO-3
+    shards (`construction.py`): each module's parameters are cut to this rank's piece once the module is complete
+    (registered as another module's child; the model itself at the end of the block), after its constructor
+    initialized them; a parent's later initialization of a child's parameters (an `init_weights()`, transformers'
+    `post_init()` and `tie_weights()`) gathers them for the duration. So the values are exactly those the same
+    constructors give outside the block under the same seed (rank 0's where ranks' seeds differ), and a rank holds
+    its shards plus one module's parameters at a time (plus one unit's new shard while the units are laid out).
+    transformers' `from_config`, `from_pretrained` (its weights are sharded as they are loaded) and direct
+    constructors work as they are. At the end of the block each model is laid out as ZeRO-3 units;
+    `shardwise.initialize` under zero_optimization.stage 3 takes it as it is. A block opened inside another joins
+    it. A parameter still on the meta device at the end of the block (a model built under `torch.device("meta")`
+    and never given values) is refused: build such a model whole and pass it as ``module=``.
+    ``module=`` shards a model built already (rank 0's parameters broadcast, then cut one module at a time).
 
-    How the values are drawn: `init=` (a callable of the model that walks `model.named_modules()` once, touching
-    each module's own parameters; see `materialize_sharded`), else the model's own `init_weights()` when it has
-    one (the GPT's, which draws exactly what a direct build draws: the same weights under the same seed), else
-    each module's `reset_parameters()`. Initialization a constructor performs itself is lost on the meta device,
-    so a model that initializes only in its constructor needs `init=`. Buffers must be set by the init (they are
-    allocated empty).
+    ``init=`` (ours, not DeepSpeed's): a callable run on each model at the end of the block, before it is laid out;
+    the parameters it touches are gathered as above. Every rank must build the same model and touch the same
+    parameters in the same order (the gathers are collectives).
 
     The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
     must match, and, as in DeepSpeed, its offload_param block overrides ``remote_device`` / ``pin_memory``.
     ``mpu`` serves the config's batch arithmetic only (DeepSpeed's use); the group defaults to the world, which
     is the data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard).
     ``remote_device="cpu"`` keeps the shards in host memory (pinned with ``pin_memory`` where CUDA exists) until
-    `initialize` places them as the config says; ``dtype`` casts floating-point weights before sharding;
+    `initialize` places them as the config says; ``dtype`` casts floating-point weights as they are sharded;
     ``mem_efficient_linear`` changes nothing here (ZeRO-3 gathers a weight again for backward anyway). What is
     not built is refused in one line: NVMe (``remote_device="nvme"``, ``param_swapper``), hpZ
     (``zero_param_parallel_group``), quantized weights."""
@@ -70,52 +74,64 @@ class Init:
         self.dtype = dtype
         self.mpu = mpu
         self.remote_device, self.pin_memory = remote_device, pin_memory
-        self._hooks: list[Any] = []
-        self._device: torch.device | None = None
-        # modules built in the block (given parameters or children there), first-seen order; and the ones among
-        # them registered as another module's child: the others are the models to materialize
-        self._built: dict[int, nn.Module] = {}
-        self._children: set[int] = set()
+        self._sharder: ConstructionSharder | None = None
+        self._zero: ZeroConfig | None = None
+        self._comm: Comm | None = None
         if module is not None and enabled:
             self._shard_module(module)
-
-    # -- which modules are built inside --------------------------------------------------------------------
-    def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
-        self._built.setdefault(id(module), module)
-
-    def _on_child(self, module: nn.Module, name: str, child: Any) -> None:
-        self._built.setdefault(id(module), module)
-        if child is not None:
-            self._children.add(id(child))
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
+        if any(block is self for block in _OPEN):
+            raise UserError("zero.Init: this Init is already entered; use a new zero.Init() for each block")
+        if _OPEN:                       # inside another block: that one shards what is built here (DeepSpeed's rule)
+            _OPEN.append(self)
+            return self
         init_distributed()                            # DeepSpeed's Init joins the job too: shards need ranks
-        self._built, self._children = {}, set()
-        self._hooks = [module_hooks.register_module_parameter_registration_hook(self._on_param),
-                       module_hooks.register_module_module_registration_hook(self._on_child)]
-        self._device = torch.device("meta")
-        self._device.__enter__()
+        # a persistence threshold still "auto" (it scales with the hidden size) is known once the model is: until
+        # then every parameter is sharded, and small ones are made whole again at the end
+        deferred = self._has_hidden_size_autos()
+        self._zero = None if deferred else self._zero_section()
+        self._comm = Comm(self.group, CommLedger(), name="dp:init")
+        self._sharder = ConstructionSharder(
+            self._comm, device=_compute_device(), dtype=self.dtype,
+            keep_whole_numel=0 if self._zero is None else self._zero.stage3_param_persistence_threshold)
+        self._sharder.start()
+        _OPEN.append(self)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
-        assert self._device is not None               # entered: __enter__ set it when enabled
-        self._device.__exit__(exc_type, exc, tb)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _OPEN.remove(self)
+        sharder, comm = self._sharder, self._comm
+        if sharder is None:             # a block inside another: nothing of its own
+            return
+        assert comm is not None         # entered: __enter__ set it with the sharder
+        self._sharder = None
+        try:
+            if exc_type is None and self.init is not None:
+                for model in sharder.models():
+                    self.init(model)
+        except BaseException:
+            sharder.stop(failed=True)
+            raise
+        roots = sharder.stop(failed=exc_type is not None)
         if exc_type is not None:
             return
-        roots = [m for k, m in self._built.items() if k not in self._children]
         for model in roots:
-            if any(p.device.type == "meta" for p in model.parameters()) and not hasattr(model, PARTITION_ATTR):
-                self._materialize(model)
+            if hasattr(model, PARTITION_ATTR):
+                continue
+            zero = self._zero if self._zero is not None else self._zero_section(model)
+            partition = partition_constructed(
+                model, sharder, persistence_threshold=zero.stage3_param_persistence_threshold,
+                model_persistence_threshold=zero.stage3_model_persistence_threshold)
+            setattr(model, PARTITION_ATTR, partition)
+            self._place(model, zero, comm)
 
     def _materialize(self, model: nn.Module) -> None:
-        zero = self._zero_section()
+        zero = self._zero_section(model)
         comm = Comm(self.group, CommLedger(), name="dp:init")
         if self.dtype is not None:
             model.to(self.dtype)                      # on the meta device: only the recorded dtypes change
@@ -134,7 +150,7 @@ class Init:
         if any(p.device.type == "meta" for p in module.parameters()):
             self._materialize(module)
             return
-        zero = self._zero_section()
+        zero = self._zero_section(module)
         comm = Comm(self.group, CommLedger(), name="dp:init")
         if self.dtype is not None:
             module.to(self.dtype)
@@ -167,10 +183,15 @@ class Init:
             return lambda m: init_weights()           # materialize_sharded calls it with `model` itself
         return None                                   # materialize's default: each module's reset_parameters
 
-    def _zero_section(self) -> ZeroConfig:
+    def _zero_section(self, model: nn.Module | None = None) -> ZeroConfig:
+        """The config's zero_optimization section. Hugging Face's "auto" placeholders are allowed: only the section
+        is read then (the batch sizes, learning rate and scheduler are `initialize`'s to fill), and its hidden-size
+        "auto"s (stage3_param_persistence_threshold, ...) are filled from `model` as `initialize` fills them; without
+        a model such an "auto" is a `ConfigError` (the caller shards everything until the model is built)."""
         if self.config is None:
             return ZeroConfig()
-        from shardwise.config import load_config_for_world
+        from shardwise.config import AutoValues, load_config_for_world, read_config
+        from shardwise.config.auto import auto_paths
         # the batch rule's world is every rank (initialize derives dp from it), whatever group shards the model;
         # an mpu gives it as DeepSpeed's config reads it: its data-parallel size times its model-parallel size
         if self.mpu is not None:
@@ -178,7 +199,32 @@ class Init:
             world = self.mpu.get_data_parallel_world_size() * model_parallel
         else:
             world = dist.get_world_size() if dist.is_initialized() else 1
-        return load_config_for_world(self.config, world_size=world).zero
+        raw = read_config(self.config)
+        if not auto_paths(raw):
+            return load_config_for_world(raw, world_size=world).zero
+        from shardwise.engine.initialize import hidden_size_of
+        section = {k: v for k, v in raw.items() if k in _SHAPING_KEYS}
+        section["train_micro_batch_size_per_gpu"] = 1              # a stand-in: no batch rule to satisfy here
+        hidden = hidden_size_of(model) if model is not None else None
+        return load_config_for_world(section, world_size=world, auto=AutoValues(hidden_size=hidden)).zero
+
+    def _has_hidden_size_autos(self) -> bool:
+        """Whether the config's zero section has "auto" values only the model's hidden size fills."""
+        if self.config is None:
+            return False
+        from shardwise.config import read_config
+        from shardwise.config.auto import auto_paths
+        zero = read_config(self.config).get("zero_optimization")
+        return bool(auto_paths(zero)) if isinstance(zero, dict) else False
+
+
+# What the zero section's validity depends on: itself and the parallel sizes that set the data-parallel size.
+_SHAPING_KEYS = ("zero_optimization", "tensor_parallel", "pipeline")
+
+
+# The zero.Init blocks open now, outermost first. Process-wide, as the registration hooks and torch function modes
+# the outermost one installs are: a block opened inside it joins it, as DeepSpeed's nested zero.Init does.
+_OPEN: list[Init] = []
 
 
 def _compute_device() -> torch.device:

@@ -124,7 +124,8 @@ def materialize_sharded(model: nn.Module, *, comm: Comm, init: Callable[[nn.Modu
         del model.named_modules
     if not state["finished"]:
         raise UserError("materialize_sharded: init did not walk model.named_modules() (or model.modules()) to the "
-                        "end, so some parameters were never materialized; see materialize_sharded's docstring")
+                        "end, so some parameters were never materialized: build the model inside `with "
+                        "zero.Init():` with real tensors instead (its own constructors initialize it)")
     setattr(model, PARTITION_ATTR, Partition(units, persistent, comm.size, comm.rank, persistence_threshold,
                                              model_persistence_threshold))
     return model

@@ -5,6 +5,7 @@ one `FlatShard` (`flat.py`) per key (optimizer param group, dtype) of its parame
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -116,13 +117,20 @@ class UnitPlan:
     is_root: bool = False
 
 
-def default_unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Children of the model's largest nn.ModuleList (most parameters; the first one on ties)."""
+def default_unit_modules(model: nn.Module, shape_of: Callable[[nn.Parameter], torch.Size] | None = None
+                         ) -> list[tuple[str, nn.Module]]:
+    """Children of the model's largest nn.ModuleList (most parameters; the first one on ties). A model sharded
+    already (its Partition recorded: zero.Init, materialize_sharded) is measured by its parameters' recorded
+    shapes, not by their empty placeholders."""
+    partition: Partition | None = getattr(model, PARTITION_ATTR, None)
+    if shape_of is None and partition is not None:
+        recorded = {id(p): shape for f in partition.flats for p, shape in zip(f.params, f.shapes)}
+        shape_of = lambda p: recorded.get(id(p), p.shape)  # noqa: E731
     best: tuple[str, nn.ModuleList] | None = None
     best_numel = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList):
-            numel = sum(p.numel() for p in module.parameters())
+            numel = sum(p.numel() if shape_of is None else math.prod(shape_of(p)) for p in module.parameters())
             if numel > best_numel:
                 best, best_numel = (name, module), numel
     if best is None:
@@ -131,9 +139,12 @@ def default_unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistence_threshold: int,
-               modules: list[tuple[str, nn.Module]] | None = None) -> tuple[list[UnitPlan], list[nn.Parameter]]:
+               modules: list[tuple[str, nn.Module]] | None = None,
+               shape_of: Callable[[nn.Parameter], torch.Size] | None = None
+               ) -> tuple[list[UnitPlan], list[nn.Parameter]]:
     """Assign every parameter (shared ones once) to a unit, the root unit, or the persistent set. Needs real
-    shapes: call it on a full or meta-device model, before sharding.
+    shapes: call it on a full or meta-device model, before sharding, or give `shape_of` (parameters that are
+    placeholders already).
 
     Each of `modules` (default: the children of the model's largest `nn.ModuleList`, the transformer blocks) is a
     unit of the parameters it alone holds; one root unit (whose module is the model itself) holds every other
@@ -141,7 +152,7 @@ def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistenc
     `persistence_threshold` elements (DeepSpeed's rule: `numel <= threshold`, taken in `named_parameters()` order
     while their total stays within `model_persistence_threshold`) stay whole on every rank ("persistent") and
     belong to no unit; the stage-3 runtime reduces their gradients as ZeRO-2 buckets."""
-    modules = default_unit_modules(model) if modules is None else modules
+    modules = default_unit_modules(model, shape_of) if modules is None else modules
     owners: dict[int, list[int]] = {}
     for k, (_, module) in enumerate(modules):
         for p in module.parameters():
@@ -151,7 +162,7 @@ def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistenc
     per_unit: list[list[nn.Parameter]] = [[] for _ in modules]
     root: list[nn.Parameter] = []
     for _, p in model.named_parameters():
-        n = p.numel()
+        n = p.numel() if shape_of is None else math.prod(shape_of(p))
         if n + persistent_numel <= model_persistence_threshold and n <= persistence_threshold:
             persistent.append(p)
             persistent_numel += n
