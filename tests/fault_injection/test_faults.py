@@ -125,11 +125,11 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> None:
     width = max(len(r[0]) for r in rows)
     print(f"\n{title}")
     for fault, what, verdict in rows:
-        print(f"  {fault:<{width}}  {verdict:<9}  {what[:160]}")
-    count = {v: sum(r[2] == v for r in rows) for v in ("survived", "refused", "reported", "skipped")}
+        print(f"  {fault:<{width}}  {verdict:<10}  {what[:160]}")
+    count = {v: sum(r[2].startswith(v) for r in rows) for v in ("survived", "refused", "reported", "skipped")}
     print(f"  {len(rows)} faults injected: {count['survived']} survived, {count['refused']} refused in one line, "
-          f"{count['reported']} reported in a few lines naming the rank (no run survives them without "
-          f"--max-restarts), {count['skipped']} not run here")
+          f"{count['reported']} crashes reported naming the rank (no run survives them without --max-restarts), "
+          f"{count['skipped']} not run here")
 
 
 def test_damaged_checkpoints_are_refused_in_one_line_naming_the_file_or_load_as_saved(tmp_path: Path) -> None:
@@ -262,13 +262,16 @@ def test_train_survives_or_refuses_in_one_line_with_nothing_lost(tmp_path: Path,
     rows.append(("non-UTF-8 latest", line, "refused"))
     assert _steps(metrics) == [1, 2, 3, 4, 5, 6]
 
-    # kill -9 of rank 0, which hosts the rendezvous store: a few lines, no C++ store traces.
+    # kill -9 of rank 0, which hosts the rendezvous store: one line (rank 1's lost connection said on it; a
+    # second line only if the launcher ended rank 1 before it reported), no C++ store traces.
     code, stdout, stderr = _train(common[:-1] + [str(tmp_path / "lost0"), "--steps", "3"],
                                   **kill_rank_after_step(rank=0, step=1))
     lines = stderr.strip().splitlines()
     assert code == 1 and 1 <= len(lines) <= 2 and "frame #" not in stderr and "Traceback" not in stderr, stderr
     assert lines[0].startswith("shardwise: rank 0 was killed by SIGKILL"), stderr
-    rows.append(("kill -9 of rank 0 (the store's host)", " / ".join(lines), "reported"))
+    assert len(lines) == 2 or "rank(s) 1 then lost their connection to it" in lines[0], stderr
+    rows.append(("kill -9 of rank 0 (the store's host)", " / ".join(lines),
+                 "reported" if len(lines) == 1 else "reported in 2 lines"))
 
     # Rank 1 stops answering after step 1 (a frozen node): after --timeout the line names it as not arriving.
     code, stdout, stderr = _train(common[:-1] + [str(tmp_path / "stall"), "--steps", "3", "--timeout", "0.1"],

@@ -167,3 +167,26 @@ def test_a_rank_offers_the_previous_tag_only_when_the_tag_is_damaged(tmp_path: P
     # offered: the newest tag whose every byte checks (global_step6 has the flipped byte)
     with pytest.raises(CheckpointError, match="global_step9 named by .* is missing.*--resume-from global_step4"):
         resume(missing, None, checkpoints)
+
+
+def test_a_killed_ranks_peers_losing_their_connection_are_said_on_its_line(tmp_path: Path) -> None:
+    import signal
+
+    from shardwise.cli.rank_reports import ProcessExit, failure_lines, write_failure
+
+    for rank, text in ((1, "[pair.cc:537] Read error [127.0.0.1]:9619: Connection reset by peer. GLHF"),
+                       (2, "recvValue failed on SocketImpl: Failed to recv, got 0 bytes"),
+                       (3, "CUDA error: an illegal memory access")):
+        try:
+            raise RuntimeError(text)
+        except RuntimeError as e:
+            write_failure(tmp_path, rank=rank, attempt=0, error=e)
+    killed = {0: ProcessExit(exitcode=-signal.SIGKILL, pid=42)}
+    code, lines = failure_lines(read_reports(tmp_path), killed, tmp_path)
+    assert code == 1 and len(lines) == 2, lines
+    assert lines[0] == (f"shardwise: rank 0 was killed by SIGKILL (pid 42); rank(s) 1, 2 then lost their "
+                        f"connection to it (tracebacks in {tmp_path})")
+    assert lines[1].startswith("shardwise: rank 3 failed: RuntimeError: CUDA error")    # not a consequence
+    # without a killed rank a lost connection is a failure of its own
+    code, lines = failure_lines(read_reports(tmp_path), {}, tmp_path)
+    assert len(lines) == 3 and all(" failed: " in line for line in lines)
