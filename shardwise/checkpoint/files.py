@@ -13,10 +13,16 @@ by every rank (ZeRO optimizer shards).
 
 A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and renamed into place, and `latest` is
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
+
+Every file's size and CRC-32 are taken as it is written (`FileSum`) and kept in the tag's index, so a loader
+checks each file it reads (`verify_file`) and a flipped byte or a cut file is one line naming it. CRC-32 is
+zlib's (~2 GB/s on one core: ~50 ms for 100 MB, beside the write itself); it catches storage damage, not
+tampering.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import pickle
@@ -25,8 +31,9 @@ import types
 import shutil
 import tempfile
 import warnings
+import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Mapping, NamedTuple, cast
 
 import torch
 
@@ -106,36 +113,132 @@ def optim_states_name(dp_rank: int, mp_rank: int = 0, *, bf16: bool = False) -> 
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def _save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+class FileSum(NamedTuple):
+    """A checkpoint file's size in bytes and the CRC-32 of its bytes."""
+
+    size: int
+    crc32: int
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save into a temporary file of the same directory, then renamed over `path`: never half a file."""
+class _Summing:
+    """A binary file that sums what is written through it (torch.save writes sequentially, never seeking)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+_CHUNK = 8 << 20
+
+
+def file_sum(path: Path) -> FileSum:
+    """The size and CRC-32 of a file as it is on disk, read in 8 MiB pieces."""
+    crc = size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return FileSum(size, crc)
+
+
+def verify_file(path: Path, expected: FileSum) -> None:
+    """CheckpointError, one line naming `path`, when it is not the file the save wrote."""
+    found = file_sum(path)
+    if found.size != expected.size:
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {found.size} bytes where the save "
+                              f"wrote {expected.size}; restore it or load another tag")
+    if found.crc32 != expected.crc32:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its CRC-32 is {found.crc32:08x} where the save "
+                              f"wrote {expected.crc32:08x}; restore it or load another tag")
+
+
+def _payload_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a checkpoint object, each storage once: about the size of its file."""
+    seen: dict[tuple[int, int], int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def _disk_full(error: BaseException, path: Path, obj: Any) -> CheckpointError | None:
+    """The one line for a write that ran out of space (torch reports it as "enforce fail ... unexpected pos"),
+    naming the file, the bytes it needs and the bytes free; None when the disk is not full."""
+    needed = _payload_bytes(obj)
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return None
+    out_of_space = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not out_of_space and free >= needed:
+        return None
+    return CheckpointError(f"no space left to save {path}: it needs about {needed:,} bytes and the disk holds "
+                           f"{free:,} free; free some space (or save elsewhere), then resume from the last "
+                           f"checkpoint")
+
+
+def _save(obj: Any, path: Path) -> FileSum:
+    """torch.save `obj` to `path` and fsync it; its size and CRC-32. A full disk is one `CheckpointError`."""
+    try:
+        with open(path, "wb") as f:
+            out = _Summing(f)
+            torch.save(obj, cast(IO[bytes], out))
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated; the rest is re-raised as it is
+        full = _disk_full(e, path, obj)
+        path.unlink(missing_ok=True)
+        if full is not None:
+            raise full from None
+        raise
+    return FileSum(out.size, out.crc)
+
+
+def atomic_save(obj: Any, path: Path) -> FileSum:
+    """torch.save into a temporary file of the same directory, then renamed over `path`: never half a file. Its
+    size and CRC-32."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     os.close(fd)
     try:
-        _save(obj, Path(tmp))
+        written = _save(obj, Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return written
 
 
 def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
               any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True,
-              then: Callable[[Path], dict[str, Any]] | None = None) -> Path:
+              then: Callable[[Path], dict[str, Any]] | None = None,
+              seal: Callable[[dict[str, FileSum]], dict[str, Any]] | None = None) -> Path:
     """Collective save: every rank writes its `files` ({name: object}) into SAVE_DIR/.TAG.staging; then rank 0
     moves the directory into place as SAVE_DIR/TAG (replacing an older one) and, with `save_latest`, points
     `latest` at it (without it `latest` keeps naming the tag it named: DeepSpeed's save_latest=False).
     Every rank must call it with the same tag. `barrier` synchronises the ranks and `any_failed(flag)` tells
     every rank whether any rank failed to write (both trivial for one process): then nothing is published
     and the previous checkpoint and `latest` stay as they were. `then(staging)`, once every rank has written its
-    files, gives files to write over them (built from what every rank staged); written atomically, agreed too."""
+    files, gives files to write over them (built from what every rank staged); written atomically, agreed too.
+
+    `seal(sums)`, collective when given: every rank passes the sums of the files it wrote (a file `then` rewrote:
+    its second version); it returns the files that record them (world rank 0: the index with every rank's sums;
+    {} elsewhere), written last."""
     if not tag or "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or a leading '.'")
     root = Path(save_dir)
@@ -146,25 +249,42 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
         staging.mkdir()
     barrier()
     error: BaseException | None = None
+    sums: dict[str, FileSum] = {}
     try:
         for name, obj in files.items():
-            _save(obj, staging / name)
+            sums[name] = _save(obj, staging / name)
     except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
         error = e
-    failed = any_failed(error is not None)
-    if not failed and then is not None:
-        try:        # every rank has staged its files: a second pass may read them all
-            for name, obj in then(staging).items():
-                atomic_save(obj, staging / name)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+    # Every rank takes the same branches: each `failed` is agreed by `any_failed`; None: not asked since the
+    # last write.
+    failed: bool | None = None
+    if then is not None:
+        failed = any_failed(error is not None)
+        if not failed:
+            try:        # every rank has staged its files: a second pass may read them all
+                for name, obj in then(staging).items():
+                    sums[name] = atomic_save(obj, staging / name)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+                error = e
+            failed = None
+    if not failed and seal is not None:
+        sealed = seal(sums)       # collective: every rank calls it, also after a failed second pass
+        try:
+            for name, obj in sealed.items():
+                if error is None:
+                    _save(obj, staging / name)
+        except BaseException as e:  # noqa: BLE001 - as above
             error = e
+        failed = None
+    if failed is None:
         failed = any_failed(error is not None)
     if failed:
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         if error is not None:
             raise error
-        raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; nothing was published")
+        raise SaveFailedElsewhere(f"saving checkpoint {tag!r} failed on another rank (which reports why); "
+                                  f"nothing was published")
     final = root / tag
     if rank == 0:
         # Every rank has written its files: no save is still writing into another staging directory.
@@ -185,6 +305,11 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
             atomic_write_text(root / LATEST, tag)
     barrier()
     return final
+
+
+class SaveFailedElsewhere(CheckpointError):
+    """This rank wrote its part of a checkpoint, another rank failed to. A consequence: the failing rank raises
+    the cause (a full disk's line, say), which `shardwise train` reports instead of this."""
 
 
 class CheckpointWarning(UserWarning):
@@ -228,7 +353,7 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
                           f"{_tags(root) or 'none'}); pass an explicit tag to load another", CheckpointWarning,
                           stacklevel=4)
             return None
-        tag = latest.read_text().strip()
+        tag = read_latest(latest)
     path = root / tag
     if not path.is_dir():
         warnings.warn(f"no checkpoint loaded: no tag {tag!r} in {root} (tags present: {_tags(root) or 'none'})",
@@ -238,6 +363,20 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {MODEL_STATES} (or {ZERO3_MODEL_STATES}); "
                               f"restore it or load another tag (tags present: {_tags(root)})")
     return path
+
+
+def read_latest(latest: Path) -> str:
+    """The tag a `latest` file names; one CheckpointError line naming it when it holds no tag name (binary
+    bytes, several lines, a path)."""
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{latest} is not text (it should hold a tag name such as global_step100): "
+                              f"write the tag to load into it, or pass the tag explicitly") from None
+    if not tag or "/" in tag or "\n" in tag or tag.startswith("."):
+        raise CheckpointError(f"{latest} holds {tag[:60]!r}, not a tag name such as global_step100: write the "
+                              f"tag to load into it, or pass the tag explicitly")
+    return tag
 
 
 class _Unpickler(pickle.Unpickler):
@@ -292,6 +431,7 @@ def read_model_states(path: Path, mp_rank: int = 0) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{path} has no model states for tensor-parallel rank {mp_rank} ({file.name}): it was "
                               f"written with a smaller tensor_parallel.size; load it with the size that wrote it")
+    _check_sum(path, file)
     states: dict[str, Any] = torch_load(file)
     return states
 
@@ -301,5 +441,15 @@ def read_optim_states(path: Path, dp_rank: int, mp_rank: int = 0) -> dict[str, A
     if not file.is_file():
         raise CheckpointError(f"{path} has no optimizer shard for data-parallel rank {dp_rank} ({file.name}): it was "
                               f"written with fewer ranks or without ZeRO; load it with the layout that wrote it")
+    _check_sum(path, file)
     states: dict[str, Any] = torch_load(file)
     return states
+
+
+def _check_sum(tag_dir: Path, file: Path) -> None:
+    """Verify `file` against the CRC-32 the tag's index recorded (nothing to check without one: said once)."""
+    from shardwise.checkpoint.index import read_checksums    # index.py builds on this module
+
+    sums = read_checksums(tag_dir)
+    if sums is not None and file.name in sums:
+        verify_file(file, sums[file.name])

@@ -2,17 +2,23 @@
 
 DeepSpeed's files hold what each rank holds (TP slices in `mp_rank_MM_*`, flat padded ZeRO shards in
 `zero_pp_rank_D_*`), so reading them at another (dp, tp, pp, ZeRO stage) first needs an offline
-`ds_to_universal` pass. Every save here also writes TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`.
+`ds_to_universal` pass. Every save here also writes TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`,
+last, with the size and CRC-32 of every other file of the tag and a CRC-32 of its own contents (version 2), so
+every file a loader reads is checked (`reshard.FileReader`).
 
     index = read_index(tag_dir)     # None for a checkpoint written before indexes; `reshard.py` loads through it
+
+Versions: 1 (no checksums; still read, its files unverified, said once per tag) and 2.
 """
 
 from __future__ import annotations
 
 import reprlib
-from dataclasses import dataclass
+import warnings
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -24,7 +30,9 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.context import CheckpointContext
 
 INDEX = "shardwise_index.pt"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""Index versions this shardwise reads: 1 has no checksums."""
 NATIVE_STAGE0_KEY = "shardwise_optimizer"
 """Where stage 0's model states keep our optimizer state (torch's state dict, the masters, the loss scaler);
 DeepSpeed's `optimizer` beside it is torch's state dict alone."""
@@ -102,6 +110,8 @@ class CheckpointIndex:
                      one per stepped tensor (a ZeRO shard master, or one whole parameter at stage 0)
         fragments    {full name: [Fragment(tp rank, lo, hi, entry, dst)]}
                      elements [lo, hi) of that TP rank's slice, flattened, are entry's [dst, dst + hi - lo)
+        checksums    {file name: FileSum(size, CRC-32)}                      every file of the tag but the index;
+                     empty for a version-1 index (and before the save wrote the files)
 
     A loader reads the index, then memory-maps only the files holding what it needs and copies only the fragments
     overlapping its own pieces (`reshard.py`).
@@ -112,6 +122,7 @@ class CheckpointIndex:
     module: Mapping[str, Mapping[int, str]]
     entries: tuple[IndexEntry, ...]
     fragments: Mapping[str, tuple[Fragment, ...]]
+    checksums: Mapping[str, ckpt.FileSum] = field(default_factory=dict)
 
     @classmethod
     def merged(cls, parts: Sequence[CheckpointIndex]) -> CheckpointIndex:
@@ -134,9 +145,9 @@ class CheckpointIndex:
                    fragments={n: tuple(f) for n, f in fragments.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        """The stored form, version 1: plain dicts, tuples and numbers, which `weights_only=True` loads. Every
-        shardwise that writes indexes has written this layout."""
-        return {"version": VERSION,
+        """The layout part of the stored form, as version 1 stored it: plain dicts, tuples and numbers, which
+        `weights_only=True` loads. A save writes it `sealed` with the files' checksums (version 2)."""
+        return {"version": 1,
                 "tensors": {n: (tuple(t.shape), t.tp_dim) for n, t in self.tensors.items()},
                 "module": {n: dict(files) for n, files in self.module.items()},
                 "entries": [(e.file, e.key, e.optimizer_index, e.master_index, e.numel, dict(e.options))
@@ -185,7 +196,46 @@ class CheckpointIndex:
                     raise DamagedIndex(f"{at} = {_show(value)} names no TP rank, run or entry of the index")
                 out.append(Fragment(t, lo, hi, entry, dst))
             fragments[_str(name, where)] = tuple(out)
-        return cls(dims=dims, tensors=tensors, module=module, entries=tuple(entries), fragments=fragments)
+        checksums: dict[str, ckpt.FileSum] = {}
+        for name, value in _dict(raw.get("checksums", {}), "'checksums'").items():
+            where = f"'checksums'[{_show(name)}]"
+            size, crc = _record(value, where, ("size", "CRC-32"))
+            checksums[_str(name, where)] = ckpt.FileSum(_int(size, f"{where} size"), _int(crc, f"{where} CRC-32"))
+        return cls(dims=dims, tensors=tensors, module=module, entries=tuple(entries), fragments=fragments,
+                   checksums=checksums)
+
+
+def _contents_crc(body: Mapping[str, Any]) -> int:
+    """CRC-32 of an index's stored contents: of their repr, which plain dicts (in their stored order), tuples,
+    strings and numbers give the same after a save and a load."""
+    return zlib.crc32(repr(body).encode("utf-8"))
+
+
+def sealed(index: CheckpointIndex, sums: Mapping[str, ckpt.FileSum]) -> dict[str, Any]:
+    """The stored form, version 2: `to_dict` with every file's (size, CRC-32) and a CRC-32 of all that."""
+    body = {**index.to_dict(), "version": VERSION,
+            "checksums": {name: (s.size, s.crc32) for name, s in sorted(sums.items())}}
+    return {**body, "contents_crc32": _contents_crc(body)}
+
+
+def gather_sums(ctx: CheckpointContext, mine: Mapping[str, ckpt.FileSum]) -> dict[str, ckpt.FileSum] | None:
+    """Every rank's file sums, on world rank 0 (None elsewhere). Collective over dp, tp, pp in turn."""
+    parts = [dict(mine)]
+    for axis in (Axis.DP, Axis.TP, Axis.PP):
+        parts = [p for group in ctx.comm(axis).all_gather_object(parts) for p in group]
+    if ctx.mesh.global_rank != 0:
+        return None
+    return {name: ckpt.FileSum(*s) for part in parts for name, s in part.items()}
+
+
+def sealer(ctx: CheckpointContext, index: CheckpointIndex | None
+           ) -> Callable[[dict[str, ckpt.FileSum]], dict[str, Any]]:
+    """`files.write_tag`'s `seal`: gathers the sums and, on world rank 0 (which holds `index`), returns the
+    sealed index to write."""
+    def seal(sums: dict[str, ckpt.FileSum]) -> dict[str, Any]:
+        every = gather_sums(ctx, sums)
+        return {} if every is None or index is None else {INDEX: sealed(index, every)}
+    return seal
 
 
 class DamagedIndex(ValueError):
@@ -323,9 +373,20 @@ def gather_index(ctx: CheckpointContext, contribution: CheckpointIndex, *,
     return CheckpointIndex.merged(parts)
 
 
+_unverified: set[Path] = set()     # tags already said to be read without checksums
+
+
+def _say_unverified(path: Path, why: str) -> None:
+    if path not in _unverified:
+        _unverified.add(path)
+        warnings.warn(f"checkpoint {path} {why}: its files are loaded without checking their checksums",
+                      ckpt.CheckpointWarning, stacklevel=3)
+
+
 def read_index(path: Path) -> CheckpointIndex | None:
     """The tag's index, or None for a checkpoint written before indexes existed. A file that does not load, or
-    holds no index this shardwise reads, is one `CheckpointError` line naming it."""
+    holds no index this shardwise reads, or whose contents do not match their CRC-32, is one `CheckpointError`
+    line naming it."""
     file = path / INDEX
     if not file.is_file():
         return None
@@ -337,13 +398,33 @@ def read_index(path: Path) -> CheckpointIndex | None:
                                    f"restore it or load another tag") from None
     try:
         version = _dict(raw, "the index").get("version")
-        if version != VERSION:
+        if version not in READS:
             raise ckpt.CheckpointError(f"checkpoint file {file} has index version {version!r}; this shardwise "
-                                       f"reads version {VERSION}: load it with the shardwise that wrote it")
+                                       f"reads versions {', '.join(map(str, READS))}: load it with the shardwise "
+                                       f"that wrote it")
+        if version >= 2:
+            body = {k: v for k, v in raw.items() if k != "contents_crc32"}
+            if raw.get("contents_crc32") != _contents_crc(body):
+                raise ckpt.CheckpointError(f"checkpoint file {file} is damaged: its contents do not match their "
+                                           f"CRC-32; restore it or load another tag")
         return CheckpointIndex.from_dict(raw)
     except DamagedIndex as e:
         raise ckpt.CheckpointError(f"checkpoint file {file} is a damaged index: {e}; restore it or load another "
                                    f"tag") from None
+
+
+def read_checksums(path: Path) -> Mapping[str, ckpt.FileSum] | None:
+    """The sums of the tag's files from its index; None (said once per tag) when it has none to check against:
+    written by DeepSpeed (whose files carry no checksums; `deepspeed_read` builds their index from its metadata),
+    or by a shardwise from before indexes or before checksums."""
+    index = read_index(path)
+    if index is None:
+        _say_unverified(path, "has no shardwise layout index (DeepSpeed or an earlier shardwise wrote it)")
+        return None
+    if not index.checksums:
+        _say_unverified(path, "has a version-1 index, without checksums (written by an earlier shardwise)")
+        return None
+    return index.checksums
 
 
 def covered(frags: Sequence[Fragment], tp_rank: int, numel: int) -> bool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint import index as checkpoint_index
 from shardwise.checkpoint.index import CheckpointIndex, IndexEntry, covered
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
 from shardwise.comm.topology import Axis
@@ -31,15 +32,17 @@ arithmetic (DeepSpeed's optimizer has no `initial_lr` and builds torch's Adam wi
 
 
 class FileReader:
-    """The tag's files, each loaded once (memory-mapped unless `mmap=False`: tensors are then read on first use);
+    """The tag's files, each loaded once (memory-mapped unless `mmap=False`: tensors are then read on first use),
+    each checked first against the size and CRC-32 its index recorded (or `sums`, when given: {name: FileSum});
     a missing or damaged file is one `CheckpointError` naming it."""
 
-    def __init__(self, path: Path, *, mmap: bool = True):
+    def __init__(self, path: Path, *, mmap: bool = True, sums: Mapping[str, ckpt.FileSum] | None = None):
         self.path = path
         self.mmap = mmap
         self.head = ckpt.head_name(path) or ckpt.MODEL_STATES
         """The model-states file holding the counters, config and client state."""
         self._open: dict[str, Any] = {}
+        self._sums = sums
 
     def __call__(self, name: str) -> Any:
         if name not in self._open:
@@ -47,6 +50,10 @@ class FileReader:
             if not file.is_file():
                 raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
                                            f"restore it or load another tag")
+            if self._sums is None:
+                self._sums = checkpoint_index.read_checksums(self.path) or {}
+            if name in self._sums:
+                ckpt.verify_file(file, self._sums[name])
             try:
                 self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
                 layer = ckpt.layer_module(name, self._open[name])

@@ -131,14 +131,13 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     mine = checkpoint_index.rank_contribution(ctx, where, exclude_frozen=exclude_frozen)
     index = checkpoint_index.gather_index(ctx, mine, everywhere=True)
     assert index is not None
-    if dist.get_rank() == 0:
-        files[checkpoint_index.INDEX] = index.to_dict()
     then = None
     if per_rank and where["tp_size"] == 1:
         def then(staging: Path) -> dict[str, Any]:
-            """DeepSpeed's partition of this rank, read from every rank's staged shard."""
+            """DeepSpeed's partition of this rank, read from every rank's staged shard (written moments ago by
+            this save, whose index, with their sums, is written after this pass: nothing to check them against)."""
             theirs = deepspeed_write.zero_optimizer_state(
-                ctx, index, reshard.FileReader(staging), groups, zero_stage=ctx.zero_stage,
+                ctx, index, reshard.FileReader(staging, sums={}), groups, zero_stage=ctx.zero_stage,
                 clip=float(ctx.raw_config.get("gradient_clipping", 1.0)), scaler=native["scaler"])
             return {optim_file: {**files[optim_file], ckpt.OPTIMIZER_STATE_DICT: theirs}}
 
@@ -146,8 +145,11 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
         for c in _comms(ctx):
             c.barrier()
 
+    # World rank 0 writes the index last, with the size and CRC-32 of every file every rank wrote, the DeepSpeed
+    # partitions of the second pass included (`index.sealer`).
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
-                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest, then=then)
+                   any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest, then=then,
+                   seal=checkpoint_index.sealer(ctx, index))
     return True
 
 

@@ -30,6 +30,9 @@ STOPPED_FILE = "stopped.json"
 EXIT_USER_ERROR = 2
 EXIT_CRASH = 1
 MAX_LISTED = 3
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "recvValue failed",
+             "Socket closed", "Connection refused")
+"""What a rank's collective or store call says when a peer process is gone (gloo, TCPStore)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +56,11 @@ class ProcessExit:
 
 
 def is_user_error(error: BaseException) -> bool:
+    """A user error to report as such; not another rank's failed save, whose own report says why."""
+    from shardwise.checkpoint.files import SaveFailedElsewhere
     from shardwise.data import CorpusError
 
-    return isinstance(error, (UserError, CorpusError))
+    return isinstance(error, (UserError, CorpusError)) and not isinstance(error, SaveFailedElsewhere)
 
 
 def write_failure(folder: Path, *, rank: int, attempt: int, error: BaseException) -> RankReport:
@@ -119,15 +124,21 @@ def failure_lines(reports: Iterable[RankReport], exits: dict[int, ProcessExit], 
         return EXIT_USER_ERROR, [f"shardwise: error: {line}" for line in lines]
     by_rank = {r.rank: r for r in reports}
     killed = sorted(rank for rank, e in exits.items() if e.exitcode < 0 and rank not in by_rank)
+    # A rank killed by a signal takes its peers' connections (and, rank 0, the store) with it: their "connection
+    # reset" crashes are its consequence, said on its line rather than as failures of their own.
+    lost = sorted(r.rank for r in reports if killed and r.kind == CRASH and any(m in r.message for m in LOST_PEER))
     failed = killed + [r.rank for r in reports if r.rank in exits] + sorted(set(exits) - set(by_rank) - set(killed))
     failed += [r.rank for r in reports if r.rank not in failed]    # reported, but after torchrun saw the failure
+    failed = [rank for rank in failed if rank not in lost]
     lines = []
     for rank in failed[:MAX_LISTED]:
         report, code = by_rank.get(rank), exits.get(rank)
         if report is not None:
             lines.append(f"shardwise: rank {rank} failed: {report.message} (traceback: {report.log})")
         elif code is not None and code.exitcode < 0:
-            lines.append(f"shardwise: rank {rank} was killed by {signal_name(-code.exitcode)} (pid {code.pid})")
+            then = (f"; rank(s) {', '.join(map(str, lost))} then lost their connection to it (tracebacks in "
+                    f"{folder})") if lost and rank == killed[0] else ""
+            lines.append(f"shardwise: rank {rank} was killed by {signal_name(-code.exitcode)} (pid {code.pid}){then}")
         elif code is not None:
             lines.append(f"shardwise: rank {rank} exited with code {code.exitcode} (pid {code.pid})")
     if len(failed) > MAX_LISTED:

@@ -86,18 +86,78 @@ class Resumed:
     rng_restored: bool
 
 
+def tag_problem(tag_dir: Path, *, every_byte: bool = False) -> str | None:
+    """Why the checkpoint in `tag_dir` cannot be resumed from, as one line naming the file; None when it looks
+    whole. Cheap by default, as the parent checks before any rank starts: the directory, its index, and every file
+    the index lists, present and of the size the save wrote (the ranks check every byte they read); with
+    `every_byte` also each file's CRC-32."""
+    from shardwise.checkpoint import files as ckpt
+    from shardwise.checkpoint.index import read_index
+    from shardwise.errors import CheckpointError
+
+    if not tag_dir.is_dir():
+        return f"checkpoint {tag_dir} is missing"
+    try:
+        index = read_index(tag_dir)
+    except CheckpointError as e:
+        return str(e)
+    expected = dict(index.checksums) if index is not None else {}
+    for name in expected or [ckpt.head_name(tag_dir) or ckpt.MODEL_STATES]:
+        file = tag_dir / name
+        if not file.is_file():
+            return f"checkpoint file {file} is missing"
+        sums = expected.get(name)
+        if sums is not None and file.stat().st_size != sums.size:
+            return (f"checkpoint file {file} is truncated or corrupt: {file.stat().st_size} bytes where the save "
+                    f"wrote {sums.size}")
+        if sums is not None and every_byte:
+            try:
+                ckpt.verify_file(file, sums)
+            except CheckpointError as e:
+                return str(e)
+    return None
+
+
+def _refused(checkpoints: Path, problem: str, step: int | None) -> Exception:
+    """The one line a rank raises for a checkpoint it cannot resume from, offering the previous complete tag."""
+    from shardwise.cli.run_dir import previous_complete
+    from shardwise.errors import CheckpointError
+
+    # On this failure path every byte of the tag offered is checked: the offer is one that loads.
+    previous = previous_complete(checkpoints.parent, step, lambda tag: tag_problem(tag, every_byte=True))
+    offer = (f"; resume from the previous complete checkpoint with --resume-from {previous}" if previous is not None
+             else "; no earlier complete checkpoint is there: --overwrite starts the run over")
+    return CheckpointError(f"{problem}{offer}")
+
+
 def resume(engine: Any, loader: TokenLoader, checkpoints: Path) -> Resumed | None:
     """Load checkpoints/latest into the engine, the loader and the random streams; None when there is none.
     Collective: every rank calls it (the engine's load agrees across ranks). The random streams are restored when
     the saved data-parallel size is this run's; after a layout change dropout draws fresh masks (the caller says
     so once, from `rng_restored`). The learning-rate schedule is this launch's config's, at the checkpoint's
     position (`follow_config_schedule`): an extended run's recomputed warm-up applies from the resumed step."""
-    if not (checkpoints / "latest").is_file():
+    from shardwise.checkpoint import files as ckpt
+    from shardwise.cli.run_dir import previous_complete, tag_step
+    from shardwise.errors import CheckpointError
+
+    latest = checkpoints / ckpt.LATEST
+    if not latest.is_file():
+        # Never start over beside checkpoints: an attempt that finds tags but no `latest` stops.
+        if previous_complete(checkpoints.parent, None, None) is not None:
+            raise _refused(checkpoints, f"{checkpoints} holds checkpoints but no {latest.name}", None)
         return None
+    tag = ckpt.read_latest(latest)
     fresh = schedule_start(engine.lr_scheduler)
-    path, client = engine.load_checkpoint(str(checkpoints))
-    if path is None:
-        return None
+    try:
+        path, client = engine.load_checkpoint(str(checkpoints))
+    except CheckpointError as e:
+        # A damaged tag: offer the previous whole one. Another refusal (a layout an index-less checkpoint cannot
+        # load at, say) is the same for every tag of the run: said as it is.
+        if tag_problem(checkpoints / tag, every_byte=True) is None:
+            raise
+        raise _refused(checkpoints, str(e), tag_step(tag)) from None
+    if path is None:           # `latest` names a tag that is not there: never train from step 0 instead
+        raise _refused(checkpoints, f"checkpoint {checkpoints / tag} named by {latest} is missing", tag_step(tag))
     client = client or {}
     if "data" not in client:
         from shardwise.errors import CheckpointError

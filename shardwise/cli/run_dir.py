@@ -1,8 +1,9 @@
 """What `shardwise train` does with a run directory that already holds a run: start, resume or refuse (`decide`).
 
-A run directory is one run's history: `metrics.jsonl` (appended, never truncated), `checkpoints/` (tags only
-added, `latest` only moved forward) and `train_args*.json` (what the run is). No torch here: the parent decides
-before any rank starts. The ranks then load `latest` whenever it exists, so an elastic restart resumes the same way.
+A run directory is one run's history: `metrics.jsonl` (appended; rows after a resumed step are set aside in
+`metrics.dropped.jsonl`), `checkpoints/` (tags only added, `latest` only moved forward, or back to the tag
+`--resume-from` names) and `train_args*.json` (what the run is). No torch here: the parent decides before any rank
+starts. The ranks then load `latest` whenever it exists, so an elastic restart resumes the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Decision:
     notes: tuple[str, ...] = ()
 
 
+TagProblem = Callable[[Path], "str | None"]
+"""A tag directory -> why it cannot be resumed from (missing, a file missing or cut short), one line naming the
+file, or None (`shardwise.cli.resume.tag_problem`)."""
+
 ScheduleNote = Callable[[dict[str, Any], dict[str, Any], int, int, int], str]
 """(config there, config now, steps there, steps now, checkpoint step) -> the one line saying what an extended
 run's recomputed schedule means for its learning rate (`shardwise.cli.resume.schedule_note`)."""
@@ -62,9 +67,41 @@ def latest_step(run_dir: Path) -> tuple[str, int | None] | None:
     latest = run_dir / CHECKPOINT_DIR / LATEST
     if not latest.is_file():
         return None
-    tag = latest.read_text(encoding="utf-8").strip()
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not tag or "/" in tag or "\n" in tag or tag.startswith("."):
+        raise UserError(f"{latest} does not name a checkpoint tag (it should hold one line such as global_step100)"
+                        f"{_offer(run_dir, None)}")
+    return tag, tag_step(tag)
+
+
+def tag_step(tag: str) -> int | None:
+    """The global step of a `global_stepN` tag, else None."""
     match = _TAG_STEP.fullmatch(tag)
-    return tag, int(match.group(1)) if match else None
+    return int(match.group(1)) if match else None
+
+
+def previous_complete(run_dir: Path, before: int | None, problem: TagProblem | None) -> str | None:
+    """The newest `global_stepN` tag of the run with N < `before` (any N when None) that `problem` finds whole."""
+    root = run_dir / CHECKPOINT_DIR
+    tags = sorted(((tag_step(p.name), p.name) for p in root.iterdir() if p.is_dir() and tag_step(p.name) is not None)
+                  if root.is_dir() else [], reverse=True)
+    for step, tag in tags:
+        assert step is not None
+        if (before is None or step < before) and (problem is None or problem(root / tag) is None):
+            return tag
+    return None
+
+
+def _offer(run_dir: Path, before: int | None, problem: TagProblem | None = None) -> str:
+    """'; resume from ... with --resume-from TAG ...' when the run has an earlier complete tag, then --overwrite."""
+    previous = previous_complete(run_dir, before, problem)
+    again = (f"; resume from the previous complete checkpoint with --resume-from {previous} (the steps after it "
+             f"are trained again), or pass --overwrite to start the run over") if previous is not None else \
+        "; no earlier complete checkpoint is there: pass --overwrite to start the run over"
+    return again
 
 
 def _first_difference(before: Any, now: Any, path: str) -> str | None:
@@ -197,7 +234,8 @@ def lock(run_dir: Path, name: str) -> IO[str]:
 
 
 def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, overwrite: bool,
-           schedule_note: ScheduleNote | None = None) -> Decision:
+           schedule_note: ScheduleNote | None = None, resume_from: str | None = None,
+           tag_problem: TagProblem | None = None) -> Decision:
     """Start, resume or refuse (UserError, one line) a run described by `now` (WorkerArgs as a dict) in
     `run_dir`, whose earlier arguments are in `args_name`:
 
@@ -208,15 +246,19 @@ def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, 
       another layout (ZeRO stage, offload, tensor or pipeline parallel sizes, micro-batch and accumulation), another
       global batch;
     - the same run without a checkpoint, or another run: refused in one line, unless `overwrite`, which removes
-      that run's outputs first (the user's explicit choice: the only path that deletes anything).
+      that run's outputs first (the user's explicit choice: the only path that deletes anything);
+    - a `latest` naming a tag that is missing or damaged (`tag_problem`): refused in one line naming the file and
+      offering the previous complete tag; `resume_from` TAG resumes from that tag (`latest` is pointed at it).
     """
-    if resume and overwrite:
-        raise UserError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
-                        "--overwrite replaces it; pass one of them.")
+    if (resume or resume_from is not None) and overwrite:
+        flag = "--resume" if resume else "--resume-from"
+        raise UserError(f"{flag} and --overwrite contradict each other: {flag} continues the run in --out, "
+                        f"--overwrite replaces it; pass one of them.")
     where = str(run_dir)
     if not _has_results(run_dir):
-        if resume:
-            raise UserError(f"--resume: {where} holds no checkpoint to resume from; leave out --resume to start "
+        if resume or resume_from is not None:
+            flag = "--resume" if resume else f"--resume-from {resume_from}"
+            raise UserError(f"{flag}: {where} holds no checkpoint to resume from; leave it out to start "
                             f"the run there.")
         return Decision(None, None)
     if overwrite:
@@ -231,12 +273,29 @@ def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, 
     if diff is not None:
         raise UserError(f"--out {where} holds another run (different {diff}); choose another --out, or pass "
                         f"--overwrite to replace it.")
-    latest = latest_step(run_dir)
-    if latest is None:
-        raise UserError(f"--out {where} holds this run without a checkpoint to resume from (it ran without "
-                        f"--save-every, or stopped before its first save); pass --overwrite to start it again, "
-                        f"or choose another --out.")
-    tag, step = latest
+    if resume_from is not None:
+        tag, step = resume_from, tag_step(resume_from)
+        path = run_dir / CHECKPOINT_DIR / tag
+        problem = (f"checkpoint {path} is missing" if not path.is_dir() or "/" in tag or tag.startswith(".")
+                   else tag_problem(path) if tag_problem is not None else None)
+        if problem is not None:
+            raise UserError(f"--resume-from {tag}: {problem}{_offer(run_dir, step, tag_problem)}")
+    else:
+        latest = latest_step(run_dir)
+        if latest is None:
+            previous = previous_complete(run_dir, None, tag_problem)
+            if previous is not None:
+                raise UserError(f"--out {where} holds checkpoints of this run but no {CHECKPOINT_DIR}/{LATEST} "
+                                f"naming one{_offer(run_dir, None, tag_problem)}.")
+            raise UserError(f"--out {where} holds this run without a checkpoint to resume from (it ran without "
+                            f"--save-every, or stopped before its first save); pass --overwrite to start it again, "
+                            f"or choose another --out.")
+        tag, step = latest
+        path = run_dir / CHECKPOINT_DIR / tag
+        problem = (f"checkpoint {path} named by {LATEST} is missing" if not path.is_dir()
+                   else tag_problem(path) if tag_problem is not None else None)
+        if problem is not None:
+            raise UserError(f"--out {where}: {problem}{_offer(run_dir, step, tag_problem)}.")
     if step is not None and step >= now["steps"]:
         raise UserError(f"--out {where} has trained {step} steps already (checkpoint {tag}); --steps "
                         f"{now['steps']} is done: pass a larger --steps to train further.")
@@ -244,5 +303,17 @@ def decide(run_dir: Path, args_name: str, now: dict[str, Any], *, resume: bool, 
     if schedule_note is not None and step is not None and earlier.get("steps") not in (None, now["steps"]):
         notes.insert(0, schedule_note(earlier.get("config") or {}, now["config"], int(earlier["steps"]),
                                       int(now["steps"]), step))
-    return Decision(step, f"resuming {where} from checkpoint {tag} (the same run: metrics.jsonl is appended to)",
-                    tuple(notes))
+    message = f"resuming {where} from checkpoint {tag} (the same run: metrics.jsonl is appended to)"
+    if resume_from is not None:
+        latest_file = run_dir / CHECKPOINT_DIR / LATEST
+        _point_latest(latest_file, tag)
+        message = (f"resuming {where} from checkpoint {tag} (--resume-from; {LATEST} now names it, the later tags "
+                   f"are replaced as the run reaches them, metrics rows after step {step} are set aside)")
+    return Decision(step, message, tuple(notes))
+
+
+def _point_latest(latest: Path, tag: str) -> None:
+    """Replace `latest` with `tag` atomically (a temporary file renamed over it)."""
+    tmp = latest.with_name(f".{latest.name}.tmp-{os.getpid()}")
+    tmp.write_text(tag, encoding="utf-8")
+    os.replace(tmp, latest)

@@ -121,6 +121,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in RUN_DIR from its latest checkpoint (automatic when RUN_DIR holds "
                         "checkpoints of the same run); an error when there is none")
+    p.add_argument("--resume-from", default=None, metavar="TAG",
+                   help="continue the run in RUN_DIR from checkpoint TAG (e.g. global_step200) instead of the one "
+                        "`latest` names, when that one is damaged; later metrics rows are set aside")
     p.add_argument("--overwrite", action="store_true",
                    help="RUN_DIR holds another run (or this run without a checkpoint): delete its metrics, "
                         "checkpoints, summary and plots and start again")
@@ -154,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker_args, args_path = prepare(args)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.nproc)))
+        # torch's C++ warnings are off in the ranks: a lost peer or store makes every rank's store client log
+        # an 18-line C++ trace; the ranks' own reports say what happened (TORCH_CPP_LOG_LEVEL=INFO shows them).
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
               f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
         from shardwise.cli.launch import launch
@@ -215,6 +221,7 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
     model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
+    _check_micro_batch_fits(int(engine_config.batch.micro_batch), model_cfg.seq_len, args.nproc)
     if model_cfg.is_hf and engine_config.pipeline.stages > 1:
         raise UserError(f"--model {args.model}: pipeline.stages = {engine_config.pipeline.stages} needs a model "
                         f"shardwise can split into stages (a preset such as llama-tiny, or a PipelineModule); "
@@ -237,9 +244,10 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
 
     # Start, resume or refuse, before anything in RUN_DIR changes; under its lock when it exists already.
     def decide() -> run_dir.Decision:
-        from shardwise.cli.resume import schedule_note
+        from shardwise.cli.resume import schedule_note, tag_problem
         return run_dir.decide(out, name, dataclasses.asdict(worker_args), resume=args.resume,
-                              overwrite=args.overwrite, schedule_note=schedule_note)
+                              overwrite=args.overwrite, schedule_note=schedule_note,
+                              resume_from=getattr(args, "resume_from", None), tag_problem=tag_problem)
 
     existed = out.is_dir()
     decision = decide() if not existed else None
@@ -293,6 +301,26 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.nnodes > 1 and args.master_addr is None:
         raise UserError(f"--nnodes {args.nnodes} needs --master-addr: the address of the node started with "
                         f"--node-rank 0 (127.0.0.1 when every node runs on this host).")
+
+
+def _node_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):    # not POSIX
+        return None
+
+
+def _check_micro_batch_fits(micro_batch: int, seq_len: int, nproc: int) -> None:
+    """Refuse a micro-batch whose token ids alone (int64 [micro_batch, seq_len + 1], drawn on the host by every
+    local rank) exceed this node's memory: a lower bound of what a step needs, so nothing that could run is
+    refused, and a typo such as 1e9 is one line instead of every rank's MemoryError."""
+    total = _node_memory_bytes()
+    need = micro_batch * (seq_len + 1) * 8 * nproc
+    if total is not None and need > total:
+        raise UserError(f"train_micro_batch_size_per_gpu {micro_batch}: one micro-batch of token ids is "
+                        f"{need / nproc / 2**30:.3g} GiB per rank (x{nproc} rank(s) at --seq-len {seq_len}), beyond "
+                        f"this node's {total / 2**30:.3g} GiB of memory; lower it (or raise "
+                        f"gradient_accumulation_steps for the same global batch)")
 
 
 def _check_gpus(nproc: int) -> None:

@@ -42,7 +42,7 @@ from shardwise.models.registry import flops_per_token as model_flops_per_token
 from shardwise.comm.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak import device_peak_flops
-from shardwise.telemetry.metrics import format_rate
+from shardwise.telemetry.metrics import DROPPED_SUFFIX, drop_rows_after, format_rate
 from shardwise.telemetry.peak_cache import (
     PeakCache, PeakFlops, PeakGuard, PeakOrigin, agree_measured, measured_peak, resolve_peak,
 )
@@ -154,6 +154,13 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         again = f"attempt {attempt + 1}: " if attempt else ""
         streams = "" if resumed.rng_restored else "; the data-parallel size changed: dropout draws new masks"
         print(f"shardwise: {again}resumed from {resumed.path} at step {done}{streams}", flush=True)
+    if is_main:
+        # Rows after the resumed step belong to weights no checkpoint holds (a dead attempt, an earlier tag
+        # resumed): set aside, so every step appears once and the curve is the weights' history.
+        moved = drop_rows_after(out / METRICS_FILE, done)
+        if moved:
+            print(f"shardwise: {moved} metrics row(s) after step {done} moved to "
+                  f"{METRICS_FILE.removesuffix('.jsonl')}{DROPPED_SUFFIX} (not this run's history)", flush=True)
 
     compute_dtype = getattr(engine, "compute_dtype", torch.float32)
     # Every rank resolves its peak (those that measure do so at once), then they agree on one figure per kind of
@@ -178,7 +185,8 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
         engine.save_checkpoint(str(checkpoints), client_state=state)
         return str(checkpoints / f"global_step{engine.global_steps}")
 
-    # Appends: a resumed run continues the file (the parent refused or cleared another run's).
+    # Appends: a resumed run continues the file (the parent refused or cleared another run's; rows after the
+    # resumed step were set aside above).
     writer = MetricsWriter(out / METRICS_FILE) if is_main else None
     stopped: Stopped | None = None
     place = RankPlace.from_env(rank)

@@ -12,7 +12,8 @@ from shardwise.config.errors import ConfigError, ConfigProblem, dotted, show
 MAX_DEPTH = 64
 """Deepest nesting accepted (DeepSpeed's own configs reach 4: zero_optimization.offload_optimizer.device)."""
 INT_LIMIT = 2 ** 63
-"""Integers must fit int64: counts, sizes and steps do; the torch and C++ code below would overflow."""
+"""Integers must fit int64: counts, sizes and steps do; the torch and C++ code below would overflow. A number
+written as a float (DeepSpeed configs write sizes as 5e8) must fit too."""
 
 
 def _digits(value: int) -> int:
@@ -45,6 +46,9 @@ def screen_structure(data: Any, source: str) -> None:
             stack.extend((item, path + (i,)) for i, item in enumerate(value))
         elif isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
             raise ConfigError(f'"{where}": an integer of {_digits(value)} digits is out of range (at most '
+                              f'2**63 - 1); give the intended value', key=where)
+        elif isinstance(value, float) and math.isfinite(value) and abs(value) >= INT_LIMIT:
+            raise ConfigError(f'"{where}": {value:g} is out of range for any setting (sizes and counts fit '
                               f'2**63 - 1); give the intended value', key=where)
 
 
@@ -92,6 +96,11 @@ def _rule(name: str) -> tuple[str, Any] | None:
 def params_problems(params: dict[str, Any], where: str) -> list[ConfigProblem]:
     """The problems of one free-form params block (`where`: "optimizer.params" or "scheduler.params")."""
     problems = []
+    betas = params.get("betas")
+    if betas is not None and not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+        key = f"{where}.betas"
+        problems.append(ConfigProblem(key, f'"{key}": {show(betas)}: Adam-style optimizers take two betas '
+                                           f'(the gradient\'s and its square\'s decay), e.g. [0.9, 0.999]'))
     for path, leaf in _leaves(params, ()):
         x = _number(leaf)
         if x is None:

@@ -102,6 +102,44 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+DROPPED_SUFFIX = ".dropped.jsonl"
+
+
+def drop_rows_after(path: str | os.PathLike[str], step: int) -> int:
+    """Keep in `path` (a metrics file) only the rows of steps <= `step`, the ones whose weights a run resumed
+    from the checkpoint of `step` holds; the rows after it (an attempt that died, or a run resumed from an
+    earlier tag) are appended to PATH's `.dropped.jsonl` side file for the record. Returns how many moved.
+
+    The side file is appended and flushed before the metrics file is replaced (write and rename), so a crash
+    in between keeps every row at least once. Lines that are not JSON objects with a step stay where they are."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped: list[str] = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+            later = isinstance(row, dict) and int(row["step"]) > step
+        except (ValueError, KeyError, TypeError):
+            later = False
+        (dropped if later else kept).append(line if line.endswith("\n") else line + "\n")
+    if not dropped:
+        return 0
+    side = path.with_name(path.name.removesuffix(".jsonl") + DROPPED_SUFFIX)
+    with open(side, "a", encoding="utf-8") as f:
+        f.writelines(dropped)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(dropped)
+
+
 def final_history(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The steps the run's final state went through, one record each. A resumed run appends to its file and
     may redo steps written after its last checkpoint: a record of step s drops the records of steps >= s

@@ -9,6 +9,8 @@ torch's Adam). Per stage, in one pair of spawned ranks:
 - DeepSpeed's zero_to_fp32 (`get_fp32_state_dict_from_zero_checkpoint`) on shardwise's tag gives shardwise's
   consolidated weights bitwise (stages 1-3; at stage 0 DeepSpeed's tool reads no checkpoint, its own neither).
 - The counters, the scheduler's lr and the client state come back on both sides.
+- Every file of shardwise's tags (DeepSpeed's partition, layer and per-rank ZeRO-3 files too) has its size and
+  CRC-32 in the index; DeepSpeed's tags (no index of ours) load unverified, said once per tag.
 Also: DeepSpeed's tag at another layout (tensor_parallel 2, so dp 1: resharded through the index), the
 load_module_only / load_optimizer_states=False variants against DeepSpeed's own, DeepSpeed's universal
 checkpoint (ds_to_universal.py), a PipelineModule's tag (2 stages, ZeRO-1) both ways, and bf16 at stages 0-3.
@@ -22,6 +24,8 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,7 +113,11 @@ def _both_ways(root: str, stage: int) -> dict:
         out["ds_lr"] = ds.get_lr()
         del ds
     sw = _sw_engine(cfg)
-    path, client = sw.load_checkpoint(ds_dir)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        path, client = sw.load_checkpoint(ds_dir)
+        sw.load_checkpoint(ds_dir)          # the same tag again: said already
+    out["unverified_said"] = [str(w.message) for w in said if "without checking" in str(w.message)]
     out["sw_loaded_client"], out["sw_loaded_steps"] = client, sw.global_steps
     out["sw_from_ds"] = _steps(sw, SAVE_AT, AFTER)
     out["sw_lr"] = sw.get_lr()
@@ -321,12 +329,31 @@ def _frozen(root: str) -> dict:
     return out
 
 
+def _unrecorded(tag: Path) -> list[str]:
+    """The files of a shardwise tag that its index does not record as they are on disk (size and CRC-32), and
+    the files it records that are not there."""
+    from shardwise.checkpoint import files as ckpt
+    from shardwise.checkpoint.index import INDEX, read_index
+    index = read_index(tag)
+    assert index is not None
+    sums = dict(index.checksums)
+    on_disk = {p.name for p in tag.iterdir() if p.name != INDEX}
+    return sorted(on_disk ^ set(sums)) + [n for n in sorted(on_disk & set(sums)) if ckpt.file_sum(tag / n) != sums[n]]
+
+
 def _run(root: str) -> dict:
+    import torch.distributed as dist
     torch.set_num_threads(1)
     out: dict = {stage: _both_ways(root, stage) for stage in (0, 1, 2, 3)}
     out["bf16"] = {stage: _bf16(root, stage) for stage in (0, 1, 2, 3)}
     out["frozen"] = _frozen(root)
     out["pipeline"] = _pipeline(root)          # last: DeepSpeed's pipeline leaves its model-parallel grid set
+    dist.barrier()
+    if dist.get_rank() == 0:                   # every tag shardwise wrote: the sums of all its files
+        out["unrecorded"] = {str(index.parent.relative_to(root)): _unrecorded(index.parent)
+                             for index in sorted(Path(root).glob("*/*/shardwise_index.pt"))}
+        out["files_summed"] = {str(index.parent.relative_to(root)): sorted(p.name for p in index.parent.iterdir())
+                               for index in sorted(Path(root).glob("*/*/shardwise_index.pt"))}
     return out
 
 
@@ -427,6 +454,28 @@ def test_bf16_checkpoints_cross_both_ways(results: list[dict], stage: int) -> No
         assert r["ds_from_sw"] == r["ds_continued"], f"bf16 stage {stage} rank {rank}"
         if stage < 3:
             assert r["sw_from_ds"] == r["ds_continued"], f"bf16 stage {stage} rank {rank}"
+
+
+def test_every_file_of_shardwise_tags_is_summed(results: list[dict]) -> None:
+    """The index of each tag shardwise wrote (stages 0-3, bf16, exclude_frozen, the pipeline) records every other
+    file of the tag at its size and CRC-32 on disk: also DeepSpeed's partitions (rewritten after the first pass),
+    its per-layer files and its ZeRO-3 model states of every dp rank."""
+    unrecorded, files = results[0]["unrecorded"], results[0]["files_summed"]
+    assert len(unrecorded) == 10, sorted(unrecorded)        # sw0-3, bf16_sw0-3, frozen, pipe_sw
+    assert all(not problems for problems in unrecorded.values()), unrecorded
+    names = {n for tag in files.values() for n in tag}
+    for kind in ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_model_states.pt", "layer_04-model_states.pt"):
+        assert kind in names, kind
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_tags_load_unverified_said_once(results: list[dict], stage: int) -> None:
+    """DeepSpeed's tag carries no checksums: shardwise loads it (through the index it builds from DeepSpeed's
+    metadata) and says so once per tag, however often it loads it."""
+    for res in results:
+        said = res[stage]["unverified_said"]
+        assert len(said) == 1 and "DeepSpeed" in said[0], said
 
 
 def test_frozen_parameters_left_out_load_in_deepspeed_non_strict(results: list[dict]) -> None:

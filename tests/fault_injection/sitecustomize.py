@@ -20,9 +20,11 @@ from __future__ import annotations
 import os
 
 KILL_ENV = "SHARDWISE_TEST_KILL_AT"
+STALL_ENV = "SHARDWISE_TEST_STALL_AT"
+""""R:S": rank R stops answering after step S instead (sleeps; a frozen node or a stuck data read)."""
 
 
-def _kill_after_step(step: int) -> None:
+def _kill_after_step(step: int, *, stall: bool = False) -> None:
     """Wrap the two calls of the worker's step loop that mark the step and its end (see the module docstring)."""
     import signal
     import sys
@@ -43,6 +45,9 @@ def _kill_after_step(step: int) -> None:
         signum = agreed(self, *args, **kwargs)
         if loop.get("step") == step and not (signum and step < loop["total"]):
             sys.stdout.flush()
+            if stall:
+                import time
+                time.sleep(3600)          # the launcher's signals still end it
             os.kill(os.getpid(), signal.SIGKILL)
         return signum
 
@@ -51,12 +56,13 @@ def _kill_after_step(step: int) -> None:
 
 
 def _install() -> None:
-    spec = os.environ.get(KILL_ENV)
+    stall = STALL_ENV in os.environ
+    spec = os.environ.get(STALL_ENV if stall else KILL_ENV)
     if not spec or "RANK" not in os.environ or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return          # not asked, not a rank (torchrun's agent, the launching process) or a restarted attempt
     rank, step = (int(x) for x in spec.split(":"))
     if int(os.environ["RANK"]) == rank:
-        _kill_after_step(step)
+        _kill_after_step(step, stall=stall)
 
 
 EXTRA_COLLECTIVE_ENV = "SHARDWISE_TEST_EXTRA_COLLECTIVE_AT"
