@@ -89,3 +89,28 @@ def test_engine_optimizer_reports_an_fp16_overflow_skip_as_deepspeeds() -> None:
     assert inner.param_groups[0]["lr"] == 0.5e-3 and sched.get_last_lr() == [0.5e-3]
     optimizer.zero_grad()
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_load_module_state_dict_is_what_the_next_steps_start_from(stage: int) -> None:
+    """fp16 keeps fp32 masters apart from the module's weights: a load that left them would be undone by the
+    next update. lr 0 makes the update the identity, so the weights after it are the masters."""
+    import shardwise
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "fp16": {"enabled": True, "initial_scale_power": 4}, "zero_optimization": {"stage": stage}}
+    engine, *_ = shardwise.initialize(model=tiny_gpt(n_layer=1), config=config)
+    whole = engine.consolidated_state_dict()
+    shifted = {k: v + 0.5 if v.is_floating_point() else v for k, v in whole.items()}
+    with pytest.raises(shardwise.UserError, match='"module"'):
+        engine.load_module_state_dict(shifted)
+    left_out = sorted(whole)[-1]
+    partial = {k: v for k, v in shifted.items() if k != left_out}
+    with pytest.raises(shardwise.UserError, match=left_out):
+        engine.load_module_state_dict({"module": partial}, allowed_missing_keys=[])
+    assert engine.load_module_state_dict({"module": partial}, allowed_missing_keys=[left_out]) is None
+    _steps(engine, 1)
+    after = engine.consolidated_state_dict()
+    assert engine.was_step_applied()
+    for k, v in partial.items():
+        assert torch.equal(after[k], v), k
+    engine.close()
