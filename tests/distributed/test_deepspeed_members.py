@@ -141,6 +141,9 @@ def _facts(ds, engine, model: torch.nn.Module) -> dict[str, Any]:
     facts["module is the model"] = engine.module is model
     facts["optimizer has param_groups"] = _kind(engine, "optimizer") == "attribute" and \
         len(engine.optimizer.param_groups) >= 1
+    # what Accelerate's step_was_skipped and scripts read of DeepSpeed's optimizer wrapper
+    facts["optimizer overflow, cur_scale, loss_scale"] = [_plain(getattr(engine.optimizer, name, "missing"))
+                                                          for name in ("overflow", "cur_scale", "loss_scale")]
     facts["lr_scheduler"] = (_kind(engine, "lr_scheduler"), type(engine.lr_scheduler).__name__)
     # Hugging Face's Trainer reads the config dict this way before saving
     facts["config lookups"] = (engine.config.get("zero_optimization", {}).get("stage"),
@@ -320,6 +323,7 @@ def test_the_scripts_ran_what_they_check(results: list[dict]) -> None:
         assert {dtype for *_, dtype in written["save_fp16_model"][2]} == {"torch.float32"}
     assert facts["module_state_dict"][0] == "method" and facts["module_state_dict"][2] == ["embed.tok.weight"]
     assert facts["load_module_state_dict"] == ("method", (None, True))
+    assert facts["optimizer overflow, cur_scale, loss_scale"] == [False, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("script", ["zero1", "zero3"])
