@@ -114,8 +114,9 @@ DATA_TYPES_DEFAULTS: dict[str, Any] = {"grad_accum_dtype": None, "param_dtype": 
                                        "keep_in_fp32_modules": "auto"}
 
 # Top-level DeepSpeed keys whose only effect is on things shardwise does not have (logs, timers, NVMe I/O
-# tuning, checkpoint storage options): accepted with one warning when given.
-NO_EFFECT_KEYS = ("aio", "checkpoint", "timers", "log_level", "dump_state", "disable_python_gc",
+# tuning): accepted with one warning when given. The "checkpoint" block is judged key by key
+# (`checkpoint_no_effect_warnings`): its tag_validation is enforced.
+NO_EFFECT_KEYS = ("aio", "timers", "log_level", "dump_state", "disable_python_gc",
                   "disable_allgather", "managed_gradient_accumulation", "use_data_before_expert_parallelism",
                   "seq_parallel_communication_data_type")
 
@@ -193,6 +194,26 @@ def data_types_changed(model: DeepSpeedOnlyKeys) -> list[str]:
     return [k for k, default in DATA_TYPES_DEFAULTS.items() if k in given and given[k] != default]
 
 
+# "checkpoint" keys DeepSpeed reads that change nothing here, and why.
+CHECKPOINT_NO_EFFECT = {
+    "load_universal": "shardwise recognises a universal checkpoint (ds_to_universal.py output) by its files",
+    "use_node_local_storage": "it picks which rank of each node writes DeepSpeed's shared files; the files "
+                              "are the same",
+    "parallel_write": "it spreads the writing of the same layer files over data-parallel ranks",
+}
+
+
+def checkpoint_no_effect_warnings(block: CheckpointSection | None) -> list[str]:
+    """One line per given "checkpoint" key other than tag_validation (which save_checkpoint enforces): those
+    DeepSpeed reads but that change nothing here, and those DeepSpeed never reads."""
+    if block is None:
+        return []
+    given = sorted((block.model_fields_set | set(block.model_extra or {})) - {"tag_validation"})
+    return [f'"checkpoint.{key}" has no effect in shardwise ({CHECKPOINT_NO_EFFECT[key]}); ignored'
+            if key in CHECKPOINT_NO_EFFECT else
+            f'"checkpoint.{key}" is not a key DeepSpeed reads; ignored (DeepSpeed ignores it too)' for key in given]
+
+
 def no_effect_warnings(model: DeepSpeedOnlyKeys) -> list[str]:
     """One line per given DeepSpeed key that is accepted but changes nothing in shardwise."""
     lines = []
@@ -200,6 +221,7 @@ def no_effect_warnings(model: DeepSpeedOnlyKeys) -> list[str]:
         if name in model.model_fields_set:
             lines.append(f'"{name}" is a DeepSpeed setting with no effect in shardwise (nothing it tunes exists '
                          f'here); ignored')
+    lines += checkpoint_no_effect_warnings(model.checkpoint)
     quantization = model.weight_quantization
     if quantization is not None and not quantization.acts and quantization.post_init_quant:
         lines.append('"weight_quantization.post_init_quant" is applied only by DeepSpeed\'s inference quantization '

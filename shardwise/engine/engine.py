@@ -27,6 +27,7 @@ from shardwise.config.resolved import EngineConfig
 from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI, PipelineEngineAPI
 from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
+from shardwise.engine.engine_optimizer import EngineOptimizer
 from shardwise.errors import UserError
 from shardwise.parallel.interfaces import (
     BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
@@ -52,7 +53,6 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.config = config
         self.pipeline: BatchSchedule = pipeline
         self.updater: Updater = update
-        self.optimizer = update.optimizer
         self.dp_runtime = dp_runtime
         self.lr_scheduler = lr_scheduler
         self.ledger = ledger
@@ -74,6 +74,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                    metrics_comm=self.metrics_comm, device=device,
                                    skips=SkipGuard(config, mesh.global_rank), sequence_check=sequence_check)
         """The step driver: counters, forward/backward/step, what pipeline schedules drive."""
+        self.optimizer = EngineOptimizer(update.optimizer, self.steps)
+        """The updater's torch optimizer with DeepSpeed's wrapper members (`overflow`, `cur_scale`)."""
         # The loader `initialize(training_data=...)` built (set there), and the iterator train_batch() reads when
         # given none: DeepSpeed's PipelineEngine loop `for step in ...: engine.train_batch()`.
         self.training_dataloader: Any = None
@@ -262,6 +264,53 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         Unlike DeepSpeed, ZeRO-3 does not need stage3_gather_16bit_weights_on_model_save for it."""
         return save_load.save_16bit_model(self.checkpoint_context(), save_dir, save_filename,
                                           exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name for `save_16bit_model`. Collective."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "",
+                          keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's own `state_dict()` on this rank (as DeepSpeed's: ZeRO-3 shards stay placeholders, a
+        pipeline rank has its stage's; `consolidated_state_dict` gives the whole model), without the
+        parameters that do not require grad when `exclude_frozen_parameters`."""
+        state: dict[str, Any] = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        if destination is not None:         # torch's: the entries go into the caller's dict, which is returned
+            destination.update(state)
+            state = destination
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,
+                               custom_load_fn: Callable[..., Any] | None = None, fetch_z3_params: bool = False,
+                               z3_params_to_fetch: list[torch.nn.Parameter] | None = None,
+                               allowed_missing_keys: list[str] | None = None) -> None:
+        """DeepSpeed's: load `checkpoint["module"]` (a model-states dict, as a checkpoint file holds it) into the
+        module, or hand it to `custom_load_fn(src=..., dst=module)`. `allowed_missing_keys` may be absent under
+        `strict`. The optimizer then steps from the loaded weights (its fp32 masters are refreshed). ZeRO-3
+        shards are gathered around the load whatever `fetch_z3_params` says (every rank loads the same dict;
+        DeepSpeed would load into its empty placeholders without it). Collective under ZeRO-3."""
+        from shardwise.zero import GatheredParameters
+        if not isinstance(checkpoint, dict) or "module" not in checkpoint:
+            raise UserError("engine.load_module_state_dict(checkpoint): pass the model-states dict with the state "
+                            "dict under \"module\" (DeepSpeed's form), e.g. {\"module\": model_state_dict}")
+        state = checkpoint["module"]
+        params = list(self.module.parameters()) if z3_params_to_fetch is None else list(z3_params_to_fetch)
+        with torch.no_grad(), GatheredParameters(params, modifier_rank=0):
+            if custom_load_fn is not None:
+                custom_load_fn(src=state, dst=self.module)
+            else:
+                result = self.module.load_state_dict(state, strict=strict and allowed_missing_keys is None)
+                if strict and allowed_missing_keys is not None:
+                    missing = sorted(set(result.missing_keys) - set(allowed_missing_keys))
+                    if missing or result.unexpected_keys:
+                        raise UserError(f"engine.load_module_state_dict: the state dict does not match the model "
+                                        f"outside allowed_missing_keys: missing {missing}, unexpected "
+                                        f"{sorted(result.unexpected_keys)}; pass strict=False to load what matches")
+        self._sharded_state.sync_masters_from_model()
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -183,7 +183,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
         engine.training_dataloader = loader
-    return engine, updater.optimizer, loader, sched
+    return engine, engine.optimizer, loader, sched
 
 
 def _config_source(model: torch.nn.Module, config: Any, config_params: dict[str, Any] | None, args: Any) -> Any:

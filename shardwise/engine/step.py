@@ -59,6 +59,9 @@ class TrainingSteps:
         self.micro_steps = 0
         self.skipped_steps = 0
         self.step_applied = False
+        self.overflow = False
+        """Whether the latest update (an accumulation boundary) was skipped on inf/nan gradients: DeepSpeed's
+        `engine.optimizer.overflow`, unchanged by the micro-batches between boundaries."""
         # The micro-step count at which the current accumulation cycle started: moved when the batch sizes change
         # or a checkpoint is loaded, so a new accumulation count starts a fresh cycle instead of inheriting the old
         # count's phase.
@@ -115,9 +118,12 @@ class TrainingSteps:
             inputs, kwargs = self._unpacking.split(inputs[0])
         inputs = tuple(_to_device(x, self.device) for x in inputs)
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
-        if not (self.module.training and torch.is_grad_enabled()):
+        # Grad mode, not the module's train/eval mode, decides whether this forward is part of a step: a model
+        # left in eval mode (as `from_pretrained` returns it) still trains when grad is on, and DeepSpeed's
+        # engine counts and steps it alike. A second forward before the update does not reopen the step.
+        if not torch.is_grad_enabled():
             return self.module(*inputs, **kwargs)
-        if self.at_global_batch_start():
+        if self.at_global_batch_start() and not self._step_open:
             self.open_step()
         with self._meter.measuring(list(self.module.parameters())), self.monitor.forward(self):
             out = self.module(*inputs, **kwargs)
@@ -184,6 +190,7 @@ class TrainingSteps:
         with self.monitor.timed(STEP):
             applied = self.updater.step(extra)
             self.step_applied = applied
+            self.overflow = not applied
             if applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()

@@ -141,6 +141,9 @@ def _facts(ds, engine, model: torch.nn.Module) -> dict[str, Any]:
     facts["module is the model"] = engine.module is model
     facts["optimizer has param_groups"] = _kind(engine, "optimizer") == "attribute" and \
         len(engine.optimizer.param_groups) >= 1
+    # what Accelerate's step_was_skipped and scripts read of DeepSpeed's optimizer wrapper
+    facts["optimizer overflow, cur_scale, loss_scale"] = [_plain(getattr(engine.optimizer, name, "missing"))
+                                                          for name in ("overflow", "cur_scale", "loss_scale")]
     facts["lr_scheduler"] = (_kind(engine, "lr_scheduler"), type(engine.lr_scheduler).__name__)
     # Hugging Face's Trainer reads the config dict this way before saving
     facts["config lookups"] = (engine.config.get("zero_optimization", {}).get("stage"),
@@ -180,12 +183,45 @@ def _accelerate_steps(engine, batches: list[torch.Tensor]) -> list[float]:
     return losses
 
 
+def _checkpoint_members(engine, model: torch.nn.Module, zero3: bool) -> dict[str, Any]:
+    """save_fp16_model, module_state_dict and load_module_state_dict: kinds, what they return, what they write
+    or load. The load is checked where the module holds whole tensors (DeepSpeed's ZeRO-3 loads into its empty
+    placeholders unless told to gather)."""
+    import os
+    import tempfile
+    import torch.distributed as dist
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    saved = engine.save_fp16_model(box[0], save_filename="weights.bin")
+    dist.barrier()
+    written = torch.load(os.path.join(box[0], "weights.bin"), weights_only=True)
+    facts: dict[str, Any] = {
+        "save_fp16_model": (_kind(engine, "save_fp16_model"), saved,
+                            sorted((k, list(v.shape), str(v.dtype)) for k, v in written.items())),
+    }
+    state = engine.module_state_dict()
+    first = next(iter(model.parameters()))
+    first.requires_grad_(False)
+    unfrozen = engine.module_state_dict(exclude_frozen_parameters=True)
+    first.requires_grad_(True)
+    facts["module_state_dict"] = (_kind(engine, "module_state_dict"), sorted(state), sorted(set(state) - set(unfrozen)),
+                                  sorted(set(model.state_dict()) ^ set(state)))
+    loaded: Any = None
+    if not zero3:
+        shifted = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+        returned = engine.load_module_state_dict({"module": shifted})
+        loaded = (returned, all(torch.equal(v, shifted[k]) for k, v in model.state_dict().items()))
+    facts["load_module_state_dict"] = (_kind(engine, "load_module_state_dict"), loaded)
+    return facts
+
+
 def _engine_script(ds, config: dict) -> dict:
     model = tiny_gpt(seq_len=SEQ)
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
     batches = token_batches(2, 8, SEQ + 1, seed=5)
     losses = _accelerate_steps(engine, batches)
     facts = _facts(ds, engine, model)
+    facts.update(_checkpoint_members(engine, model, zero3=config["zero_optimization"]["stage"] == 3))
     engine.set_train_micro_batch_size(4)       # the accumulation stays: the global batch doubles
     facts["after set_train_micro_batch_size(4)"] = [engine.train_batch_size(),
                                                     engine.train_micro_batch_size_per_gpu(),
@@ -282,6 +318,12 @@ def test_the_scripts_ran_what_they_check(results: list[dict]) -> None:
     zero3 = results[0]["shardwise"]["zero3"]["facts"]
     assert zero3["zero_offload_optimizer"] == ("method", "cpu") and zero3["zero_cpu_offload"] == ("method", True)
     assert zero3["zero_gather_16bit_weights_on_model_save"] == ("method", True)
+    for written in (facts, zero3):          # the whole model, in fp32 here
+        assert written["save_fp16_model"][:2] == ("method", True) and len(written["save_fp16_model"][2]) > 5
+        assert {dtype for *_, dtype in written["save_fp16_model"][2]} == {"torch.float32"}
+    assert facts["module_state_dict"][0] == "method" and facts["module_state_dict"][2] == ["embed.tok.weight"]
+    assert facts["load_module_state_dict"] == ("method", (None, True))
+    assert facts["optimizer overflow, cur_scale, loss_scale"] == [False, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("script", ["zero1", "zero3"])

@@ -137,6 +137,10 @@ CORPUS = [
     Case("seq_parallel_communication_data_type", with_batch(seq_parallel_communication_data_type="bf16"), warnings=1),
     Case("checkpoint_options", with_batch(checkpoint={"tag_validation": "fail", "use_node_local_storage": True}),
          warnings=1),
+    Case("checkpoint_tag_validation_only", with_batch(checkpoint={"tag_validation": "Fail"})),   # enforced: silent
+    Case("checkpoint_storage_options", with_batch(checkpoint={"tag_validation": "Ignore", "load_universal": True,
+                                                              "parallel_write": {"pipeline_stage": True}}),
+         warnings=2),
     Case("checkpoint_bad_tag_validation", with_batch(checkpoint={"tag_validation": "Sometimes"}),
          key="checkpoint.tag_validation"),
     Case("data_types_default", with_batch(data_types={"keep_in_fp32_modules": "auto"})),
@@ -301,3 +305,14 @@ def test_resolve_auto_is_pure_and_reports_every_key_at_once() -> None:
         "train_micro_batch_size_per_gpu"]        # train_batch_size follows from it, so it is not a problem of its own
     assert all(out.config is not raw and p.message.count("\n") == 0 for p in out.problems)
     assert '"zero_optimization.reduce_bucket_size": "auto" needs the model\'s hidden size' in out.problems[4].message
+
+
+def test_checkpoint_warnings_name_each_key_without_effect() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(with_batch(checkpoint={"tag_validation": "Fail", "use_node_local_storage": True,
+                                           "tag_validaton": "Fail"}), dp_size=1)
+    lines = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert len(lines) == 2 and not any("tag_validation" in line for line in lines), lines
+    assert lines[0].startswith('"checkpoint.tag_validaton" is not a key DeepSpeed reads')
+    assert lines[1].startswith('"checkpoint.use_node_local_storage" has no effect in shardwise')

@@ -24,6 +24,7 @@ from shardwise.parallel.wrappers.policies import (
 )
 from shardwise.parallel.wrappers.steps import StepClock
 from shardwise.parallel.wrappers.sharded_params import Placed, ShownFlat, param_slots, placement
+from shardwise.parallel.wrappers.stale_optimizer import mark_replaced
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.params import Partition, Unit
 from shardwise.parallel.zero.partition import RowLayout
@@ -158,6 +159,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             assert isinstance(f, ShownFlat)
             f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh)
                        for p, shape in zip(f.params, f.shapes)], slots, SHARDED_ATTR)
+            mark_replaced(f.params, f.shown)      # an optimizer built before this call is refused at its step
     names = {id(m): n for n, m in module.named_modules()}
     for k, u in enumerate(units):
         u.index, u.is_root = k, u is mine
