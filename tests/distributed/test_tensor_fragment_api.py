@@ -15,6 +15,8 @@ Tolerances: fp32 Adam on the same inputs; the gradients of the first backward ar
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ def _backward(engine, step: int) -> None:
     engine.backward(loss)
 
 
-def _script(ds, stage: int) -> dict:
+def _script(ds, stage: int, tmp: str) -> dict:
     u = ds.utils
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
@@ -77,9 +79,23 @@ def _script(ds, stage: int) -> dict:
         u.safe_set_full_grad(p, _fixed(n, 0.2, offset=-0.05))
     engine.step()
     out["fp32_2"] = {n: u.safe_get_full_fp32_param(p) for n, p in named.items()}
+    if stage in (1, 3):
+        out["consolidated"] = _consolidated(engine, os.path.join(tmp, f"{ds.__name__}_{stage}"))
     if ds.__name__ == "shardwise":
         out["local"] = _local_checks(u, named)
     return out
+
+
+def _consolidated(engine, save_dir: str) -> dict:
+    """The checkpoint's fp32 weights through shardwise's zero_to_fp32 and through DeepSpeed's (rank 0)."""
+    engine.save_checkpoint(save_dir)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return {}
+    from deepspeed.utils import zero_to_fp32 as theirs
+    from shardwise.utils import zero_to_fp32 as ours
+    return {"ours": ours.get_fp32_state_dict_from_zero_checkpoint(save_dir),
+            "theirs": theirs.get_fp32_state_dict_from_zero_checkpoint(save_dir)}
 
 
 def _local_checks(u, named: dict) -> dict:
@@ -97,17 +113,18 @@ def _local_checks(u, named: dict) -> dict:
     return out
 
 
-def _ranks(stages: tuple[int, ...], ds_stages: tuple[int, ...]) -> dict:
+def _ranks(stages: tuple[int, ...], ds_stages: tuple[int, ...], tmp: str) -> dict:
     import shardwise
-    ours = {s: _script(shardwise, s) for s in stages}
     deepspeed = _import_deepspeed()
-    theirs = {s: _script(deepspeed, s) for s in ds_stages}
+    ours = {s: _script(shardwise, s, tmp) for s in stages}
+    theirs = {s: _script(deepspeed, s, tmp) for s in ds_stages}
     return {"shardwise": ours, "deepspeed": theirs}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_ranks, WORLD, args=((0, 1, 2, 3), (1, 2, 3)), timeout=400)
+def results(tmp_path_factory) -> list[dict]:
+    tmp = str(tmp_path_factory.mktemp("fragments"))
+    return run_distributed(_ranks, WORLD, args=((0, 1, 2, 3), (1, 2, 3), tmp), timeout=400)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -164,3 +181,18 @@ def test_local_pieces_are_the_full_values_elements(results: list[dict], stage: i
             expected = value + torch.cat([torch.full((k,), float(r + 1)) for r, k in enumerate(held)])
         full = results[0]["shardwise"][stage]["local"][n]["full_after"].reshape(-1)
         assert torch.equal(full, expected), (n, held)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("writer", ["shardwise", "deepspeed"])
+def test_zero_to_fp32_reads_both_libraries_checkpoints(results: list[dict], stage: int, writer: str) -> None:
+    """shardwise's zero_to_fp32 on a checkpoint either library wrote gives the fp32 masters the writer trained
+    (exactly: they are copied, not computed), as DeepSpeed's own zero_to_fp32 reads them."""
+    side = results[0][writer][stage]
+    masters = side["fp32_2"]
+    ours = side["consolidated"]["ours"]
+    assert ours.keys() == masters.keys()
+    for n, v in masters.items():
+        assert ours[n].dtype == torch.float32 and torch.equal(ours[n], v), (writer, stage, n)
+    theirs = side["consolidated"]["theirs"]
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[n], ours[n]) for n in ours)
