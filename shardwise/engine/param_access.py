@@ -23,7 +23,9 @@ what the next step starts from (a model parameter with separate fp32 masters tak
 parameter at stage 0, this rank's piece at stages 1-3, which may be empty. Differences from DeepSpeed: its local
 functions exist at stage 3 only and give `ceil(numel / dp)` elements per rank, padded (`ds_tensor`); shardwise's
 pieces follow its own shard layout (a unit's flat at stage 3, a bucket's at 1-2), so sizes differ per rank and a
-script sizes a local value from what the local getter returns. DeepSpeed gives no fp32 value under stage 0 in fp32
+script sizes a local value from what the local getter returns. A local fp32 write is this rank's alone: where
+the master is a view of the model's fp32 parameter (ZeRO 1-2 without separate masters) this rank's elements of the
+model change at once, the other ranks' at the next step's gather. DeepSpeed gives no fp32 value under stage 0 in fp32
 or fp16 (no fp32 mapping exists there); shardwise gives the parameter's. Under `offload_optimizer` the step reads
 the gradient copied to the host during backward, so a gradient set after backward does not reach that step.
 """
@@ -143,9 +145,10 @@ def _set_full(param: torch.nn.Parameter, value: torch.Tensor,
             raise UserError(f"{what}: the parameter has no gradient yet: call it after the backward of a global "
                             f"batch's last micro-batch and before engine.step()")
         t.reshape(-1)[piece.dst:piece.dst + piece.hi - piece.lo].copy_(flat[piece.lo:piece.hi])
-    if any(_shares_storage(tensors[k], param) for k, _ in pieces) and param.numel() == numel:
-        # The stepped tensor is a view of the model's parameter (fp32 without separate masters, ZeRO 1-2: this
-        # rank's shard of it): the whole parameter takes the value, so no rank's model holds a mix of old and new.
+    if param.numel() == numel and any(_shares_storage(t, param) for t in tensors):
+        # The stepped tensors are views of the model's parameters (fp32 without separate masters; ZeRO 1-2: this
+        # rank's shard of a bucket's flat, which holds the parameter whole, also on a rank holding none of its
+        # elements): the whole parameter takes the value, so no rank's model holds a mix of old and new.
         param.detach().copy_(value.detach().reshape(param.shape))
 
 

@@ -25,6 +25,8 @@ from test_deepspeed_parity import _import_deepspeed
 from shardwise.testing import assert_state_close, run_distributed
 
 WORLD = 2
+# With 60-element buckets (filled from the last parameter back), "2.bias" and "2.weight" share one bucket of 52
+# elements: rank 1's half holds none of "2.bias", the case where a rank sets a parameter it holds no piece of.
 SHAPES = {"0.weight": (12, 6), "0.bias": (12,), "2.weight": (4, 12), "2.bias": (4,)}
 
 
@@ -33,7 +35,7 @@ def _config(stage: int) -> dict:
             "steps_per_print": 10_000,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "reduce_bucket_size": 50}}
+                                  "reduce_bucket_size": 60}}
 
 
 def _fixed(name: str, scale: float, offset: float = 0.0) -> torch.Tensor:
@@ -163,6 +165,14 @@ def test_stage0_updates_match_stage1(results: list[dict]) -> None:
         s0, s1 = res["shardwise"][0], res["shardwise"][1]
         for key in ("grads", "fp32_1", "exp_avg", "exp_avg_sq", "fp32_2"):
             assert_state_close(s0[key], s1[key], what=f"stage 0 vs 1 {key}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_rank_may_hold_no_piece(results: list[dict], stage: int) -> None:
+    """The layout the other checks run on: "2.bias" lies wholly on rank 0 (so rank 1's model took the value set
+    without holding a piece of it: test_fp32_value_set_reaches_the_whole_parameter)."""
+    pieces = results[0]["shardwise"][stage]["local"]["2.bias"]["pieces"]
+    assert [lp.numel() for lp, _ in pieces] == [4, 0]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
