@@ -16,6 +16,15 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read into this run (missing, damaged, or written for another layout)."""
 
 
+class ArgumentError(UserError, ValueError):
+    """A call's argument that cannot work (an empty save_dir, ...); a ValueError too, as DeepSpeed raises there."""
+
+
+class TagValidationError(CheckpointError, AssertionError):
+    """The ranks save under different tags and checkpoint.tag_validation is "Fail". An AssertionError too: that is
+    what DeepSpeed raises there, and scripts written for it catch that."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than communication.timeout_minutes; the message names the ranks that did not
     arrive and what every rank waited on (`shardwise.comm.watchdog`). Not a `UserError`: a stalled node or a bug,

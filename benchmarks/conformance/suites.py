@@ -31,7 +31,6 @@ DEEPSPEED_FILES = [
     "unit/runtime/zero/test_zero_tensor_fragment.py",
     "unit/runtime/zero/test_zero_grad_clip.py",
     "unit/runtime/zero/test_ignore_unused_parameters.py",
-    "unit/v1/zero/test_zero.py",
     "unit/checkpoint/test_zero_optimizer.py",
     "unit/checkpoint/test_tag_validation.py",
     "unit/checkpoint/test_latest_checkpoint.py",
@@ -46,6 +45,7 @@ DEEPSPEED_FILES = [
     "unit/runtime/activation_checkpointing/test_activation_checkpointing.py",
     "unit/runtime/half_precision/test_fp16.py",
     "unit/utils/test_partition_balanced.py",
+    "unit/v1/zero/test_zero.py",            # the longest: last
 ]
 
 # Modules of DeepSpeed's test harness and environment: reading them says nothing about what a test tests.

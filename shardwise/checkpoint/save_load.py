@@ -32,7 +32,7 @@ from shardwise.checkpoint import reshard
 from shardwise.checkpoint.context import CheckpointContext
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Axis
-from shardwise.errors import UserError
+from shardwise.errors import ArgumentError, TagValidationError, UserError
 from shardwise.parallel.tensor_parallel.state_dict import gather_full_state_dict
 
 _SPANNING = (Axis.DP, Axis.TP, Axis.PP)
@@ -74,7 +74,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     from every rank (ours, and DeepSpeed's partition of the same state: `deepspeed_write.py`); the index from
     world rank 0. Collective over the mesh."""
     if not save_dir:
-        raise UserError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
+        raise ArgumentError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
                         f"into")
     tag = _agreed_tag(ctx, f"global_step{ctx.progress.global_steps}" if tag is None else str(tag))
     client = dict(client_state or {})
@@ -168,7 +168,7 @@ def _agreed_tag(ctx: CheckpointContext, tag: str) -> str:
     line = (f"save_checkpoint: the ranks save under different tags ({sorted(set(tags))[:4]}): a tag with "
             f"rank-specific parts cannot be restored at another world size; give every rank the same tag")
     if mode == "FAIL":
-        raise UserError(line + ' (checkpoint.tag_validation = "Fail")')
+        raise TagValidationError(line + ' (checkpoint.tag_validation = "Fail")')
     if mode == "WARN":
         warnings.warn(f"{line}; saving under world rank 0's tag {tags[0]!r}", ckpt.CheckpointWarning,
                       stacklevel=4)

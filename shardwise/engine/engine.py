@@ -27,7 +27,7 @@ from shardwise.config.resolved import EngineConfig
 from shardwise.engine.deepspeed_api import DeepSpeedEngineAPI, PipelineEngineAPI
 from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
-from shardwise.engine.engine_optimizer import EngineOptimizer
+from shardwise.engine.engine_optimizer import with_deepspeed_members
 from shardwise.errors import UserError
 from shardwise.parallel.interfaces import (
     BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
@@ -74,8 +74,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                                    metrics_comm=self.metrics_comm, device=device,
                                    skips=SkipGuard(config, mesh.global_rank), sequence_check=sequence_check)
         """The step driver: counters, forward/backward/step, what pipeline schedules drive."""
-        self.optimizer = EngineOptimizer(update.optimizer, self.steps)
-        """The updater's torch optimizer with DeepSpeed's wrapper members (`overflow`, `cur_scale`)."""
+        self.optimizer = with_deepspeed_members(update.optimizer, self.steps)
+        """The updater's torch optimizer (the client's own object at stage 0), with DeepSpeed's wrapper members
+        (`overflow`, `cur_scale`)."""
         # The loader `initialize(training_data=...)` built (set there), and the iterator train_batch() reads when
         # given none: DeepSpeed's PipelineEngine loop `for step in ...: engine.train_batch()`.
         self.training_dataloader: Any = None

@@ -59,18 +59,19 @@ def _tags(root: str) -> dict:
             warnings.simplefilter("always")
             try:
                 engine.save_checkpoint(where, tag=f"step1_rank{rank}")
-                error = None
+                error, assertion = None, False
             except UserError as e:
-                error = str(e)
-        out[mode] = {"error": error, "warned": [str(w.message) for w in caught if "different tags" in str(w.message)],
+                error, assertion = str(e), isinstance(e, AssertionError)    # DeepSpeed's type there
+        out[mode] = {"error": error, "assertion": assertion, "warned": [str(w.message) for w in caught if "different tags" in str(w.message)],
                      "dirs": sorted(p.name for p in Path(where).iterdir()) if os.path.isdir(where) else []}
         engine.close()
     engine = _engine(0)
-    try:
-        engine.save_checkpoint("", tag="x")
-        out["empty_dir"] = None
-    except UserError as e:
-        out["empty_dir"] = str(e)
+    for name, save_dir in (("empty_dir", ""), ("none_dir", None)):
+        try:
+            engine.save_checkpoint(save_dir, tag="x")
+            out[name] = None
+        except UserError as e:
+            out[name] = str(e) if isinstance(e, ValueError) else f"not a ValueError: {e}"   # as DeepSpeed
     engine.close()
     return out
 
@@ -119,6 +120,7 @@ def test_tag_validation_fail_refuses_on_every_rank(results: list[dict]) -> None:
         fail = res["tags"]["Fail"]
         assert fail["error"] is not None and "different tags" in fail["error"] and "\n" not in fail["error"]
         assert "tag_validation" in fail["error"]
+        assert fail["assertion"]                               # DeepSpeed's scripts catch AssertionError
         assert fail["dirs"] == []                              # nothing written
 
 
@@ -133,8 +135,9 @@ def test_tag_validation_warn_and_ignore_save_under_rank0s_tag(results: list[dict
 
 def test_empty_save_dir_is_refused_in_one_line(results: list[dict]) -> None:
     for res in results:
-        line = res["tags"]["empty_dir"]
-        assert line is not None and "save_dir" in line and "\n" not in line
+        for name in ("empty_dir", "none_dir"):
+            line = res["tags"][name]
+            assert line is not None and "save_dir" in line and "\n" not in line and "not a ValueError" not in line
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

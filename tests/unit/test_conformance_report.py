@@ -72,3 +72,14 @@ def test_a_swapped_module_serves_ours_first_and_logs_each_side(tmp_path, monkeyp
         raise AssertionError("a name in neither module must raise AttributeError")
     kinds = [line.split("\t")[2:] for line in log.read_text().splitlines()]
     assert kinds == [["ours", "deepspeed.fake.shared"], ["theirs", "deepspeed.fake.only_theirs"]]
+
+
+def test_a_file_that_does_not_import_names_the_error() -> None:
+    log = ("\x1b[31mERROR\x1b[0m unit/runtime/test_a.py - AttributeError: __compatible_ops__\n"
+           "ERROR unit/b.py::T::test - not a collection error\n")
+    errors = report.collection_errors(log)
+    assert errors == {"unit/runtime/test_a.py": "AttributeError: __compatible_ops__"}
+    peer = {"unit/runtime/test_a.py::t": _result("unit/runtime/test_a.py::t", "passed", 0, 1)}
+    (verdict,) = report.classify(peer, {}, [], harness=(), public=(), deliberate={}, internal={},
+                                 not_collected=errors)
+    assert verdict.klass == "a" and "__compatible_ops__" in verdict.reason

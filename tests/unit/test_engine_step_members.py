@@ -61,10 +61,9 @@ def test_engine_optimizer_reports_an_fp16_overflow_skip_as_deepspeeds() -> None:
               "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     engine, optimizer, _, scheduler = shardwise.initialize(model=tiny_gpt(n_layer=1), config=config)
     assert optimizer is engine.optimizer
-    # still the torch optimizer that steps: its groups, state and state_dict are the wrapped one's
+    # still the torch optimizer that steps, the same object, of its own class
     inner = engine.updater.optimizer
-    assert isinstance(optimizer, torch.optim.Optimizer) and optimizer.optimizer is inner
-    assert optimizer.param_groups is inner.param_groups and optimizer.state is inner.state
+    assert optimizer is inner and optimizer.optimizer is inner and isinstance(optimizer, torch.optim.AdamW)
     assert (optimizer.overflow, optimizer.cur_scale, optimizer.loss_scale) == (False, 256.0, 256.0)
 
     _steps(engine, 1)
@@ -113,4 +112,24 @@ def test_load_module_state_dict_is_what_the_next_steps_start_from(stage: int) ->
     assert engine.was_step_applied()
     for k, v in partial.items():
         assert torch.equal(after[k], v), k
+    engine.close()
+
+
+def test_the_returned_optimizer_is_the_clients_own_object() -> None:
+    """DeepSpeed returns the client's optimizer itself at stage 0 in fp32, and a callable's product as built;
+    the members DeepSpeed's wrappers carry are there too."""
+    import shardwise
+    config = {"train_micro_batch_size_per_gpu": 2}
+    model = tiny_gpt(n_layer=1)
+    client = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, optimizer, _, _ = shardwise.initialize(model=model, config=config, optimizer=client)
+    assert optimizer is client and engine.optimizer is client and isinstance(client, torch.optim.Adam)
+    assert (client.overflow, client.cur_scale) == (False, 1.0)
+    _steps(engine, 1)
+    assert client.state_dict()["state"] != {}
+    engine.close()
+    model = tiny_gpt(n_layer=1)
+    engine, optimizer, _, _ = shardwise.initialize(model=model, config=config,
+                                                   optimizer=lambda params: torch.optim.AdamW(params))
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer is engine.optimizer
     engine.close()
