@@ -38,7 +38,9 @@ def _last_line(report: pytest.TestReport) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     # The exception line ("E   ValueError: ...") says more than the location line that ends longrepr.
     errors = [line for line in lines if line.startswith("E ")]
-    chosen = errors[-1] if errors else (lines[-1] if lines else "")
+    # torch's harness ends a failure with how to rerun it; the exception line above that is the one to keep.
+    raised = [line for line in errors if re.match(r"E\s+[\w.]*(Error|Exception|Exit)\b", line)]
+    chosen = raised[-1] if raised else errors[-1] if errors else (lines[-1] if lines else "")
     return chosen[:400]
 
 
