@@ -110,6 +110,10 @@ TORCH_FILES = [
 ]
 
 # file -> regular expression a test's name must match to be run (files absent here run whole).
+# test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none is left out: on a CPU-only machine its run
+# ends with the pytest process itself terminated (SIGTERM), taking the tests after it down too.
 TORCH_SELECT: dict[str, str] = {
-    "distributed/test_distributed_spawn.py": r"test_ddp|DistributedDataParallel",
+    "distributed/test_distributed_spawn.py":
+        r"^(?!test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none$)"
+        r"(test_ddp|test_DistributedDataParallel)",
 }
