@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Any
 
 import pytest
 
 RESULTS_ENV = "SHARDWISE_CONFORMANCE_RESULTS"
+# JSON {file path: regex}: in those files only tests whose name matches run (`suites.TORCH_SELECT`).
+SELECT_ENV = "SHARDWISE_CONFORMANCE_SELECT"
 
 if "deepspeed" in os.environ.get("SHARDWISE_CONFORMANCE_PEERS", ""):
     import deepspeed  # noqa: F401
@@ -35,8 +38,23 @@ def _last_line(report: pytest.TestReport) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     # The exception line ("E   ValueError: ...") says more than the location line that ends longrepr.
     errors = [line for line in lines if line.startswith("E ")]
-    chosen = errors[-1] if errors else (lines[-1] if lines else "")
+    # torch's harness ends a failure with how to rerun it; the exception line above that is the one to keep.
+    raised = [line for line in errors if re.match(r"E\s+[\w.]*(Error|Exception|Exit)\b", line)]
+    chosen = raised[-1] if raised else errors[-1] if errors else (lines[-1] if lines else "")
     return chosen[:400]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    select: dict[str, str] = json.loads(os.environ.get(SELECT_ENV) or "{}")
+    if not select:
+        return
+    kept, dropped = [], []
+    for item in items:
+        pattern = select.get(item.nodeid.split("::", 1)[0])
+        (kept if pattern is None or re.search(pattern, item.name) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -12,6 +12,7 @@ one pytest run of the candidate files (`suites.py`) with the peer, then one with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ SITE = Path(__file__).resolve().parent / "site"
 
 
 def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path, label: str,
-            timeout_s: int) -> tuple[Path, Path]:
+            timeout_s: int, extra_env: dict[str, str]) -> tuple[Path, Path]:
     results = work / f"{label}.results.jsonl"
     log = work / f"{label}.access.tsv"
     for path in (results, log):
@@ -47,6 +48,7 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
         "LOCAL_SIZE": env.get("LOCAL_SIZE", "8"),
         "DS_UNITTEST_TIMEOUT": str(timeout_s),
     })
+    env.update(extra_env)
     # Node ids go through a file: a few hundred of them would not fit a command line everywhere.
     args_file = work / f"{label}.targets"
     args_file.write_text("\n".join(targets) + "\n")
@@ -62,7 +64,9 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
 
 
 def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: int, harness: tuple[str, ...],
-             public: tuple[str, ...], reuse_peer: bool = False) -> list[report.Verdict]:
+             public: tuple[str, ...], reuse_peer: bool = False,
+             extra_env: dict[str, str] | None = None) -> list[report.Verdict]:
+    extra_env = extra_env or {}
     present = [f for f in files if (cwd / f).exists()]
     missing = sorted(set(files) - set(present))
     if missing:
@@ -73,16 +77,29 @@ def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: i
         print(f"  {name}-peer: reusing {peer_results}", flush=True)
     else:
         peer_results, _ = _pytest(cwd, present, swap="", peers=name, work=work, label=f"{name}-peer",
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, extra_env=extra_env)
     peer = {nodeid: r for nodeid, r in report.read_results(peer_results).items()
             if any(nodeid.startswith(f + "::") for f in present)}
     passed = [nodeid for nodeid, r in peer.items() if r.outcome == "passed"]
     if not passed:
         return []
     ours_results, log = _pytest(cwd, passed, swap=name, peers=name, work=work, label=f"{name}-shardwise",
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, extra_env=extra_env)
     return report.classify(peer, report.read_results(ours_results), report.read_log(log), harness=harness,
                            public=public, deliberate=suites.DELIBERATE, internal=suites.INTERNAL)
+
+
+def _torch_env(work: Path) -> dict[str, str]:
+    """test_distributed_spawn.py reads its backend, world size and a directory holding a `barrier` file from the
+    environment; gloo over 2 ranks is what runs on CPU. Its class name depends on INIT_METHOD, which each test's
+    setUp sets to a file:// URL before the ranks spawn and import the file again: set one here too, so that the
+    class the ranks look up has the name the parent collected."""
+    temp_dir = work / "torch_tmp"
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    (temp_dir / "barrier").mkdir(exist_ok=True)
+    return {"BACKEND": "gloo", "WORLD_SIZE": "2", "TEMP_DIR": str(temp_dir),
+            "INIT_METHOD": f"file://{temp_dir / 'init_file'}",
+            "SHARDWISE_CONFORMANCE_SELECT": json.dumps(suites.TORCH_SELECT)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"checkout")
         print("torch's test/distributed:", flush=True)
         verdicts = run_peer("torch", tests, chosen(suites.TORCH_FILES), work=args.work, timeout_s=args.timeout,
-                            harness=(), public=(), reuse_peer=args.reuse_peer)
+                            harness=(), public=(), reuse_peer=args.reuse_peer, extra_env=_torch_env(args.work))
         sections["torch"] = report.markdown("torch's own FSDP2 / FSDP / DDP tests, the wrappers swapped for shardwise's",
                                             verdicts, "make conformance TORCH_SRC=DIR")
     for text in sections.values():

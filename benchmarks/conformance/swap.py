@@ -207,9 +207,23 @@ TORCH_SWAPS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# Peer modules that bind a swapped name at import for their own use, and must keep torch's: the composable
+# `replicate` (torch's tests' DDP reference model) wraps `torch.nn.parallel.DistributedDataParallel`.
+TORCH_KEEP_OWN = ("torch.distributed._composable.replicate",)
+
+# Test-harness modules imported after the swap (their model helpers call `fully_shard` / `FSDP`, the subject),
+# with names that must stay torch's restored: common_fsdp's `DDP` is the reference FSDP1 tests compare against.
+TORCH_HARNESS_RESTORE: dict[str, list[tuple[str, str, str]]] = {
+    "torch.testing._internal.common_fsdp": [("DDP", "torch.nn.parallel.distributed", "DistributedDataParallel")],
+}
+
+
 def install_torch() -> None:
     import shardwise
 
+    for module_name in TORCH_KEEP_OWN:
+        importlib.import_module(module_name)
+    originals: dict[tuple[str, str], Any] = {}
     for module_name, pairs in TORCH_SWAPS.items():
         try:
             module = importlib.import_module(module_name)
@@ -217,7 +231,16 @@ def install_torch() -> None:
             continue
         for torch_name, ours_name in pairs:
             if hasattr(module, torch_name):
+                originals.setdefault((module_name, torch_name), getattr(module, torch_name))
                 setattr(module, torch_name, getattr(shardwise, ours_name))
+    for harness_name, restores in TORCH_HARNESS_RESTORE.items():
+        try:
+            harness = importlib.import_module(harness_name)
+        except ImportError:
+            continue
+        for attr, module_name, torch_name in restores:
+            if (module_name, torch_name) in originals:
+                setattr(harness, attr, originals[(module_name, torch_name)])
     _log("ours", "torch-wrappers")
 
 

@@ -13,7 +13,8 @@ world size:
 - torch's own `get_state_dict` / `set_state_dict` with `torch.distributed.checkpoint` save and resume a
   fully_shard model and its optimizer exactly.
 - FSDP2's explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and
-  `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters.
+  `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters. So with
+  `reshard_after_forward=None` (the root kept gathered after forward, the blocks freed).
 - At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
   `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
@@ -189,6 +190,29 @@ def _explicit_prefetch(which: str) -> dict:
             "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
 
 
+def _reshard_none(which: str) -> dict:
+    """`reshard_after_forward=None`, FSDP2's default: the root keeps its parameters gathered after forward, the
+    blocks below it free theirs; FSDP2's losses and parameters."""
+    fully_shard = _fully_shard_fn(which)
+    model = tiny_gpt(seq_len=SEQ)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=None)
+    fully_shard(model, reshard_after_forward=None)
+    flags = []
+    if which == "ours":
+        flags = [(u.is_root, u.reshard_after_forward) for u in model._fully_shard_state().runtime.units]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for b in global_batches()[:3]:
+        (rows,) = shard_global_batch(b, dp_size=dist.get_world_size(), dp_rank=dist.get_rank(), grad_accum=1)
+        loss = model(*lm_pair(rows))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean_over_ranks(float(loss.detach())))
+    return {"flags": flags, "losses": losses, "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
 def _ddp_pickled() -> dict:
     """`torch.save(model)` of a DistributedDataParallel model loads back as one that trains on, averaging."""
     import io
@@ -248,7 +272,7 @@ def _pairs(path: str) -> dict:
     torch.set_num_threads(1)
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
-                            ("prefetch", _explicit_prefetch))}
+                            ("prefetch", _explicit_prefetch), ("reshard_none", _reshard_none))}
     return {**out, "pickled": _ddp_pickled(), "torch_dcp": _torch_dcp(path)}
 
 
@@ -291,6 +315,11 @@ def test_torch_view_two_ranks(tmp_path):
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"explicit prefetch, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"explicit prefetch, rank {rank}", adam=True)
         assert "shard_placement_fn gave Shard(dim=1)" in ours["refused"] and "\n" not in ours["refused"]
+        ours, theirs = r["reshard_none"]["ours"], r["reshard_none"]["torch"]
+        n_blocks = len(ours["flags"]) - 1
+        assert ours["flags"] == [(False, True)] * n_blocks + [(True, False)], ours["flags"]
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"reshard_after_forward=None, rank {rank}")
+        assert_state_close(ours["state"], theirs["state"], what=f"reshard_after_forward=None, rank {rank}", adam=True)
         pickled = r["pickled"]
         assert pickled["kind"] == "DistributedDataParallel"
         assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)

@@ -28,6 +28,11 @@ from shardwise.parallel.wrappers.steps import StepClock
 MIB = 1 << 20
 
 
+class NothingToTrain(UserError, RuntimeError):
+    """A module with no parameter that requires grad: torch's DDP raises a RuntimeError for it, which callers
+    catch; this is that and shardwise's one-line UserError at once."""
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The constructor's choices a pickled wrapper is rebuilt with."""
@@ -80,7 +85,8 @@ class DistributedDataParallel(nn.Module):
         self.groups = groups_of(mesh, ledger=self.ledger)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
-            raise UserError("DistributedDataParallel: the module has no parameter that requires grad")
+            raise NothingToTrain("DistributedDataParallel: the module has no parameter that requires grad; give "
+                                 "it a model with trainable parameters")
         if broadcast:
             with torch.no_grad():           # identical start, as torch DDP: rank 0's values everywhere
                 self.groups.dp.broadcast_coalesced([*self.module.parameters(), *self.module.buffers()])

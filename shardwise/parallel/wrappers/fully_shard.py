@@ -39,6 +39,10 @@ SHARDED_ATTR = "_shardwise_sharded"
 STATE_ATTR = "_shardwise_fully_shard"
 """Attribute of every wrapped module: its `FullyShardState` (the one of the outermost wrapped module above it)."""
 
+RESHARD_POLICY_ATTR = "_shardwise_reshard_after_forward"
+"""Attribute of each module `fully_shard` was called on: the `reshard_after_forward` it was given (None resolves
+by position: False while it is the root, True once a later call adopts it)."""
+
 
 @dataclass(eq=False)
 class FullyShardState:
@@ -80,9 +84,10 @@ def _compute_device(groups: DataParallelGroups, params: list[nn.Parameter]) -> t
 
 
 def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> None:
-    if not isinstance(reshard_after_forward, bool):
-        raise UserError(f"reshard_after_forward = {reshard_after_forward!r}: give True (free after forward) or "
-                        f"False (keep gathered until backward); resharding to a smaller group is not supported")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise UserError(f"reshard_after_forward = {reshard_after_forward!r}: give True (free after forward), "
+                        f"False (keep gathered until backward) or None (False for the root, True below it); "
+                        f"resharding to a smaller group is not supported")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise UserError(f"mp_policy = {mp_policy!r}: give shardwise.MixedPrecisionPolicy(param_dtype=..., "
                         f"reduce_dtype=...)")
@@ -90,7 +95,7 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
         raise UserError(f"offload_policy = {offload_policy!r}: give shardwise.CPUOffloadPolicy() or None")
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | None = True,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
@@ -104,7 +109,9 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
     whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
     `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
-    sharded along dim 0."""
+    sharded along dim 0. `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
+    backward starts at once) keeps its parameters gathered after forward, and a module once a later call adopts
+    it frees them."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -150,7 +157,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
                     dtype = mp_policy.buffer_dtype if b.is_floating_point() and mp_policy.buffer_dtype else b.dtype
                     m._buffers[name] = b.to(device, dtype)
     units = list(adopted)
-    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, reshard_after_forward)
+    for u in adopted:               # no longer the root: FSDP2's None frees after forward below the root
+        if getattr(u.module, RESHARD_POLICY_ATTR, True) is None:
+            u.reshard_after_forward = True
+    setattr(module, RESHARD_POLICY_ATTR, reshard_after_forward)
+    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, bool(reshard_after_forward))
     dt_mesh = next(iter(below.values())).mesh if below else dtensors.dp_device_mesh(groups, device)
     if mine is not None:
         units.append(mine)
