@@ -165,6 +165,19 @@ class FullValues(Protocol):
         Collective over dp when dp ranks hold shards."""
         ...
 
+    def full_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        """`param`'s shape whole as this rank trains it (its TP slice), also where this rank holds none of it."""
+        ...
+
+    def stepped_grads(self) -> list[torch.Tensor | None]:
+        """Per stepped tensor (the order of `ShardedState.stepped`): the gradient the next step reads for it, laid
+        out as that tensor (a ZeRO gradient shard, a parameter's .grad); None where there is none yet."""
+        ...
+
+    def sum_over_shards(self, t: torch.Tensor) -> None:
+        """Sum `t` in place over the ranks that hold shards of the stepped tensors (dp under ZeRO 1-3); nothing
+        where each rank holds them whole."""
+
 
 class UpdateStrategy(Updater, ShardedState, FullValues, Protocol):
     """What `build_replicated` / `build_zero` return: one object behind the three views."""

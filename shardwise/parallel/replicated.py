@@ -79,6 +79,16 @@ class ReplicatedUpdate(Update):
         """A copy of .grad: the bucket's slot, averaged over dp after the boundary's backward."""
         return None if param.grad is None else param.grad.detach().clone()
 
+    def full_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        return tuple(param.shape)
+
+    def stepped_grads(self) -> list[torch.Tensor | None]:
+        """Each parameter's .grad, which the step reads (and copies into its master's)."""
+        return [p.grad for p in self.model_params]
+
+    def sum_over_shards(self, t: torch.Tensor) -> None:
+        """Nothing: every rank holds the stepped tensors whole."""
+
 
 def _synchronised_grad(p: torch.nn.Parameter) -> torch.Tensor:
     """`p.grad` after the dp all-reduce: `BucketedAllReduce` keeps every .grad a view of its bucket slot."""

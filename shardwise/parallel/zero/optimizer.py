@@ -219,6 +219,17 @@ class ShardedUpdate(Update):
         k, i = self._where[id(param)]
         return self._assemble(self.buckets[k], i, self.buckets[k].grad_shard)
 
+    def full_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        k, i = self._where[id(param)]
+        return tuple(self.buckets[k].shapes[i])
+
+    def stepped_grads(self) -> list[torch.Tensor | None]:
+        """Bucket k's gradient shard [S] (model dtype), laid out as master k."""
+        return [b.grad_shard for b in self.buckets]
+
+    def sum_over_shards(self, t: torch.Tensor) -> None:
+        self.comm.all_reduce(t)
+
     @torch.no_grad()
     def _assemble(self, bucket: ZeroBucket, i: int, shard: torch.Tensor) -> torch.Tensor:
         """Parameter i of `bucket` from per-rank shards: each rank writes its pieces into zeros, one sum."""

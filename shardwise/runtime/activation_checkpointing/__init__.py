@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.runtime.activation_checkpointing` import path (its `checkpointing` module)."""
