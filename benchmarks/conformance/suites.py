@@ -51,6 +51,7 @@ DEEPSPEED_FILES = [
 # Modules of DeepSpeed's test harness and environment: reading them says nothing about what a test tests.
 DEEPSPEED_HARNESS = (
     "deepspeed.accelerator",
+    "deepspeed.ops.__compatible_ops__",     # which kernels this build compiled: a test's skip condition
     "deepspeed.git_version_info",
     "deepspeed.ops.op_builder",
     "deepspeed.utils.logging",
@@ -79,7 +80,10 @@ DEEPSPEED_PUBLIC_MODULES = (
 )
 
 # test-id substring -> reason shardwise differs on purpose (each documented in README).
-DELIBERATE: dict[str, str] = {}
+DELIBERATE: dict[str, str] = {
+    "test_ds_config_dict.py::TestNoModel::test":
+        "initialize(model=None) is a one-line UserError (a ValueError), not a bare assert: README, errors",
+}
 
 # test-id substring -> the internal a test reaches that the swap log cannot see.
 INTERNAL: dict[str, str] = {}

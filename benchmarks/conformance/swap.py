@@ -41,18 +41,19 @@ HARNESS_FILES = ("common.py",)
 
 
 def _read_by_a_test(depth: int) -> bool:
-    """Whether the code reading the name is a test's own: a function (not an import's module-level code) in a file
-    of the peer's test tree other than its harness. Reads by the peer's internals (which call each other through
-    these modules too), by shardwise, and at import time say nothing about what a test exercises."""
+    """Whether the code reading the name is a test's own: code in a file of the peer's test tree other than its
+    harness, and at module level only a test file's own imports (`from deepspeed.runtime.config import
+    DeepSpeedConfig`): a shared helper's imports (its model file's) would otherwise be charged to every test.
+    Reads by the peer's internals (which call each other through these modules too) and by shardwise say nothing
+    about what a test exercises."""
     root = os.environ.get(TESTS_ENV)
-    frame = sys._getframe(depth + 1)
-    code = frame.f_code
-    if code.co_name == "<module>":
+    code = sys._getframe(depth + 1).f_code
+    basename = os.path.basename(code.co_filename)
+    if code.co_name == "<module>" and not basename.startswith("test_"):
         return False
-    filename = code.co_filename
     if root is None:
         return True
-    return filename.startswith(root) and os.path.basename(filename) not in HARNESS_FILES
+    return code.co_filename.startswith(root) and basename not in HARNESS_FILES
 
 
 def _log(kind: str, name: str) -> None:

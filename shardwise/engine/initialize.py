@@ -25,7 +25,7 @@ from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
 from shardwise.comm.device import select_device, uses_cuda
 from shardwise.engine.engine import Engine, PipelineEngine
-from shardwise.errors import UserError
+from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
@@ -123,6 +123,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
 
     Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
     what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"initialize: model= must be a torch.nn.Module, got {type(model).__name__}; pass the "
+                            f"model to train")
     if dist_init_required is False and not dist.is_initialized():
         raise UserError("initialize(dist_init_required=False) but torch.distributed is not initialized: pass "
                         "dist_init_required=True (or leave it None), or call torch.distributed.init_process_group "

@@ -152,3 +152,11 @@ def test_an_engine_without_an_optimizer_runs_forward_and_refuses_an_update(stage
         engine.step()
     assert "\n" not in str(refused.value)
     engine.close()
+
+
+def test_initialize_without_a_model_is_one_line() -> None:
+    import shardwise
+    from shardwise.errors import UserError
+    with pytest.raises(UserError, match="model= must be a torch.nn.Module") as refused:
+        shardwise.initialize(model=None, config={"train_micro_batch_size_per_gpu": 1})
+    assert isinstance(refused.value, ValueError) and "\n" not in str(refused.value)
