@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,9 +77,20 @@ def _module_of(name: str) -> str:
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
+def collection_errors(pytest_log: str) -> dict[str, str]:
+    """file -> why it did not import, from pytest's short summary ("ERROR path.py - Error: message")."""
+    errors = {}
+    for line in pytest_log.splitlines():
+        text = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+        match = re.match(r"ERROR (\S+\.py) - (.*)", text)
+        if match:
+            errors[match.group(1)] = match.group(2)
+    return errors
+
+
 def classify(peer: dict[str, Outcome], ours: dict[str, Outcome], log: list[Access], *,
              harness: tuple[str, ...], public: tuple[str, ...], deliberate: dict[str, str],
-             internal: dict[str, str]) -> list[Verdict]:
+             internal: dict[str, str], not_collected: dict[str, str] | None = None) -> list[Verdict]:
     verdicts = []
     for nodeid, theirs in sorted(peer.items()):
         if theirs.outcome != "passed":
@@ -89,7 +101,12 @@ def classify(peer: dict[str, Outcome], ours: dict[str, Outcome], log: list[Acces
         if mine is not None and mine.outcome == "passed":
             verdicts.append(Verdict(nodeid, True, exercised))
             continue
-        error = mine.error if mine is not None else "not run under shardwise"
+        if mine is not None:
+            error = mine.error
+        elif theirs.file in (not_collected or {}):
+            error = f"its file does not import under shardwise: {(not_collected or {})[theirs.file]}"
+        else:
+            error = "not run under shardwise"
         reached = sorted({_module_of(a.name) for a in window if a.kind == "theirs"
                           and not _under(a.name, harness) and not _under(a.name, public)})
         deliberate_reason = next((r for key, r in deliberate.items() if key in nodeid), None)

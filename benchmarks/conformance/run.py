@@ -42,6 +42,7 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
         "SHARDWISE_CONFORMANCE_PEERS": peers,
         "SHARDWISE_CONFORMANCE_RESULTS": str(results),
         "SHARDWISE_CONFORMANCE_LOG": str(log),
+        "SHARDWISE_CONFORMANCE_TESTS": str(cwd),
         "DS_ACCELERATOR": "cpu",
         # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless told how many ranks fit on the host;
         # its harness skips a 2- or 4-rank test when that count is lower.
@@ -53,7 +54,7 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
     args_file = work / f"{label}.targets"
     args_file.write_text("\n".join(targets) + "\n")
     command = [sys.executable, "-m", "pytest", "-p", "benchmarks.conformance.plugin", "-p", "no:cacheprovider",
-               "-q", "--timeout", str(timeout_s + 60), f"@{args_file}"]
+               "-q", "--continue-on-collection-errors", "--timeout", str(timeout_s + 60), f"@{args_file}"]
     started = time.time()
     completed = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
@@ -85,8 +86,10 @@ def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: i
         return []
     ours_results, log = _pytest(cwd, passed, swap=name, peers=name, work=work, label=f"{name}-shardwise",
                                 timeout_s=timeout_s, extra_env=extra_env)
+    pytest_log = (work / f"{name}-shardwise.pytest.log").read_text()
     return report.classify(peer, report.read_results(ours_results), report.read_log(log), harness=harness,
-                           public=public, deliberate=suites.DELIBERATE, internal=suites.INTERNAL)
+                           public=public, deliberate=suites.DELIBERATE, internal=suites.INTERNAL,
+                           not_collected=report.collection_errors(pytest_log))
 
 
 def _torch_env(work: Path) -> dict[str, str]:

@@ -25,7 +25,7 @@ from shardwise.config import AutoValues, load_config_for_world
 from shardwise.config.resolved import DType, EngineConfig
 from shardwise.comm.device import select_device, uses_cuda
 from shardwise.engine.engine import Engine, PipelineEngine
-from shardwise.errors import UserError
+from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
@@ -76,11 +76,24 @@ def init_distributed(dist_backend: str | None = None, *, timeout_s: float | None
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
 
 
+class NoOptimizer(torch.optim.Optimizer):
+    """The optimizer of an engine built without one (DeepSpeed allows that: Hugging Face's ZeRO-3 evaluation and
+    inference call `initialize(model=, config=)` with no optimizer). Forward, backward and evaluation work; an
+    update is refused in one line rather than silently doing nothing."""
+
+    def __init__(self, groups: list[dict[str, Any]]):
+        super().__init__(groups, {})
+
+    def step(self, closure: Any = None) -> Any:
+        raise UserError('engine.step(): this engine was initialized without an optimizer; add an "optimizer" block '
+                        'to the config (e.g. {"type": "AdamW", "params": {"lr": 1e-3}}) or pass optimizer= to '
+                        'initialize')
+
+
 def _make_optimizer(optimizer: Any, config: Any, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     if optimizer is None:
         if config.optimizer is None:
-            raise UserError('no optimizer: add an "optimizer" block to the config (e.g. {"type": "AdamW", '
-                            '"params": {"lr": 1e-3}}) or pass optimizer= to shardwise.initialize')
+            return NoOptimizer(groups)
         return build_optimizer(config.optimizer, groups)
     if isinstance(optimizer, torch.optim.Optimizer):
         if config.optimizer is not None:
@@ -105,11 +118,14 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                optimizer: Any = None, lr_scheduler: Any = None,
                collate_fn: Callable[..., Any] | None = None, dist_init_required: bool | None = None,
                args: Any = None, config_params: dict[str, Any] | None = None, *, auto: AutoValues | None = None
-               ) -> tuple[Engine, torch.optim.Optimizer, DataLoader[Any] | None, Any]:
+               ) -> tuple[Engine, torch.optim.Optimizer | None, DataLoader[Any] | None, Any]:
     """DeepSpeed's `initialize`: returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
     Hugging Face "auto" values in the config are filled from `auto` and, where it leaves them None, from
     what is found here: the model's hidden size and a `training_data` DataLoader's batch size."""
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"initialize: model= must be a torch.nn.Module, got {type(model).__name__}; pass the "
+                            f"model to train")
     if dist_init_required is False and not dist.is_initialized():
         raise UserError("initialize(dist_init_required=False) but torch.distributed is not initialized: pass "
                         "dist_init_required=True (or leave it None), or call torch.distributed.init_process_group "
@@ -183,7 +199,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
         engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, sched
+    # DeepSpeed returns no optimizer when it was given none.
+    returned = None if isinstance(engine.optimizer, NoOptimizer) else engine.optimizer
+    return engine, returned, loader, sched
 
 
 def _config_source(model: torch.nn.Module, config: Any, config_params: dict[str, Any] | None, args: Any) -> Any:

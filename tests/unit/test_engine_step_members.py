@@ -133,3 +133,30 @@ def test_the_returned_optimizer_is_the_clients_own_object() -> None:
                                                    optimizer=lambda params: torch.optim.AdamW(params))
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer is engine.optimizer
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_an_optimizer_runs_forward_and_refuses_an_update(stage: int) -> None:
+    """DeepSpeed's initialize takes no optimizer (Hugging Face's ZeRO-3 evaluation does that) and returns None for
+    it; forward and backward run, and an update is refused in one line instead of silently doing nothing."""
+    import shardwise
+    from shardwise.errors import UserError
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    engine, optimizer, _, scheduler = shardwise.initialize(model=tiny_gpt(n_layer=1), config=config)
+    assert optimizer is None and scheduler is None
+    inputs, labels = lm_pair(token_batches(1, 2, 17, seed=7)[0])
+    loss = engine(inputs, labels)
+    assert torch.isfinite(loss)
+    engine.backward(loss)
+    with pytest.raises(UserError, match="without an optimizer") as refused:
+        engine.step()
+    assert "\n" not in str(refused.value)
+    engine.close()
+
+
+def test_initialize_without_a_model_is_one_line() -> None:
+    import shardwise
+    from shardwise.errors import UserError
+    with pytest.raises(UserError, match="model= must be a torch.nn.Module") as refused:
+        shardwise.initialize(model=None, config={"train_micro_batch_size_per_gpu": 1})
+    assert isinstance(refused.value, ValueError) and "\n" not in str(refused.value)
