@@ -90,7 +90,8 @@ def collection_errors(pytest_log: str) -> dict[str, str]:
 
 def classify(peer: dict[str, Outcome], ours: dict[str, Outcome], log: list[Access], *,
              harness: tuple[str, ...], public: tuple[str, ...], deliberate: dict[str, str],
-             internal: dict[str, str], not_collected: dict[str, str] | None = None) -> list[Verdict]:
+             internal: dict[str, str], not_collected: dict[str, str] | None = None,
+             gaps: dict[str, str] | None = None) -> list[Verdict]:
     verdicts = []
     for nodeid, theirs in sorted(peer.items()):
         if theirs.outcome != "passed":
@@ -111,7 +112,10 @@ def classify(peer: dict[str, Outcome], ours: dict[str, Outcome], log: list[Acces
                           and not _under(a.name, harness) and not _under(a.name, public)})
         deliberate_reason = next((r for key, r in deliberate.items() if key in nodeid), None)
         internal_reason = next((r for key, r in internal.items() if key in nodeid), None)
-        if deliberate_reason is not None:
+        gap_reason = next((r for key, r in (gaps or {}).items() if key in nodeid), None)
+        if gap_reason is not None:
+            verdict = Verdict(nodeid, False, exercised, "a", f"{gap_reason} ({error})")
+        elif deliberate_reason is not None:
             verdict = Verdict(nodeid, False, exercised, "c", deliberate_reason)
         elif internal_reason is not None:
             verdict = Verdict(nodeid, False, exercised, "b", internal_reason)

@@ -89,7 +89,7 @@ def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: i
     pytest_log = (work / f"{name}-shardwise.pytest.log").read_text()
     return report.classify(peer, report.read_results(ours_results), report.read_log(log), harness=harness,
                            public=public, deliberate=suites.DELIBERATE, internal=suites.INTERNAL,
-                           not_collected=report.collection_errors(pytest_log))
+                           not_collected=report.collection_errors(pytest_log), gaps=suites.GAPS)
 
 
 def _torch_env(work: Path) -> dict[str, str]:

@@ -216,3 +216,14 @@ class ZeroConfig(DeepSpeedSection):
             if block is not None and self.stage < stage:
                 off[name] = block.model_copy(update={"device": OffloadDevice.NONE})
         return self.model_copy(update=off) if off else self
+
+
+def _alias_of(field: str) -> property:
+    return property(lambda self: getattr(self, field), doc=f"DeepSpeed's attribute name for `{field}`.")
+
+
+# DeepSpeed's DeepSpeedZeroConfig names its stage-3 attributes without the "stage3_" prefix (the prefixed keys are
+# its aliases); scripts reading `zero_config.gather_16bit_weights_on_model_save` read the same setting here.
+for _name, _field in STAGE3_ALIASES.items():
+    if not _name.startswith("stage3_"):
+        setattr(ZeroConfig, _name, _alias_of(_field))

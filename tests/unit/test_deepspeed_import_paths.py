@@ -86,3 +86,12 @@ def test_repeating_loader_starts_over() -> None:
     assert iter(loader) is loader
     with pytest.raises(StopIteration):
         next(RepeatingLoader([]))
+
+
+def test_zero_config_answers_deepspeeds_unprefixed_stage3_names() -> None:
+    from shardwise.runtime.zero.config import DeepSpeedZeroConfig
+    for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                "gather_16bit_weights_on_model_save"):
+        assert DeepSpeedZeroConfig(**{key: True}).gather_16bit_weights_on_model_save is True
+    config = DeepSpeedZeroConfig(stage3_prefetch_bucket_size=123, stage3_max_live_parameters=7)
+    assert (config.prefetch_bucket_size, config.max_live_parameters) == (123, 7)
