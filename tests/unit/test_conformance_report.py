@@ -83,3 +83,29 @@ def test_a_file_that_does_not_import_names_the_error() -> None:
     (verdict,) = report.classify(peer, {}, [], harness=(), public=(), deliberate={}, internal={},
                                  not_collected=errors)
     assert verdict.klass == "a" and "__compatible_ops__" in verdict.reason
+
+
+def test_the_deepspeed_harness_fix_returns_a_failed_assertion_as_an_exception() -> None:
+    import types
+
+    import pytest
+
+    from benchmarks.conformance import harness
+
+    class Outcome(BaseException):
+        pass
+
+    class DistributedExec:
+        def _dist_run(self, fail: bool) -> str:
+            if fail:
+                raise Outcome("DID NOT RAISE")
+            return "ok"
+
+    module = types.ModuleType("unit.common")
+    module.DistributedExec = DistributedExec
+    harness.FIXES["unit.common"](module)
+    runner = DistributedExec()
+    assert runner._dist_run(False) == "ok"
+    assert DistributedExec._dist_run.__name__ == "_dist_run"      # the pool pickles the method by this name
+    with pytest.raises(RuntimeError, match="Outcome: DID NOT RAISE"):
+        runner._dist_run(True)
