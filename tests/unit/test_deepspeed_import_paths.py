@@ -74,7 +74,7 @@ def test_zero_config_reads_deepspeeds_keys() -> None:
     from shardwise.runtime.zero.offload_config import OffloadDeviceEnum
     config = DeepSpeedZeroConfig(stage=3, offload_optimizer={"device": "cpu"},
                                  stage3_param_persistence_threshold=10)
-    assert config.stage == 3 and config.offload_optimizer.device == OffloadDeviceEnum.CPU == "cpu"
+    assert config.stage == 3 and config.offload_optimizer.device == OffloadDeviceEnum.cpu == "cpu"
     assert config.stage3_param_persistence_threshold == 10
     assert [d.value for d in OffloadDeviceEnum] == ["none", "cpu", "nvme"]
 
@@ -95,3 +95,12 @@ def test_zero_config_answers_deepspeeds_unprefixed_stage3_names() -> None:
         assert DeepSpeedZeroConfig(**{key: True}).gather_16bit_weights_on_model_save is True
     config = DeepSpeedZeroConfig(stage3_prefetch_bucket_size=123, stage3_max_live_parameters=7)
     assert (config.prefetch_bucket_size, config.max_live_parameters) == (123, 7)
+
+
+def test_offload_device_enum_has_deepspeeds_members_and_values() -> None:
+    from shardwise.config.zero import ZeroConfig
+    from shardwise.runtime.zero.offload_config import OffloadDeviceEnum
+    assert [m.name for m in OffloadDeviceEnum] == ["none", "cpu", "nvme"]
+    assert OffloadDeviceEnum.cpu == "cpu"
+    config = ZeroConfig(stage=3, offload_param={"device": OffloadDeviceEnum.cpu})
+    assert config.offload_param is not None and config.offload_param.device == "cpu"
