@@ -25,6 +25,11 @@ class TagValidationError(CheckpointError, AssertionError):
     what DeepSpeed raises there, and scripts written for it catch that."""
 
 
+class NoSyncError(UserError, AssertionError):
+    """engine.no_sync() misused (nested, stepped inside, or at a ZeRO stage that partitions gradients as they are
+    produced). An AssertionError too: that is what DeepSpeed raises there."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than communication.timeout_minutes; the message names the ranks that did not
     arrive and what every rank waited on (`shardwise.comm.watchdog`). Not a `UserError`: a stalled node or a bug,

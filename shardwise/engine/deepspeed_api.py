@@ -34,7 +34,7 @@ import torch.distributed as dist
 from shardwise.comm.topology import Axis
 from shardwise.config.batch import BatchSizes
 from shardwise.config.resolved import DType
-from shardwise.errors import UserError
+from shardwise.errors import NoSyncError, UserError
 
 if TYPE_CHECKING:
     from shardwise.comm.collectives import Comm
@@ -383,9 +383,10 @@ class DeepSpeedEngineAPI:
         DeepSpeed, ZeRO stages 2 and 3 refuse it (they reduce-scatter every micro-batch to keep gradient
         shards only), and it does not nest."""
         if not self.dp_runtime.accumulates_locally:
-            raise UserError(f"engine.no_sync() does not work with ZeRO stage {self.config.zero.stage}: its gradients "
-                            f"are partitioned as they are produced; use zero_optimization.stage 0 or 1, or "
-                            f"gradient_accumulation_steps instead of no_sync")
+            raise NoSyncError(f"engine.no_sync() does not work with ZeRO stage {self.config.zero.stage} (no_sync "
+                              f"context manager is incompatible with gradient partitioning): its gradients are "
+                              f"partitioned as they are produced; use zero_optimization.stage 0 or 1, or "
+                              f"gradient_accumulation_steps instead of no_sync")
         with self.steps.no_sync():
             yield
 

@@ -18,7 +18,7 @@ from shardwise.comm.ledger import CommLedger
 from shardwise.comm.sequence import SequenceCheck
 from shardwise.config.batch import BatchSizes
 from shardwise.engine.skips import SkipGuard
-from shardwise.errors import UserError
+from shardwise.errors import NoSyncError, UserError
 from shardwise.parallel.grad_norm import ExtraSums
 from shardwise.parallel.interfaces import DataParallelRuntime, Updater
 from shardwise.parallel.outputs import loss_of
@@ -180,7 +180,8 @@ class TrainingSteps:
 
     def _step(self, extra: ExtraSums | None) -> None:
         if self.inside_no_sync:
-            raise UserError("engine.step() inside engine.no_sync(): leave the no_sync block before stepping")
+            raise NoSyncError("engine.step() inside engine.no_sync(): it is illegal to call Engine.step() inside "
+                              "no_sync context manager; leave the no_sync block before stepping")
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             self.step_applied = False       # DeepSpeed's was_step_applied: whether the latest step() updated
@@ -237,7 +238,7 @@ class TrainingSteps:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         if self.inside_no_sync:
-            raise UserError("engine.no_sync() is already active: it does not nest")
+            raise NoSyncError("engine.no_sync() is already active: no_sync context manager reentry is unsupported")
         self.inside_no_sync = True
         try:
             yield

@@ -160,3 +160,27 @@ def test_initialize_without_a_model_is_one_line() -> None:
     with pytest.raises(UserError, match="model= must be a torch.nn.Module") as refused:
         shardwise.initialize(model=None, config={"train_micro_batch_size_per_gpu": 1})
     assert isinstance(refused.value, ValueError) and "\n" not in str(refused.value)
+
+
+def test_no_sync_misuse_is_an_assertion_error_as_deepspeeds() -> None:
+    """DeepSpeed asserts there; scripts written for it catch AssertionError. Ours is also the one-line UserError."""
+    import shardwise
+    from shardwise.errors import UserError
+    engine, *_ = shardwise.initialize(model=tiny_gpt(n_layer=1),
+                                      config={**CONFIG, "zero_optimization": {"stage": 0}})
+    inputs, labels = lm_pair(token_batches(1, 2, 17, seed=7)[0])
+    with engine.no_sync():
+        with pytest.raises(AssertionError, match="reentry is unsupported") as nested:
+            with engine.no_sync():
+                pass
+        engine.backward(engine(inputs, labels))
+        with pytest.raises(AssertionError, match="illegal to call Engine.step") as stepped:
+            engine.step()
+    assert isinstance(nested.value, UserError) and isinstance(stepped.value, UserError)
+    engine.close()
+    engine, *_ = shardwise.initialize(model=tiny_gpt(n_layer=1),
+                                      config={**CONFIG, "zero_optimization": {"stage": 2}})
+    with pytest.raises(AssertionError, match="no_sync context manager is incompatible"):
+        with engine.no_sync():
+            pass
+    engine.close()
