@@ -180,8 +180,8 @@ class TrainingSteps:
 
     def _step(self, extra: ExtraSums | None) -> None:
         if self.inside_no_sync:
-            raise NoSyncError("engine.step() inside engine.no_sync(): it is illegal to call Engine.step() inside "
-                              "no_sync context manager; leave the no_sync block before stepping")
+            raise NoSyncError("engine.step() inside engine.no_sync() (It is illegal to call Engine.step() inside "
+                              "no_sync context manager): leave the no_sync block before stepping")
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             self.step_applied = False       # DeepSpeed's was_step_applied: whether the latest step() updated
