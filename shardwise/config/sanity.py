@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from shardwise.config.errors import ConfigError, ConfigProblem, dotted, show
@@ -12,6 +13,7 @@ from shardwise.config.errors import ConfigError, ConfigProblem, dotted, show
 MAX_DEPTH = 64
 """Deepest nesting accepted (DeepSpeed's own configs reach 4: zero_optimization.offload_optimizer.device)."""
 INT_LIMIT = 2 ** 63
+FLOAT32_MAX = 3.4028234663852886e38
 """Integers must fit int64: counts, sizes and steps do; the torch and C++ code below would overflow. A number
 written as a float (DeepSpeed configs write sizes as 5e8) must fit too."""
 
@@ -47,9 +49,23 @@ def screen_structure(data: Any, source: str) -> None:
         elif isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
             raise ConfigError(f'"{where}": an integer of {_digits(value)} digits is out of range (at most '
                               f'2**63 - 1); give the intended value', key=where)
-        elif isinstance(value, float) and math.isfinite(value) and abs(value) >= INT_LIMIT:
-            raise ConfigError(f'"{where}": {value:g} is out of range for any setting (sizes and counts fit '
-                              f'2**63 - 1); give the intended value', key=where)
+        elif isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+            raise ConfigError(f'"{where}": {value:g} is out of range: beyond the largest float32 ({FLOAT32_MAX:g}), '
+                              f'the precision training computes in; give the intended value', key=where)
+        elif (isinstance(value, float) and math.isfinite(value) and abs(value) >= INT_LIMIT
+              and not _real_valued(path)):
+            raise ConfigError(f'"{where}": {value:g} is out of range for a size or count (they fit 2**63 - 1); give '
+                              f'the intended value', key=where)
+
+
+# Settings that are real numbers rather than sizes or counts (a huge lr is absurd but representable; a size of
+# 1e20 is not). Matched on the key's last name; a list item (betas[0]) goes by its list's name.
+_REAL_VALUED = re.compile(r"(^|_)(lr|eps|rate|ratio|decay|momentum|mom|scale|factor|clipping|betas?|gamma|alpha)$")
+
+
+def _real_valued(path: tuple[Any, ...]) -> bool:
+    names = [p for p in path if isinstance(p, str)]
+    return bool(names) and _REAL_VALUED.search(names[-1]) is not None
 
 
 _NON_FINITE_WORDS = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}

@@ -59,3 +59,12 @@ def test_train_refuses_a_micro_batch_whose_token_ids_exceed_the_node_in_one_line
     assert not (tmp_path / "run").exists()
     from shardwise.cli.train import _check_micro_batch_fits
     _check_micro_batch_fits(micro // 4, 32, 1)       # a quarter of the node: not refused by this bound
+
+
+def test_a_huge_but_representable_rate_loads_and_a_huge_size_does_not() -> None:
+    """A rate of 1e38 is absurd but a float32 holds it (the non-finite guards are tested with one); a size of 1e20
+    fits no int64."""
+    load_config_for_world({**BASE, "optimizer": {"type": "SGD", "params": {"lr": 1e38, "momentum": 0.9}}},
+                          world_size=2)
+    with pytest.raises(ConfigError, match="size or count"):
+        load_config_for_world({**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1e20}}, world_size=2)
