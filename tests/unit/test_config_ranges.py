@@ -1,6 +1,6 @@
 """Numbers no setting can take, refused in one line naming the key before anything is built: betas that are not
-a pair, and any number beyond int64 (a 1e300 lr or bucket size, which a float holds but no count, size or
-fp32 rate does)."""
+a pair, a size or count beyond int64 and a rate beyond float32 (a 1e300 lr or bucket size, which a float holds
+but no count, size or fp32 rate does)."""
 
 from __future__ import annotations
 
