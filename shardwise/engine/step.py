@@ -120,10 +120,11 @@ class TrainingSteps:
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
         # Grad mode, not the module's train/eval mode, decides whether this forward is part of a step: a model
         # left in eval mode (as `from_pretrained` returns it) still trains when grad is on, and DeepSpeed's
-        # engine counts and steps it alike. A second forward before the update does not reopen the step.
+        # engine counts and steps it alike. A forward at a global batch's start opens a step even when the last one
+        # had no update (a backward without step): its desync check is what tells the ranks apart then.
         if not torch.is_grad_enabled():
             return self.module(*inputs, **kwargs)
-        if self.at_global_batch_start() and not self._step_open:
+        if self.at_global_batch_start():
             self.open_step()
         with self._meter.measuring(list(self.module.parameters())), self.monitor.forward(self):
             out = self.module(*inputs, **kwargs)
