@@ -21,6 +21,17 @@ def _one_cpu_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(COLLECTIVES_AT_ONE_ENV, "1")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_world_left_behind():
+    """initialize() here makes a world of one in this process: tear it down after this file, so that later tests
+    in the same process (which check they start and end without one) are not affected by the order they run in."""
+    import torch.distributed as dist
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        dist.destroy_process_group()
+
+
 def _steps(engine, count: int) -> list[float]:
     batches = [lm_pair(b) for b in token_batches(2 * count, 2, 17, seed=5)]
     losses = []
