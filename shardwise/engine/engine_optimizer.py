@@ -58,17 +58,26 @@ class DeepSpeedOptimizerMembers:
         return self
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, frozenset[str]], type] = {}
+_MEMBERS = ("overflow", "cur_scale", "loss_scale", "optimizer")
 
 
 def with_deepspeed_members(optimizer: torch.optim.Optimizer, steps: "TrainingSteps") -> torch.optim.Optimizer:
-    """`optimizer` itself, its class swapped for one that adds `DeepSpeedOptimizerMembers` (made once per class)."""
-    cls = type(optimizer)
-    if not isinstance(optimizer, DeepSpeedOptimizerMembers):
-        swapped = _SUBCLASSES.get(cls)
+    """`optimizer` itself, its class swapped for one that adds `DeepSpeedOptimizerMembers` (made once per class).
+
+    A member the optimizer already has (a wrapper's own `optimizer`, an fp16 optimizer's `cur_scale`) is left as it
+    is: the added properties would otherwise shadow the optimizer's own attributes and break its step."""
+    if not getattr(type(optimizer), "_shardwise_members", False):
+        cls = type(optimizer)
+        added = frozenset(name for name in _MEMBERS
+                          if not hasattr(cls, name) and name not in optimizer.__dict__)
+        swapped = _SUBCLASSES.get((cls, added))
         if swapped is None:
-            swapped = type(cls.__name__, (DeepSpeedOptimizerMembers, cls), {"__module__": cls.__module__})
-            _SUBCLASSES[cls] = swapped
+            namespace: dict[str, object] = {name: DeepSpeedOptimizerMembers.__dict__[name] for name in added}
+            namespace.update({"__module__": cls.__module__, "_shardwise_members": True,
+                              "__doc__": DeepSpeedOptimizerMembers.__doc__})
+            swapped = type(cls.__name__, (cls,), namespace)
+            _SUBCLASSES[(cls, added)] = swapped
         optimizer.__class__ = swapped
     optimizer.__dict__["_shardwise_steps"] = steps
     return optimizer

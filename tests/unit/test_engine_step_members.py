@@ -195,3 +195,22 @@ def test_no_sync_misuse_is_an_assertion_error_as_deepspeeds() -> None:
         with engine.no_sync():
             pass
     engine.close()
+
+
+def test_an_optimizers_own_members_are_not_shadowed() -> None:
+    """A client optimizer that has its own `optimizer` (a wrapper's inner one) keeps it; the others are added."""
+    import shardwise
+
+    class Wrapping(torch.optim.SGD):
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+            self.optimizer = "its own inner optimizer"
+
+    model = tiny_gpt(n_layer=1)
+    client = Wrapping(model.parameters())
+    engine, optimizer, _, _ = shardwise.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2},
+                                                   optimizer=client)
+    assert optimizer is client and optimizer.optimizer == "its own inner optimizer"
+    assert (optimizer.overflow, optimizer.cur_scale) == (False, 1.0)
+    _steps(engine, 1)
+    engine.close()
