@@ -54,3 +54,15 @@ def kill_rank_after_step() -> Callable[..., dict[str, str]]:
         return {"PYTHONPATH": os.pathsep.join(path), KILL_ENV: f"{rank}:{step}"}
 
     return env
+
+
+@pytest.fixture(scope="module")
+def no_world_left_behind():
+    """A test file that calls initialize() in-process makes a world of one: tear it down after that file, so that
+    later tests in the same process (which check they start and end without one) do not depend on the order."""
+    import torch.distributed as dist
+    before = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not before:
+        dist.destroy_process_group()
+

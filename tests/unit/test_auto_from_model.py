@@ -14,15 +14,8 @@ from shardwise.engine.initialize import hidden_size_of
 from shardwise.testing import tiny_gpt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_world_left_behind():
-    """initialize() here makes a world of one in this process: tear it down after this file, so that later tests
-    in the same process (which check they start and end without one) are not affected by the order they run in."""
-    import torch.distributed as dist
-    before = dist.is_initialized()
-    yield
-    if dist.is_initialized() and not before:
-        dist.destroy_process_group()
+# initialize() here makes a world of one in this process: torn down after this file (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("no_world_left_behind")
 
 
 def _with_config(**config) -> torch.nn.Module:
