@@ -277,6 +277,24 @@ class Comm:
                                                        size=self.size, tag=tag, to_global=self.global_rank),
                          async_op)
 
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, *, output_splits: list[int] | None = None,
+                          input_splits: list[int] | None = None) -> None:
+        """Rows of `tensor` [sum(input_splits), ...] sent in consecutive runs, run j to group rank j; `output`
+        [sum(output_splits), ...] receives run j from group rank j (None: equal runs). Blocking. The ledger's
+        signature is the dtype and the trailing shape only: with variable splits the row counts differ between
+        ranks, and the desync check compares signatures across ranks. Recorded bytes: the input."""
+        if self.local:
+            output.copy_(tensor)
+            return
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        token = self.ledger.start("all_to_all", self.name, f"{dtype}[*, {list(tensor.shape[1:])}]",
+                                  device=tensor.device)
+        size = self.size
+        self._explained(lambda: dist.all_to_all_single(output, tensor, output_split_sizes=output_splits,
+                                                      input_split_sizes=input_splits, group=self.group))()
+        self.ledger.finish(token, op="all_to_all", group=self.name, group_size=size, nbytes=nbytes(tensor),
+                           dtype=dtype)
+
     def all_reduce_object_max(self, value: float) -> float:
         """Max of one float over the group (e.g. an overflow flag): a 1-element all-reduce."""
         t = torch.tensor([float(value)], dtype=torch.float32)

@@ -30,6 +30,7 @@ from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateS
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.recompute import apply_recompute
+from shardwise.parallel.replicas import broadcast_replicas
 from shardwise.parallel.replicated import build_replicated
 from shardwise.parallel.single_stage import SingleStage
 from shardwise.parallel.update import UpdateRecipe, param_groups_of
@@ -266,11 +267,12 @@ def _loader_batch_size(training_data: Any) -> int | None:
 def _start_identical(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ledger: CommLedger) -> None:
     """The model on its device in the training dtype (as DeepSpeed casts it), and the FULL model from world rank 0
     on every rank, before any tensor-parallel slicing: all TP ranks must cut their slices from one model (a
-    dp-group broadcast would leave TP peers on different models)."""
+    dp-group broadcast would leave TP peers on different models). A parameter held by a subgroup only (an expert
+    under expert parallelism) comes from that group's first rank instead."""
     model.to(device)
     if dtype != torch.float32:
         model.to(dtype)
-    Comm(None, ledger, name="dp:init").broadcast_coalesced([*model.parameters(), *model.buffers()])
+    broadcast_replicas([*model.parameters(), *model.buffers()], Comm(None, ledger, name="dp:init"))
 
 
 def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | None, cfg: EngineConfig,

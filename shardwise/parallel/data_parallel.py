@@ -22,6 +22,7 @@ from shardwise.config import AllReduceImpl
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
 from shardwise.comm.device import device_guard
 from shardwise.errors import UserError
+from shardwise.parallel.replicas import ReplicaComms, split_by_replicas
 
 if TYPE_CHECKING:
     from shardwise.comm.shm import SharedBuffers
@@ -49,6 +50,9 @@ class Bucket:
     # With prescale, each slot is divided by its hook as its gradient is final (still in cache; the launch then
     # waits for no division): the slots divided so far in this backward.
     divided: set[int] = field(default_factory=set)
+    # The parameters' own replica group (`parallel/replicas.py`: experts' expert-dp group), summed over instead of
+    # the runtime's dp group; None: the dp group. The mean still divides by the dp size.
+    comm: Comm | None = None
 
 
 def plan_buckets(sizes: list[int], bucket_numel: int, *, last_numel: int | None = None) -> list[list[int]]:
@@ -158,7 +162,13 @@ class BucketedAllReduce(OrderedLauncher):
         # bucket is usually complete while most of backward is still to run.
         order = list(reversed(params))
         self.buckets: list[Bucket] = []
-        groups = self._group_by_dtype(order, bucket_numel)
+        # Buckets never mix replica groups: each is summed over one group.
+        replica_comms = ReplicaComms(comm.ledger)
+        groups, bucket_comms = [], []
+        for replicas, part in split_by_replicas(order):
+            made = self._group_by_dtype(part, bucket_numel)
+            groups += made
+            bucket_comms += [replica_comms.of(replicas)] * len(made)
         self._shared = None
         if impl is AllReduceImpl.AUTO:
             self.impl = self._auto_shared(groups)
@@ -173,7 +183,7 @@ class BucketedAllReduce(OrderedLauncher):
                 offsets.append(off)
                 off += p.numel()
             views = [buffer[o:o + p.numel()].view(p.shape) for o, p in zip(offsets, group)]
-            self.buckets.append(Bucket(b, group, offsets, buffer, views=views))
+            self.buckets.append(Bucket(b, group, offsets, buffer, views=views, comm=bucket_comms[b]))
         self._where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
         self.attach_grads()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -329,7 +339,10 @@ class BucketedAllReduce(OrderedLauncher):
         wire = bucket.buffer
         if self.comm_dtype is not None and self.comm_dtype != wire.dtype:
             bucket.staged = wire = wire.to(self.comm_dtype)
-        if self.impl is AllReduceImpl.RING and batches_steps(wire):
+        if bucket.comm is not None:
+            # A replica subgroup (experts): the backend's all-reduce over it (ring and shm serve the dp group).
+            bucket.handle = bucket.comm.all_reduce(wire, async_op=True)
+        elif self.impl is AllReduceImpl.RING and batches_steps(wire):
             # A device buffer: one batched exchange per step, launched here on the thread that runs backward
             # for this device (NCCL p2p from a worker thread would run on GPU 0's context); the waits only order
             # streams, so backward goes on while the ring's kernels run.

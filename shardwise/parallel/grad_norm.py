@@ -117,6 +117,10 @@ class GradNormReducer:
     dp_sharded: bool = False
     uncounted: frozenset[int] = frozenset()
     """Stepped tensors left out of the norm: tied copies whose weight another stage's copy counts."""
+    shares: tuple[float, ...] | None = None
+    """Per stepped tensor, the share of its squares this rank counts (1 / the dp ranks holding the same copy), when
+    dp ranks hold some tensors in common and others not (stage 0 with experts: every dp rank holds the dense
+    parameters, the ranks of one expert-dp group an expert's); the model group then sums over dp. None: 1."""
 
     @classmethod
     def from_mesh(cls, mesh: ParallelMesh, ledger: CommLedger) -> "GradNormReducer":
@@ -128,11 +132,14 @@ class GradNormReducer:
                    tp_comm=mesh.comm(Axis.TP, ledger, name="tp:metrics"))
 
     def for_tensors(self, layout: Sequence[Ranges], *, dp_sharded: bool,
-                    uncounted: frozenset[int] = frozenset()) -> "GradNormReducer":
+                    uncounted: frozenset[int] = frozenset(),
+                    shares: Sequence[float] | None = None) -> "GradNormReducer":
         """This reducer for one list of stepped tensors: `layout[i]` the replicated ranges of tensor i;
         `dp_sharded`: the dp ranks hold disjoint parts (ZeRO) rather than equal copies (stage 0); `uncounted`:
-        indices of tensors another rank counts (tied copies)."""
-        return replace(self, layout=tuple(layout), dp_sharded=dp_sharded, uncounted=frozenset(uncounted))
+        indices of tensors another rank counts (tied copies); `shares` (with dp_sharded): the fraction of tensor i's
+        squares this rank counts."""
+        return replace(self, layout=tuple(layout), dp_sharded=dp_sharded, uncounted=frozenset(uncounted),
+                       shares=tuple(shares) if shares is not None else None)
 
     @property
     def model_group(self) -> Comm:
@@ -241,12 +248,15 @@ class GradNormReducer:
         layout = self.layout if self.layout is not None else ((),) * len(params)
         if len(layout) != len(params):
             raise ValueError(f"GradNormReducer: {len(params)} stepped tensors, bound to {len(layout)}")
-        grads = [(p.grad.detach(), ranges) for i, (p, ranges) in enumerate(zip(params, layout))
+        shares = self.shares if self.shares is not None else (1.0,) * len(params)
+        grads = [(p.grad.detach(), ranges, share) for i, (p, ranges, share) in enumerate(zip(params, layout, shares))
                  if p.grad is not None and i not in self.uncounted]
         sq = torch.zeros(2, dtype=torch.float64, device=grads[0][0].device if grads else None)
-        for g, ranges in grads:
+        for g, ranges, share in grads:
             # float64 accumulation without a float64 copy of the tensor
             total = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            if share != 1.0:
+                total = total * share
             if not ranges:
                 sq[0] += total
             elif ranges == ((0, g.numel()),):
@@ -255,7 +265,7 @@ class GradNormReducer:
                 flat = g.reshape(-1)
                 rep = torch.zeros((), dtype=torch.float64, device=g.device)
                 for a, b in ranges:
-                    rep += torch.linalg.vector_norm(flat[a:b], dtype=torch.float64).square()
+                    rep += torch.linalg.vector_norm(flat[a:b], dtype=torch.float64).square() * share
                 sq[0] += total - rep
                 sq[1] += rep
         return sq

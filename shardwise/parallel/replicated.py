@@ -9,11 +9,13 @@ fp32 .grad, and after the step casts the masters back into the model.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardwise.comm.collectives import Comm
 from shardwise.config.resolved import DataParallelConfig
 from shardwise.parallel.data_parallel import BucketedAllReduce
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
+from shardwise.parallel.replicas import replicas_of
 from shardwise.parallel.tied import TiedParams, TiedSlot, uncounted
 from shardwise.parallel.update import Piece, Update, UpdateRecipe
 from shardwise.parallel.zero.fused import prefer_fused_adam
@@ -120,7 +122,12 @@ def build_replicated(groups: list[dict], *, section: DataParallelConfig, recipe:
         groups, model_params, masters = make_masters(groups)
     # Replicas hold equal gradients after the all-reduce: only other stages and TP slices hold other parts.
     slots = tuple(tied.slots({id(p): i for i, p in enumerate(model_params)}))
-    bound = norms.for_tensors(whole_tensor_layout(model_params), dp_sharded=False, uncounted=uncounted(slots))
+    # Parameters held by a dp subgroup only (experts) differ between dp ranks: the norm then sums over dp, each
+    # rank counting 1 / (ranks holding its copy) of every tensor's squares.
+    holders = [dp_comm.size if (r := replicas_of(p)) is None else dist.get_world_size(r.group) for p in model_params]
+    shares = [1.0 / n for n in holders] if any(n != dp_comm.size for n in holders) else None
+    bound = norms.for_tensors(whole_tensor_layout(model_params), dp_sharded=shares is not None,
+                              uncounted=uncounted(slots), shares=shares)
     update = ReplicatedUpdate(recipe.make_optimizer(groups), model_params=model_params, masters=masters,
                               recipe=recipe, norms=bound, tied=slots)
     runtime = BucketedAllReduce(model_params, dp_comm, bucket_numel=section.bucket_numel, impl=section.all_reduce,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardwise.comm.collectives import Handle
+from shardwise.comm.collectives import Comm, Handle
 from shardwise.parallel.data_parallel import plan_buckets
 from shardwise.parallel.zero.copies import HostGrad
 from shardwise.parallel.zero.partition import FlatLayout
@@ -37,6 +37,9 @@ class ZeroBucket:
     # ZeRO-Offload (set by the updater): the boundary's final grad_shard goes to its pinned host copy [S] (model
     # dtype) on a side stream as soon as the bucket is reduced.
     host: HostGrad | None = None
+    # The parameters' own replica group (experts' expert-dp group: `parallel/replicas.py`), over which this bucket
+    # is sharded, reduce-scattered and gathered; None: the dp group. Gradients still divide by the dp size.
+    comm: Comm | None = None
 
     @property
     def shard(self) -> slice:
@@ -70,7 +73,8 @@ def _plan(params: list[torch.nn.Parameter], bucket_numel: int, alone: set[int]) 
 
 @torch.no_grad()
 def build_zero_buckets(groups: list[list[torch.nn.Parameter]], *, dp_size: int, dp_rank: int,
-                       bucket_numel: int, alone: set[int] | None = None) -> list[ZeroBucket]:
+                       bucket_numel: int, alone: set[int] | None = None, comm: Comm | None = None,
+                       first_index: int = 0) -> list[ZeroBucket]:
     """Buckets over every param group (last group first, parameters in reverse order: roughly the order
     backward produces their gradients), each padded to a multiple of dp_size; parameters are rebound as
     views of their bucket's flat buffer. A parameter whose id is in `alone` gets a bucket of its own."""
@@ -83,8 +87,9 @@ def build_zero_buckets(groups: list[list[torch.nn.Parameter]], *, dp_size: int, 
                 params = [same[i] for i in idx]
                 layout = FlatLayout(tuple(p.numel() for p in params), dp_size)
                 flat = torch.zeros(layout.padded_numel, dtype=dtype, device=params[0].device)
-                bucket = ZeroBucket(len(buckets), g, params, layout, flat, dp_rank,
-                                    grad_shard=torch.zeros(layout.shard_numel, dtype=dtype, device=flat.device))
+                bucket = ZeroBucket(first_index + len(buckets), g, params, layout, flat, dp_rank,
+                                    grad_shard=torch.zeros(layout.shard_numel, dtype=dtype, device=flat.device),
+                                    comm=comm)
                 for p, view in zip(params, bucket.flat_views(flat)):
                     view.copy_(p.detach())
                     p.data = view

@@ -12,6 +12,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.config import ZeroConfig
 from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, shard_layout
+from shardwise.parallel.replicas import ReplicaComms, replicas_of, split_by_replicas
 from shardwise.parallel.tied import TiedParams, uncounted
 from shardwise.parallel.update import UpdateRecipe
 from shardwise.parallel.zero.buckets import ZeroBucket, build_zero_buckets
@@ -54,13 +55,16 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
     for sharded parameters (as DeepSpeed's files do); a full state dict is `runtime.gathered_state_dict(module)`
     (collective), and loading a full state dict into the module splits it into the shards."""
     if section.stage == 3:
+        expert = next((p for g in groups for p in g["params"] if replicas_of(p) is not None), None)
+        if expert is not None:
+            raise UserError("zero_optimization.stage = 3 with expert-parallel parameters (an MoE layer with "
+                            "ep_size > 1) is not supported yet: use stage 0, 1 or 2")
         if tied:
             raise UserError("zero_optimization.stage = 3 with weights tied across pipeline stages (TiedLayerSpec) "
                             "is not supported: use stage 1 or 2 (as DeepSpeed's pipeline does)")
         return _stage3(model, groups, section=section, recipe=recipe, dp_comm=dp_comm, norms=norms, device=device,
                        units=units)
-    buckets = build_zero_buckets([g["params"] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
-                                 bucket_numel=section.reduce_bucket_size, alone=tied.ids())
+    buckets = _replica_buckets(groups, dp_comm, section.reduce_bucket_size, tied.ids())
     slots = tuple(tied.slots({id(b.params[0]): k for k, b in enumerate(buckets) if len(b.params) == 1}))
     separate = recipe.dtype != torch.float32 or section.offloads_optimizer
     optimizer, masters, bound = _shard_optimizer(buckets, groups, section, recipe, norms, separate=separate,
@@ -68,6 +72,21 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
     update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
                            recipe=recipe, norms=bound, tied=slots)
     return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
+
+
+def _replica_buckets(groups: list[dict], dp_comm: Comm, bucket_numel: int, alone: set[int]) -> list[ZeroBucket]:
+    """Buckets of each replica group's parameters (`parallel/replicas.py`), each sharded over its own group: the
+    dp group's first, then each subgroup's (experts over their expert-dp group)."""
+    comms = ReplicaComms(dp_comm.ledger)
+    buckets: list[ZeroBucket] = []
+    for replicas, part in split_by_replicas([p for g in groups for p in g["params"]]):
+        ids = {id(p) for p in part}
+        comm = comms.of(replicas)
+        over = comm if comm is not None else dp_comm
+        buckets += build_zero_buckets([[p for p in g["params"] if id(p) in ids] for g in groups], dp_size=over.size,
+                                      dp_rank=over.rank, bucket_numel=bucket_numel, alone=alone, comm=comm,
+                                      first_index=len(buckets))
+    return buckets
 
 
 def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, recipe: UpdateRecipe,

@@ -117,7 +117,8 @@ class ZeroGradReducer(OrderedLauncher):
         out = torch.empty_like(bucket.grad_shard)
         bucket.received = out
         # tag: buckets in flight at once exchange on the group under different tags
-        bucket.handle = self.comm.reduce_scatter_sum(out, bucket.grad_buffer, tag=bucket.index, async_op=True)
+        comm = bucket.comm if bucket.comm is not None else self.comm
+        bucket.handle = comm.reduce_scatter_sum(out, bucket.grad_buffer, tag=bucket.index, async_op=True)
         self._in_flight.append(bucket)
 
     def _drain(self, keep: int) -> None:

@@ -164,7 +164,8 @@ class ShardedUpdate(Update):
                 # A separate send buffer: the input of all_gather must not alias its output.
                 send = m.detach().to(device=b.param_flat.device, dtype=b.param_flat.dtype, non_blocking=True,
                                      copy=True)
-            handles.append(self.comm.all_gather_into_tensor(b.param_flat, send, async_op=True))
+            comm = b.comm if b.comm is not None else self.comm
+            handles.append(comm.all_gather_into_tensor(b.param_flat, send, async_op=True))
         for h in handles:
             h.wait()
 
@@ -238,7 +239,7 @@ class ShardedUpdate(Update):
         for j, lo, hi, dst in bucket.layout.pieces_in_shard(bucket.rank):
             if j == i:
                 out[lo:hi] = shard[dst:dst + hi - lo]
-        self.comm.all_reduce(out)
+        (bucket.comm if bucket.comm is not None else self.comm).all_reduce(out)
         return out.view(bucket.shapes[i])
 
     @torch.no_grad()
