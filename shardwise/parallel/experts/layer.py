@@ -1,0 +1,120 @@
+"""The MoE layer: a router, this rank's experts, optional shared experts, and the token exchange.
+
+    x [..., H] -> tokens [S, H] -> Router -> dispatch_and_combine over the ep group -> y [..., H] (+ shared(x))
+
+A layer is built with all E experts (`MoELayer(...)`, the single-process model), then cut for expert
+parallelism by `shard_experts(model, groups)`: each rank keeps the experts of its ep rank, taken from the full
+model (so a sharded run starts from the single-process model's weights), and marks them with their expert-dp
+group. DeepSpeed's API builds the layer with its local experts directly (`MoELayer(..., experts=...)`).
+
+After each forward the layer holds `routing` (the last `Routing`) and `loss` (aux_loss_coef * load-balancing
+loss + z_loss_coef * z-loss, a 0-dim fp32 tensor in the graph) for the model to add to its training loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.comm.topology import SoloComm
+from shardwise.parallel.experts.config import MoEConfig, check_expert_split
+from shardwise.parallel.experts.dispatch import dispatch_and_combine
+from shardwise.parallel.experts.groups import ExpertGroups
+from shardwise.parallel.experts.router import Router, Routing
+from shardwise.parallel.replicas import mark_replicas
+
+
+class _ByReference:
+    """The layer's ep `Comm`, held by reference: a deep copy of the model (a reference copy, an EMA) shares the
+    process group and its ledger, which are no values to copy (the ledger holds a lock)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __deepcopy__(self, memo: dict) -> "_ByReference":
+        return self
+
+
+class MoELayer(nn.Module):
+    """`experts` holds this rank's experts (all E until `shard_experts` cuts them): a ModuleList, or any module
+    iterating over them with a length (DeepSpeed's `Experts`); `first_expert` is the global index of the first."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, *, make_expert: Callable[[], nn.Module] | None = None,
+                 experts: nn.Module | None = None, shared: nn.Module | None = None,
+                 ep_comm: Comm | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(hidden_size, cfg)     # DeepSpeed's name (gate.wg)
+        if experts is None:
+            if make_expert is None:
+                raise TypeError("MoELayer needs make_expert (to build all experts) or experts (this rank's)")
+            experts = nn.ModuleList(make_expert() for _ in range(cfg.num_experts))
+        self.experts: nn.Module = experts
+        self.shared = shared
+        self._ep = _ByReference(ep_comm if ep_comm is not None else SoloComm(None, CommLedger(), name="ep"))
+        check_expert_split(cfg.num_experts, self.ep_comm.size)
+        local = len(experts)        # type: ignore[arg-type]  # a ModuleList or DeepSpeed's Experts
+        if local * self.ep_comm.size != cfg.num_experts:
+            raise ValueError(f"MoELayer: {local} local experts x ep {self.ep_comm.size} != {cfg.num_experts} experts")
+        self.first_expert = self.ep_comm.rank * local
+        self.routing: Routing | None = None
+        self.loss: Tensor | None = None
+
+    def local_experts(self) -> list[nn.Module]:
+        return list(self.experts)          # type: ignore[call-overload]  # a ModuleList or DeepSpeed's Experts
+
+    @property
+    def ep_comm(self) -> Comm:
+        """The ep group the tokens are exchanged over (a group of one: every expert is here)."""
+        return self._ep.comm
+
+    @ep_comm.setter
+    def ep_comm(self, comm: Comm) -> None:
+        self._ep = _ByReference(comm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])                                   # [S, H]
+        routing = self.gate(tokens)
+        y = dispatch_and_combine(tokens, routing, self.local_experts(), self.ep_comm, self.cfg.num_experts)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        self.routing = routing
+        self.loss = self.cfg.aux_loss_coef * routing.aux_loss + self.cfg.z_loss_coef * routing.z_loss
+        return y.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + len(self.experts) - 1} of "  # type: ignore[arg-type]
+                f"{self.cfg.num_experts}, top-{self.cfg.top_k}")
+
+
+def moe_layers(model: nn.Module) -> Iterator[MoELayer]:
+    return (m for m in model.modules() if isinstance(m, MoELayer))
+
+
+def moe_loss(model: nn.Module) -> Tensor | None:
+    """The sum of the auxiliary losses of the MoE layers that ran in the model's last forward (None: none did)."""
+    losses = [m.loss for m in moe_layers(model) if m.loss is not None]
+    for m in moe_layers(model):
+        m.loss = None                   # each forward's losses are added once
+    return torch.stack(losses).sum() if losses else None
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, groups: ExpertGroups, ledger: CommLedger | None = None) -> None:
+    """Cut every MoE layer of `model` (built whole, the same on every rank) to the experts of this rank's ep rank,
+    exchange tokens over `groups.ep_group` and mark the kept experts' parameters with the expert-dp group."""
+    ep = groups.ep_size
+    ep_comm = Comm(groups.ep_group, ledger or CommLedger(), name=f"ep:{groups.name}")
+    ep_rank = ep_comm.rank
+    for layer in moe_layers(model):
+        per_rank = check_expert_split(layer.cfg.num_experts, ep)
+        if len(layer.experts) != layer.cfg.num_experts:          # type: ignore[arg-type]
+            raise ValueError("shard_experts: the layer's experts are already cut; build the model whole first")
+        layer.experts = nn.ModuleList(list(layer.experts)[ep_rank * per_rank:(ep_rank + 1) * per_rank])  # type: ignore[call-overload]
+        layer.ep_comm = ep_comm
+        layer.first_expert = ep_rank * per_rank
+        mark_replicas(layer.experts.parameters(), groups.replicas)
