@@ -11,6 +11,7 @@ The model is written to be cut apart by the parallelism functions, never to know
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Iterator
 
@@ -130,15 +131,38 @@ class MLP(nn.Module):
         return self.drop(self.fc_out(self.act(self.fc_in(x))))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)). [b, s, d] -> [b, s, d]."""
+def make_mlp(cfg: GPTConfig, d_ff: int | None = None) -> nn.Module:
+    """The config's MLP kind, of width `d_ff` (default cfg.d_ff)."""
+    if d_ff is not None:
+        cfg = dataclasses.replace(cfg, d_ff=d_ff)
+    return SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
 
-    def __init__(self, cfg: GPTConfig) -> None:
+
+def make_moe(cfg: GPTConfig) -> nn.Module:
+    """An MoE layer of the config: moe_experts experts of the config's MLP kind and width moe_d_ff, top-k routing,
+    the shared experts as one MLP beside them. Its loss (aux and z-loss, with their coefficients) is added to
+    the training loss by `GPT.forward`."""
+    from shardwise.parallel.experts import MoEConfig, MoELayer, ScoreFunction
+    moe = MoEConfig(num_experts=cfg.moe_experts, top_k=cfg.moe_top_k, score=ScoreFunction(cfg.moe_score),
+                    drop_tokens=cfg.moe_capacity_factor is not None,
+                    capacity_factor=cfg.moe_capacity_factor or 1.0, eval_capacity_factor=cfg.moe_capacity_factor or 1.0,
+                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef)
+    width = cfg.moe_d_ff
+    assert width is not None
+    shared = make_mlp(cfg, cfg.moe_shared_experts * width) if cfg.moe_shared_experts else None
+    return MoELayer(cfg.d_model, moe, make_expert=lambda: make_mlp(cfg, width), shared=shared)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)). [b, s, d] -> [b, s, d]. In an MoE
+    block `mlp` is an MoE layer (`parallel/experts`) of the config's experts."""
+
+    def __init__(self, cfg: GPTConfig, index: int = 0) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ln_2 = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)
+        self.mlp = make_moe(cfg) if cfg.is_moe_block(index) else make_mlp(cfg)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -189,7 +213,7 @@ class GPT(nn.Module):
         # by to_empty() + init_weights() under the same seed equals this direct build.
         with _rng_rewound():
             self.embed = Embedding(cfg)
-            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
             self.head = Head(cfg)
         self.init_weights()
 
@@ -215,7 +239,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear):
                 if module is self.head.lm_head and self.cfg.tie_embeddings:
                     continue   # the token table, initialised as an Embedding
-                is_resid_out = name.endswith(("attn.o_proj", "mlp.fc_out"))
+                is_resid_out = name.endswith(("attn.o_proj", "mlp.fc_out")) or (
+                    ".mlp." in name and name.endswith("fc_out"))      # an expert's (routed or shared)
                 nn.init.normal_(module.weight, mean=0.0, std=resid_std if is_resid_out else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -260,7 +285,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head_forward(x)
-        return logits if labels is None else self.loss(logits, labels)
+        if labels is None:
+            return logits
+        loss = self.loss(logits, labels)
+        if self.cfg.moe_experts:
+            from shardwise.parallel.experts import moe_loss
+            extra = moe_loss(self)          # the routers' load-balancing and z-losses, with their coefficients
+            if extra is not None:
+                loss = loss + extra
+        return loss
 
     # -- accounting ---------------------------------------------------------------------------------
 

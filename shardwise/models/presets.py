@@ -59,6 +59,25 @@ class GPTConfig:
     """Base of the rotary frequencies (only read when positions == "rotary")."""
     norm: Norm = "layernorm"
     mlp: MLPKind = "gelu"
+    moe_experts: int = 0
+    """Routed experts per MoE layer; 0: every block has the dense MLP. Each expert is the `mlp` kind of width
+    moe_d_ff."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_d_ff: int | None = None
+    """Hidden width of one expert (routed or shared); None means d_ff."""
+    moe_shared_experts: int = 0
+    """Experts every token passes through beside the routed ones (DeepSeek-MoE), as one MLP of
+    moe_shared_experts * moe_d_ff width."""
+    moe_first_dense: int = 0
+    """The first blocks keep the dense MLP of width d_ff (DeepSeek-MoE's first layer)."""
+    moe_score: Literal["softmax", "sigmoid"] = "softmax"
+    moe_capacity_factor: float | None = None
+    """Tokens an expert takes per rank, as a multiple of an even share (times k); None: no token is dropped."""
+    moe_aux_loss_coef: float = 0.01
+    """Coefficient of the load-balancing loss added to the training loss."""
+    moe_z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss added to the training loss."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -81,6 +100,17 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: norm={self.norm!r} is not one of {list(_NORMS)}.")
         if self.mlp not in _MLPS:
             raise ValueError(f"GPTConfig: mlp={self.mlp!r} is not one of {list(_MLPS)}.")
+        if self.moe_experts:
+            if isinstance(self.moe_experts, bool) or not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+                raise ValueError(f"GPTConfig: moe_experts={self.moe_experts!r} must be a non-negative integer.")
+            if not 1 <= self.moe_top_k <= self.moe_experts:
+                raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} with moe_experts={self.moe_experts}; each "
+                                 f"token picks k distinct experts: choose 1 <= moe_top_k <= moe_experts.")
+            if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+                raise ValueError(f"GPTConfig: moe_capacity_factor={self.moe_capacity_factor} must be > 0 "
+                                 f"(None: no token is dropped).")
+            if self.moe_d_ff is None:
+                object.__setattr__(self, "moe_d_ff", self.d_ff)
         if self.positions not in _POSITIONS:
             raise ValueError(f"GPTConfig: positions={self.positions!r} is not one of {list(_POSITIONS)}.")
         if self.positions == "rotary" and self.head_dim % 2:
@@ -92,6 +122,10 @@ class GPTConfig:
         for name in ("norm_eps", "init_std", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be > 0.")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` has an MoE layer in place of the dense MLP."""
+        return self.moe_experts > 0 and index >= self.moe_first_dense
 
     @property
     def head_dim(self) -> int:
@@ -152,9 +186,31 @@ _PRESET_KWARGS: dict[str, dict[str, Any]] = {
     # Llama 2 70B: 80 x 8192, 64 query heads sharing 8 kv heads, SwiGLU 28672, context 4096: 68,976,648,192.
     "llama-70b": dict(_LLAMA, seq_len=4096, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672),
 }
+# Mixtures of experts. Kept apart from `PRESETS` (the planner's table) until the planner counts experts; `--model`
+# and `gpt_config` find them.
+_MOE_PRESET_KWARGS: dict[str, dict[str, Any]] = {
+    # tiny's shape with 4 GELU experts of half width, top-2: trains on CPU.
+    "gpt-moe-tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=6, d_model=192, moe_experts=4,
+                         moe_top_k=2, moe_d_ff=384),
+    # llama-tiny's shape with 4 SwiGLU experts, top-2, one shared expert.
+    "llama-moe-tiny": dict(_LLAMA, vocab_size=256, seq_len=128, n_layer=4, n_head=6, n_kv_head=2, d_model=192,
+                           moe_experts=4, moe_top_k=2, moe_d_ff=256, moe_shared_experts=1),
+    # Mixtral 8x7B (arXiv:2401.04088): Mistral 7B's shape (32 x 4096, 32 heads, 8 kv heads, SwiGLU 14336) with 8
+    # experts per layer, top-2, rope theta 1e6, context 32768: 46,702,792,704 parameters.
+    "mixtral-8x7b": dict(_LLAMA, seq_len=32768, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336,
+                         rope_theta=1e6, moe_experts=8, moe_top_k=2, moe_aux_loss_coef=0.02),
+    # DeepSeek-MoE 16B (arXiv:2401.06066): 28 x 2048, 16 heads, vocabulary 102400, a dense first layer (SwiGLU
+    # 10944), then 64 routed experts of 1408 (top-6) and 2 shared ones: 16,375,728,128 parameters.
+    "deepseek-moe-16b": dict(_LLAMA, vocab_size=102400, seq_len=4096, n_layer=28, n_head=16, d_model=2048,
+                             d_ff=10944, moe_experts=64, moe_top_k=6, moe_d_ff=1408, moe_shared_experts=2,
+                             moe_first_dense=1, moe_aux_loss_coef=0.001),
+}
 
 PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _PRESET_KWARGS.items()}
 """Preset name -> config. Use `gpt_config(name, **overrides)` to derive variants."""
+
+MOE_PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _MOE_PRESET_KWARGS.items()}
+"""The mixture-of-experts presets (not yet in `PRESETS`, which the planner sizes)."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 
@@ -169,8 +225,9 @@ def gpt_config(name: str, **overrides: Any) -> GPTConfig:
     `gpt_config("tiny", n_layer=2, positions="rotary")`. Fields left at None (d_ff, n_kv_head) are
     re-derived from the overridden shape."""
     key = name.strip().lower()
-    if key not in _PRESET_KWARGS:
-        valid = list(_PRESET_KWARGS)
+    table = {**_PRESET_KWARGS, **_MOE_PRESET_KWARGS}
+    if key not in table:
+        valid = list(table)
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.4)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown GPT preset {name!r}; valid presets are {', '.join(valid)}.{hint}")
@@ -180,7 +237,7 @@ def gpt_config(name: str, **overrides: Any) -> GPTConfig:
                  for k in unknown]
         raise ValueError(f"gpt_config({name!r}): unknown field(s) {', '.join(hints)}; "
                          f"GPTConfig fields are {', '.join(_FIELDS)}.")
-    return GPTConfig(**{**_PRESET_KWARGS[key], **overrides})
+    return GPTConfig(**{**table[key], **overrides})
 
 
 # -- pure counting ---------------------------------------------------------------------------------
@@ -196,8 +253,20 @@ def gpt_num_params(cfg: GPTConfig, *, exclude_embeddings: bool = False) -> int:
     norm = d * (1 + b) if cfg.norm == "layernorm" else d   # LayerNorm weight (+ bias); RMSNorm weight
     attn = (d * d + d * b) * 2 + (d * kv + kv * b) * 2   # q_proj, o_proj: d -> d; k_proj, v_proj: d -> kv
     mlp_in = 2 if cfg.mlp == "swiglu" else 1             # SwiGLU: fc_gate and fc_in
-    mlp = mlp_in * (d * f + f * b) + (f * d + d * b)     # fc_in (+ fc_gate), fc_out
+
+    def mlp_of(width: int) -> int:
+        return mlp_in * (d * width + width * b) + (width * d + d * b)     # fc_in (+ fc_gate), fc_out
+
+    mlp = mlp_of(f)
     blocks = cfg.n_layer * (2 * norm + attn + mlp)
+    if cfg.moe_experts:
+        e = cfg.moe_d_ff
+        assert e is not None
+        # router d -> E (no bias), the routed experts, the shared experts as one MLP of their summed width
+        moe = d * cfg.moe_experts + cfg.moe_experts * mlp_of(e) + (mlp_of(cfg.moe_shared_experts * e)
+                                                                   if cfg.moe_shared_experts else 0)
+        moe_blocks = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
+        blocks += moe_blocks * (moe - mlp)
     token_table = cfg.vocab_size * d
     position_table = cfg.seq_len * d if cfg.positions == "learned" else 0
     lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d   # never a bias
@@ -219,8 +288,19 @@ def gpt_flops_per_token(cfg: GPTConfig) -> int:
     QK^T and the mix AV cost 2 * seq_len * d_model each per layer per token forward (4 * L * s * d),
     times 3 for training is 12 * L * s * d (PaLM's 12LHQT), halved because a causal mask leaves
     on average half the keys: 6 * L * s * d. Grouped-query attention does not change it (every query
-    head still scores s keys)."""
-    n = gpt_num_params(cfg, exclude_embeddings=True)
+    head still scores s keys). In an MoE block a token runs only its top-k routed experts: the others are left
+    out of N."""
+    n = gpt_num_params(cfg, exclude_embeddings=True) - _idle_expert_params(cfg)
     if cfg.tie_embeddings:
         n += cfg.vocab_size * cfg.d_model
     return 6 * n + 6 * cfg.n_layer * cfg.seq_len * cfg.d_model
+
+
+def _idle_expert_params(cfg: GPTConfig) -> int:
+    """Parameters of the routed experts a token does not run: (E - k) experts in each MoE block."""
+    if not cfg.moe_experts:
+        return 0
+    e, d, b = cfg.moe_d_ff, cfg.d_model, int(cfg.bias)
+    assert e is not None
+    expert = (2 if cfg.mlp == "swiglu" else 1) * (d * e + e * b) + (e * d + d * b)
+    return sum(cfg.is_moe_block(i) for i in range(cfg.n_layer)) * (cfg.moe_experts - cfg.moe_top_k) * expert
