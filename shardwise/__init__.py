@@ -12,8 +12,9 @@ Public API (DeepSpeed-compatible):
         engine.step()
 
 DeepSpeed's other names scripts use: `shardwise.add_config_arguments`, `shardwise.comm` (get_rank, barrier, ...),
-`shardwise.zero` (Init, GatheredParameters), `shardwise.ops.adam` (FusedAdam, DeepSpeedCPUAdam) and
-`shardwise.utils` (safe_get_full_fp32_param, safe_get_full_grad).
+`shardwise.zero` (Init, GatheredParameters), `shardwise.ops.adam` (FusedAdam, DeepSpeedCPUAdam),
+`shardwise.utils` (safe_get_full_fp32_param, safe_get_full_grad; `utils.groups`, the expert groups) and
+`shardwise.moe` (`moe.layer.MoE`, `moe.utils.split_params_into_different_moe_groups_for_optimizer`).
 
 The torch-native way in, for a plain optimizer and loop: `shardwise.fully_shard(block)` per block then on the
 model (FSDP2's shape, `MixedPrecisionPolicy`, `CPUOffloadPolicy`), `shardwise.FullyShardedDataParallel(model,
@@ -67,6 +68,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing", "zero", "ops",
-                "utils", "runtime"):
+                "utils", "runtime", "moe"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
