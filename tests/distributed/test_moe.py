@@ -1,0 +1,206 @@
+"""Mixture of experts under expert parallelism.
+
+- Exactness: a tiny MoE GPT (GELU experts) and a Llama-style one (SwiGLU experts and a shared expert), no token
+  dropping, at ep 2 and ep 4 on 4 ranks, under ZeRO 0, 1 and 2, equal the single-process model for 5 steps (fp32,
+  rtol 1e-5): losses, and each rank's dense parameters and experts against the reference's same experts. The
+  reference runs the 4 ranks' shards as 4 micro-batches of one step, so its loss is the mean of the shards'
+  losses, load-balancing loss included (that loss is not linear in the tokens: a mean over one big batch differs).
+- DeepSpeed parity: the same model built with `import shardwise as deepspeed` and with DeepSpeed 0.19's `MoE`
+  layer, at ep 2 on 2 ranks, token dropping on (capacity factor 1.0, random token selection) and off.
+
+All cases of one world size share one launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.testing import (
+    assert_close_lists, assert_state_close, micro_steps, reference_train, run_distributed, shard_global_batch,
+    state_copy, token_batches,
+)
+
+STEPS = 5
+SEQ = 8
+WORLD = 4
+
+# name -> (preset overrides, ep size, zero stage, optimizer block, clip)
+EP_CASES: dict[str, tuple[dict, int, int, dict, float]] = {
+    "gpt_ep2_zero0_sgd_clip": ({}, 2, 0, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.05),
+    "gpt_ep4_zero1_sgd": ({}, 4, 1, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.0),
+    "llama_ep2_zero2_adam_clip": ({"llama": True}, 2, 2,
+                                  {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}, 0.05),
+    "llama_ep4_zero2_sgd": ({"llama": True}, 4, 2, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.0),
+}
+
+
+def _tiny_moe_config(llama: bool = False):
+    from shardwise.models import gpt_config
+    name = "llama-moe-tiny" if llama else "gpt-moe-tiny"
+    return gpt_config(name, n_layer=2, d_model=32, n_head=4, n_kv_head=2 if llama else None, seq_len=SEQ,
+                      moe_d_ff=32, moe_z_loss_coef=1e-3, moe_aux_loss_coef=0.05)
+
+
+def _expert_names(state: dict, first: int, local: int) -> dict:
+    """The reference's entries of experts first .. first + local - 1, under this rank's local names."""
+    out = {}
+    for k, v in state.items():
+        m = re.match(r"(.*\.experts\.)(\d+)(\..*)", k)
+        if m is None:
+            out[k] = v
+        elif first <= int(m.group(2)) < first + local:
+            out[f"{m.group(1)}{int(m.group(2)) - first}{m.group(3)}"] = v
+    return out
+
+
+def _ep_case(overrides: dict, ep: int, stage: int, optimizer: dict, clip: float) -> dict:
+    import shardwise
+    from shardwise.models import GPT
+    from shardwise.parallel.experts import build_expert_groups, moe_layers, shard_experts
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(_tiny_moe_config(**overrides))
+    reference = copy.deepcopy(model)
+    shard_experts(model, build_expert_groups(ep))
+    first = next(moe_layers(model)).first_expert
+    local = len(next(moe_layers(model)).experts)
+    config = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
+              "gradient_clipping": clip, "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+              "steps_per_print": 10_000}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = token_batches(STEPS, 4 * world, SEQ + 1, seed=3)
+    losses, norms = [], []
+    for batch in batches:
+        (micro,) = shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=1)
+        loss = engine(micro[:, :-1], micro[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        norms.append(engine.get_global_grad_norm())
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    engine.close()
+
+    # The reference: the same global batches, the 4 shards as 4 micro-batches (the mean of their losses).
+    opt_cls = torch.optim.SGD if optimizer["type"] == "SGD" else torch.optim.AdamW
+    params = {k: v for k, v in optimizer["params"].items() if k != "torch_adam"}
+    ref_opt = opt_cls(reference.parameters(), **params)
+    ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world),
+                                 loss_fn=lambda m, mb: m(*mb), clip=clip)
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "state": state_copy(model),
+            "ref_state": _expert_names(state_copy(reference), first, local)}
+
+
+def _ep_cases(cases: dict) -> dict:
+    torch.set_num_threads(1)
+    return {name: _ep_case(*case) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def ep_results() -> list[dict]:
+    return run_distributed(_ep_cases, WORLD, args=(EP_CASES,), timeout=400)
+
+
+@pytest.mark.parametrize("name", list(EP_CASES))
+def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str) -> None:
+    adam = EP_CASES[name][3]["type"] != "SGD"
+    for rank, res in enumerate(ep_results):
+        case = res[name]
+        assert_close_lists(case["losses"], case["ref_losses"], rtol=1e-5, what=f"{name} rank {rank} losses")
+        assert_state_close(case["state"], case["ref_state"], what=f"{name} rank {rank}", adam=adam)
+    clip = EP_CASES[name][4]
+    if clip:    # the clip scaled every step, so the parity above needed the whole model's norm over the experts
+        assert min(ep_results[0][name]["norms"]) > clip
+
+
+# -- DeepSpeed's MoE layer ------------------------------------------------------------------------------------
+
+DS_WORLD = 2
+DS_HIDDEN = 16
+DS_CASES: dict[str, dict] = {
+    "no_drop_adam": {"drop_tokens": False, "optimizer": {"type": "Adam", "params": {"lr": 3e-3,
+                                                                                   "torch_adam": True}}},
+    "drop_cf1_rts_sgd": {"drop_tokens": True, "capacity_factor": 1.0,
+                         "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}},
+}
+
+
+class _MoENet(torch.nn.Module):
+    """Embedding -> x + MoE(x) (4 GELU experts, top-1, ep 2) -> Linear head; loss = CE + 0.01 * l_aux, as
+    Megatron-DeepSpeed adds it."""
+
+    def __init__(self, moe_cls, **moe_args) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, DS_HIDDEN)
+        expert = torch.nn.Sequential(torch.nn.Linear(DS_HIDDEN, 2 * DS_HIDDEN), torch.nn.GELU(),
+                                     torch.nn.Linear(2 * DS_HIDDEN, DS_HIDDEN))
+        self.moe = moe_cls(hidden_size=DS_HIDDEN, expert=expert, num_experts=4, ep_size=2, k=1, **moe_args)
+        self.head = torch.nn.Linear(DS_HIDDEN, 256)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        y, l_aux, _ = self.moe(x)
+        logits = self.head(x + y)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), labels.reshape(-1)) + 0.01 * l_aux
+
+
+def _ds_run(deepspeed, case: dict) -> dict:
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: F401 (theirs)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    moe_args = {k: v for k, v in case.items() if k != "optimizer"}
+    torch.manual_seed(0)
+    model = _MoENet(deepspeed.moe.layer.MoE, **moe_args)
+    groups = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "dense"})
+    config = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "optimizer": case["optimizer"],
+              "gradient_clipping": 0.0, "steps_per_print": 10_000}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    torch.manual_seed(1)         # random token selection draws from here on, alike in both runs
+    losses, dropped = [], 0
+    for batch in token_batches(STEPS, 4 * world, SEQ + 1, seed=5):
+        (micro,) = shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=1)
+        loss = engine(micro[:, :-1], micro[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        routing = getattr(model.moe.deepspeed_moe, "routing", None)      # shardwise's layer keeps it
+        if routing is not None:
+            dropped += int((~routing.kept).sum())
+    return {"losses": losses, "state": state_copy(model), "dropped": dropped}
+
+
+def _ds_cases(cases: dict) -> dict:
+    torch.set_num_threads(1)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    import shardwise
+    out = {}
+    for name, case in cases.items():
+        out[name] = {"shardwise": _ds_run(shardwise, case), "deepspeed": _ds_run(deepspeed, case)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds_results() -> list[dict]:
+    pytest.importorskip("deepspeed")
+    return run_distributed(_ds_cases, DS_WORLD, args=(DS_CASES,), timeout=400)
+
+
+@pytest.mark.parametrize("name", list(DS_CASES))
+def test_deepspeed_moe_layer_parity(ds_results: list[dict], name: str) -> None:
+    for rank, res in enumerate(ds_results):
+        ours, theirs = res[name]["shardwise"], res[name]["deepspeed"]
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"{name} rank {rank} losses")
+        assert_state_close(ours["state"], theirs["state"], what=f"{name} rank {rank}", rtol=1e-5, atol=1e-5)
+    dropped = sum(res[name]["shardwise"]["dropped"] for res in ds_results)
+    assert (dropped > 0) == DS_CASES[name]["drop_tokens"], f"{name}: {dropped} tokens dropped"
