@@ -130,3 +130,15 @@ def test_deepspeed_moe_refuses_experts_not_divisible_by_ep() -> None:
         MoE(8, _expert(8), num_experts=6, ep_size=4)
     with pytest.raises(UserError, match="noisy_gate_policy = 'Gauss'"):
         MoE(8, _expert(8), num_experts=2, noisy_gate_policy="Gauss")
+
+
+def test_one_host_read_per_layer_and_forward() -> None:
+    from shardwise.testing import HostReadCounter
+    torch.manual_seed(0)
+    cfg = gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32, moe_capacity_factor=1.0)
+    model = GPT(cfg)
+    ids = torch.randint(0, 256, (2, 8))
+    with HostReadCounter() as reads:
+        model(ids, ids).backward()
+    assert [f for _, f in reads.calls] == [reads.calls[0][1]] * 2, reads.calls      # the counts, once per layer
+    assert reads.calls[0][1].startswith("parallel/experts/dispatch.py")

@@ -47,16 +47,22 @@ class Router(nn.Module):
         cfg = self.cfg
         xf = x.float()                                                        # [S, H]
         if cfg.noisy_gate is NoisyGate.JITTER and self.training:
-            noise = torch.distributions.Uniform(torch.tensor(1.0 - JITTER_EPS, device=x.device),
-                                                torch.tensor(1.0 + JITTER_EPS, device=x.device))
-            xf = xf * noise.rsample(xf.shape)
+            xf = xf * _uniform(xf.shape, 1.0 - JITTER_EPS, 1.0 + JITTER_EPS, x.device)
         logits = F.linear(xf, self.wg.weight.float())                         # [S, E]
         return route(logits, cfg, training=self.training)
 
 
+def _uniform(shape: torch.Size, low: float, high: float, device: torch.device) -> Tensor:
+    """U(low, high) [shape] fp32 as torch.distributions.Uniform draws it (low + rand * (high - low), the bounds as
+    fp32 tensors), without its argument checks, which read the device."""
+    lo = torch.tensor(low, device=device)
+    return lo + torch.rand(shape, device=device) * (torch.tensor(high, device=device) - lo)
+
+
 def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
-    g = torch.distributions.Gumbel(torch.tensor(0.0, device=device), torch.tensor(1.0, device=device))
-    return g.rsample(shape)
+    """Gumbel(0, 1) [shape] fp32 as torch.distributions.Gumbel draws it: -log(-log(u)), u ~ U(tiny, 1 - eps)."""
+    finfo = torch.finfo(torch.float32)
+    return -torch.log(-torch.log(_uniform(shape, finfo.tiny, 1.0 - finfo.eps, device)))
 
 
 def route(logits: Tensor, cfg: MoEConfig, *, training: bool) -> Routing:

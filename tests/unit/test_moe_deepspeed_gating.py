@@ -1,0 +1,63 @@
+"""The routing rule against DeepSpeed 0.19's own gate, on one process: the same logits (or gate weights and
+input) and the same seed give the same per-token expert weights, l_aux and exp_counts, for top-1 (random token
+selection, RSample and Jitter noise, dropping on and off), top-2 (second-expert sampling, dropping by position)
+and top-3 (dropping by score). Their random draws come from the default generator in the same order, so the
+noise and the random selection are bitwise the same draws."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from shardwise.moe.layer import MoE
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    import deepspeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    from deepspeed.moe.sharded_moe import TopKGate
+    return TopKGate
+
+
+CASES = {
+    "top1_rts_drop": dict(k=1, capacity_factor=1.0, drop_tokens=True, use_rts=True),
+    "top1_in_order_no_drop": dict(k=1, drop_tokens=False, use_rts=False),
+    "top1_rsample_drop": dict(k=1, capacity_factor=0.5, noisy_gate_policy="RSample"),
+    "top1_jitter_drop": dict(k=1, capacity_factor=0.75, noisy_gate_policy="Jitter"),
+    "top2_sampled_drop": dict(k=2, capacity_factor=0.5),
+    "top2_no_drop": dict(k=2, drop_tokens=False, top2_2nd_expert_sampling=False),
+    "top3_drop_by_score": dict(k=3, capacity_factor=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_routing_equals_deepspeeds_gate(name: str) -> None:
+    TopKGate = _deepspeed()
+    args = dict(CASES[name])
+    hidden, experts, tokens = 8, 4, 24
+    ours = MoE(hidden, torch.nn.Linear(hidden, hidden), num_experts=experts, min_capacity=0, **args)
+    ours.train()
+    router = ours.deepspeed_moe.gate
+    theirs = TopKGate(hidden, experts, args["k"], args.get("capacity_factor", 1.0), 1.0, 0,
+                      args.get("noisy_gate_policy"), args.get("drop_tokens", True), args.get("use_rts", True),
+                      None, args.get("top2_2nd_expert_sampling", True))
+    theirs.train()
+    with torch.no_grad():
+        theirs.wg.weight.copy_(router.wg.weight)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+
+    torch.manual_seed(7)
+    l_aux, combine, _, counts = theirs(x)                      # combine [S, E, C]
+    torch.manual_seed(7)
+    routing = router(x)
+    weights = torch.zeros(tokens, experts).scatter_add_(1, routing.expert, routing.weight)
+    torch.testing.assert_close(weights, combine.sum(-1), rtol=1.3e-6, atol=1e-7)
+    torch.testing.assert_close(routing.aux_loss, l_aux)
+    assert routing.counts.tolist() == counts.tolist()
+    if args.get("drop_tokens", True):
+        assert not bool(routing.kept.all()), "the case should drop tokens"
