@@ -66,6 +66,16 @@ def model_states_file(ctx: CheckpointContext, mp_rank: int, dp_rank: int = 0) ->
     return ckpt.model_states_name(mp_rank)
 
 
+def _refuse_expert_parallel(ctx: CheckpointContext, what: str) -> None:
+    """Experts under expert parallelism differ between dp ranks under the same names: the layouts here would keep
+    one rank's. Every rank holds the same kind of parameters, so every rank refuses alike."""
+    from shardwise.parallel.replicas import replicas_of
+    if any(replicas_of(p) is not None for p in ctx.module.parameters()):
+        raise UserError(f"{what} of a model with expert-parallel parameters (an MoE layer with ep_size > 1) is not "
+                        f"supported yet: each rank holds other experts under the same names; save the experts "
+                        f"yourself (torch.save of each rank's module state) or train with ep_size = 1")
+
+
 def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, *,
          save_latest: bool = True, exclude_frozen: bool = False) -> bool:
     """Write one tag in DeepSpeed's files and keys, plus our index. Model states come from the ranks of
@@ -76,6 +86,7 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     if not save_dir:
         raise ArgumentError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
                         f"into")
+    _refuse_expert_parallel(ctx, "save_checkpoint")
     tag = _agreed_tag(ctx, f"global_step{ctx.progress.global_steps}" if tag is None else str(tag))
     client = dict(client_state or {})
     clash = sorted(set(client) & (deepspeed_read.STATE_KEYS | RESERVED_KEYS))
@@ -191,6 +202,7 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
     With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
     (`reshard.py`); a tag written before indexes loads at the layout that wrote it (weights also at another
     number of stages with `load_module_only=True`)."""
+    _refuse_expert_parallel(ctx, "load_checkpoint")
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
         return None, None
@@ -341,6 +353,7 @@ def consolidated_state_dict(ctx: CheckpointContext, *, exclude_frozen: bool = Fa
 def save_16bit_model(ctx: CheckpointContext, save_dir: str, save_filename: str, exclude_frozen: bool) -> bool:
     """DeepSpeed's `save_16bit_model`: the consolidated weights in the training dtype, one file written by world
     rank 0 (atomically: a temporary file renamed into place). Collective."""
+    _refuse_expert_parallel(ctx, "save_16bit_model")
     state = consolidated_state_dict(ctx, exclude_frozen=exclude_frozen)
     failed = False
     if state is not None:
