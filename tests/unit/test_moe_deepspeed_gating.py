@@ -61,3 +61,23 @@ def test_routing_equals_deepspeeds_gate(name: str) -> None:
     assert routing.counts.tolist() == counts.tolist()
     if args.get("drop_tokens", True):
         assert not bool(routing.kept.all()), "the case should drop tokens"
+
+
+def test_param_groups_split_as_deepspeeds() -> None:
+    _deepspeed()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as theirs_split
+    from shardwise.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer as ours_split
+
+    def groups_of(split, limit):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), MoE(8, torch.nn.Linear(8, 8), num_experts=2))
+        dense = [p for p in model.parameters() if not is_moe_param(p)]
+        expert = [p for p in model.parameters() if is_moe_param(p)]
+        names = {id(p): n for n, p in model.named_parameters()}
+        given = [{"params": dense[:1] + expert[:2], "name": "a", "weight_decay": 0.1},
+                 {"params": dense[1:] + expert[2:], "name": "b", "lr": 0.5}]
+        out = split(given, max_group_size=limit)
+        return [({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]) for g in out]
+
+    for limit in (None, 80, 178956971):
+        assert groups_of(ours_split, limit) == groups_of(theirs_split, limit)

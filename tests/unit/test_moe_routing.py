@@ -11,7 +11,7 @@ from shardwise.errors import UserError
 from shardwise.models import GPT, gpt_config, gpt_num_params
 from shardwise.models.presets import MOE_PRESETS, gpt_flops_per_token
 from shardwise.parallel.experts import (
-    BalanceCount, DropPolicy, MoEConfig, MoELayer, ScoreFunction, expert_layout,
+    BalanceCount, DropPolicy, MoEConfig, MoELayer, NoisyGate, ScoreFunction, expert_layout,
 )
 from shardwise.parallel.experts.config import check_expert_split
 from shardwise.parallel.experts.router import route
@@ -142,3 +142,13 @@ def test_one_host_read_per_layer_and_forward() -> None:
         model(ids, ids).backward()
     assert [f for _, f in reads.calls] == [reads.calls[0][1]] * 2, reads.calls      # the counts, once per layer
     assert reads.calls[0][1].startswith("parallel/experts/dispatch.py")
+
+
+@pytest.mark.parametrize("noise, policy", [(NoisyGate.JITTER, DropPolicy.RANDOM), (NoisyGate.RSAMPLE, DropPolicy.POSITION)])
+def test_noise_and_random_selection_read_nothing_more(noise: NoisyGate, policy: DropPolicy) -> None:
+    from shardwise.testing import HostReadCounter
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, noisy_gate=noise, drop_policy=policy,
+                                  second_choice_noise=True), make_expert=lambda: _expert(8))
+    with HostReadCounter() as reads:
+        layer(torch.randn(16, 8)).sum().backward()
+    assert len(reads.calls) == 1, reads.calls

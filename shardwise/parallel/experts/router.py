@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -53,10 +54,11 @@ class Router(nn.Module):
 
 
 def _uniform(shape: torch.Size, low: float, high: float, device: torch.device) -> Tensor:
-    """U(low, high) [shape] fp32 as torch.distributions.Uniform draws it (low + rand * (high - low), the bounds as
-    fp32 tensors), without its argument checks, which read the device."""
-    lo = torch.tensor(low, device=device)
-    return lo + torch.rand(shape, device=device) * (torch.tensor(high, device=device) - lo)
+    """U(low, high) [shape] fp32 as torch.distributions.Uniform draws it: low + rand * (high - low) in fp32. The
+    bounds are fp32 numbers made on the host (its argument checks, and fp32 tensors copied to a GPU, would wait
+    for the device); a Python float holding an fp32 value enters fp32 arithmetic unchanged."""
+    lo, hi = np.float32(low), np.float32(high)
+    return float(lo) + torch.rand(shape, device=device) * float(hi - lo)
 
 
 def _gumbel(shape: torch.Size, device: torch.device) -> Tensor:
