@@ -1,7 +1,7 @@
 """Mixture of experts under expert parallelism.
 
 - Exactness: a tiny MoE GPT (GELU experts) and a Llama-style one (SwiGLU experts and a shared expert), no token
-  dropping, at ep 2 and ep 4 on 4 ranks, under ZeRO 0, 1 and 2, equal the single-process model for 5 steps (fp32,
+  dropping, at ep 2 and ep 4 on 4 ranks, under ZeRO 0, 1, 2 and 3, equal the single-process model for 5 steps (fp32,
   rtol 1e-5): losses, and each rank's dense parameters and experts against the reference's same experts. The
   reference runs the 4 ranks' shards as 4 micro-batches of one step, so its loss is the mean of the shards'
   losses, load-balancing loss included (that loss is not linear in the tokens: a mean over one big batch differs).
@@ -32,13 +32,16 @@ STEPS = 5
 SEQ = 8
 WORLD = 4
 
-# name -> (preset overrides, ep size, zero stage, optimizer block, clip)
-EP_CASES: dict[str, tuple[dict, int, int, dict, float]] = {
-    "gpt_ep2_zero0_sgd_clip": ({}, 2, 0, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.05),
-    "gpt_ep4_zero1_sgd": ({}, 4, 1, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.0),
-    "llama_ep2_zero2_adam_clip": ({"llama": True}, 2, 2,
+_SGD = {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}
+# name -> (preset overrides, ep size, zero_optimization block, optimizer block, clip)
+EP_CASES: dict[str, tuple[dict, int, dict, dict, float]] = {
+    "gpt_ep2_zero0_sgd_clip": ({}, 2, {"stage": 0}, _SGD, 0.05),
+    "gpt_ep4_zero1_sgd": ({}, 4, {"stage": 1}, _SGD, 0.0),
+    "llama_ep2_zero2_adam_clip": ({"llama": True}, 2, {"stage": 2},
                                   {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}, 0.05),
-    "llama_ep4_zero2_sgd": ({"llama": True}, 4, 2, {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}, 0.0),
+    "llama_ep4_zero2_sgd": ({"llama": True}, 4, {"stage": 2}, _SGD, 0.0),
+    # every parameter sharded (no persistence threshold): experts in flats of their own over expert-dp
+    "gpt_ep2_zero3_sgd_clip": ({}, 2, {"stage": 3, "stage3_param_persistence_threshold": 0}, _SGD, 0.05),
 }
 
 
@@ -61,7 +64,7 @@ def _expert_names(state: dict, first: int, local: int) -> dict:
     return out
 
 
-def _ep_case(overrides: dict, ep: int, stage: int, optimizer: dict, clip: float) -> dict:
+def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float) -> dict:
     import shardwise
     from shardwise.models import GPT
     from shardwise.parallel.experts import build_expert_groups, moe_layers, shard_experts
@@ -73,7 +76,7 @@ def _ep_case(overrides: dict, ep: int, stage: int, optimizer: dict, clip: float)
     first = next(moe_layers(model)).first_expert
     local = len(next(moe_layers(model)).experts)
     config = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
-              "gradient_clipping": clip, "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+              "gradient_clipping": clip, "zero_optimization": {**zero, "reduce_bucket_size": 2000},
               "steps_per_print": 10_000}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     batches = token_batches(STEPS, 4 * world, SEQ + 1, seed=3)
@@ -92,6 +95,7 @@ def _ep_case(overrides: dict, ep: int, stage: int, optimizer: dict, clip: float)
         engine.save_checkpoint("/nonexistent-moe-checkpoint")     # refused before anything is written
     except shardwise.UserError as e:
         refused = str(e)
+    state = {k: v.detach().clone() for k, v in engine.dp_runtime.gathered_state_dict(model, rank0_only=False).items()}
     engine.close()
 
     # The reference: the same global batches, the 4 shards as 4 micro-batches (the mean of their losses).
@@ -100,7 +104,7 @@ def _ep_case(overrides: dict, ep: int, stage: int, optimizer: dict, clip: float)
     ref_opt = opt_cls(reference.parameters(), **params)
     ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world),
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state_copy(model),
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state,
             "ref_state": _expert_names(state_copy(reference), first, local)}
 
 

@@ -55,10 +55,6 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
     for sharded parameters (as DeepSpeed's files do); a full state dict is `runtime.gathered_state_dict(module)`
     (collective), and loading a full state dict into the module splits it into the shards."""
     if section.stage == 3:
-        expert = next((p for g in groups for p in g["params"] if replicas_of(p) is not None), None)
-        if expert is not None:
-            raise UserError("zero_optimization.stage = 3 with expert-parallel parameters (an MoE layer with "
-                            "ep_size > 1) is not supported yet: use stage 0, 1 or 2")
         if tied:
             raise UserError("zero_optimization.stage = 3 with weights tied across pipeline stages (TiedLayerSpec) "
                             "is not supported: use stage 1 or 2 (as DeepSpeed's pipeline does)")
@@ -109,7 +105,7 @@ def _stage3(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, 
     group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
 
     def key_of(p: torch.nn.Parameter) -> FlatKey:
-        return FlatKey(group_of.get(id(p)), p.dtype)
+        return FlatKey(group_of.get(id(p)), p.dtype, replicas_of(p))
 
     partition = _partition(model, section, key_of, dp_comm, device, units.units if units is not None else None)
     offload_param = section.offload_param if section.offloads_params else None
@@ -118,9 +114,8 @@ def _stage3(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfig, 
             f.offload(torch.device("cpu"), pin_memory=offload_param.pin_memory)
     setattr(model, PARTITION_ATTR, partition)
     kept = {id(p) for p in partition.persistent}
-    persistent: list[ZeroBucket] = build_zero_buckets(
-        [[p for p in g["params"] if id(p) in kept] for g in groups], dp_size=dp_comm.size, dp_rank=dp_comm.rank,
-        bucket_numel=section.reduce_bucket_size)
+    persistent = _replica_buckets([dict(g, params=[p for p in g["params"] if id(p) in kept]) for g in groups],
+                                  dp_comm, section.reduce_bucket_size, set())
     flats = [f for f in partition.flats if f.group is not None]
     reducer = ZeroGradReducer(persistent, dp_comm, partition_grads=True) if persistent else None
     runtime = ZeroParamRuntime(model, partition, dp_comm, persistent=reducer,
@@ -147,7 +142,10 @@ def _partition(model: torch.nn.Module, section: ZeroConfig, key_of: Callable[[to
         return shard_model(model, key_of=key_of, dp_size=comm.size, dp_rank=comm.rank,
                            persistence_threshold=section.stage3_param_persistence_threshold,
                            model_persistence_threshold=section.stage3_model_persistence_threshold,
-                           modules=unit_modules)
+                           modules=unit_modules, comms=ReplicaComms(comm.ledger))
+    if any(key_of(p).replicas is not None for p in model.parameters()):
+        raise UserError("a model materialized sharded (materialize_sharded / zero.Init) with expert-parallel "
+                        "parameters is not supported: build it whole, then shard_experts, then initialize")
     if (given.dp_size, given.dp_rank) != (comm.size, comm.rank):
         raise UserError(f"the model was materialized for data-parallel rank {given.dp_rank} of {given.dp_size}, "
                         f"but this run is rank {comm.rank} of {comm.size}: materialize it with the same group")

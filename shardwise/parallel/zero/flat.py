@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.replicas import ReplicaGroup
 from shardwise.parallel.zero.copies import CopyStream, wait_stream
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
 from shardwise.parallel.zero.states import REDUCE_MOVES, ReduceState, advance
@@ -20,6 +21,7 @@ from shardwise.parallel.zero.states import REDUCE_MOVES, ReduceState, advance
 class FlatKey:
     group: int | None          # optimizer param-group index; None: not optimized (frozen or not passed)
     dtype: torch.dtype
+    replicas: ReplicaGroup | None = None    # the parameters' own replica group (experts'); None: the dp group
 
 
 def _resize(t: torch.Tensor, numel: int) -> None:
@@ -77,6 +79,9 @@ class FlatShard:
     # grad_shard got its first reduction: from then on the free parameters show their pieces of it as .grad
     # (before, they have none, as on one process before the first backward)
     has_grads: bool = False
+    # The key's replica group (`parallel/replicas.py`: experts' expert-dp group), over which this flat is sharded,
+    # gathered and reduce-scattered; None: the dp group. Gradients still divide by the dp size.
+    comm: Comm | None = None
 
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.replicas import ReplicaComms
 from shardwise.parallel.zero.copies import CopyStream
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
@@ -48,7 +49,7 @@ class Unit:
     def start_gather(self, comm: Comm, copies: CopyStream | None = None) -> None:
         """SHARDED -> GATHERING: launch the all-gather of every flat."""
         self._move_gather(GatherState.GATHERING)
-        self.handles = [f.launch_gather(comm, copies) for f in self.flats]
+        self.handles = [f.launch_gather(f.comm if f.comm is not None else comm, copies) for f in self.flats]
 
     def finish_gather(self) -> None:
         """GATHERING -> UNSHARDED: wait for the all-gathers; the parameters view the full buffers."""
@@ -178,17 +179,24 @@ def plan_units(model: nn.Module, *, persistence_threshold: int, model_persistenc
 def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatKey],
                 shape_of: Callable[[nn.Parameter], torch.Size], dp_size: int, dp_rank: int,
                 device: torch.device, grad_shards: bool = True,
-                layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> list[Unit]:
+                layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout,
+                comms: ReplicaComms | None = None) -> list[Unit]:
     """Units with zeroed shards (fill them with FlatShard.copy_piece); one flat per key, keys in first-seen
-    order."""
+    order. A key with a replica group is sharded over that group's `Comm` (from `comms`) instead of dp."""
     units = []
     for index, plan in enumerate(plans):
         by_key: dict[FlatKey, list[nn.Parameter]] = {}
         for p in plan.params:
             by_key.setdefault(key_of(p), []).append(p)
-        flats = [FlatShard.allocate(index, key, ps, [shape_of(p) for p in ps], dp_size=dp_size, rank=dp_rank,
-                                    device=device, grad_shard=grad_shards, layout_type=layout_type)
-                 for key, ps in by_key.items()]
+        flats = []
+        for key, ps in by_key.items():
+            comm = comms.of(key.replicas) if comms is not None else None
+            flat = FlatShard.allocate(index, key, ps, [shape_of(p) for p in ps],
+                                      dp_size=dp_size if comm is None else comm.size,
+                                      rank=dp_rank if comm is None else comm.rank,
+                                      device=device, grad_shard=grad_shards, layout_type=layout_type)
+            flat.comm = comm
+            flats.append(flat)
         units.append(Unit(index, plan.name, plan.module, flats, is_root=plan.is_root))
     return units
 
@@ -197,7 +205,7 @@ def build_units(plans: list[UnitPlan], *, key_of: Callable[[nn.Parameter], FlatK
 def shard_model(model: nn.Module, *, key_of: Callable[[nn.Parameter], FlatKey], dp_size: int, dp_rank: int,
                 persistence_threshold: int, model_persistence_threshold: int,
                 modules: list[tuple[str, nn.Module]] | None = None, device: torch.device | None = None,
-                grad_shards: bool = True) -> Partition:
+                grad_shards: bool = True, comms: ReplicaComms | None = None) -> Partition:
     """Shard a materialized model in place: each rank keeps its shard of every unit; parameters become empty
     placeholders. The full model existed on this rank before the call (see materialize.py to avoid that).
     The shards go to `device` (default: the parameters'), copied one parameter at a time."""
@@ -205,7 +213,7 @@ def shard_model(model: nn.Module, *, key_of: Callable[[nn.Parameter], FlatKey], 
                                    model_persistence_threshold=model_persistence_threshold, modules=modules)
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     units = build_units(plans, key_of=key_of, shape_of=lambda p: p.shape, dp_size=dp_size, dp_rank=dp_rank,
-                        device=device, grad_shards=grad_shards)
+                        device=device, grad_shards=grad_shards, comms=comms)
     for f in (f for u in units for f in u.flats):
         for i, p in enumerate(f.params):
             f.copy_piece(i, p.detach())

@@ -355,8 +355,8 @@ class ZeroParamRuntime:
         flat.move_reduce(ReduceState.REDUCING)
         flat.received = flat.grad_full.new_empty(flat.grad_shard.shape)
         flat.has_grads = True
-        flat.handle = self.comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)],
-                                                   async_op=True)
+        comm = flat.comm if flat.comm is not None else self.comm
+        flat.handle = comm.reduce_scatter_sum(flat.received, flat.grad_full, tag=self._tags[id(flat)], async_op=True)
         self._in_flight.append(flat)
 
     def _drain(self, keep: int) -> None:
