@@ -121,7 +121,7 @@ def _get_full(param: torch.nn.Parameter, sources: Callable[[UpdateStrategy], lis
         t = tensors[k]
         if t is not None:
             out[piece.lo:piece.hi] = t.detach().reshape(-1)[piece.dst:piece.dst + piece.hi - piece.lo]
-    updater.sum_over_shards(out)
+    updater.sum_over_shards(out, param)
     return out.view(shape)
 
 

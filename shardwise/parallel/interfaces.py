@@ -174,9 +174,9 @@ class FullValues(Protocol):
         out as that tensor (a ZeRO gradient shard, a parameter's .grad); None where there is none yet."""
         ...
 
-    def sum_over_shards(self, t: torch.Tensor) -> None:
-        """Sum `t` in place over the ranks that hold shards of the stepped tensors (dp under ZeRO 1-3); nothing
-        where each rank holds them whole."""
+    def sum_over_shards(self, t: torch.Tensor, param: torch.nn.Parameter) -> None:
+        """Sum `t` in place over the ranks that hold shards of `param` (dp under ZeRO 1-3; an expert's expert-dp
+        group); nothing where each rank holds it whole."""
 
 
 class UpdateStrategy(Updater, ShardedState, FullValues, Protocol):

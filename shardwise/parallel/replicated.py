@@ -88,7 +88,7 @@ class ReplicatedUpdate(Update):
         """Each parameter's .grad, which the step reads (and copies into its master's)."""
         return [p.grad for p in self.model_params]
 
-    def sum_over_shards(self, t: torch.Tensor) -> None:
+    def sum_over_shards(self, t: torch.Tensor, param: torch.nn.Parameter) -> None:
         """Nothing: every rank holds the stepped tensors whole."""
 
 

@@ -90,6 +90,9 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(float(t) / world)
+    # DeepSpeed's tensor-fragment API on an expert: this rank's expert, assembled over its expert-dp group
+    expert_name, expert_param = next((n, p) for n, p in model.named_parameters() if ".experts." in n)
+    full_expert = shardwise.utils.safe_get_full_fp32_param(expert_param)
     refused = ""
     try:
         engine.save_checkpoint("/nonexistent-moe-checkpoint")     # refused before anything is written
@@ -105,6 +108,7 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world),
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state,
+            "full_expert": (expert_name, full_expert),
             "ref_state": _expert_names(state_copy(reference), first, local)}
 
 
@@ -137,6 +141,10 @@ def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str
         case = res[name]
         assert_close_lists(case["losses"], case["ref_losses"], rtol=1e-5, what=f"{name} rank {rank} losses")
         assert_state_close(case["state"], case["ref_state"], what=f"{name} rank {rank}", adam=adam)
+    for rank, res in enumerate(ep_results):
+        key, value = res[name]["full_expert"]
+        torch.testing.assert_close(value, res[name]["ref_state"][key], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name} rank {rank} safe_get_full_fp32_param({key}): {m}")
     # a checkpoint would keep one rank's experts: refused on every rank in one line, for now
     assert all("expert-parallel parameters" in res[name]["refused"] for res in ep_results)
     clip = EP_CASES[name][4]

@@ -228,8 +228,9 @@ class ShardedUpdate(Update):
         """Bucket k's gradient shard [S] (model dtype), laid out as master k."""
         return [b.grad_shard for b in self.buckets]
 
-    def sum_over_shards(self, t: torch.Tensor) -> None:
-        self.comm.all_reduce(t)
+    def sum_over_shards(self, t: torch.Tensor, param: torch.nn.Parameter) -> None:
+        bucket = self.buckets[self._where[id(param)][0]]
+        (bucket.comm if bucket.comm is not None else self.comm).all_reduce(t)
 
     @torch.no_grad()
     def _assemble(self, bucket: ZeroBucket, i: int, shard: torch.Tensor) -> torch.Tensor:
