@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.errors import UserError
 from shardwise.models.llama_layers import RMSNorm, SwiGLU, make_norm
 from shardwise.models.presets import GPTConfig, gpt_flops_per_token, gpt_num_params
 
@@ -269,6 +270,10 @@ class GPT(nn.Module):
         vocabulary-parallel one once tensor parallelism has split the head). The sample micro-batch, one
         sequence of ids [1, s], serves "flops" partitioning."""
         from shardwise.parallel.pipeline.stage import PipelineLayers
+        if self.cfg.moe_experts:
+            # The pipeline's loss is `self.loss` alone: the routers' losses would be left out of training.
+            raise UserError(f"pipeline parallelism of an MoE model (moe_experts = {self.cfg.moe_experts}) is not "
+                            f"supported yet: use pipeline.stages = 1")
         sample = torch.zeros(1, self.cfg.seq_len, dtype=torch.long, device=self.embed.tok.weight.device)
         return PipelineLayers([(f"blocks.{i}", b) for i, b in enumerate(self.blocks)], self.loss,
                               prefix=[("embed", self.embed)], suffix=[("head", self.head)], sample_input=sample)

@@ -81,3 +81,36 @@ def test_param_groups_split_as_deepspeeds() -> None:
 
     for limit in (None, 80, 178956971):
         assert groups_of(ours_split, limit) == groups_of(theirs_split, limit)
+
+
+@pytest.mark.parametrize("args", [dict(k=1, use_residual=True), dict(k=2, capacity_factor=0.5),
+                                  dict(k=2, drop_tokens=False, noisy_gate_policy="Jitter")])
+def test_whole_layer_equals_deepspeeds_at_ep_1(args: dict) -> None:
+    """DeepSpeed's MoE state dict loads into ours by its own names (strict), and output, l_aux and exp_counts
+    agree, gradients too."""
+    _deepspeed()
+    from deepspeed.moe.layer import MoE as TheirMoE
+
+    def expert() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+    torch.manual_seed(0)
+    theirs = TheirMoE(8, expert(), num_experts=4, min_capacity=0, **args)
+    ours = MoE(8, expert(), num_experts=4, min_capacity=0, **args)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(1))
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(5)
+    out_t, aux_t, counts_t = theirs(xs)
+    torch.manual_seed(5)
+    out_o, aux_o, counts_o = ours(xo)
+    torch.testing.assert_close(out_o, out_t, rtol=1.3e-6, atol=1e-6)
+    torch.testing.assert_close(aux_o, aux_t)
+    assert counts_o.tolist() == counts_t.tolist()
+    (out_t.square().sum() + aux_t).backward()
+    (out_o.square().sum() + aux_o).backward()
+    assert xo.grad is not None and xs.grad is not None
+    torch.testing.assert_close(xo.grad, xs.grad, rtol=1e-5, atol=1e-6)
+    grads_t = {n: p.grad for n, p in theirs.named_parameters()}
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads_t[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

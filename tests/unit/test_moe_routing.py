@@ -152,3 +152,9 @@ def test_noise_and_random_selection_read_nothing_more(noise: NoisyGate, policy: 
     with HostReadCounter() as reads:
         layer(torch.randn(16, 8)).sum().backward()
     assert len(reads.calls) == 1, reads.calls
+
+
+def test_pipeline_of_an_moe_gpt_is_refused_in_one_line() -> None:
+    model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
+    with pytest.raises(UserError, match="pipeline parallelism of an MoE model .*use pipeline.stages = 1"):
+        model.pipeline_layers()
