@@ -330,6 +330,9 @@ def parallelize_model(model: nn.Module, comm: Comm, *, sequence_parallel: bool =
     (The pipeline cut of the built-in GPT is its own `GPT.pipeline_layers()`.)
     """
     if isinstance(model, GPT):
+        if model.cfg.moe_experts:
+            raise TensorParallelError(f"tensor_parallel.size = {comm.size} with an MoE model (moe_experts = "
+                                      f"{model.cfg.moe_experts}) is not supported yet: use tensor_parallel.size = 1")
         return parallelize_gpt(model, comm, sequence_parallel=sequence_parallel)
     if is_hf_model(model):
         if sequence_parallel:

@@ -158,3 +158,11 @@ def test_pipeline_of_an_moe_gpt_is_refused_in_one_line() -> None:
     model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
     with pytest.raises(UserError, match="pipeline parallelism of an MoE model .*use pipeline.stages = 1"):
         model.pipeline_layers()
+
+
+def test_tensor_parallel_moe_gpt_is_refused_in_one_line() -> None:
+    import types
+    from shardwise.models.parallelize import parallelize_model
+    model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
+    with pytest.raises(UserError, match="tensor_parallel.size = 2 with an MoE model .*use tensor_parallel.size = 1"):
+        parallelize_model(model, types.SimpleNamespace(size=2))      # type: ignore[arg-type]
