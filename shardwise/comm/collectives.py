@@ -277,6 +277,15 @@ class Comm:
                                                        size=self.size, tag=tag, to_global=self.global_rank),
                          async_op)
 
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """input, output: [size, ...] contiguous; output[j] receives group rank j's input[self.rank].
+        Recorded bytes: the input."""
+        if self.local:
+            output.copy_(input)
+            return _Done()
+        return self._run("all_to_all", input,
+                         lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True), async_op)
+
     def all_reduce_object_max(self, value: float) -> float:
         """Max of one float over the group (e.g. an overflow flag): a 1-element all-reduce."""
         t = torch.tensor([float(value)], dtype=torch.float32)
