@@ -178,7 +178,10 @@ def _train(name: str, checkpoint_dir: str | None = None) -> None:
     losses = [engine.train_batch(iter(m)) for m in _micro(batches, dp=world // cp, dp_rank=rank // cp, gas=gas)]
     state = engine.dp_runtime.gathered_state_dict(model, rank0_only=False) if stage == 3 else state_copy(model)
     reference_optimizer = _optimizer(optimizer, reference.parameters())
-    expected = reference_train(reference, reference_optimizer, _micro(batches, dp=1, dp_rank=0, gas=gas),
+    # A loss is the mean over one micro-batch's valid tokens, averaged over micro-batches and dp ranks (DeepSpeed's
+    # rule): the reference runs the dp ranks' micro-batches as accumulation steps.
+    expected = reference_train(reference, reference_optimizer,
+                               _micro(batches, dp=1, dp_rank=0, gas=gas * (world // cp)),
                                loss_fn=lambda m, mb: m(*mb), clip=0.5)
     assert_close_lists(losses, expected, what=f"{name} losses")
     assert_state_close(state, state_copy(reference), what=f"{name} parameters", adam=optimizer is ADAMW)
@@ -207,7 +210,7 @@ def _load_at_cp1(name: str, checkpoint_dir: str, reference: nn.Module, reference
             torch.testing.assert_close(loaded_opt[i][key], value, msg=lambda m: f"optimizer state {i}.{key}: {m}")
     extra = _global_batches()[:1]
     loss = engine.train_batch(iter(_micro(extra, dp=world, dp_rank=dist.get_rank(), gas=gas)[0]))
-    expected = reference_train(reference, reference_optimizer, _micro(extra, dp=1, dp_rank=0, gas=gas),
+    expected = reference_train(reference, reference_optimizer, _micro(extra, dp=1, dp_rank=0, gas=gas * world),
                                loss_fn=lambda m, mb: m(*mb), clip=0.5)
     assert_close_lists([loss], expected, what=f"{name} step after loading at cp 1")
     assert_state_close(state_copy(model), state_copy(reference), what=f"{name} parameters after a step at cp 1")
