@@ -249,8 +249,9 @@ def load_config_for_world(config: ConfigSource, *, world_size: int, auto: AutoVa
         tp, pp, cp = model.tensor_parallel.size, model.pipeline.stages, model.context_parallel.size
         if world_size % (tp * pp * cp):
             key = "context_parallel.size" if world_size % (tp * pp) == 0 else "tensor_parallel.size"
+            context = f" * context_parallel.size {cp}" if cp > 1 else ""
             raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * "
-                              f"pipeline.stages {pp} * context_parallel.size {cp} = {tp * pp * cp}; change the number "
-                              f"of processes or the parallel sizes", key=key)
+                              f"pipeline.stages {pp}{context} = {tp * pp * cp}; change the number of processes or the "
+                              f"parallel sizes", key=key)
         return world_size // (tp * pp * cp)
     return _load(_parse(config, auto), dp_size_of)
