@@ -2,14 +2,15 @@
 
 - ring and Ulysses attention (forward and the gradients of q, k, v) equal single-process SDPA on the whole sequence,
   causal and not, with grouped-query heads (at cp 4 fewer key/value heads than ranks), fp32 at torch's fp32
-  tolerance;
+  tolerance, with no host read on the way (a synchronisation on a GPU);
 - `shardwise.sequence.layer.DistributedAttention` equals DeepSpeed's own (outputs and gradients, both layouts);
 - training 5 steps through `initialize` equals the single-process run (losses and parameters, rtol 1e-5): the
   Llama preset under causal ring attention at cp 2 (dp 1) with ignored labels spread unevenly over the ranks, the
   GPT under Ulysses at cp 2, and on 4 ranks cp 2 x dp 2 (ring; ring with ZeRO-3; Ulysses with ZeRO-1 and
   accumulation) and Ulysses at cp 4;
 - a checkpoint saved at cp 2 loads at cp 1 (dp 2) with the same parameters and optimizer state, and trains on as
-  the reference does.
+  the reference does;
+- `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _check_attention(size: int) -> None:
     from shardwise.comm.collectives import Comm
     from shardwise.comm.ledger import CommLedger
     from shardwise.parallel.context import RingAttention, SequenceLayout, UlyssesAttention, grouped_sdpa
+    from shardwise.testing.host_reads import HostReadCounter
     comm, rank = Comm(None, CommLedger(), name="cp"), dist.get_rank()
     for impl, causal, heads, kv in _attention_cases(size):
         g = torch.Generator().manual_seed(heads * 10 + kv)
@@ -59,8 +61,10 @@ def _check_attention(size: int) -> None:
         layout = SequenceLayout(size, rank, balanced=causal and impl == "ring")
         local = [layout.take(t, dim=2).requires_grad_() for t in (q, k, v)]
         attention = (RingAttention if impl == "ring" else UlyssesAttention)(comm, layout)
-        out = attention(*local, causal=causal)
-        out.backward(layout.take(dout, dim=2))
+        with HostReadCounter() as reads:        # nothing waits for the device inside the ring or the all-to-alls
+            out = attention(*local, causal=causal)
+            out.backward(layout.take(dout, dim=2))
+        assert reads.calls == [], reads.calls
         what = f"{impl} causal={causal} heads={heads}/{kv} at cp {size}"
         torch.testing.assert_close(out, layout.take(expected.detach(), dim=2), msg=lambda m: f"{what} output: {m}")
         for name, mine, ref in zip("qkv", local, full):
@@ -217,6 +221,23 @@ def _load_at_cp1(name: str, checkpoint_dir: str, reference: nn.Module, reference
     engine.close()
 
 
+def _check_loader(cp: int) -> None:
+    """`initialize(training_data=...)` deals samples over dp only: the cp ranks of one dp rank read the same."""
+    import shardwise
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = token_batches(1, 16, SEQ + 1, seed=3)[0]
+    dataset = [(r[:-1], r[1:]) for r in rows]
+    model = tiny_gpt(seq_len=SEQ)
+    engine, _, loader, _ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                                training_data=dataset, config=_config(cp, "ring", SGD, 0, 1))
+    ids, _ = next(iter(loader))
+    seen = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(seen, ids)
+    for other in range(world):
+        assert torch.equal(seen[other], ids) == (other // cp == rank // cp), (rank, other)
+    engine.close()
+
+
 # -- the launches -----------------------------------------------------------------------------------------------
 
 def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
@@ -225,6 +246,7 @@ def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
         _check_deepspeed_distributed_attention()
     _train("llama_ring_cp2", checkpoint_dir)
     _train("gpt_ulysses_cp2")
+    _check_loader(2)
 
 
 def _at_four() -> None:
@@ -232,6 +254,7 @@ def _at_four() -> None:
     for name in ("llama_ring_cp2_dp2", "llama_ring_cp2_dp2_zero3", "gpt_ulysses_cp2_dp2_zero1",
                  "llama_ulysses_cp4"):
         _train(name)
+    _check_loader(2)
 
 
 def _deepspeed_available() -> bool:
