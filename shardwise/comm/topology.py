@@ -198,7 +198,8 @@ class ParallelMesh:
         if self.shape.cp == 1:
             return self
         folded = self.shape.folded()
-        groups = {a: g for a, g in self._groups.items() if a in (Axis.PP, Axis.TP)}
+        groups: dict[Axis, dist.ProcessGroup | None] = {a: g for a, g in self._groups.items()
+                                                        if a in (Axis.PP, Axis.TP)}
         if folded.dp > 1:
             if folded.dp == folded.world_size:
                 groups[Axis.DP] = None
