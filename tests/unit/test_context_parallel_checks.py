@@ -91,3 +91,31 @@ def test_a_batch_whose_sequence_does_not_split_is_one_line() -> None:
                                                  r"= 4 chunks") as err:
         cp.local_batch((torch.zeros(2, 10),), {})
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_causal_ring_rounds_give_every_rank_the_same_work(size: int) -> None:
+    from shardwise.parallel.context.ring import _rows_and_keys
+    s = 8                       # local tokens: two chunks of 4
+    work, skipped = [], []
+    for rank in range(size):
+        layout = SequenceLayout(size, rank, balanced=True)
+        pairs = 0.0
+        for step in range(size):
+            rows, keys, masked = _rows_and_keys(layout, step, True, s)
+            area = (rows.stop - rows.start) * (keys.stop - keys.start)
+            pairs += area / 2 if masked else area
+            if step:            # after the diagonal round, half of every block is above the diagonal: skipped
+                skipped.append(area == s * s // 2)
+        work.append(pairs)
+    assert len(set(work)) == 1 and all(skipped)
+    assert work[0] == pytest.approx(size * s * s / 2)     # the causal half of the whole S x S, shared out
+
+
+def test_deepspeed_distributed_attention_is_importable_by_its_path_and_refuses_other_indices() -> None:
+    import shardwise as deepspeed
+    from shardwise.sequence.layer import DistributedAttention
+    assert deepspeed.sequence.layer.DistributedAttention is DistributedAttention
+    with pytest.raises(UserError, match=r"scatter_idx=1, gather_idx=0.*use scatter_idx=2, gather_idx=0") as err:
+        DistributedAttention(nn.Identity(), None, scatter_idx=1)
+    assert "\n" not in str(err.value)
