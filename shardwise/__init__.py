@@ -68,6 +68,6 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     if name in ("models", "planner", "data", "comm", "testing", "pipe", "checkpointing", "zero", "ops",
-                "utils", "runtime", "moe"):
+                "utils", "runtime", "moe", "sequence"):
         return importlib.import_module(f"shardwise.{name}")
     raise AttributeError(f"module 'shardwise' has no attribute {name!r}")

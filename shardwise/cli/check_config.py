@@ -119,12 +119,13 @@ def _loss_scaling(cfg: EngineConfig) -> str:
 
 
 def _rows(cfg: EngineConfig, world: int, optimizer_text: str | None) -> list[tuple[str, str]]:
-    b, z, tp, pp = cfg.batch, cfg.zero, cfg.tensor_parallel, cfg.pipeline
+    b, z, tp, pp, cp = cfg.batch, cfg.zero, cfg.tensor_parallel, cfg.pipeline, cfg.context_parallel
     derived = f" (derived: {', '.join(b.derived)})" if b.derived else ""
     offload = ", ".join(name for name, on in (("optimizer", z.offloads_optimizer), ("params", z.offloads_params)) if on)
     sched = cfg.scheduler
     return [
-        ("data-parallel size", f"{b.dp_size} = world {world} / (tensor_parallel {tp.size} * pipeline {pp.stages})"),
+        ("data-parallel size", f"{b.dp_size} = world {world} / (tensor_parallel {tp.size} * pipeline {pp.stages}"
+                               + (f" * context_parallel {cp.size} {cp.impl.value}" if cp.size > 1 else "") + ")"),
         ("batch", b.arithmetic() + derived),
         ("dtype", f"{cfg.precision.dtype.value}"
                   + (" (fp16 auto_cast)" if cfg.precision.auto_cast and cfg.precision.dtype.value == "fp16" else "")),

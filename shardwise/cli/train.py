@@ -219,6 +219,10 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
+    if engine_config.context_parallel.size > 1:     # its loader deals windows to dp x cp ranks: not cp-aware yet
+        raise UserError(f"context_parallel.size = {engine_config.context_parallel.size}: shardwise train does not run "
+                        f"context parallelism yet; use context_parallel.size 1 here, or shardwise.initialize from "
+                        f"Python (a training loop given whole micro-batches)")
     model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
     _check_micro_batch_fits(int(engine_config.batch.micro_batch), model_cfg.seq_len, args.nproc)

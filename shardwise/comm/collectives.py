@@ -132,9 +132,9 @@ class Comm:
         return run
 
     def _run(self, op: str, tensor: torch.Tensor, launch: Callable[[], Waitable | None], async_op: bool,
-             payload: int | None = None) -> Handle:
+             payload: int | None = None, signature: str | None = None) -> Handle:
         dtype = str(tensor.dtype).removeprefix("torch.")
-        token = self.ledger.start(op, self.name, f"{dtype}{list(tensor.shape)}", device=tensor.device)
+        token = self.ledger.start(op, self.name, signature or f"{dtype}{list(tensor.shape)}", device=tensor.device)
         size = self.size
         amount = nbytes(tensor) if payload is None else payload
 
@@ -277,23 +277,25 @@ class Comm:
                                                        size=self.size, tag=tag, to_global=self.global_rank),
                          async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, *, output_splits: list[int] | None = None,
-                          input_splits: list[int] | None = None) -> None:
-        """Rows of `tensor` [sum(input_splits), ...] sent in consecutive runs, run j to group rank j; `output`
-        [sum(output_splits), ...] receives run j from group rank j (None: equal runs). Blocking. The ledger's
-        signature is the dtype and the trailing shape only: with variable splits the row counts differ between
-        ranks, and the desync check compares signatures across ranks. Recorded bytes: the input."""
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                          output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> Handle:
+        """input, output: [size, ...] contiguous; output[j] receives group rank j's input[self.rank]. With splits:
+        rows of input [sum(input_splits), ...] go in consecutive runs, run j to group rank j, and output
+        [sum(output_splits), ...] receives run j from group rank j; the ledger's signature is then the dtype and the
+        trailing shape only (the row counts differ between ranks, and the desync check compares signatures across
+        ranks). Recorded bytes: the input."""
         if self.local:
-            output.copy_(tensor)
-            return
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        token = self.ledger.start("all_to_all", self.name, f"{dtype}[*, {list(tensor.shape[1:])}]",
-                                  device=tensor.device)
-        size = self.size
-        self._explained(lambda: dist.all_to_all_single(output, tensor, output_split_sizes=output_splits,
-                                                      input_split_sizes=input_splits, group=self.group))()
-        self.ledger.finish(token, op="all_to_all", group=self.name, group_size=size, nbytes=nbytes(tensor),
-                           dtype=dtype)
+            output.copy_(input)
+            return _Done()
+        if output_splits is None and input_splits is None:
+            return self._run("all_to_all", input,
+                             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True), async_op)
+        dtype = str(input.dtype).removeprefix("torch.")
+        return self._run("all_to_all", input,
+                         lambda: dist.all_to_all_single(output, input, output_split_sizes=output_splits,
+                                                        input_split_sizes=input_splits, group=self.group,
+                                                        async_op=True),
+                         async_op, signature=f"{dtype}[*, {list(input.shape[1:])}]")
 
     def all_reduce_object_max(self, value: float) -> float:
         """Max of one float over the group (e.g. an overflow flag): a 1-element all-reduce."""

@@ -240,15 +240,18 @@ def load_config(config: ConfigSource, *, dp_size: int, auto: AutoValues | None =
 
 def load_config_for_world(config: ConfigSource, *, world_size: int, auto: AutoValues | None = None) -> EngineConfig:
     """As `load_config`, with the data-parallel size derived from the total number of ranks:
-    dp = world_size / (tensor_parallel.size * pipeline.stages), which must divide exactly."""
+    dp = world_size / (tensor_parallel.size * pipeline.stages * context_parallel.size), which must divide
+    exactly."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
 
     def dp_size_of(model: ConfigModel) -> int:
-        tp, pp = model.tensor_parallel.size, model.pipeline.stages
-        if world_size % (tp * pp):
+        tp, pp, cp = model.tensor_parallel.size, model.pipeline.stages, model.context_parallel.size
+        if world_size % (tp * pp * cp):
+            key = "context_parallel.size" if world_size % (tp * pp) == 0 else "tensor_parallel.size"
+            context = f" * context_parallel.size {cp}" if cp > 1 else ""
             raise ConfigError(f"world size {world_size} is not a multiple of tensor_parallel.size {tp} * "
-                              f"pipeline.stages {pp} = {tp * pp}; change the number of processes or the parallel "
-                              f"sizes", key="tensor_parallel.size")
-        return world_size // (tp * pp)
+                              f"pipeline.stages {pp}{context} = {tp * pp * cp}; change the number of processes or the "
+                              f"parallel sizes", key=key)
+        return world_size // (tp * pp * cp)
     return _load(_parse(config, auto), dp_size_of)

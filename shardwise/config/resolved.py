@@ -18,7 +18,7 @@ from shardwise.config.batch import BatchSizes
 from shardwise.config.monitoring import MonitoringConfig
 from shardwise.config.schema import (
     ActivationCheckpointingConfig, AllReduceImpl, BF16Section, CommunicationSection, ConfigModel, FP16Section,
-    NonFiniteConfig, OptimizerSpec, PipelineConfig, SchedulerSpec, TensorParallelConfig,
+    ContextParallelConfig, NonFiniteConfig, OptimizerSpec, PipelineConfig, SchedulerSpec, TensorParallelConfig,
 )
 from shardwise.config.zero import ZeroConfig
 
@@ -128,6 +128,7 @@ class EngineConfig:
     nonfinite: NonFiniteConfig
     tensor_parallel: TensorParallelConfig
     pipeline: PipelineConfig
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig
     memory_breakdown: bool
     dataloader_drop_last: bool
@@ -192,6 +193,7 @@ def resolve(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Engin
         nonfinite=model.nonfinite,
         tensor_parallel=model.tensor_parallel,
         pipeline=model.pipeline,
+        context_parallel=model.context_parallel,
         activation_checkpointing=model.activation_checkpointing,
         memory_breakdown=model.memory_breakdown,
         dataloader_drop_last=model.dataloader_drop_last,

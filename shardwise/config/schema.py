@@ -51,6 +51,13 @@ class PipelinePartition(enum.StrEnum):
     FLOPS = "flops"            # balance the forward FLOPs per stage
 
 
+class ContextParallelImpl(enum.StrEnum):
+    """How attention runs over a sequence split across the context-parallel ranks."""
+
+    RING = "ring"          # keys and values travel round the cp ranks; causal load balancing over 2 * size chunks
+    ULYSSES = "ulysses"    # all-to-all from sequence-split to head-split and back (DeepSpeed's Ulysses)
+
+
 class FP16Section(DeepSpeedSection):
     """Mixed precision with fp16 weights/activations and loss scaling (DeepSpeed's "fp16")."""
 
@@ -224,6 +231,16 @@ class TensorParallelConfig(DeepSpeedSection):
         return self
 
 
+class ContextParallelConfig(Section):
+    """shardwise: context parallelism, one sequence split over `size` ranks (DeepSpeed's "sequence_parallel_size"
+    is this block with impl "ulysses")."""
+
+    size: PositiveInt = 1
+    """Ranks sharing each sequence (each holds 1/size of its tokens); 1 = off."""
+    impl: ContextParallelImpl = ContextParallelImpl.RING
+    """"ring" (keys and values passed round the ranks) or "ulysses" (all-to-all to whole heads)."""
+
+
 class PipelineConfig(Section):
     """shardwise: pipeline parallelism."""
 
@@ -277,6 +294,7 @@ class ConfigModel(DeepSpeedOnlyKeys, MonitoringConfig):
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
     # Harmless DeepSpeed keys that configs commonly carry.
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True
@@ -296,6 +314,12 @@ class ConfigModel(DeepSpeedOnlyKeys, MonitoringConfig):
             data["bf16"] = data.pop("bfloat16")
         if isinstance(data.get("zero_optimization"), bool):  # DeepSpeed's deprecated form
             data["zero_optimization"] = {"stage": 1 if data["zero_optimization"] else 0}
+        ulysses = data.get("sequence_parallel_size")
+        if isinstance(ulysses, int) and not isinstance(ulysses, bool) and ulysses > 1:   # DeepSpeed's Ulysses
+            if "context_parallel" in data:
+                raise ValueError('give only one of "sequence_parallel_size" (DeepSpeed\'s Ulysses) and '
+                                 '"context_parallel"')
+            data["context_parallel"] = {"size": ulysses, "impl": ContextParallelImpl.ULYSSES.value}
         return data
 
     @field_validator("communication_data_type", mode="before")

@@ -29,6 +29,7 @@ from shardwise.engine.skips import SkipGuard
 from shardwise.engine.step import TrainingSteps
 from shardwise.engine.engine_optimizer import with_deepspeed_members
 from shardwise.errors import UserError
+from shardwise.parallel.context.interface import BatchPart
 from shardwise.parallel.interfaces import (
     BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
 )
@@ -44,7 +45,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
     def __init__(self, *, module: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh, update: UpdateStrategy,
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
                  device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor,
-                 sequence_check: SequenceCheck | None = None, watchdog: HangWatchdog | None = None):
+                 sequence_check: SequenceCheck | None = None, watchdog: HangWatchdog | None = None,
+                 batch_part: BatchPart | None = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         torch.nn.Module.__init__(self)
@@ -72,7 +74,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.steps = TrainingSteps(module=module, batch=config.batch, updater=update, dp_runtime=dp_runtime,
                                    lr_scheduler=lr_scheduler, ledger=ledger, monitor=monitor,
                                    metrics_comm=self.metrics_comm, device=device,
-                                   skips=SkipGuard(config, mesh.global_rank), sequence_check=sequence_check)
+                                   skips=SkipGuard(config, mesh.global_rank), sequence_check=sequence_check,
+                                   batch_part=batch_part)
         """The step driver: counters, forward/backward/step, what pipeline schedules drive."""
         self.optimizer = with_deepspeed_members(update.optimizer, self.steps)
         """The updater's torch optimizer (the client's own object at stage 0), with DeepSpeed's wrapper members

@@ -1,8 +1,9 @@
 """`init_distributed` and `initialize`: build the engine's strategy objects once.
 
-`initialize` reads as its order of construction: config -> mesh (the process groups) ->
-device and dtype -> identical start (the full model broadcast from world rank 0) -> tensor parallelism (slices
-cut from the whole model) -> pipeline (this rank's stage, or the whole model) -> activation recomputation of
+`initialize` reads as its order of construction: config -> mesh (the process groups; with context parallelism
+the parameters' view folds cp into dp) -> device and dtype -> identical start (the full model broadcast from world
+rank 0) -> tensor parallelism (slices cut from the whole model) -> context parallelism (the model's attention hook)
+-> pipeline (this rank's stage, or the whole model) -> activation recomputation of
 this rank's blocks -> the norm reducer -> the data-parallel builder (stage 0, or ZeRO 1-3: an updater and a
 data-parallel runtime) -> scheduler -> engine.
 """
@@ -26,6 +27,7 @@ from shardwise.config.resolved import DType, EngineConfig
 from shardwise.comm.device import select_device, uses_cuda
 from shardwise.engine.engine import Engine, PipelineEngine
 from shardwise.errors import ArgumentError, UserError
+from shardwise.parallel.context.interface import BatchPart
 from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
@@ -142,9 +144,14 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     world = dist.get_world_size()
     known = (auto or AutoValues()).merged(AutoValues(hidden_size=hidden_size_of(model),
                                                      micro_batch=_loader_batch_size(training_data)))
-    cfg = load_config_for_world(config, world_size=world, auto=known)     # batch rule with dp = world / (tp * pp)
-    mesh = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages),
-                              timeout_s=backend_timeout_s(timeout_s))
+    cfg = load_config_for_world(config, world_size=world, auto=known)  # batch rule, dp = world / (tp * pp * cp)
+    _check_context_parallel(model, cfg)      # a model that cannot split its sequences: one line, before any work
+    layout = ParallelMesh.build(MeshShape.for_world(world, tp=cfg.tensor_parallel.size, pp=cfg.pipeline.stages,
+                                                    cp=cfg.context_parallel.size),
+                                timeout_s=backend_timeout_s(timeout_s))
+    # Every cp rank holds the same parameters as its dp peers: what follows (gradients, ZeRO, norms, checkpoints,
+    # the engine) sees dp x cp as its data-parallel group; only the data and the attention see cp itself.
+    mesh = layout.cp_folded()
     watchdog = HangWatchdog.attach(ledger, rank=dist.get_rank(), world=world, timeout_s=timeout_s)
     check = SequenceCheck.build(ledger, mesh.guard_comm(ledger, name="world:check"), stage=mesh.rank(Axis.PP),
                                 stages=mesh.size(Axis.PP), wait_s=min(timeout_s, 60.0),
@@ -152,6 +159,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
+    batch_part = _context_parallel(model, cfg, layout, ledger)
     original_model = model
     model, pipeline, stage_names = _pipeline(model, cfg, mesh, ledger, device)
     _recompute(model, pipeline, cfg, mesh, ledger)
@@ -187,7 +195,7 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     engine_class = PipelineEngine if stages > 1 or isinstance(original_model, PipelineModule) else Engine
     engine = engine_class(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime,
                           pipeline=pipeline, lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype,
-                          monitor=monitor, sequence_check=check, watchdog=watchdog)
+                          monitor=monitor, sequence_check=check, watchdog=watchdog, batch_part=batch_part)
     loader: DataLoader[Any] | None = None
     if training_data is not None:
         from torch.utils.data import DataLoader
@@ -195,8 +203,10 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
         if isinstance(training_data, DataLoader):   # its batch size filled "auto"; we shard its dataset
             collate_fn = collate_fn or training_data.collate_fn
             training_data = training_data.dataset
-        sampler: DistributedSampler[Any] = DistributedSampler(training_data, num_replicas=dp_comm.size,
-                                                              rank=dp_comm.rank, shuffle=not pipeline.reads_in_order)
+        # dp ranks read different samples; the cp ranks of one dp rank read the same (each takes its tokens).
+        sampler: DistributedSampler[Any] = DistributedSampler(training_data, num_replicas=layout.size(Axis.DP),
+                                                              rank=layout.rank(Axis.DP),
+                                                              shuffle=not pipeline.reads_in_order)
         loader = DataLoader(training_data, batch_size=cfg.batch.micro_batch, sampler=sampler,
                             collate_fn=collate_fn, drop_last=True)
         engine.training_dataloader = loader
@@ -284,6 +294,25 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
     from shardwise.models.parallelize import parallelize_model
     info = parallelize_model(model, mesh.comm(Axis.TP, ledger), sequence_parallel=cfg.tensor_parallel.sequence_parallel)
     return info.remap(model_parameters) if model_parameters is not None else None
+
+
+def _check_context_parallel(model: torch.nn.Module, cfg: EngineConfig) -> None:
+    if cfg.context_parallel.size > 1:
+        from shardwise.models.context_parallel import check_model_for_context_parallel
+        check_model_for_context_parallel(model, cfg.context_parallel)
+
+
+def _context_parallel(model: torch.nn.Module, cfg: EngineConfig, layout: ParallelMesh,
+                      ledger: CommLedger) -> BatchPart | None:
+    """Context parallelism: the model's attention, positions and loss over this rank's part of each sequence (its
+    hook, beside the model), and how the step driver takes that part of a micro-batch; None without cp."""
+    from shardwise.parallel.context import build_context_parallel
+    cp = build_context_parallel(cfg.context_parallel, layout.comm(Axis.CP, ledger))
+    if cp is None:
+        return None
+    from shardwise.models.context_parallel import apply_context_parallel
+    apply_context_parallel(model, cp)
+    return cp
 
 
 def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, ledger: CommLedger,

@@ -19,6 +19,7 @@ from shardwise.comm.sequence import SequenceCheck
 from shardwise.config.batch import BatchSizes
 from shardwise.engine.skips import SkipGuard
 from shardwise.errors import NoSyncError, UserError
+from shardwise.parallel.context.interface import BatchPart, WholeBatch
 from shardwise.parallel.grad_norm import ExtraSums
 from shardwise.parallel.interfaces import DataParallelRuntime, Updater
 from shardwise.parallel.outputs import loss_of
@@ -40,7 +41,7 @@ class TrainingSteps:
     def __init__(self, *, module: torch.nn.Module, batch: BatchSizes, updater: Updater,
                  dp_runtime: DataParallelRuntime, lr_scheduler: Any, ledger: CommLedger, monitor: TrainingMonitor,
                  metrics_comm: Comm, device: torch.device, skips: SkipGuard,
-                 sequence_check: SequenceCheck | None = None):
+                 sequence_check: SequenceCheck | None = None, batch_part: BatchPart | None = None):
         self.module = module
         self.batch = batch
         """The batch sizes in force (`set_train_batch_size` replaces them between global batches)."""
@@ -77,6 +78,9 @@ class TrainingSteps:
         """Bytes autograd saved for backward in the last training forward (or a schedule's measured peak)."""
         self._meter = SavedTensorMeter(dp_runtime.param_storage_keys)
         self._unpacking = BatchUnpacking.of(module)
+        self._batch_part: BatchPart = batch_part or WholeBatch()
+        """This rank's part of a micro-batch every context-parallel rank was given whole (the whole of it without
+        context parallelism)."""
         ledger.begin_step(0)
 
     # -- what schedules read --------------------------------------------------------------------------
@@ -118,6 +122,7 @@ class TrainingSteps:
             inputs, kwargs = self._unpacking.split(inputs[0])
         inputs = tuple(_to_device(x, self.device) for x in inputs)
         kwargs = {k: _to_device(v, self.device) for k, v in kwargs.items()}
+        inputs, kwargs = self._batch_part.local_batch(inputs, kwargs)
         # Grad mode, not the module's train/eval mode, decides whether this forward is part of a step: a model
         # left in eval mode (as `from_pretrained` returns it) still trains when grad is on, and DeepSpeed's
         # engine counts and steps it alike. A forward at a global batch's start opens a step even when the last one

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,13 @@ IGNORE_INDEX = -100
 """Label value excluded from the loss (torch's cross_entropy default)."""
 
 
+def contiguous_positions(seq_len: int, device: torch.device) -> Tensor:
+    """The positions of a whole sequence of `seq_len` tokens: [seq_len] = 0 .. seq_len-1. The default of the
+    `position_ids` attribute of `Embedding` and `Attention`; context parallelism installs the positions of the
+    tokens a rank holds instead (`models/context_parallel.py`)."""
+    return torch.arange(seq_len, device=device)
+
+
 class Embedding(nn.Module):
     """Token embedding plus, for positions="learned", a position table; then dropout."""
 
@@ -38,6 +45,8 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.position_ids: Callable[[int, torch.device], Tensor] = contiguous_positions
+        """(local length, device) -> the positions of the tokens held: [s]."""
 
     def forward(self, input_ids: Tensor) -> Tensor:
         x = self.tok(input_ids)                                    # [b, s, d]
@@ -47,15 +56,20 @@ class Embedding(nn.Module):
                 raise ValueError(f"input sequence length {s} exceeds the model's seq_len "
                                  f"{self.pos.num_embeddings} (learned positions have one row per position); "
                                  f"feed shorter sequences or build the model with a larger seq_len.")
-            x = x + self.pos(torch.arange(s, device=input_ids.device))  # [s, d] broadcast over batch
+            x = x + self.pos(self.position_ids(s, input_ids.device))    # [s, d] broadcast over batch
         return self.drop(x)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [seq_len, head_dim] in fp32. Feature i and i + head_dim/2 form a pair that
-    rotates at frequency theta^(-2i / head_dim) (the half-split layout of GPT-NeoX and Llama)."""
+def rotary_cos_sin(positions: int | Tensor, head_dim: int, theta: float,
+                   device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [s, head_dim] in fp32 for the token positions [s] (an int s: positions 0 .. s-1).
+    Feature i and i + head_dim/2 form a pair that rotates at frequency theta^(-2i / head_dim) (the half-split
+    layout of GPT-NeoX and Llama)."""
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    device = positions.device
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [s, hd/2]
+    angles = torch.outer(positions.to(torch.float32), inv_freq)                                # [s, hd/2]
     angles = torch.cat([angles, angles], dim=-1)                                               # [s, hd]
     return angles.cos(), angles.sin()
 
@@ -69,9 +83,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd), causal) v with dropout on the probabilities: [b, h, s, hd] -> [b, h, s, hd].
+    """softmax(q k^T / sqrt(hd), causal) v with dropout on the probabilities: q [b, h, s, hd], k and v
+    [b, h_kv, s, hd] (grouped-query: each kv head serves h / h_kv consecutive query heads) -> [b, h, s, hd].
     No parameters; a module of its own so tensor parallelism can draw its dropout masks from the TP rank's
-    own random stream (each rank holds other heads)."""
+    own random stream (each rank holds other heads), and context parallelism can put its attention in its
+    place (taking kv heads unrepeated, it sends no repeated bytes)."""
 
     is_attention_core = True      # what selective activation recomputation recomputes
 
@@ -80,6 +96,10 @@ class CoreAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
 
@@ -96,8 +116,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(d, d, bias=cfg.bias)
         self.head_dim = cfg.head_dim
         self.rotary_theta = cfg.rope_theta if cfg.positions == "rotary" else None
-        self.core = CoreAttention(cfg.dropout)
+        self.core: nn.Module = CoreAttention(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.position_ids: Callable[[int, torch.device], Tensor] = contiguous_positions
+        """(local length, device) -> the positions of the tokens held, for the rotary angles: [s]."""
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -107,12 +129,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # [b, h_kv, s, hd]
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # [b, h_kv, s, hd]
         if self.rotary_theta is not None:
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rotary_theta, x.device)
+            cos, sin = rotary_cos_sin(self.position_ids(s, x.device), self.head_dim, self.rotary_theta)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:   # grouped-query: each kv head serves `groups` consecutive query heads
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)            # [b, s, h * hd]
         return self.resid_drop(self.o_proj(y))
 
@@ -277,6 +295,13 @@ class GPT(nn.Module):
         sample = torch.zeros(1, self.cfg.seq_len, dtype=torch.long, device=self.embed.tok.weight.device)
         return PipelineLayers([(f"blocks.{i}", b) for i, b in enumerate(self.blocks)], self.loss,
                               prefix=[("embed", self.embed)], suffix=[("head", self.head)], sample_input=sample)
+
+    @staticmethod
+    def token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+        """The sum of the token cross-entropies whose label != -100 (fp32): what context parallelism adds up
+        over the ranks holding parts of one sequence before dividing by the valid tokens of all of them."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
 
     @staticmethod
     def loss(logits: Tensor, labels: Tensor) -> Tensor:

@@ -50,6 +50,10 @@ def test_prints_the_resolved_table(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["check-config", write(tmp_path, monitored, "m.json"), "--world", "4"]) == 0
     out = capsys.readouterr().out
     assert "csv_monitor -> logs/DeepSpeedJobName, progress every 5 steps, flops_profiler at step 3" in out
+    ulysses = {**GOOD, "train_batch_size": 16, "sequence_parallel_size": 2}
+    assert main(["check-config", write(tmp_path, ulysses, "u.json"), "--world", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "2 = world 4 / (tensor_parallel 1 * pipeline 1 * context_parallel 2 ulysses)" in out
 
 
 def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

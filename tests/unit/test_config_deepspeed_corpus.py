@@ -193,7 +193,7 @@ CORPUS = [
          Verdict.UNIMPLEMENTED, "weight_quantization"),
     Case("pipeline_layer_checkpointing", with_batch(pipeline={"activation_checkpoint_interval": 1}),
          Verdict.UNIMPLEMENTED, "pipeline.activation_checkpoint_interval"),
-    Case("ulysses", with_batch(sequence_parallel_size=2), Verdict.UNIMPLEMENTED, "sequence_parallel_size"),
+    Case("ulysses", with_batch(sequence_parallel_size=2)),
 ]
 
 

@@ -166,3 +166,11 @@ def test_tensor_parallel_moe_gpt_is_refused_in_one_line() -> None:
     model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
     with pytest.raises(UserError, match="tensor_parallel.size = 2 with an MoE model .*use tensor_parallel.size = 1"):
         parallelize_model(model, types.SimpleNamespace(size=2))      # type: ignore[arg-type]
+
+
+def test_context_parallel_moe_gpt_is_refused_in_one_line() -> None:
+    from shardwise.config.schema import ContextParallelConfig
+    from shardwise.models.context_parallel import check_model_for_context_parallel
+    model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
+    with pytest.raises(UserError, match="context_parallel.size = 2 with an MoE model .*use context_parallel.size 1"):
+        check_model_for_context_parallel(model, ContextParallelConfig(size=2))

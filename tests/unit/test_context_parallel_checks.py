@@ -1,0 +1,121 @@
+"""Context parallelism without processes: the token layout (golden chunks, positions, the inverse of the split),
+the config block and DeepSpeed's sequence_parallel_size, and every bad input refused in one line before any rank
+starts work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from shardwise.comm.collectives import Comm
+from shardwise.comm.ledger import CommLedger
+from shardwise.config import ConfigError, load_config, load_config_for_world
+from shardwise.config.schema import ContextParallelConfig, ContextParallelImpl
+from shardwise.errors import UserError
+from shardwise.models.context_parallel import check_model_for_context_parallel
+from shardwise.parallel.context import ContextParallel, SequenceLayout, SequenceSplitError
+from shardwise.testing import tiny_gpt
+
+RING, ULYSSES = ContextParallelImpl.RING, ContextParallelImpl.ULYSSES
+
+
+def test_balanced_layout_gives_rank_i_chunks_i_and_2c_minus_1_minus_i() -> None:
+    assert SequenceLayout(2, 0, balanced=True).spans(8) == [(0, 2), (6, 8)]
+    assert SequenceLayout(2, 1, balanced=True).spans(8) == [(2, 4), (4, 6)]
+    assert SequenceLayout(4, 1, balanced=True).positions(4, torch.device("cpu")).tolist() == [2, 3, 12, 13]
+    assert SequenceLayout(4, 3, balanced=False).spans(8) == [(6, 8)]
+    x = torch.arange(16).view(1, 16)
+    assert SequenceLayout(4, 0, balanced=True).take(x, dim=1).tolist() == [[0, 1, 14, 15]]
+
+
+@given(st.integers(1, 6), st.integers(1, 4), st.booleans())
+def test_the_ranks_parts_are_the_sequence_once_each_with_their_positions(size: int, per_chunk: int,
+                                                                         balanced: bool) -> None:
+    seq = per_chunk * (2 * size if balanced else size)
+    x = torch.arange(seq).view(1, seq)
+    parts = [SequenceLayout(size, r, balanced).take(x, dim=1)[0] for r in range(size)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    for r, part in enumerate(parts):
+        assert part.tolist() == SequenceLayout(size, r, balanced).positions(seq // size, x.device).tolist()
+
+
+def test_config_block_and_deepspeed_sequence_parallel_size() -> None:
+    cfg = load_config_for_world({"train_batch_size": 4, "context_parallel": {"size": 2}}, world_size=8)
+    assert (cfg.context_parallel.size, cfg.context_parallel.impl, cfg.batch.micro_batch) == (2, RING, 1)  # dp 4
+    cfg = load_config_for_world({"train_batch_size": 4, "sequence_parallel_size": 4}, world_size=8)
+    assert (cfg.context_parallel.size, cfg.context_parallel.impl, cfg.batch.micro_batch) == (4, ULYSSES, 2)  # dp 2
+    with pytest.raises(ConfigError, match='give only one of "sequence_parallel_size"'):
+        load_config({"train_batch_size": 4, "sequence_parallel_size": 2, "context_parallel": {"size": 2}},
+                    dp_size=1)
+
+
+def test_cp_size_not_dividing_the_world_is_one_line_naming_it() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config_for_world({"train_batch_size": 4, "context_parallel": {"size": 3}}, world_size=4)
+    assert [p.key for p in err.value.problems] == ["context_parallel.size"]
+    assert "\n" not in str(err.value) and "context_parallel.size 3" in str(err.value)
+
+
+@pytest.mark.parametrize("model, section, match", [
+    (dict(seq_len=12), ContextParallelConfig(size=4), r"the model's seq_len 12 does not cut into 2 \* "
+                                                      r"context_parallel.size = 8 chunks.*multiple of 8"),
+    (dict(seq_len=12), ContextParallelConfig(size=3, impl=ULYSSES), "attention heads 4 are not divisible by "
+                                                                    "context_parallel.size = 3"),
+    (dict(seq_len=12, n_head=6, n_kv_head=3), ContextParallelConfig(size=2, impl=ULYSSES),
+     "key/value heads 3 neither divide nor are divisible by context_parallel.size = 2"),
+    (dict(dropout=0.1), ContextParallelConfig(size=2), "attention dropout 0.1 under ring attention"),
+])
+def test_a_model_that_cannot_split_is_one_line(model: dict, section: ContextParallelConfig, match: str) -> None:
+    with pytest.raises(SequenceSplitError, match=match) as err:
+        check_model_for_context_parallel(tiny_gpt(d_model=24 if model.get("n_head") == 6 else 32, **model), section)
+    assert "\n" not in str(err.value)
+
+
+def test_accepted_models_and_a_model_without_a_hook() -> None:
+    check_model_for_context_parallel(tiny_gpt(seq_len=16, n_kv_head=2), ContextParallelConfig(size=4, impl=ULYSSES))
+    check_model_for_context_parallel(tiny_gpt(seq_len=16), ContextParallelConfig(size=4))
+    with pytest.raises(UserError, match="Linear has no context-parallel attention hook") as err:
+        check_model_for_context_parallel(nn.Linear(2, 2), ContextParallelConfig(size=2))
+    assert "\n" not in str(err.value)
+
+
+def test_a_batch_whose_sequence_does_not_split_is_one_line() -> None:
+    cp = ContextParallel(ContextParallelConfig(size=2), Comm(None, CommLedger(), name="cp"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    (local_ids, weights), kwargs = cp.local_batch((ids, torch.ones(2)), {"labels": ids})
+    assert local_ids.shape == kwargs["labels"].shape == (2, 4) and weights.shape == (2,)
+    with pytest.raises(SequenceSplitError, match=r"sequence length 10 does not cut into 2 \* context_parallel.size "
+                                                 r"= 4 chunks") as err:
+        cp.local_batch((torch.zeros(2, 10),), {})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_causal_ring_rounds_give_every_rank_the_same_work(size: int) -> None:
+    from shardwise.parallel.context.ring import _rows_and_keys
+    s = 8                       # local tokens: two chunks of 4
+    work, skipped = [], []
+    for rank in range(size):
+        layout = SequenceLayout(size, rank, balanced=True)
+        pairs = 0.0
+        for step in range(size):
+            rows, keys, masked = _rows_and_keys(layout, step, True, s)
+            area = (rows.stop - rows.start) * (keys.stop - keys.start)
+            pairs += area / 2 if masked else area
+            if step:            # after the diagonal round, half of every block is above the diagonal: skipped
+                skipped.append(area == s * s // 2)
+        work.append(pairs)
+    assert len(set(work)) == 1 and all(skipped)
+    assert work[0] == pytest.approx(size * s * s / 2)     # the causal half of the whole S x S, shared out
+
+
+def test_deepspeed_distributed_attention_is_importable_by_its_path_and_refuses_other_indices() -> None:
+    import shardwise as deepspeed
+    from shardwise.sequence.layer import DistributedAttention
+    assert deepspeed.sequence.layer.DistributedAttention is DistributedAttention
+    with pytest.raises(UserError, match=r"scatter_idx=1, gather_idx=0.*use scatter_idx=2, gather_idx=0") as err:
+        DistributedAttention(nn.Identity(), None, scatter_idx=1)
+    assert "\n" not in str(err.value)
