@@ -28,7 +28,7 @@ from shardwise.comm.device import select_device, uses_cuda
 from shardwise.engine.engine import Engine, PipelineEngine
 from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.context.interface import BatchPart
-from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, UpdateStrategy
+from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, RecordsCollectives, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.recompute import apply_recompute
@@ -158,6 +158,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
                                 enabled=cfg.communication.desync_check)
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
+    for module in model.modules():     # layers that communicate themselves (MoE all-to-alls) record here too
+        if isinstance(module, RecordsCollectives):
+            module.record_into(ledger)
     model_parameters = _tensor_parallel(model, model_parameters, cfg, mesh, ledger)
     batch_part = _context_parallel(model, cfg, layout, ledger)
     original_model = model
@@ -372,6 +375,7 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.context import Progress
     from shardwise.engine.step import TrainingSteps
     from shardwise.parallel.data_parallel import BucketedAllReduce
+    from shardwise.parallel.experts import MoELayer
     from shardwise.parallel.interfaces import StepDriver
     from shardwise.parallel.pipeline.apply import PipelineRunner
     from shardwise.parallel.replicated import ReplicatedUpdate
@@ -383,7 +387,7 @@ if TYPE_CHECKING:
     def _implements_protocols(replicated: ReplicatedUpdate, sharded: ShardedUpdate, stage3: Stage3Update,
                               all_reduce: BucketedAllReduce, zero_grads: ZeroGradReducer,
                               zero_params: ZeroParamRuntime, single: SingleStage, runner: PipelineRunner,
-                              steps: TrainingSteps) -> None:
+                              steps: TrainingSteps, moe: MoELayer) -> None:
         """Never called. The strategies implement the Protocols of `parallel/interfaces.py` structurally and the
         builders return concrete classes, so here the type checker verifies every implementation against every
         Protocol it is handed out as (a missing member or a changed signature fails CI)."""
@@ -393,3 +397,4 @@ if TYPE_CHECKING:
         driver: StepDriver = steps
         progress: StepProgress = steps
         saved: Progress = steps
+        communicating: RecordsCollectives = moe

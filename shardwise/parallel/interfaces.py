@@ -10,15 +10,25 @@ returns; `DataParallelRuntime` runs around backward, and `StepDriver` is what a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
+    from shardwise.comm.ledger import CommLedger
     from shardwise.parallel.grad_norm import ExtraSums
     from shardwise.parallel.precision import LossScaler
     from shardwise.parallel.tied import TiedParams
     from shardwise.parallel.zero.build import ShardingUnits
+
+
+@runtime_checkable
+class RecordsCollectives(Protocol):
+    """A module that runs collectives of its own in forward and backward (an MoE layer's all-to-alls), over groups
+    it was given: `initialize` hands it the engine's ledger, so they are in `comm_report()`, the hang reports and
+    the desync check like every other collective."""
+
+    def record_into(self, ledger: CommLedger) -> None: ...
 
 
 class DataParallelRuntime(Protocol):

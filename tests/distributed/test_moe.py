@@ -90,6 +90,12 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(float(t) / world)
+    # The layers' all-to-alls are in the engine's ledger (and passed the per-step desync check with row counts
+    # that differ between ranks): per MoE layer and micro-batch the counts, the tokens out, the results back, and
+    # the two reverse exchanges of backward.
+    a2a = [r for r in engine.comm_report() if r["op"] == "all_to_all"]
+    a2a_count = sum(r["count"] for r in a2a)
+    a2a_groups = sorted({(r["group"], r["group_size"]) for r in a2a})
     # DeepSpeed's tensor-fragment API on an expert: this rank's expert, assembled over its expert-dp group
     expert_name, expert_param = next((n, p) for n, p in model.named_parameters() if ".experts." in n)
     full_expert = shardwise.utils.safe_get_full_fp32_param(expert_param)
@@ -108,7 +114,8 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world),
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state,
-            "full_expert": (expert_name, full_expert),
+            "full_expert": (expert_name, full_expert), "a2a": (a2a_count, a2a_groups),
+            "moe_layers": len(list(moe_layers(model))),
             "ref_state": _expert_names(state_copy(reference), first, local)}
 
 
@@ -145,6 +152,10 @@ def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str
         key, value = res[name]["full_expert"]
         torch.testing.assert_close(value, res[name]["ref_state"][key], rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{name} rank {rank} safe_get_full_fp32_param({key}): {m}")
+    for res in ep_results:
+        count, groups = res[name]["a2a"]
+        ep = EP_CASES[name][1]
+        assert count == 5 * res[name]["moe_layers"] and groups == [(f"ep:ep_size_{ep}", ep)], (count, groups)
     # a checkpoint would keep one rank's experts: refused on every rank in one line, for now
     assert all("expert-parallel parameters" in res[name]["refused"] for res in ep_results)
     clip = EP_CASES[name][4]

@@ -13,6 +13,7 @@ loss + z_loss_coef * z-loss, a 0-dim fp32 tensor in the graph) for the model to 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterator
 
 import torch
@@ -66,6 +67,11 @@ class MoELayer(nn.Module):
 
     def local_experts(self) -> list[nn.Module]:
         return list(self.experts)          # type: ignore[call-overload]  # a ModuleList or DeepSpeed's Experts
+
+    def record_into(self, ledger: CommLedger) -> None:
+        """The all-to-alls go into `ledger` from now on (the engine's: `RecordsCollectives`)."""
+        comm = self.ep_comm
+        self.ep_comm = dataclasses.replace(comm, ledger=ledger)
 
     @property
     def ep_comm(self) -> Comm:
