@@ -33,10 +33,11 @@ SEQ = 8
 WORLD = 4
 
 _SGD = {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}}
-# name -> (preset overrides, ep size, zero_optimization block, optimizer block, clip)
+# name -> (preset overrides, ep size, zero_optimization block (with gradient_accumulation_steps), optimizer, clip)
 EP_CASES: dict[str, tuple[dict, int, dict, dict, float]] = {
     "gpt_ep2_zero0_sgd_clip": ({}, 2, {"stage": 0}, _SGD, 0.05),
-    "gpt_ep4_zero1_sgd": ({}, 4, {"stage": 1}, _SGD, 0.0),
+    # two micro-batches per step: gradients accumulate locally (ZeRO-1) between the exchanges of each
+    "gpt_ep4_zero1_sgd_accum2": ({}, 4, {"stage": 1, "gradient_accumulation_steps": 2}, _SGD, 0.0),
     "llama_ep2_zero2_adam_clip": ({"llama": True}, 2, {"stage": 2},
                                   {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}, 0.05),
     "llama_ep4_zero2_sgd": ({"llama": True}, 4, {"stage": 2}, _SGD, 0.0),
@@ -75,21 +76,24 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     shard_experts(model, build_expert_groups(ep))
     first = next(moe_layers(model)).first_expert
     local = len(next(moe_layers(model)).experts)
-    config = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
+    zero = dict(zero)
+    ga = zero.pop("gradient_accumulation_steps", 1)
+    config = {"train_batch_size": 4 * world * ga, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
               "gradient_clipping": clip, "zero_optimization": {**zero, "reduce_bucket_size": 2000},
               "steps_per_print": 10_000}
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    batches = token_batches(STEPS, 4 * world, SEQ + 1, seed=3)
+    batches = token_batches(STEPS, 4 * world * ga, SEQ + 1, seed=3)
     losses, norms = [], []
     for batch in batches:
-        (micro,) = shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=1)
-        loss = engine(micro[:, :-1], micro[:, 1:])
-        engine.backward(loss)
-        engine.step()
+        total = torch.zeros(())
+        for micro in shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=ga):
+            loss = engine(micro[:, :-1], micro[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
         norms.append(engine.get_global_grad_norm())
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(float(t) / world)
+        dist.all_reduce(total)
+        losses.append(float(total) / (world * ga))
     # The layers' all-to-alls are in the engine's ledger (and passed the per-step desync check with row counts
     # that differ between ranks): per MoE layer and micro-batch the counts, the tokens out, the results back, and
     # the two reverse exchanges of backward.
@@ -111,7 +115,7 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     opt_cls = torch.optim.SGD if optimizer["type"] == "SGD" else torch.optim.AdamW
     params = {k: v for k, v in optimizer["params"].items() if k != "torch_adam"}
     ref_opt = opt_cls(reference.parameters(), **params)
-    ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world),
+    ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world * ga),
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state,
             "full_expert": (expert_name, full_expert), "a2a": (a2a_count, a2a_groups),
@@ -155,7 +159,8 @@ def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str
     for res in ep_results:
         count, groups = res[name]["a2a"]
         ep = EP_CASES[name][1]
-        assert count == 5 * res[name]["moe_layers"] and groups == [(f"ep:ep_size_{ep}", ep)], (count, groups)
+        ga = EP_CASES[name][2].get("gradient_accumulation_steps", 1)
+        assert count == 5 * res[name]["moe_layers"] * ga and groups == [(f"ep:ep_size_{ep}", ep)], (count, groups)
     # a checkpoint would keep one rank's experts: refused on every rank in one line, for now
     assert all("expert-parallel parameters" in res[name]["refused"] for res in ep_results)
     clip = EP_CASES[name][4]
