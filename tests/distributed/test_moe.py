@@ -233,7 +233,26 @@ def _ds_cases(cases: dict) -> dict:
     out = {}
     for name, case in cases.items():
         out[name] = {"shardwise": _ds_run(shardwise, case), "deepspeed": _ds_run(deepspeed, case)}
+    # Both libraries made their ep_size_2 groups above: their expert group helpers answer alike.
+    out["groups"] = {side: _group_answers(lib.utils.groups) for side, lib in
+                     (("shardwise", shardwise), ("deepspeed", deepspeed))}
     return out
+
+
+_GROUP_HELPERS = ("_get_expert_parallel_rank", "_get_expert_parallel_world_size", "_get_expert_parallel_src_rank",
+                  "_get_expert_data_parallel_rank", "_get_expert_data_parallel_world_size",
+                  "_get_expert_broadcast_src_rank", "_get_expert_parallel_group_ranks",
+                  "_get_expert_data_parallel_group_ranks")
+
+
+def _group_answers(groups) -> dict:
+    answers = {name: getattr(groups, name)("ep_size_2") for name in _GROUP_HELPERS}
+    answers = {k: list(v) if isinstance(v, range) else v for k, v in answers.items()}
+    answers.update(max_size=groups._get_max_expert_size(), max_name=groups._get_max_expert_size_name(),
+                   names=sorted(groups._get_expert_parallel_group_dict()),
+                   dp=(groups._get_data_parallel_world_size(), groups._get_data_parallel_rank()),
+                   expert_mp=groups._get_expert_model_parallel_world_size())
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +269,11 @@ def test_deepspeed_moe_layer_parity(ds_results: list[dict], name: str) -> None:
         assert_state_close(ours["state"], theirs["state"], what=f"{name} rank {rank}", rtol=1e-5, atol=1e-5)
     dropped = sum(res[name]["shardwise"]["dropped"] for res in ds_results)
     assert (dropped > 0) == DS_CASES[name]["drop_tokens"], f"{name}: {dropped} tokens dropped"
+
+
+def test_expert_group_helpers_answer_as_deepspeeds(ds_results: list[dict]) -> None:
+    for rank, res in enumerate(ds_results):
+        ours, theirs = res["groups"]["shardwise"], res["groups"]["deepspeed"]
+        assert ours == theirs, f"rank {rank}: {ours} vs {theirs}"
+    assert ds_results[1]["groups"]["shardwise"]["_get_expert_parallel_group_ranks"] == [0, 1]
+    assert ds_results[1]["groups"]["shardwise"]["_get_expert_data_parallel_group_ranks"] == [1, 3]
