@@ -149,8 +149,26 @@ def file_sum(path: Path) -> FileSum:
     return FileSum(size, crc)
 
 
+def tensor_crc(tensor: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a CPU tensor's elements in flat order, as bytes (continuing `crc`). On a memory-mapped tensor it
+    reads exactly its pages."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return crc
+    return zlib.crc32(flat.contiguous().view(torch.uint8).numpy().data, crc)
+
+
+def verify_size(path: Path, expected: FileSum) -> None:
+    """CheckpointError, one line naming `path`, when its size is not the size the save wrote (a stat, no read)."""
+    size = path.stat().st_size
+    if size != expected.size:
+        raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {size} bytes where the save "
+                              f"wrote {expected.size}; restore it or load another tag")
+
+
 def verify_file(path: Path, expected: FileSum) -> None:
     """CheckpointError, one line naming `path`, when it is not the file the save wrote."""
+    verify_size(path, expected)
     found = file_sum(path)
     if found.size != expected.size:
         raise CheckpointError(f"checkpoint file {path} is truncated or corrupt: {found.size} bytes where the save "
@@ -223,6 +241,11 @@ def atomic_save(obj: Any, path: Path) -> FileSum:
     return written
 
 
+def staging_dir(save_dir: str | os.PathLike[str], tag: str) -> Path:
+    """Where `write_tag` stages a tag's files before it moves them into place."""
+    return Path(save_dir) / f".{tag}.staging"
+
+
 def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any], *, rank: int = 0,
               barrier: Callable[[], None] = lambda: None,
               any_failed: Callable[[bool], bool] = lambda failed: failed, save_latest: bool = True,
@@ -242,7 +265,7 @@ def write_tag(save_dir: str | os.PathLike[str], tag: str, files: dict[str, Any],
     if not tag or "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or a leading '.'")
     root = Path(save_dir)
-    staging = root / f".{tag}.staging"
+    staging = staging_dir(root, tag)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)   # left by a crashed save
