@@ -15,7 +15,8 @@ A tag directory is first written as SAVE_DIR/.TAG.staging (by every rank) and re
 replaced with os.replace, so a crash mid-save leaves the previous checkpoint and `latest` intact.
 
 Every file's size and CRC-32 are taken as it is written (`FileSum`) and kept in the tag's index, so a loader
-checks each file it reads (`verify_file`) and a flipped byte or a cut file is one line naming it. CRC-32 is
+checks each file it reads whole (`verify_file`; one reading pieces through the memory map checks those instead,
+`tensor_crc` against the index's `PieceSums`) and a flipped byte or a cut file is one line naming it. CRC-32 is
 zlib's (~2 GB/s on one core: ~50 ms for 100 MB, beside the write itself); it catches storage damage, not
 tampering.
 """

@@ -3,16 +3,15 @@
 DeepSpeed's files hold what each rank holds (TP slices in `mp_rank_MM_*`, flat padded ZeRO shards in
 `zero_pp_rank_D_*`), so reading them at another (dp, tp, pp, ZeRO stage) first needs an offline
 `ds_to_universal` pass. Every save here also writes TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`,
-last, with the size and CRC-32 of every other file of the tag and a CRC-32 of its own contents (version 2), so
-every file a loader reads is checked (`reshard.FileReader`). Version 3 adds a CRC-32 per piece a loader reads through the memory map: per
-fragment and per saved tensor holding it (the value, each per-element optimizer state), per module tensor, and per
-file one over its pickle and its tensors outside the index (`PieceSums`), so a rank that reshards checks exactly
-the pages it reads instead of whole files.
+last, with the size and CRC-32 of every other file of the tag, a CRC-32 per piece a loader reads through the
+memory map (`PieceSums`: per fragment and saved tensor holding it, per module tensor, and per file one over its
+pickle and its tensors outside the index) and a CRC-32 of its own contents, so a rank checks exactly what it
+reads (`reshard.FileReader`): a rank that reshards, only its pages; one at the writer's layout, whole files.
 
     index = read_index(tag_dir)     # None for a checkpoint written before indexes; `reshard.py` loads through it
 
-Versions: 1 (no checksums; still read, its files unverified, said once per tag), 2 (file sums) and 3 (also
-piece sums; a loader of version 2 checks whole files, as before).
+Versions: 1 (no checksums; still read, its files unverified, said once per tag), 2 (file sums: its files are
+checked whole) and 3 (also piece sums).
 """
 
 from __future__ import annotations
@@ -125,6 +124,7 @@ class PieceSums:
 
     @classmethod
     def merged(cls, parts: Sequence[PieceSums]) -> PieceSums:
+        """The ranks' sums as one: each rank summed the pieces of the files it wrote ({} for the others)."""
         fragments: dict[str, dict[int, dict[str, int]]] = {}
         module: dict[str, dict[int, int]] = {}
         rest: dict[str, int] = {}
