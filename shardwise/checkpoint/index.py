@@ -311,7 +311,13 @@ def sealer(ctx: CheckpointContext, index: CheckpointIndex | None,
     """`files.write_tag`'s `seal`: gathers the sums and, on world rank 0 (which holds `index`), returns the
     sealed index to write. `pieces(names)`: the piece sums of this rank's written files `names`."""
     def seal(sums: dict[str, ckpt.FileSum]) -> dict[str, Any]:
-        every = gather_sums(ctx, sums, pieces(sorted(sums)) if pieces is not None else None)
+        mine: PieceSums | None = None
+        if pieces is not None:
+            try:
+                mine = pieces(sorted(sums))
+            except Exception:  # noqa: BLE001 - every rank must reach the gather (a failed write is agreed after)
+                mine = None     # its files then have no piece sums: a loader checks them whole
+        every = gather_sums(ctx, sums, mine)
         return {} if every is None or index is None else {INDEX: sealed(index, *every)}
     return seal
 

@@ -11,11 +11,10 @@ Two phases, so that a checkpoint that cannot be loaded leaves the run untouched:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
-
 import zipfile
 import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -75,8 +74,9 @@ class FileReader:
                                            f"restore it or load another tag")
             self._read_sums()
             assert self._sums is not None
-            piecewise = self._index is not None and self._index.pieces is not None and name in self._index.pieces.rest
-            if piecewise:
+            pieces = self._index.pieces if self._index is not None else None
+            piecewise = pieces is not None and name in pieces.rest and name in self._sums
+            if piecewise:           # a stat now; the pieces as they are read
                 ckpt.verify_size(file, self._sums[name])
             elif name in self._sums:
                 self._check_whole(name)
@@ -126,8 +126,9 @@ class FileReader:
         self._checked.add(mark)
 
     def check_fragment(self, name: str, j: int, frag: Fragment, key: str, saved: torch.Tensor) -> None:
-        """Check fragment `j` of `name` in the saved tensor `saved` (flat) of key `key` (VALUE, or an optimizer
-        state), once, before its elements are used."""
+        """Check fragment `j` of `name` in the saved tensor `saved` ([numel], flat, memory-mapped) of key `key`
+        (VALUE, or an optimizer state), once, before its elements are used: the whole fragment, also when a read
+        takes part of it (another TP size), so one sum per fragment serves every layout."""
         if self._index is None or self._index.pieces is None:
             return
         file = self._index.entries[frag.entry].file

@@ -158,3 +158,25 @@ def test_a_version_2_index_checks_whole_files_as_before(tmp_path: Path, monkeypa
     (mapped,) = [r for r in made if r.mmap]
     assert mapped.bytes_checked == sum(s.size for n, s in index.checksums.items() if n in mapped._open)
     engine.close()
+
+
+def test_a_rank_that_cannot_sum_its_pieces_still_seals_and_its_files_are_checked_whole(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """Summing is inside the seal, which is collective: a rank whose summing fails (its write failed, say) must
+    still reach the gather; its files then carry no piece sums, and a loader checks them whole."""
+    def failing(*args, **kwargs):
+        raise OSError("a staged file went missing")
+
+    monkeypatch.setattr(reshard, "piece_sums", failing)
+    tag, weights = _saved(tmp_path)
+    index = read_index(tag)
+    # (one rank here: no piece sums at all, so the index is of version 2)
+    assert index.pieces is None and set(index.checksums) == {ckpt.MODEL_STATES, SHARD}
+    monkeypatch.undo()
+    made = _readers(monkeypatch)
+    engine = _engine(0)
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(v, weights[k]) for k, v in engine.module.state_dict().items())
+    (mapped,) = [r for r in made if r.mmap]
+    assert mapped.bytes_checked == sum(s.size for n, s in index.checksums.items() if n in mapped._open)
+    engine.close()
