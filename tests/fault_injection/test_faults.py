@@ -252,6 +252,8 @@ def extra_collective_in_step(*, rank: int, step: int) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(path), EXTRA_COLLECTIVE_ENV: f"{rank}:{step}:ledger"}
 
 
+# Nine launches of `shardwise train` in one test (4-5 minutes on 2 loaded cores): past the default per-test limit.
+@pytest.mark.timeout(600)
 def test_train_survives_or_refuses_in_one_line_with_nothing_lost(tmp_path: Path, kill_rank_after_step,
                                                                    small_disk: Path | None) -> None:
     corpus = _corpus(tmp_path / "corpus.txt")
