@@ -3,12 +3,15 @@
 DeepSpeed's files hold what each rank holds (TP slices in `mp_rank_MM_*`, flat padded ZeRO shards in
 `zero_pp_rank_D_*`), so reading them at another (dp, tp, pp, ZeRO stage) first needs an offline
 `ds_to_universal` pass. Every save here also writes TAG/shardwise_index.pt (world rank 0), a `CheckpointIndex`,
-last, with the size and CRC-32 of every other file of the tag and a CRC-32 of its own contents (version 2), so
-every file a loader reads is checked (`reshard.FileReader`).
+last, with the size and CRC-32 of every other file of the tag, a CRC-32 per piece a loader reads through the
+memory map (`PieceSums`: per fragment and saved tensor holding it, per module tensor, and per file one over its
+pickle and its tensors outside the index) and a CRC-32 of its own contents, so a rank checks exactly what it
+reads (`reshard.FileReader`): a rank that reshards, only its pages; one at the writer's layout, whole files.
 
     index = read_index(tag_dir)     # None for a checkpoint written before indexes; `reshard.py` loads through it
 
-Versions: 1 (no checksums; still read, its files unverified, said once per tag) and 2.
+Versions: 1 (no checksums; still read, its files unverified, said once per tag), 2 (file sums: its files are
+checked whole) and 3 (also piece sums).
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.context import CheckpointContext
 
 INDEX = "shardwise_index.pt"
-VERSION = 2
-READS = (1, 2)
-"""Index versions this shardwise reads: 1 has no checksums."""
+VERSION = 3
+READS = (1, 2, 3)
+"""Index versions this shardwise reads: 1 has no checksums, 2 no piece sums."""
 NATIVE_STAGE0_KEY = "shardwise_optimizer"
 """Where stage 0's model states keep our optimizer state (torch's state dict, the masters, the loss scaler);
 DeepSpeed's `optimizer` beside it is torch's state dict alone."""
@@ -100,6 +103,44 @@ class Fragment:
 
 
 @dataclass(frozen=True)
+class PieceSums:
+    """CRC-32s of the pieces of a tag's files a loader reads through the memory map (version 3).
+
+        fragments    {full name: ({saved tensor: CRC-32}, ...)}    one dict per `CheckpointIndex.fragments[name]`
+                     item, in its order: the CRC-32 of elements [dst, dst + hi - lo) of each saved tensor holding
+                     the fragment ("value": the master or the parameter; "exp_avg", ...: per-element states)
+        module       {full name: {tp rank: CRC-32}}                 of the whole module tensor `module` maps
+        rest         {file name: CRC-32}                            of the file's pickle record (every Python value,
+                     every tensor's dtype, shape and place) and of its tensors the index does not map, but for
+                     DeepSpeed's copy of an optimizer shard, which shardwise never reads (`reshard.rest_sum`)
+
+    Each is of the bytes as the file holds them (computed from the written files), so the loader's check is the
+    same computation over the same pages.
+    """
+
+    fragments: Mapping[str, tuple[Mapping[str, int], ...]] = field(default_factory=dict)
+    module: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    rest: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def merged(cls, parts: Sequence[PieceSums]) -> PieceSums:
+        """The ranks' sums as one: each rank summed the pieces of the files it wrote ({} for the others)."""
+        fragments: dict[str, dict[int, dict[str, int]]] = {}
+        module: dict[str, dict[int, int]] = {}
+        rest: dict[str, int] = {}
+        for part in parts:
+            for name, sums in part.fragments.items():
+                for j, keyed in enumerate(sums):
+                    if keyed:
+                        fragments.setdefault(name, {}).setdefault(j, {}).update(keyed)
+            for name, by_rank in part.module.items():
+                module.setdefault(name, {}).update(by_rank)
+            rest.update(part.rest)
+        return cls(fragments={n: tuple(by_j.get(j, {}) for j in range(max(by_j) + 1))
+                              for n, by_j in fragments.items()}, module=module, rest=rest)
+
+
+@dataclass(frozen=True)
 class CheckpointIndex:
     """Where each tensor of the full model lives in a tag's files.
 
@@ -112,6 +153,7 @@ class CheckpointIndex:
                      elements [lo, hi) of that TP rank's slice, flattened, are entry's [dst, dst + hi - lo)
         checksums    {file name: FileSum(size, CRC-32)}                      every file of the tag but the index;
                      empty for a version-1 index (and before the save wrote the files)
+        pieces       `PieceSums`, or None before version 3
 
     A loader reads the index, then memory-maps only the files holding what it needs and copies only the fragments
     overlapping its own pieces (`reshard.py`).
@@ -123,6 +165,7 @@ class CheckpointIndex:
     entries: tuple[IndexEntry, ...]
     fragments: Mapping[str, tuple[Fragment, ...]]
     checksums: Mapping[str, ckpt.FileSum] = field(default_factory=dict)
+    pieces: PieceSums | None = None
 
     @classmethod
     def merged(cls, parts: Sequence[CheckpointIndex]) -> CheckpointIndex:
@@ -201,8 +244,29 @@ class CheckpointIndex:
             where = f"'checksums'[{_show(name)}]"
             size, crc = _record(value, where, ("size", "CRC-32"))
             checksums[_str(name, where)] = ckpt.FileSum(_int(size, f"{where} size"), _int(crc, f"{where} CRC-32"))
+        pieces = _piece_sums(raw, fragments) if "rest_crc32" in raw else None
         return cls(dims=dims, tensors=tensors, module=module, entries=tuple(entries), fragments=fragments,
-                   checksums=checksums)
+                   checksums=checksums, pieces=pieces)
+
+
+def _piece_sums(raw: Mapping[str, Any], fragments: Mapping[str, tuple[Fragment, ...]]) -> PieceSums:
+    """A version-3 index's piece sums, checked as `from_dict` checks the rest."""
+    frag_sums: dict[str, tuple[dict[str, int], ...]] = {}
+    for name, sums in _dict(raw.get("fragment_crc32", {}), "'fragment_crc32'").items():
+        where = f"'fragment_crc32'[{_show(name)}]"
+        listed = _list(sums, where)
+        if name not in fragments or len(listed) != len(fragments[name]):
+            raise DamagedIndex(f"{where} does not match the fragments of that name")
+        frag_sums[name] = tuple({_str(k, f"{where}[{j}]"): _int(v, f"{where}[{j}][{_show(k)}]")
+                                 for k, v in _dict(keyed, f"{where}[{j}]").items()} for j, keyed in enumerate(listed))
+    module: dict[str, dict[int, int]] = {}
+    for name, by_rank in _dict(raw.get("module_crc32", {}), "'module_crc32'").items():
+        where = f"'module_crc32'[{_show(name)}]"
+        module[_str(name, where)] = {_int(t, f"{where} TP rank"): _int(c, f"{where} CRC-32")
+                                     for t, c in _dict(by_rank, where).items()}
+    rest = {_str(name, "'rest_crc32'"): _int(c, f"'rest_crc32'[{_show(name)}]")
+            for name, c in _dict(raw["rest_crc32"], "'rest_crc32'").items()}
+    return PieceSums(fragments=frag_sums, module=module, rest=rest)
 
 
 def _contents_crc(body: Mapping[str, Any]) -> int:
@@ -211,30 +275,50 @@ def _contents_crc(body: Mapping[str, Any]) -> int:
     return zlib.crc32(repr(body).encode("utf-8"))
 
 
-def sealed(index: CheckpointIndex, sums: Mapping[str, ckpt.FileSum]) -> dict[str, Any]:
-    """The stored form, version 2: `to_dict` with every file's (size, CRC-32) and a CRC-32 of all that."""
-    body = {**index.to_dict(), "version": VERSION,
+def sealed(index: CheckpointIndex, sums: Mapping[str, ckpt.FileSum], pieces: PieceSums | None = None
+           ) -> dict[str, Any]:
+    """The stored form: `to_dict` with every file's (size, CRC-32), with `pieces` their piece sums (version 3;
+    version 2 without), and a CRC-32 of all that."""
+    body = {**index.to_dict(), "version": VERSION if pieces is not None else 2,
             "checksums": {name: (s.size, s.crc32) for name, s in sorted(sums.items())}}
+    if pieces is not None:
+        body.update({
+            # aligned with the fragments: {} for one no rank summed (the loader checks its file whole then)
+            "fragment_crc32": {n: [dict(pieces.fragments.get(n, ())[j]) if j < len(pieces.fragments.get(n, ()))
+                                   else {} for j in range(len(frags))] for n, frags in index.fragments.items()},
+            "module_crc32": {n: dict(by_rank) for n, by_rank in pieces.module.items()},
+            "rest_crc32": dict(sorted(pieces.rest.items()))})
     return {**body, "contents_crc32": _contents_crc(body)}
 
 
-def gather_sums(ctx: CheckpointContext, mine: Mapping[str, ckpt.FileSum]) -> dict[str, ckpt.FileSum] | None:
-    """Every rank's file sums, on world rank 0 (None elsewhere). Collective over dp, tp, pp in turn."""
-    parts = [dict(mine)]
+def gather_sums(ctx: CheckpointContext, mine: Mapping[str, ckpt.FileSum], pieces: PieceSums | None = None
+                ) -> tuple[dict[str, ckpt.FileSum], PieceSums | None] | None:
+    """Every rank's file sums (and piece sums), on world rank 0 (None elsewhere). Collective over dp, tp, pp in
+    turn."""
+    parts = [(dict(mine), pieces)]
     for axis in (Axis.DP, Axis.TP, Axis.PP):
         parts = [p for group in ctx.comm(axis).all_gather_object(parts) for p in group]
     if ctx.mesh.global_rank != 0:
         return None
-    return {name: ckpt.FileSum(*s) for part in parts for name, s in part.items()}
+    files = {name: ckpt.FileSum(*s) for part, _ in parts for name, s in part.items()}
+    given = [p for _, p in parts if p is not None]
+    return files, PieceSums.merged(given) if given else None
 
 
-def sealer(ctx: CheckpointContext, index: CheckpointIndex | None
+def sealer(ctx: CheckpointContext, index: CheckpointIndex | None,
+           pieces: Callable[[list[str]], PieceSums] | None = None
            ) -> Callable[[dict[str, ckpt.FileSum]], dict[str, Any]]:
     """`files.write_tag`'s `seal`: gathers the sums and, on world rank 0 (which holds `index`), returns the
-    sealed index to write."""
+    sealed index to write. `pieces(names)`: the piece sums of this rank's written files `names`."""
     def seal(sums: dict[str, ckpt.FileSum]) -> dict[str, Any]:
-        every = gather_sums(ctx, sums)
-        return {} if every is None or index is None else {INDEX: sealed(index, every)}
+        mine: PieceSums | None = None
+        if pieces is not None:
+            try:
+                mine = pieces(sorted(sums))
+            except Exception:  # noqa: BLE001 - every rank must reach the gather (a failed write is agreed after)
+                mine = None     # its files then have no piece sums: a loader checks them whole
+        every = gather_sums(ctx, sums, mine)
+        return {} if every is None or index is None else {INDEX: sealed(index, *every)}
     return seal
 
 

@@ -3,13 +3,16 @@
 Two phases, so that a checkpoint that cannot be loaded leaves the run untouched:
 
     plan = Plan(ctx, index, FileReader(tag_dir), strict=True, optimizer=True)   # checks only, changes nothing
-    agree(ctx, plan.problem)                                                     # the same verdict on every rank
+    problem = plan.problem or plan.check_reads()                                 # every piece it will read
+    agree(ctx, problem)                                                          # the same verdict on every rank
     apply(plan, load_optimizer_states=True)                                      # then writes
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import zipfile
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -17,7 +20,7 @@ import torch
 
 from shardwise.checkpoint import files as ckpt
 from shardwise.checkpoint import index as checkpoint_index
-from shardwise.checkpoint.index import CheckpointIndex, IndexEntry, covered
+from shardwise.checkpoint.index import CheckpointIndex, Fragment, IndexEntry, PieceSums, covered
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
 from shardwise.comm.topology import Axis
 
@@ -33,8 +36,13 @@ arithmetic (DeepSpeed's optimizer has no `initial_lr` and builds torch's Adam wi
 
 class FileReader:
     """The tag's files, each loaded once (memory-mapped unless `mmap=False`: tensors are then read on first use),
-    each checked first against the size and CRC-32 its index recorded (or `sums`, when given: {name: FileSum});
-    a missing or damaged file is one `CheckpointError` naming it."""
+    each checked against the sums its index recorded (or `sums`, when given: {name: FileSum}; {}: nothing checked);
+    a missing or damaged file is one `CheckpointError` naming it.
+
+    Memory-mapped with a version-3 index, a file is checked piece by piece, for exactly what is read: its size and
+    its `rest_sum` when it opens, then each fragment and module tensor the first time an `Assembler` reads it
+    (`check_fragment`, `check_module`), so a rank that reshards reads only its own pages. Otherwise, and for a piece
+    the index has no sum for, the whole file's CRC-32 is checked. `bytes_checked`: the bytes read to check."""
 
     def __init__(self, path: Path, *, mmap: bool = True, sums: Mapping[str, ckpt.FileSum] | None = None):
         self.path = path
@@ -43,6 +51,20 @@ class FileReader:
         """The model-states file holding the counters, config and client state."""
         self._open: dict[str, Any] = {}
         self._sums = sums
+        self._index: CheckpointIndex | None = None
+        """The index whose piece sums are checked (a version-3 index, memory-mapped reading); else None."""
+        self._piecewise: set[str] = set()      # files opened for piece checks
+        self._checked: set[tuple[str, int, str]] = set()
+        self._whole: set[str] = set()          # files checked whole
+        self.bytes_checked = 0
+
+    def _read_sums(self) -> None:
+        if self._sums is not None:
+            return
+        self._sums = checkpoint_index.read_checksums(self.path) or {}
+        if self._sums and self.mmap:
+            index = checkpoint_index.read_index(self.path)
+            self._index = index if index is not None and index.pieces is not None else None
 
     def __call__(self, name: str) -> Any:
         if name not in self._open:
@@ -50,30 +72,168 @@ class FileReader:
             if not file.is_file():
                 raise ckpt.CheckpointError(f"checkpoint file {file} is missing: the checkpoint is incomplete; "
                                            f"restore it or load another tag")
-            if self._sums is None:
-                self._sums = checkpoint_index.read_checksums(self.path) or {}
-            if name in self._sums:
-                ckpt.verify_file(file, self._sums[name])
+            self._read_sums()
+            assert self._sums is not None
+            pieces = self._index.pieces if self._index is not None else None
+            piecewise = pieces is not None and name in pieces.rest and name in self._sums
+            if piecewise:           # a stat now; the pieces as they are read
+                ckpt.verify_size(file, self._sums[name])
+            elif name in self._sums:
+                self._check_whole(name)
             try:
                 self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
                 layer = ckpt.layer_module(name, self._open[name])
                 if layer is not None:       # a pipeline layer's file: its tensors under the full names too
                     self._open[name]["module"] = layer
+                rest = rest_sum(self._index, name, self._open[name], file) if piecewise else None
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
+                self._open.pop(name, None)
                 first = str(e).splitlines()[0] if str(e) else ""
                 raise ckpt.CheckpointError(f"checkpoint file {file} is truncated or corrupt ({type(e).__name__}: "
                                            f"{first}); restore it or load another tag") from None
+            if rest is not None:
+                assert self._index is not None and self._index.pieces is not None
+                self.bytes_checked += rest[1]
+                expected = self._index.pieces.rest[name]
+                if rest[0] != expected:
+                    self._open.pop(name)
+                    raise ckpt.CheckpointError(
+                        f"checkpoint file {file} is corrupt: its pickle and the tensors outside its index have "
+                        f"CRC-32 {rest[0]:08x} where the save wrote {expected:08x}; restore it or load another tag")
+                self._piecewise.add(name)
         return self._open[name]
+
+    def _check_whole(self, name: str) -> None:
+        assert self._sums is not None
+        if name not in self._whole:
+            ckpt.verify_file(self.path / name, self._sums[name])
+            self._whole.add(name)
+            self.bytes_checked += self._sums[name].size
+
+    def _check_piece(self, file: str, mark: tuple[str, int, str], expected: int | None, piece: torch.Tensor,
+                     what: str) -> None:
+        if file not in self._piecewise or mark in self._checked:
+            return
+        if expected is None:            # a piece no rank summed: its file is checked whole instead
+            self._check_whole(file)
+        else:
+            found = ckpt.tensor_crc(piece)
+            self.bytes_checked += piece.numel() * piece.element_size()
+            if found != expected:
+                raise ckpt.CheckpointError(f"checkpoint file {self.path / file} is corrupt: {what} has CRC-32 "
+                                           f"{found:08x} where the save wrote {expected:08x}; restore it or load "
+                                           f"another tag")
+        self._checked.add(mark)
+
+    def check_fragment(self, name: str, j: int, frag: Fragment, key: str, saved: torch.Tensor) -> None:
+        """Check fragment `j` of `name` in the saved tensor `saved` ([numel], flat, memory-mapped) of key `key`
+        (VALUE, or an optimizer state), once, before its elements are used: the whole fragment, also when a read
+        takes part of it (another TP size), so one sum per fragment serves every layout."""
+        if self._index is None or self._index.pieces is None:
+            return
+        file = self._index.entries[frag.entry].file
+        sums = self._index.pieces.fragments.get(name, ())
+        expected = sums[j].get(key) if j < len(sums) else None
+        n = frag.hi - frag.lo
+        self._check_piece(file, (name, j, key), expected, saved[frag.dst:frag.dst + n],
+                          f"fragment {j} of {name!r} ({key}: elements [{frag.lo}, {frag.hi}) of TP rank "
+                          f"{frag.tp_rank}'s slice, at [{frag.dst}, {frag.dst + n}) of the saved tensor)")
+
+    def check_module(self, name: str, tp_rank: int, tensor: torch.Tensor) -> None:
+        """Check the module tensor `name` of TP rank `tp_rank` once, before its elements are used."""
+        if self._index is None or self._index.pieces is None:
+            return
+        file = self._index.module[name][tp_rank]
+        expected = self._index.pieces.module.get(name, {}).get(tp_rank)
+        self._check_piece(file, (name, tp_rank, "module"), expected, tensor,
+                          f"module tensor {name!r} (TP rank {tp_rank}'s slice)")
+
+
+def _mapped_storages(index: CheckpointIndex, name: str, loaded: Any) -> set[int]:
+    """The storages (data pointers) of file `name`'s tensors the index maps: module tensors, and the saved
+    tensors holding fragments (masters, per-element optimizer states)."""
+    mapped: list[torch.Tensor] = [loaded["module"][n] for n, by_rank in index.module.items()
+                                  for f in by_rank.values() if f == name]
+    for e in index.entries:
+        if e.file != name:
+            continue
+        state = loaded[e.key]
+        if e.master_index is not None:
+            mapped.append(state["masters"][e.master_index])
+        mapped += [v for v in state["optimizer"]["state"].get(e.optimizer_index, {}).values() if per_element(v)]
+    return {t.untyped_storage().data_ptr() for t in mapped if t.untyped_storage().nbytes() > 0}
+
+
+def rest_sum(index: CheckpointIndex | None, name: str, loaded: Any, file: Path) -> tuple[int, int]:
+    """(CRC-32, bytes read) of what file `name` holds outside the pieces its index maps: its pickle record (every
+    Python value, every tensor's dtype, shape and place in the file) and, in the order they are pickled, the
+    tensors whose storage no mapped tensor shares. Left out: DeepSpeed's copy of an optimizer shard beside ours
+    (read by DeepSpeed, never by shardwise) and the layer view `FileReader` adds (the same tensors)."""
+    assert index is not None
+    with zipfile.ZipFile(file) as archive:
+        record = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+        pickled = archive.read(record)
+    crc, size = zlib.crc32(pickled), len(pickled)
+    mapped = _mapped_storages(index, name, loaded)
+    skip: set[int] = set()
+    if isinstance(loaded, dict):
+        if ckpt.NATIVE_OPTIMIZER_STATE_DICT in loaded and ckpt.OPTIMIZER_STATE_DICT in loaded:
+            skip.add(id(loaded[ckpt.OPTIMIZER_STATE_DICT]))
+        if ckpt.LAYER_FILE.fullmatch(name):
+            skip.add(id(loaded.get("module")))
+    stack: list[Any] = [loaded]
+    while stack:
+        item = stack.pop()
+        if id(item) in skip:
+            continue
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.nbytes() > 0 and storage.data_ptr() not in mapped:
+                crc = ckpt.tensor_crc(item, crc)
+                size += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return crc, size
+
+
+def piece_sums(index: CheckpointIndex, folder: Path, names: list[str]) -> PieceSums:
+    """The piece sums (`index.PieceSums`) of the files `names` a rank wrote into `folder`, from the files as
+    written (their pages are still in the page cache): what `FileReader` checks when it reads them."""
+    read = FileReader(folder, sums={})
+    build = Assembler(index, read)
+    mine = set(names) - {checkpoint_index.INDEX}
+    rest = {name: rest_sum(index, name, read(name), folder / name)[0] for name in sorted(mine)}
+    fragments: dict[str, tuple[dict[str, int], ...]] = {}
+    for n, frags in index.fragments.items():
+        out: list[dict[str, int]] = []
+        for f in frags:
+            entry = index.entries[f.entry]
+            if entry.file not in mine:
+                out.append({})
+                continue
+            saved = read(entry.file)[entry.key]["optimizer"]["state"].get(entry.optimizer_index, {})
+            keys = [VALUE] + [k for k, v in saved.items() if per_element(v)]
+            out.append({k: ckpt.tensor_crc(build.source(f.entry, k, n).reshape(-1)[f.dst:f.dst + f.hi - f.lo])
+                        for k in keys})
+        fragments[n] = tuple(out)
+    module = {n: {t: ckpt.tensor_crc(read(f)["module"][n]) for t, f in by_rank.items() if f in mine}
+              for n, by_rank in index.module.items()}
+    return PieceSums(fragments=fragments, module={n: m for n, m in module.items() if m}, rest=rest)
 
 
 class Assembler:
     """Reads TP slices (or runs of them) of saved tensors out of the fragments and module files."""
 
-    def __init__(self, index: CheckpointIndex, read: FileReader):
+    def __init__(self, index: CheckpointIndex, read: FileReader, *, check_only: bool = False):
         self.index, self.read = index, read
         self.tp = index.dims.tp
+        self.check_only = check_only
+        """Only check the pieces a read would use (`FileReader.check_fragment`), copy nothing: what it returns
+        is uninitialised."""
 
-    def _source(self, entry: int, key: str, name: str) -> torch.Tensor:
+    def source(self, entry: int, key: str, name: str) -> torch.Tensor:
         saved = self.index.entries[entry]
         state = self.read(saved.file)[saved.key]
         if key != VALUE:
@@ -85,16 +245,21 @@ class Assembler:
     def _saved_run(self, name: str, tp_rank: int, lo: int, hi: int, key: str) -> torch.Tensor:
         """Elements [lo, hi) of TP rank `tp_rank`'s saved slice of `name`, flattened."""
         if key == "module":
-            return self.read(self.index.module[name][tp_rank])["module"][name].reshape(-1)[lo:hi]
+            whole = self.read(self.index.module[name][tp_rank])["module"][name]
+            self.read.check_module(name, tp_rank, whole)
+            run = whole.reshape(-1)[lo:hi]
+            return torch.empty(run.shape, dtype=run.dtype) if self.check_only else run
         out: torch.Tensor | None = None
-        for f in self.index.fragments[name]:
+        for j, f in enumerate(self.index.fragments[name]):
             a, b = max(lo, f.lo), min(hi, f.hi)
             if f.tp_rank != tp_rank or a >= b:
                 continue
-            src = self._source(f.entry, key, name).reshape(-1)
+            src = self.source(f.entry, key, name).reshape(-1)
+            self.read.check_fragment(name, j, f, key, src)
             if out is None:
                 out = torch.empty(hi - lo, dtype=src.dtype)
-            out[a - lo:b - lo] = src[f.dst + a - f.lo:f.dst + b - f.lo]
+            if not self.check_only:
+                out[a - lo:b - lo] = src[f.dst + a - f.lo:f.dst + b - f.lo]
         assert out is not None, f"{name}: no fragment of TP rank {tp_rank} overlaps [{lo}, {hi})"
         return out
 
@@ -276,6 +441,31 @@ class Plan:
                 if set(saved) - RUN_OWN_OPTIONS != set(options) - RUN_OWN_OPTIONS:
                     return (f"the checkpoint's optimizer has options {sorted(saved)} and this run's "
                             f"{sorted(options)}: it was written with another optimizer; configure the same one")
+        return None
+
+    def check_reads(self) -> str | None:
+        """Check every piece `apply` will read (its fragments, module tensors and optimizer states, against the
+        index's piece sums; copying nothing), before `agree`: a damaged piece refuses the load before anything
+        changes. The first problem, or None."""
+        build = Assembler(self.index, self.read, check_only=True)
+        try:
+            for name, mine in self.module.items():
+                key = "module" if name in self.index.module else VALUE
+                if key == VALUE and mine.source not in self.index.fragments:
+                    continue
+                local = mine.shape if mine.shape is not None else self.local_shape(name, mine.tp_dim)
+                build.local(name if key != VALUE else mine.source, self.tp_rank, self.tp_size, mine.tp_dim, 0,
+                            int(torch.Size(local).numel()), key)
+            if self.optimizer:
+                for pieces in self.stepped:
+                    entry = self.saved_entry(pieces)
+                    state = self.read(entry.file)[entry.key]["optimizer"]["state"].get(entry.optimizer_index, {})
+                    for key in [VALUE] + [k for k, v in state.items() if per_element(v)]:
+                        for p in pieces:
+                            build.local(p.name, self.tp_rank, self.tp_size, self.module[p.name].tp_dim, p.lo, p.hi,
+                                        key)
+        except ckpt.CheckpointError as e:
+            return str(e)
         return None
 
     def _needed_files(self) -> list[str]:

@@ -158,9 +158,11 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
 
     # World rank 0 writes the index last, with the size and CRC-32 of every file every rank wrote, the DeepSpeed
     # partitions of the second pass included (`index.sealer`).
+    # Each rank also sums the pieces of its files the index maps, from the written files (`reshard.piece_sums`).
+    staging = ckpt.staging_dir(save_dir, tag)
     ckpt.write_tag(save_dir, tag, files, rank=dist.get_rank(), barrier=barrier,
                    any_failed=lambda failed: _any_failed(ctx, failed), save_latest=save_latest, then=then,
-                   seal=checkpoint_index.sealer(ctx, index))
+                   seal=checkpoint_index.sealer(ctx, index, lambda names: reshard.piece_sums(index, staging, names)))
     return True
 
 
@@ -239,6 +241,10 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
                     if index is None:
                         raise ckpt.CheckpointError(mismatch)
                     same, own = False, None
+            if plan is not None and problem is None and not same:
+                # Resharding reads only pieces of the files: each is checked against its CRC-32 before any
+                # change (at the writer's layout the files are read, and checked, whole).
+                problem = plan.check_reads()
         except ckpt.CheckpointError as e:
             problem = str(e)
     same = reshard.agree(ctx, problem, same_layout=same)

@@ -6,6 +6,9 @@ Global rank 0 of a run stopped by a signal writes stopped.json there after its c
 them once the ranks are gone:
 
 - a user error (UserError, ConfigError, CorpusError) on any rank: its line(s), exit code 2;
+- a hang (a `CollectiveTimeout` on any rank): the verdict's one line, which leads with the ranks that stalled,
+  after the crashes reported before it (their cause, if any); the ranks the agent then killed (the stalled ones
+  among them) and the others' follow-on errors are consequences, not listed;
 - otherwise one line per rank torchrun saw fail, first the ranks killed by a signal (a rank that dies takes its
   peers' collectives down with it, so their errors are consequences), then the others with their exception's
   last line and the path of its traceback; the ranks that failed after them are counted, not listed.
@@ -30,6 +33,8 @@ STOPPED_FILE = "stopped.json"
 EXIT_USER_ERROR = 2
 EXIT_CRASH = 1
 MAX_LISTED = 3
+HANG = "CollectiveTimeout: "
+"""How a crash report of a hang starts: its exception's name, then the watchdog's verdict."""
 LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "recvValue failed",
              "Socket closed", "Connection refused")
 """What a rank's collective or store call says when a peer process is gone (gloo, TCPStore)."""
@@ -122,6 +127,14 @@ def failure_lines(reports: Iterable[RankReport], exits: dict[int, ProcessExit], 
     if users:
         lines = list(dict.fromkeys(line.strip() for line in users[0].message.splitlines() if line.strip()))
         return EXIT_USER_ERROR, [f"shardwise: error: {line}" for line in lines]
+    hangs = [r for r in reports if r.kind == CRASH and r.message.startswith(HANG)]
+    if hangs:
+        # The timeout fired while every rank was alive: the agent's kills came after it (of the stalled ranks too).
+        before = [r for r in reports if r.kind == CRASH and r.time < hangs[0].time and not r.message.startswith(HANG)
+                  and not any(m in r.message for m in LOST_PEER)]
+        return EXIT_CRASH, [f"shardwise: rank {r.rank} failed: {r.message} (traceback: {r.log})"
+                            for r in before[:MAX_LISTED]] + \
+            [f"shardwise: {hangs[0].message[len(HANG):]} (reports in {folder})"]
     by_rank = {r.rank: r for r in reports}
     killed = sorted(rank for rank, e in exits.items() if e.exitcode < 0 and rank not in by_rank)
     # A rank killed by a signal takes its peers' connections (and, rank 0, the store) with it: their "connection

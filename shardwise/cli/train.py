@@ -160,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
         # torch's C++ warnings are off in the ranks: a lost peer or store makes every rank's store client log
         # an 18-line C++ trace; the ranks' own reports say what happened (TORCH_CPP_LOG_LEVEL=INFO shows them).
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # A hang's verdict is printed once, by the launcher (`rank_reports.failure_lines`): not every rank's report.
+        from shardwise.comm.watchdog import QUIET_ENV
+        os.environ.setdefault(QUIET_ENV, "1")
         print(f"shardwise train: {args.nnodes * args.nproc} rank(s), model {worker_args.model}, "
               f"data {worker_args.data}, {worker_args.steps} steps -> {worker_args.out}", flush=True)
         from shardwise.cli.launch import launch

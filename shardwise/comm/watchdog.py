@@ -27,6 +27,10 @@ from shardwise.comm.ledger import CommLedger
 from shardwise.comm.sequence import desync_in_reports
 from shardwise.errors import CollectiveTimeout, DesyncError
 
+QUIET_ENV = "SHARDWISE_WATCHDOG_QUIET"
+"""Set (to 1) by `shardwise train` for its ranks: a rank posts its report without printing it, as the launcher
+prints the verdict once for all (the per-rank lines would bury it)."""
+
 _instances = itertools.count()
 """Watchdogs made in this process: every rank makes them in the same order, so the n-th shares a store prefix."""
 
@@ -76,29 +80,35 @@ def describe(report: dict[str, Any]) -> str:
 
 
 def verdict(reports: dict[int, dict[str, Any] | None], timeout_s: float) -> str:
-    """The one line: the desync the reports show (`desync_in_reports`), else who did not arrive (no report, or
-    not in a collective) and what the others wait on."""
+    """The one line: the desync the reports show (`desync_in_reports`); else, when some ranks did not arrive (no
+    report, or not in a collective), those ranks first, what the others waited in for them and how long; else
+    (every rank waits in one collective that does not complete) what they wait on."""
     desync = desync_in_reports(reports)
     if desync is not None:
         return desync
     absent = [r for r, rep in sorted(reports.items()) if rep is None]
     idle = [(r, rep) for r, rep in sorted(reports.items()) if rep is not None and not rep.get("op")]
     waits: dict[tuple[str, str, int], list[int]] = {}
+    ages: dict[tuple[str, str, int], float] = {}
     for r, rep in sorted(reports.items()):
         if rep is not None and rep.get("op"):
-            waits.setdefault((rep["op"], rep["group"], rep["seq"]), []).append(r)
-    parts = []
-    late = absent + [r for r, _ in idle]
-    if late:
-        detail = "; ".join([f"rank {r}: {describe(rep)}" for r, rep in idle[:4]]
-                           + [f"rank {r}: no report (process gone or frozen)" for r in absent[:4]])
-        parts.append(f"rank(s) {_ranks(sorted(late))} did not arrive ({detail})")
-    for (op, group, seq), ranks in waits.items():
-        parts.append(f'rank(s) {_ranks(ranks)} wait in {op} on "{group}" #{seq}')
+            key = (rep["op"], rep["group"], rep["seq"])
+            waits.setdefault(key, []).append(r)
+            ages[key] = max(ages.get(key, 0.0), float(rep.get("age", 0.0)))
     steps = sorted({rep["step"] for rep in reports.values() if rep is not None})
     at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
-    return (f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes): "
-            + "; ".join(parts))
+    timeout = f"collective timeout at {at} after {timeout_s:g} s (communication.timeout_minutes)"
+    late = absent + [r for r, _ in idle]
+    if not late:
+        return f"{timeout}: " + "; ".join(f'rank(s) {_ranks(ranks)} wait in {op} on "{group}" #{seq}'
+                                          for (op, group, seq), ranks in waits.items())
+    # A stall: the ranks that did not arrive lead the line (a launcher's later kill of them is a consequence).
+    detail = "; ".join([f"rank {r}: {describe(rep)}" for r, rep in idle[:4]]
+                       + [f"rank {r}: no report (process gone or frozen)" for r in absent[:4]])
+    waited = "; ".join(f'rank(s) {_ranks(ranks)} waited {ages[key]:.0f} s for them in {key[0]} on "{key[1]}" '
+                       f'#{key[2]}' for key, ranks in waits.items())
+    return (f"rank(s) {_ranks(sorted(late))} stalled: {waited or 'no rank reported waiting'} ({timeout}); "
+            f"rank(s) {_ranks(sorted(late))} did not arrive ({detail})")
 
 
 _ABORT_HOOK: list[bool] = []
@@ -236,7 +246,7 @@ class HangWatchdog:
         if aborted is not None:
             report["aborted"] = aborted
         self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(report))
-        if not quiet:
+        if not quiet and not os.environ.get(QUIET_ENV):
             print(f"shardwise: rank {self.rank}: {describe(report)}", file=sys.stderr, flush=True)
         return int(self.store.add(f"{self.prefix}/declared", 1))
 

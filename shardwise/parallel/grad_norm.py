@@ -43,10 +43,8 @@ class ExtraSums:
     model group) and read with its one host read; `values` holds the sums after the step."""
 
     tensor: Tensor
-    """float [k], on the compute device (k may be 0: only `agreed` is read)."""
+    """float [k], on the compute device."""
     comm: Comm
-    agreed: Tensor | None = None
-    """[c] values already agreed elsewhere (the desync check's), read in the same copy, after the sums."""
     values: list[float] | None = field(default=None, init=False)
 
 
@@ -60,7 +58,7 @@ class StepVerdict:
     norm: Tensor | None
     """0-dim: the whole model's gradient norm (None: not wanted)."""
     extra: Tensor | None
-    """[k] float64: the extra sums (then the agreed values)."""
+    """[k] float64: the extra sums."""
 
     def read(self) -> tuple[bool, float | None, list[float]]:
         """(overflow, norm, extra sums) as Python values: the parts on a device go to the host in ONE copy (parts
@@ -76,14 +74,6 @@ class StepVerdict:
         overflow = "overflow" in values and values["overflow"][0] > 0
         norm = values["norm"][0] if "norm" in values else None
         return overflow, norm, values.get("extra", [])
-
-
-def _with_agreed(extra_vec: Tensor | None, agreed: Tensor | None) -> Tensor | None:
-    """The extra sums followed by the agreed values, float64 on the sums' device: one part of the read."""
-    if agreed is None:
-        return extra_vec
-    agreed = agreed.reshape(-1).to(torch.float64)
-    return agreed if extra_vec is None else torch.cat([extra_vec, agreed.to(extra_vec.device)])
 
 
 @dataclass(frozen=True)
@@ -173,12 +163,11 @@ class GradNormReducer:
                 fused = extra_vec
             else:
                 extra.comm.all_reduce(extra_vec)
-        agreed = extra.agreed if extra is not None else None
         if self.alone:
             norm = torch.nn.utils.get_total_norm(grads) if want_norm and grads else None
             if want_norm and not grads:
                 norm = torch.zeros((), dtype=torch.float64)
-            return StepVerdict(flag, norm, _with_agreed(extra_vec, agreed))
+            return StepVerdict(flag, norm, extra_vec)
         # model group: float64 [sliced, replicated]? [flag]? [extra]?  then TP: [sliced]? [flag]?
         pieces = ([self._local_squares(params)] if want_norm else []) \
             + ([flag.reshape(1).to(device)] if flag is not None else [])
@@ -196,7 +185,7 @@ class GradNormReducer:
         overflow = tp_vec[-1] if flag is not None else None
         if fused is not None:
             extra_vec = vec[vec.numel() - fused.numel():]
-        return StepVerdict(overflow, norm, _with_agreed(extra_vec, agreed))
+        return StepVerdict(overflow, norm, extra_vec)
 
     def clip_with_norm_(self, params: Sequence[Tensor], max_norm: float, norm: Tensor) -> None:
         """Scale every `p.grad` by min(1, max_norm / (norm + 1e-6)) on the device (no host read); alone, torch's

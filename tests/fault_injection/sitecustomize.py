@@ -66,14 +66,17 @@ def _install() -> None:
 
 
 EXTRA_COLLECTIVE_ENV = "SHARDWISE_TEST_EXTRA_COLLECTIVE_AT"
-""""R:S": global rank R makes one extra all-reduce with torch.distributed itself (no shardwise ledger sees it) in
-step S, before the step's first backward: its peers meet it with their first gradient bucket."""
+""""R:S": global rank R makes one extra all-reduce of 3 floats with torch.distributed itself (no shardwise ledger
+sees it) in step S, before the step's first backward: its peers meet it with their first gradient bucket.
+"R:S:ledger": the same all-reduce through shardwise's `Comm` on the world group, recorded in the engine's ledger
+as the data-parallel group's ("dp"), as a strategy's extra collective would be."""
 
 
-def _extra_collective_in_step(step: int) -> None:
+def _extra_collective_in_step(step: int, *, recorded: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    from shardwise.comm.collectives import Comm
     from shardwise.engine.step import TrainingSteps
 
     backward = TrainingSteps.backward
@@ -82,7 +85,10 @@ def _extra_collective_in_step(step: int) -> None:
     def backward_after_an_extra_collective(self, *args, **kwargs):
         if self.global_steps + 1 == step and not done:     # global_steps: the steps completed before this one
             done.append(True)
-            dist.all_reduce(torch.ones(3))
+            if recorded:
+                Comm(None, self.ledger, name="dp").all_reduce(torch.ones(3))
+            else:
+                dist.all_reduce(torch.ones(3))
         return backward(self, *args, **kwargs)
 
     TrainingSteps.backward = backward_after_an_extra_collective
@@ -92,9 +98,9 @@ def _install_extra_collective() -> None:
     spec = os.environ.get(EXTRA_COLLECTIVE_ENV)
     if not spec or "RANK" not in os.environ:
         return
-    rank, step = (int(x) for x in spec.split(":"))
-    if int(os.environ["RANK"]) == rank:
-        _extra_collective_in_step(step)
+    rank, step, *how = spec.split(":")
+    if int(os.environ["RANK"]) == int(rank):
+        _extra_collective_in_step(int(step), recorded=how == ["ledger"])
 
 
 _install()

@@ -3,14 +3,15 @@ in one line naming what is wrong; never a silent restart, never a silent load of
 
 Two groups, each sharing its processes:
 - damaged checkpoints (`DAMAGE`), in one 2-rank launch at ZeRO-1 (so every rank has an optimizer shard): each
-  fault is applied to a copy of one good tag, then both ranks load it through `engine.load_checkpoint`;
+  fault is applied to a copy of one good tag, then both ranks load it through `engine.load_checkpoint`, at ZeRO-1
+  and, for a damaged fragment (`RESHARD_DAMAGE`), at ZeRO-0, where the ranks read the shards piece by piece;
 - `shardwise train` as a user runs it, on the tiny preset with 2 ranks: a rank killed (restarted, resumed, its
   dead attempt's metrics rows set aside), a flipped optimizer shard (refused, the previous complete tag offered,
   resumed from it with `--resume-from`), a deleted tag, an unreadable `latest`, rank 0 (the store's host) killed,
-  a rank that stalls, a full disk during a save.
+  an extra collective on one rank (one DesyncError line, the last complete tag kept), then in the same run a
+  rank that stalls (one line naming it, first), a full disk during a save.
 
-Each test prints its table (`pytest -s`): fault, what happened, verdict. Not here yet: ranks that drift apart (an
-extra collective on one rank), which gloo's own size check aborts before the desync check can name them."""
+Each test prints its table (`pytest -s`): fault, what happened, verdict."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from shardwise.checkpoint import files as ckpt
 from shardwise.checkpoint.index import INDEX, read_index
+from shardwise.cli.resume import tag_problem
 from shardwise.telemetry import read_metrics
 from shardwise.testing import micro_steps, run_distributed, tiny_gpt, token_batches
 
@@ -64,9 +66,30 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], Callable[[Path], Path] | None]] 
 }
 
 
-def _engine():
+def _flip_fragment(root: Path) -> None:
+    """Invert 64 bytes inside the Adam state of one fragment of rank 1's optimizer shard (what a rank loading at
+    another layout reads through the memory map, without reading the whole file)."""
+    index = read_index(root / GOOD)
+    name, j, f = next((n, j, f) for n, frags in sorted(index.fragments.items()) for j, f in enumerate(frags)
+                      if index.entries[f.entry].file == SHARD1 and f.hi - f.lo >= 64)
+    entry = index.entries[f.entry]
+    state = ckpt.torch_load(root / GOOD / SHARD1)[entry.key]["optimizer"]["state"][entry.optimizer_index]
+    piece = state["exp_avg_sq"][f.dst:f.dst + f.hi - f.lo].contiguous()
+    data = bytearray((root / GOOD / SHARD1).read_bytes())
+    at = data.find(piece.view(torch.uint8).numpy().tobytes()) + piece.numel() * piece.element_size() // 2 - 32
+    data[at:at + 64] = bytes(b ^ 0xFF for b in data[at:at + 64])
+    (root / GOOD / SHARD1).write_bytes(bytes(data))
+
+
+# fault -> (damage, path named), as DAMAGE, loaded at ZeRO-0 (another layout: read piece by piece through the index)
+RESHARD_DAMAGE: dict[str, tuple[Callable[[Path], None], Callable[[Path], Path]]] = {
+    "corrupt a fragment (64 bytes), loaded at ZeRO-0": (_flip_fragment, lambda r: r / GOOD / SHARD1),
+}
+
+
+def _engine(stage: int = 1):
     import shardwise
-    config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
+    config = {"train_batch_size": BATCH, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     net = tiny_gpt(seq_len=SEQ, seed=5)
     engine, *_ = shardwise.initialize(model=net, model_parameters=net.parameters(), config=config)
@@ -80,7 +103,10 @@ def _step(engine, seed: int) -> None:
 
 
 def _weights(engine) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in engine.module.parameters()]
+    """The module's parameters and what the optimizer steps (at ZeRO-3 the parameters are placeholders between
+    uses: the stepped shards hold the values)."""
+    stepped = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    return [p.detach().clone() for p in [*engine.module.parameters(), *stepped]]
 
 
 def _load_damaged(root: str) -> dict:
@@ -97,12 +123,16 @@ def _load_damaged(root: str) -> dict:
     _step(engine, 1)                            # the weights now differ from the tag's
     moved = _weights(engine)
     out: dict = {}
-    for name, (damage, _) in DAMAGE.items():
+    for name, (damage, _) in [*DAMAGE.items(), *RESHARD_DAMAGE.items()]:
         where = Path(root, name.split(" (")[0].replace(" ", "-"))
         if dist.get_rank() == 0:
             shutil.copytree(good_dir, where)
             damage(where)
         dist.barrier()
+        if name in RESHARD_DAMAGE and engine.zero_optimization_stage() != 0:
+            engine.close()                  # the rest of the faults at ZeRO-0: another engine, its own weights
+            engine = _engine(0)
+            moved = _weights(engine)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             try:
@@ -115,7 +145,8 @@ def _load_damaged(root: str) -> dict:
         out[name] = {"outcome": outcome, "warnings": [str(w.message) for w in said],
                      "unchanged": same(now, moved), "as_saved": same(now, saved)}
         if outcome[0] == "loaded":              # back to the moved weights for the next fault
-            for p, w in zip(engine.module.parameters(), moved):
+            for p, w in zip([*engine.module.parameters(), *(p for g in engine.optimizer.param_groups
+                                                              for p in g["params"])], moved):
                 p.data.copy_(w)
     engine.close()
     return out
@@ -135,7 +166,7 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> None:
 def test_damaged_checkpoints_are_refused_in_one_line_naming_the_file_or_load_as_saved(tmp_path: Path) -> None:
     results = run_distributed(_load_damaged, 2, args=(str(tmp_path),), timeout=300)
     rows = []
-    for name, (_, named) in DAMAGE.items():
+    for name, (_, named) in [*DAMAGE.items(), *RESHARD_DAMAGE.items()]:
         where = tmp_path / name.split(" (")[0].replace(" ", "-")
         per_rank = [r[name] for r in results]
         kind, text = per_rank[0]["outcome"]
@@ -154,9 +185,10 @@ def test_damaged_checkpoints_are_refused_in_one_line_naming_the_file_or_load_as_
         assert len(lines) == 1, f"{name}: the ranks disagree: {lines}"
         line = lines.pop()
         assert "\n" not in line and str(named(where)) in line and line.startswith("CheckpointError"), (name, line)
+        assert name not in RESHARD_DAMAGE or "is corrupt: fragment " in line, line
         assert all(r["unchanged"] for r in per_rank), f"{name}: weights changed before the refusal"
         rows.append((name, line, "refused"))
-    _table("damaged checkpoints (engine.load_checkpoint, 2 ranks, ZeRO-1):", rows)
+    _table("damaged checkpoints (engine.load_checkpoint, 2 ranks, ZeRO-1 and 0):", rows)
 
 
 # -- shardwise train ------------------------------------------------------------------------------------------------
@@ -210,6 +242,18 @@ def stall_rank_after_step(*, rank: int, step: int) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(path), STALL_ENV: f"{rank}:{step}"}
 
 
+def extra_collective_in_step(*, rank: int, step: int) -> dict[str, str]:
+    """The environment in which global rank `rank` runs one extra all-reduce, recorded by its ledger, in step `step`
+    (sitecustomize)."""
+    from fault_injection.sitecustomize import EXTRA_COLLECTIVE_ENV
+
+    here = str(Path(__file__).parent)
+    path = [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(path), EXTRA_COLLECTIVE_ENV: f"{rank}:{step}:ledger"}
+
+
+# Nine launches of `shardwise train` in one test (4-5 minutes on 2 loaded cores): past the default per-test limit.
+@pytest.mark.timeout(600)
 def test_train_survives_or_refuses_in_one_line_with_nothing_lost(tmp_path: Path, kill_rank_after_step,
                                                                    small_disk: Path | None) -> None:
     corpus = _corpus(tmp_path / "corpus.txt")
@@ -273,14 +317,33 @@ def test_train_survives_or_refuses_in_one_line_with_nothing_lost(tmp_path: Path,
     rows.append(("kill -9 of rank 0 (the store's host)", " / ".join(lines),
                  "reported" if len(lines) == 1 else "reported in 2 lines"))
 
-    # Rank 1 stops answering after step 1 (a frozen node): after --timeout the line names it as not arriving.
-    code, stdout, stderr = _train(common[:-1] + [str(tmp_path / "stall"), "--steps", "3", "--timeout", "0.1"],
-                                  **stall_rank_after_step(rank=1, step=1))
+    # Rank 1 runs one extra collective in step 3 (a strategy's stray all-reduce): it waits in it while rank 0 waits
+    # in its gradient reduce-scatter (they cannot pair: no size check fires); after --timeout one DesyncError line
+    # naming the ranks and what each ran, exit 2. Nothing lost: `latest` names the complete step-2 tag, the metrics
+    # hold steps 1-2.
+    drift = tmp_path / "drift"
+    code, stdout, stderr = _train(common[:-1] + [str(drift), "--steps", "4", "--timeout", "0.1"],
+                                  **extra_collective_in_step(rank=1, step=3))
+    line = _one_line(stderr)
+    assert code == 2 and line.startswith("shardwise: error: desync at step 2: operation "), line
+    assert "rank(s) 1 ran all_reduce float32[3]" in line and "rank(s) 0 ran " in line, line
+    assert (drift / "checkpoints" / "latest").read_text() == "global_step2"
+    assert tag_problem(drift / "checkpoints" / "global_step2", every_byte=True) is None
+    assert _steps(drift / "metrics.jsonl") == [1, 2]
+    rows.append(("an extra collective on rank 1 in step 3", line, "refused"))
+
+    # The same run resumed, and rank 1 stops answering after step 3 (a frozen node): after --timeout one line,
+    # first, naming the stalled rank, the collective the others waited in for it and how long; not the agent's
+    # kill of the stalled rank, not each rank's report. The resume continued the drifted run at step 2.
+    code, stdout, stderr = _train(common[:-1] + [str(drift), "--steps", "4", "--timeout", "0.1"],
+                                  **stall_rank_after_step(rank=1, step=3))
     lines = stderr.strip().splitlines()
-    verdict = [line for line in lines if "CollectiveTimeout" in line]
-    assert code == 1 and len(lines) <= 4 and "Traceback" not in stderr and "frame #" not in stderr, stderr
-    assert len(verdict) == 1 and "rank(s) 1 did not arrive" in verdict[0], stderr
-    rows.append(("rank 1 stalls after step 1 (--timeout 0.1)", verdict[0], "reported"))
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr and "frame #" not in stderr, stderr
+    assert lines[0].startswith("shardwise: rank(s) 1 stalled: rank(s) 0 waited "), stderr
+    assert "s for them in all_reduce on " in lines[0] and "rank(s) 1 did not arrive (rank 1: " in lines[0]
+    assert _steps(drift / "metrics.jsonl") == [1, 2, 3]
+    assert (drift / "checkpoints" / "latest").read_text() == "global_step2"
+    rows.append(("rank 1 stalls after step 3 (--timeout 0.1)", lines[0], "reported"))
 
     # A full disk during the first save: one line naming the file and the bytes, exit 2, nothing published.
     if small_disk is None:

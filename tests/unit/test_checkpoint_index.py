@@ -109,8 +109,8 @@ def test_a_damaged_index_is_one_line_naming_the_file(tmp_path: Path, damage: str
 
 
 def test_another_version_or_an_unreadable_file_is_one_line_naming_the_file(tmp_path: Path):
-    torch.save({**STORED_V1, "version": 3}, tmp_path / INDEX_FILE)
-    with pytest.raises(CheckpointError, match="has index version 3; this shardwise reads versions 1, 2") as error:
+    torch.save({**STORED_V1, "version": 4}, tmp_path / INDEX_FILE)
+    with pytest.raises(CheckpointError, match="has index version 4; this shardwise reads versions 1, 2, 3") as error:
         read_index(tmp_path)
     assert str(tmp_path / INDEX_FILE) in str(error.value) and "\n" not in str(error.value)
     (tmp_path / INDEX_FILE).write_bytes(b"not a torch file")

@@ -190,3 +190,35 @@ def test_a_killed_ranks_peers_losing_their_connection_are_said_on_its_line(tmp_p
     # without a killed rank a lost connection is a failure of its own
     code, lines = failure_lines(read_reports(tmp_path), {}, tmp_path)
     assert len(lines) == 3 and all(" failed: " in line for line in lines)
+
+
+def test_a_hang_is_the_verdicts_one_line_not_the_agents_kill_of_the_stalled_rank(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from shardwise.cli.rank_reports import ProcessExit, failure_lines, write_failure
+    from shardwise.errors import CollectiveTimeout
+
+    line = ('rank(s) 1 stalled: rank(s) 0 waited 6 s for them in all_reduce on "world:check" #2 (collective timeout '
+            'at steps [0, 1] after 6 s (communication.timeout_minutes)); rank(s) 1 did not arrive (rank 1: step 0, '
+            'outside any collective, last completed all_gather on "dp" #2)')
+    for rank, error in ((0, CollectiveTimeout(line)), (2, RuntimeError("Connection reset by peer"))):
+        try:
+            raise error
+        except RuntimeError as e:
+            write_failure(tmp_path, rank=rank, attempt=0, error=e)
+        time.sleep(0.01)
+    # the agent saw rank 0 fail, then killed the stalled rank 1 (and rank 2 lost its connection to it)
+    exits = {0: ProcessExit(1, 40), 1: ProcessExit(-signal.SIGKILL, 41), 2: ProcessExit(1, 42)}
+    code, lines = failure_lines(read_reports(tmp_path), exits, tmp_path)
+    assert code == 1 and lines == [f"shardwise: {line} (reports in {tmp_path})"], lines
+    # a crash reported before the hang is its likely cause: said first
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access")
+    except RuntimeError as e:
+        report = write_failure(tmp_path, rank=3, attempt=0, error=e)
+    path = tmp_path / "rank3.attempt0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "time": report.time - 60}))
+    code, lines = failure_lines(read_reports(tmp_path), exits, tmp_path)
+    assert len(lines) == 2 and lines[0].startswith("shardwise: rank 3 failed: RuntimeError: CUDA error"), lines
+    assert lines[1] == f"shardwise: {line} (reports in {tmp_path})"

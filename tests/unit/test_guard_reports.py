@@ -66,10 +66,15 @@ def test_the_verdict_names_who_did_not_arrive_and_what_the_others_wait_on() -> N
                3: {"step": 5, "op": "all_reduce", "group": "dp", "seq": 40, "age": 60.5}}
     line = verdict(reports, 60.0)
     assert "\n" not in line
-    assert line.startswith("collective timeout at step 5 after 60 s (communication.timeout_minutes): ")
-    assert ("rank(s) 1, 2 did not arrive (rank 1: step 5, outside any collective, last completed all_gather on "
-            '"dp" #39; rank 2: no report (process gone or frozen))') in line
-    assert line.endswith('rank(s) 0, 3 wait in all_reduce on "dp" #40')
+    # the stalled ranks first, then what the others waited in for them and how long
+    assert line.startswith('rank(s) 1, 2 stalled: rank(s) 0, 3 waited 61 s for them in all_reduce on "dp" #40 '
+                           "(collective timeout at step 5 after 60 s (communication.timeout_minutes)); "), line
+    assert line.endswith("rank(s) 1, 2 did not arrive (rank 1: step 5, outside any collective, last completed "
+                         'all_gather on "dp" #39; rank 2: no report (process gone or frozen))'), line
+    # every rank waits in one collective that does not complete: no rank stalled, the collective is named
+    waiting = {r: {"step": 5, "op": "all_reduce", "group": "dp", "seq": 40, "age": 60.5} for r in (0, 1)}
+    assert verdict(waiting, 60.0) == ('collective timeout at step 5 after 60 s (communication.timeout_minutes): '
+                                      'rank(s) 0, 1 wait in all_reduce on "dp" #40')
 
 
 def test_timeouts_leave_the_backend_time_for_the_report() -> None:
@@ -195,4 +200,4 @@ def test_hang_reports_that_show_a_desync_become_its_line_and_a_stall_stays_a_tim
     assert desync_in_reports({0: same[0], 1: dict(stalled[1], aborted="St9bad_alloc")}) is None
     # and the watchdog's verdict is that line
     assert verdict(apart, 3.0) == desync_in_reports(apart)
-    assert verdict(stalled, 3.0).startswith("collective timeout")
+    assert verdict(stalled, 3.0).startswith("rank(s) 1 stalled: ") and "(collective timeout at " in verdict(stalled, 3.0)
