@@ -174,3 +174,9 @@ def test_context_parallel_moe_gpt_is_refused_in_one_line() -> None:
     model = GPT(gpt_config("gpt-moe-tiny", n_layer=2, d_model=32, n_head=4, seq_len=8, moe_d_ff=32))
     with pytest.raises(UserError, match="context_parallel.size = 2 with an MoE model .*use context_parallel.size 1"):
         check_model_for_context_parallel(model, ContextParallelConfig(size=2))
+
+
+def test_expert_layout_is_deepspeeds() -> None:
+    ep_groups, expert_dp = expert_layout(range(8), 2)
+    assert ep_groups == [(0, 1), (2, 3), (4, 5), (6, 7)] and expert_dp == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert expert_layout(range(4), 4) == ([(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)])
