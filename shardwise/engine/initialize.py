@@ -194,7 +194,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     engine_class = PipelineEngine if stages > 1 or isinstance(original_model, PipelineModule) else Engine
     engine = engine_class(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime,
                           pipeline=pipeline, lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype,
-                          monitor=monitor, sequence_check=check, watchdog=watchdog, batch_part=batch_part)
+                          monitor=monitor, sequence_check=check, watchdog=watchdog, batch_part=batch_part,
+                          data_mesh=layout)
     loader: DataLoader[Any] | None = None
     if training_data is not None:
         from torch.utils.data import DataLoader
@@ -309,8 +310,7 @@ def _context_parallel(model: torch.nn.Module, cfg: EngineConfig, layout: Paralle
     if cp is None:
         return None
     from shardwise.models.context_parallel import apply_context_parallel
-    apply_context_parallel(model, cp)
-    return cp
+    return apply_context_parallel(model, cp)
 
 
 def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, ledger: CommLedger,

@@ -10,7 +10,12 @@
   accumulation) and Ulysses at cp 4;
 - a checkpoint saved at cp 2 loads at cp 1 (dp 2) with the same parameters and optimizer state, and trains on as
   the reference does;
-- `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches.
+- `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches, and the engine reports the
+  plain dp size, rank and group (as DeepSpeed does under sequence parallelism);
+- a Hugging Face Llama (transformers' own model, its attention replaced through its attention interface) trains 5
+  steps at cp 2 as the single-process model does (losses and parameters, rtol 1e-5), under ring attention and
+  Ulysses, with the recomputation policies (full, selective, every_n), labels given unshifted as transformers
+  takes them and some ignored.
 """
 
 from __future__ import annotations
@@ -236,6 +241,55 @@ def _check_loader(cp: int) -> None:
     dist.all_gather(seen, ids)
     for other in range(world):
         assert torch.equal(seen[other], ids) == (other // cp == rank // cp), (rank, other)
+    # The engine reports plain dp, as DeepSpeed does under sequence_parallel_size; dp x cp stays the parameters'.
+    dp = world // cp
+    assert (engine.dp_world_size, engine.dp_size, engine.dp_rank) == (dp, dp, rank // cp)
+    assert engine.get_data_parallel_rank() == rank // cp
+    assert engine.train_batch_size() == engine.train_micro_batch_size_per_gpu() * \
+        engine.gradient_accumulation_steps() * engine.dp_world_size
+    if dp > 1:
+        assert dist.get_process_group_ranks(engine.data_parallel_group) == [rank % cp + cp * d for d in range(dp)]
+    engine.close()
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return AutoModelForCausalLM.from_config(config)
+
+
+HF_CASES = {
+    # name: (impl, activation_checkpointing, optimizer, clip)
+    "hf_llama_ring_selective": ("ring", {"policy": "selective"}, SGD, 0.0),
+    "hf_llama_ulysses_full": ("ulysses", {"policy": "full"}, ADAMW, 0.5),
+    "hf_llama_ring_every_n": ("ring", {"policy": "every_n", "every": 2}, ADAMW, 0.5),
+}
+
+
+def _train_hf(name: str) -> None:
+    """A Hugging Face Llama at cp 2 (dp 1) against itself on one process: labels unshifted (transformers shifts),
+    some ignored, more of them late in the sequence."""
+    import shardwise
+    impl, policy, optimizer, clip = HF_CASES[name]
+    model = _hf_llama()
+    reference = copy.deepcopy(model)
+    config = {**_config(2, impl, optimizer, 0, 1, clip), "activation_checkpointing": policy}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = []
+    for i, ids in enumerate(token_batches(STEPS, GLOBAL_BATCH, SEQ, seed=5, vocab=256)):
+        labels = ids.clone()
+        labels[:, SEQ - 2 - i % 3:] = -100
+        labels[1, 3] = -100
+        batches.append([(ids, labels)])
+    losses = [engine.train_batch(iter(m)) for m in batches]
+    expected = reference_train(reference, _optimizer(optimizer, reference.parameters()), batches,
+                               loss_fn=lambda m, mb: m(mb[0], labels=mb[1]).loss, clip=clip or None)
+    assert_close_lists(losses, expected, what=f"{name} losses")
+    assert_state_close(state_copy(model), state_copy(reference), what=f"{name} parameters",
+                       adam=optimizer is ADAMW)
     engine.close()
 
 
@@ -248,6 +302,8 @@ def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
     _train("llama_ring_cp2", checkpoint_dir)
     _train("gpt_ulysses_cp2")
     _check_loader(2)
+    for name in HF_CASES:
+        _train_hf(name)
 
 
 def _at_four() -> None:
