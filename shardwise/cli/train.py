@@ -295,9 +295,10 @@ def _check_context_parallel(engine_config: Any, model_cfg: Any) -> None:
     if section.size == 1 or model_cfg.is_hf:
         return
     from shardwise.parallel.context import check_context_parallel
-    gpt = model_cfg.gpt_config()
-    check_context_parallel(section, heads=gpt.n_head, kv_heads=gpt.n_kv_head or gpt.n_head, seq_len=gpt.seq_len,
-                           attention_dropout=gpt.dropout)
+    gpt, tp = model_cfg.gpt_config(), engine_config.tensor_parallel.size
+    kv_heads = gpt.n_kv_head or gpt.n_head
+    check_context_parallel(section, heads=max(gpt.n_head // tp, 1), kv_heads=max(kv_heads // tp, 1),
+                           seq_len=gpt.seq_len, attention_dropout=gpt.dropout)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

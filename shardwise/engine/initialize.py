@@ -298,7 +298,7 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
 def _check_context_parallel(model: torch.nn.Module, cfg: EngineConfig) -> None:
     if cfg.context_parallel.size > 1:
         from shardwise.models.context_parallel import check_model_for_context_parallel
-        check_model_for_context_parallel(model, cfg.context_parallel)
+        check_model_for_context_parallel(model, cfg.context_parallel, tp=cfg.tensor_parallel.size)
 
 
 def _context_parallel(model: torch.nn.Module, cfg: EngineConfig, layout: ParallelMesh,

@@ -24,12 +24,13 @@ from shardwise.models.hf_context_parallel import (
 from shardwise.parallel.context import BatchPart, ContextParallel, ContextParallelCore, check_context_parallel
 
 
-def check_model_for_context_parallel(model: nn.Module, section: ContextParallelConfig) -> None:
-    """Raise one line when `model` cannot run with `section` (its sequence, its heads, a model without a hook)."""
+def check_model_for_context_parallel(model: nn.Module, section: ContextParallelConfig, *, tp: int = 1) -> None:
+    """Raise one line when `model` cannot run with `section` (its sequence, its heads, a model without a hook);
+    with `tp` > 1 the heads are those of one tensor-parallel rank (what Ulysses spreads over the cp ranks)."""
     if section.size == 1:
         return
     if is_hf_decoder(model):
-        check_hf_model_for_context_parallel(model, section)
+        check_hf_model_for_context_parallel(model, section, tp=tp)
         return
     if not isinstance(model, GPT):
         raise UserError(f"context_parallel.size = {section.size}: {type(model).__name__} has no context-parallel "
@@ -37,8 +38,8 @@ def check_model_for_context_parallel(model: nn.Module, section: ContextParallelC
                         f"use one of them or context_parallel.size 1")
     cfg = model.cfg
     assert cfg.n_kv_head is not None    # GPTConfig resolves it
-    check_context_parallel(section, heads=cfg.n_head, kv_heads=cfg.n_kv_head, seq_len=cfg.seq_len,
-                           attention_dropout=cfg.dropout)
+    check_context_parallel(section, heads=max(cfg.n_head // tp, 1), kv_heads=max(cfg.n_kv_head // tp, 1),
+                           seq_len=cfg.seq_len, attention_dropout=cfg.dropout)
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> BatchPart:
@@ -53,5 +54,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> BatchPart:
         attn.core = ContextParallelCore(cp.attention)
         attn.position_ids = positions
     # Shadows the static GPT.loss on this instance only (an instance attribute the checker cannot follow).
-    model.loss = cp.mean_loss(GPT.token_loss_sum, ignore_index=IGNORE_INDEX)  # type: ignore[method-assign]
+    # Under tensor parallelism the loss installed before is vocabulary-parallel: its token sum is the one to add up.
+    token_loss_sum = getattr(model.loss, "token_loss_sum", GPT.token_loss_sum)
+    model.loss = cp.mean_loss(token_loss_sum, ignore_index=IGNORE_INDEX)  # type: ignore[method-assign]
     return cp

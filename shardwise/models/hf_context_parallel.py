@@ -42,8 +42,8 @@ def is_hf_decoder(model: nn.Module) -> bool:
         hasattr(getattr(model, "config", None), "_attn_implementation")
 
 
-def check_hf_model_for_context_parallel(model: nn.Module, section: ContextParallelConfig) -> None:
-    """One line when the Hugging Face `model` cannot run under `section`."""
+def check_hf_model_for_context_parallel(model: nn.Module, section: ContextParallelConfig, *, tp: int = 1) -> None:
+    """One line when the Hugging Face `model` cannot run under `section` (`tp`: heads per tensor-parallel rank)."""
     config: Any = model.config
     name = type(model).__name__
     if not getattr(type(model), "_supports_attention_backend", False):
@@ -62,7 +62,8 @@ def check_hf_model_for_context_parallel(model: nn.Module, section: ContextParall
                         f"cp attention does not apply; set it to 0 or use context_parallel.size 1")
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    check_context_parallel(section, heads=heads, kv_heads=kv_heads, seq_len=None, attention_dropout=dropout)
+    check_context_parallel(section, heads=max(heads // tp, 1), kv_heads=max(kv_heads // tp, 1), seq_len=None,
+                           attention_dropout=dropout)
 
 
 def _cp_attention_function(attention: ContextAttention) -> Any:

@@ -74,6 +74,13 @@ def test_a_model_that_cannot_split_is_one_line(model: dict, section: ContextPara
     assert "\n" not in str(err.value)
 
 
+def test_ulysses_spreads_the_heads_of_one_tensor_parallel_rank() -> None:
+    check_model_for_context_parallel(tiny_gpt(seq_len=16, n_head=8, n_kv_head=4),
+                                     ContextParallelConfig(size=2, impl=ULYSSES), tp=2)
+    with pytest.raises(SequenceSplitError, match="attention heads 2 are not divisible by context_parallel.size = 4"):
+        check_model_for_context_parallel(tiny_gpt(seq_len=16), ContextParallelConfig(size=4, impl=ULYSSES), tp=2)
+
+
 def test_accepted_models_and_a_model_without_a_hook() -> None:
     check_model_for_context_parallel(tiny_gpt(seq_len=16, n_kv_head=2), ContextParallelConfig(size=4, impl=ULYSSES))
     check_model_for_context_parallel(tiny_gpt(seq_len=16), ContextParallelConfig(size=4))
