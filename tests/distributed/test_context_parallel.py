@@ -8,7 +8,8 @@
   Llama preset under causal ring attention at cp 2 (dp 1) with ignored labels spread unevenly over the ranks, the
   GPT under Ulysses at cp 2, and on 4 ranks cp 2 x dp 2 (ring; ring with ZeRO-3; Ulysses with ZeRO-1 and
   accumulation), Ulysses at cp 4, and tp 2 (with sequence parallelism) x cp 2: ring on the Llama preset, Ulysses
-  with ZeRO-1 and accumulation on the GPT (vocabulary-parallel loss summed over the cp ranks);
+  with ZeRO-1 and accumulation on the GPT (vocabulary-parallel loss summed over the cp ranks), and a 2-stage
+  pipeline x cp 2 (ring, Llama, 2 micro-batches, clipped);
 - a checkpoint saved at cp 2 loads at cp 1 (dp 2) with the same parameters and optimizer state, and trains on as
   the reference does;
 - `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches, and the engine reports the
@@ -170,33 +171,44 @@ TRAIN_CASES = {
     "llama_ulysses_cp4": (4, 4, "ulysses", LLAMA, SGD, 0, 1, 0.5),
     "llama_ring_tp2_cp2_sp": (4, 2, "ring", LLAMA, SGD, 0, 1, 0.0),
     "gpt_ulysses_tp2_cp2_sp": (4, 2, "ulysses", dict(n_kv_head=4), ADAMW, 1, 2, 0.5),
+    "llama_ring_pp2_cp2": (4, 2, "ring", LLAMA, SGD, 0, 2, 0.5),
 }
 
 
 TENSOR_PARALLEL = {"llama_ring_tp2_cp2_sp": 2, "gpt_ulysses_tp2_cp2_sp": 2}
 """Cases with tensor parallelism 2 + sequence parallelism (mesh tp x cp x dp, tp innermost)."""
+PIPELINE = {"llama_ring_pp2_cp2": 2}
+"""Cases with a 2-stage pipeline (mesh pp x cp; pp outermost)."""
 
 
-def _config(cp: int, impl: str, optimizer: dict, stage: int, gas: int, clip: float = 0.5, tp: int = 1) -> dict:
+def _config(cp: int, impl: str, optimizer: dict, stage: int, gas: int, clip: float = 0.5, tp: int = 1,
+            pp: int = 1) -> dict:
     return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
             "optimizer": optimizer, "zero_optimization": {"stage": stage},
             "context_parallel": {"size": cp, "impl": impl},
-            "tensor_parallel": {"size": tp, "sequence_parallel": tp > 1}}
+            "tensor_parallel": {"size": tp, "sequence_parallel": tp > 1}, "pipeline": {"stages": pp}}
 
 
 def _train(name: str, checkpoint_dir: str | None = None) -> None:
     import shardwise
     world, cp, impl, overrides, optimizer, stage, gas, clip = TRAIN_CASES[name]
-    tp = TENSOR_PARALLEL.get(name, 1)
+    tp, pp = TENSOR_PARALLEL.get(name, 1), PIPELINE.get(name, 1)
     rank = dist.get_rank()
     model = tiny_gpt(seq_len=SEQ, **overrides)
     reference = copy.deepcopy(model)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(cp, impl, optimizer, stage, gas, clip, tp))
+                                      config=_config(cp, impl, optimizer, stage, gas, clip, tp, pp))
     batches = _global_batches()
+    dp = world // (cp * tp * pp)
+    inner = world // pp                        # ranks per stage: pp is outermost, then dp, cp, tp
     losses = [engine.train_batch(iter(m))
-              for m in _micro(batches, dp=world // (cp * tp), dp_rank=rank // (cp * tp), gas=gas)]
-    if tp > 1:
+              for m in _micro(batches, dp=dp, dp_rank=rank % inner // (cp * tp), gas=gas)]
+    if pp > 1:
+        mine = engine.pipeline.module_state_dict(engine.module)     # full-model names, this stage's layers
+        parts: list = [None] * world
+        dist.all_gather_object(parts, {k: v.detach().clone() for k, v in mine.items()})
+        state = {k: v for part in parts for k, v in part.items()}
+    elif tp > 1:
         from shardwise.parallel.tensor_parallel import gather_full_state_dict
         state = gather_full_state_dict(model, next(m.comm for m in model.modules() if hasattr(m, "comm")))
     else:
@@ -205,7 +217,7 @@ def _train(name: str, checkpoint_dir: str | None = None) -> None:
     # A loss is the mean over one micro-batch's valid tokens, averaged over micro-batches and dp ranks (DeepSpeed's
     # rule): the reference runs the dp ranks' micro-batches as accumulation steps.
     expected = reference_train(reference, reference_optimizer,
-                               _micro(batches, dp=1, dp_rank=0, gas=gas * (world // (cp * tp))),
+                               _micro(batches, dp=1, dp_rank=0, gas=gas * dp),
                                loss_fn=lambda m, mb: m(*mb), clip=clip or None)
     assert_close_lists(losses, expected, what=f"{name} losses")
     assert_state_close(state, state_copy(reference), what=f"{name} parameters", adam=optimizer is ADAMW)
@@ -323,7 +335,7 @@ def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
 def _at_four() -> None:
     _check_attention(4)
     for name in ("llama_ring_cp2_dp2", "llama_ring_cp2_dp2_zero3", "gpt_ulysses_cp2_dp2_zero1",
-                 "llama_ulysses_cp4", "llama_ring_tp2_cp2_sp", "gpt_ulysses_tp2_cp2_sp"):
+                 "llama_ulysses_cp4", "llama_ring_tp2_cp2_sp", "gpt_ulysses_tp2_cp2_sp", "llama_ring_pp2_cp2"):
         _train(name)
     _check_loader(2)
 
