@@ -113,6 +113,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="minutes a collective may wait for the other ranks before every rank reports where it is "
                         "and the run ends naming the ranks that did not arrive (default: the config's "
                         "communication.timeout_minutes, else 5)")
+    p.add_argument("--context-parallel", type=int, default=None, metavar="C",
+                   help="split every sequence over C ranks (context parallelism; the config's "
+                        "\"context_parallel\": {\"size\": C}); the data-parallel size becomes nproc / (C * tp * pp)")
+    p.add_argument("--cp-impl", choices=("ring", "ulysses"), default=None,
+                   help="with --context-parallel: ring attention (default) or Ulysses (heads divisible by C)")
     p.add_argument("--pipeline-trace", action="store_true",
                    help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
                         "measured per-stage timeline of the last step, and print its bubble fraction")
@@ -218,15 +223,13 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
         communication = raw_config.get("communication")
         raw_config["communication"] = {**(communication if isinstance(communication, dict) else {}),
                                        "timeout_minutes": args.timeout}
+    _apply_context_parallel_flags(raw_config, args)
     engine_config = _check_config(raw_config, args.config, world_size)
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
-    if engine_config.context_parallel.size > 1:     # its loader deals windows to dp x cp ranks: not cp-aware yet
-        raise UserError(f"context_parallel.size = {engine_config.context_parallel.size}: shardwise train does not run "
-                        f"context parallelism yet; use context_parallel.size 1 here, or shardwise.initialize from "
-                        f"Python (a training loop given whole micro-batches)")
     model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
+    _check_context_parallel(engine_config, model_cfg)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
     _check_micro_batch_fits(int(engine_config.batch.micro_batch), model_cfg.seq_len, args.nproc)
     if model_cfg.is_hf and engine_config.pipeline.stages > 1:
@@ -270,6 +273,35 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
     from shardwise.models.registry import MODEL_FILE
     model_cfg.write(out / MODEL_FILE)
     return worker_args, worker_args.write(out / name)
+
+
+def _apply_context_parallel_flags(raw_config: dict[str, Any], args: argparse.Namespace) -> None:
+    """--context-parallel / --cp-impl win over the config's "context_parallel" block, in the config the ranks get."""
+    size, impl = getattr(args, "context_parallel", None), getattr(args, "cp_impl", None)
+    if size is None and impl is None:
+        return
+    if size is not None and size < 1:
+        raise UserError(f"--context-parallel {size}: must be at least 1 (the ranks one sequence is split over).")
+    block = raw_config.get("context_parallel")
+    block = dict(block) if isinstance(block, dict) else {}
+    if size is not None:
+        block["size"] = size
+    if impl is not None:
+        block["impl"] = impl
+    raw_config["context_parallel"] = block
+
+
+def _check_context_parallel(engine_config: Any, model_cfg: Any) -> None:
+    """A preset whose sequence or heads do not split over context_parallel.size: one line before any launch (a
+    Hugging Face model is checked by each rank's initialize, which reports one line too)."""
+    section = engine_config.context_parallel
+    if section.size == 1 or model_cfg.is_hf:
+        return
+    from shardwise.parallel.context import check_context_parallel
+    gpt, tp = model_cfg.gpt_config(), engine_config.tensor_parallel.size
+    kv_heads = gpt.n_kv_head or gpt.n_head
+    check_context_parallel(section, heads=max(gpt.n_head // tp, 1), kv_heads=max(kv_heads // tp, 1),
+                           seq_len=gpt.seq_len, attention_dropout=gpt.dropout)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

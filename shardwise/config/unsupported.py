@@ -88,15 +88,6 @@ def refuse_unimplemented(model: ConfigModel) -> list[ConfigProblem]:
     if model.gradient_allreduce_op == "sum":
         refuse("gradient_allreduce_op", '"gradient_allreduce_op" = "sum": only averaged gradients are implemented; '
                                         'use "mean" or remove it')
-    cp = model.context_parallel.size
-    if cp > 1 and model.tensor_parallel.size > 1:
-        refuse("context_parallel.size", f'"context_parallel.size" = {cp} with "tensor_parallel.size" = '
-                                        f'{model.tensor_parallel.size}: context parallelism with tensor parallelism is '
-                                        f'not implemented yet; use one of the two')
-    if cp > 1 and model.pipeline.stages > 1:
-        refuse("context_parallel.size", f'"context_parallel.size" = {cp} with "pipeline.stages" = '
-                                        f'{model.pipeline.stages}: context parallelism with a pipeline is not '
-                                        f'implemented yet; use one of the two')
     if model.pipeline.activation_checkpoint_interval > 0:
         refuse("pipeline.activation_checkpoint_interval",
                f'"pipeline.activation_checkpoint_interval" = {model.pipeline.activation_checkpoint_interval}: '

@@ -61,6 +61,7 @@ class DeepSpeedEngineAPI:
 
     config: EngineConfig
     mesh: ParallelMesh
+    data_mesh: ParallelMesh
     updater: Updater
     dp_runtime: DataParallelRuntime
     pipeline: BatchSchedule
@@ -105,7 +106,7 @@ class DeepSpeedEngineAPI:
             # The mesh makes no group of one rank: it would cost a collective new_group per rank of the world.
             raise UserError("engine.data_parallel_group: the data-parallel size is 1 here, so there is no "
                             "data-parallel group to communicate over (a collective over it would be a no-op)")
-        group = self.mesh.group(Axis.DP)
+        group = self.data_mesh.group(Axis.DP)
         assert group is not None
         return group
 

@@ -46,7 +46,7 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
                  dp_runtime: DataParallelRuntime, pipeline: Pipeline, lr_scheduler: Any, ledger: CommLedger,
                  device: torch.device, compute_dtype: torch.dtype, monitor: TrainingMonitor,
                  sequence_check: SequenceCheck | None = None, watchdog: HangWatchdog | None = None,
-                 batch_part: BatchPart | None = None):
+                 batch_part: BatchPart | None = None, data_mesh: ParallelMesh | None = None):
         # Under a pipeline `module` is this rank's stage and train_batch is the only way to train (the schedule
         # interleaves the micro-batches' forwards and backwards); with tensor parallelism it holds TP slices.
         torch.nn.Module.__init__(self)
@@ -60,7 +60,11 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         self.ledger = ledger
         self.monitor = monitor
         """DeepSpeed's monitors, progress lines, timers, comms logger and flops profiler (`shardwise.telemetry`)."""
-        self.dp_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp")
+        self.data_mesh = data_mesh or mesh
+        """The mesh as the data sees it: with context parallelism `mesh` folds cp into dp (the parameters' view:
+        gradients, shards, checkpoints), this one keeps cp apart, so dp_size, dp_rank and data_parallel_group are
+        the plain data-parallel ones, as DeepSpeed reports them under sequence_parallel_size."""
+        self.dp_comm: Comm = self.data_mesh.comm(Axis.DP, ledger, name="dp")
         self.metrics_comm: Comm = mesh.comm(Axis.DP, ledger, name="dp:metrics")
         self.tp_comm: Comm = mesh.comm(Axis.TP, ledger, name="tp:metrics")
         self.device = device

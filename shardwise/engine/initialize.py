@@ -198,7 +198,8 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     engine_class = PipelineEngine if stages > 1 or isinstance(original_model, PipelineModule) else Engine
     engine = engine_class(module=model, config=cfg, mesh=mesh, update=updater, dp_runtime=dp_runtime,
                           pipeline=pipeline, lr_scheduler=sched, ledger=ledger, device=device, compute_dtype=dtype,
-                          monitor=monitor, sequence_check=check, watchdog=watchdog, batch_part=batch_part)
+                          monitor=monitor, sequence_check=check, watchdog=watchdog, batch_part=batch_part,
+                          data_mesh=layout)
     loader: DataLoader[Any] | None = None
     if training_data is not None:
         from torch.utils.data import DataLoader
@@ -302,7 +303,7 @@ def _tensor_parallel(model: torch.nn.Module, model_parameters: Iterable[Any] | N
 def _check_context_parallel(model: torch.nn.Module, cfg: EngineConfig) -> None:
     if cfg.context_parallel.size > 1:
         from shardwise.models.context_parallel import check_model_for_context_parallel
-        check_model_for_context_parallel(model, cfg.context_parallel)
+        check_model_for_context_parallel(model, cfg.context_parallel, tp=cfg.tensor_parallel.size)
 
 
 def _context_parallel(model: torch.nn.Module, cfg: EngineConfig, layout: ParallelMesh,
@@ -314,8 +315,7 @@ def _context_parallel(model: torch.nn.Module, cfg: EngineConfig, layout: Paralle
     if cp is None:
         return None
     from shardwise.models.context_parallel import apply_context_parallel
-    apply_context_parallel(model, cp)
-    return cp
+    return apply_context_parallel(model, cp)
 
 
 def _pipeline(model: torch.nn.Module, cfg: EngineConfig, mesh: ParallelMesh, ledger: CommLedger,

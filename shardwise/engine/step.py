@@ -136,6 +136,14 @@ class TrainingSteps:
         self.activation_bytes = self._meter.bytes
         return out
 
+    def local_micro_batch(self, batch: Any) -> Any:
+        """This rank's part of a pipeline micro-batch (inputs, labels), each item as `forward` takes its arguments'
+        part (`BatchPart`)."""
+        if not isinstance(batch, (tuple, list)):
+            return batch
+        parts, _ = self._batch_part.local_batch(tuple(batch), {})
+        return list(parts) if isinstance(batch, list) else parts
+
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         loss = loss_of(loss)       # a Hugging Face ModelOutput carries its loss
         if not torch.is_tensor(loss) or loss.dim() != 0:

@@ -226,6 +226,11 @@ class StepDriver(Protocol):
         step's own read; the mean over micro-batches and ranks, the same on every rank."""
         ...
 
+    def local_micro_batch(self, batch: Any) -> Any:
+        """This rank's part of a schedule's micro-batch (inputs, labels): with context parallelism its tokens of
+        every sequence (`BatchPart`), else the batch as it is."""
+        ...
+
     def open_step(self) -> None:
         """A global batch begins (a schedule's, before its first forward)."""
 

@@ -6,7 +6,8 @@
   units sharded over the stage's dp group, gathered around every micro-batch's forward and backward while
   several micro-batches are in flight; each model chunk is a root of its own (interleaved runs chunks one at a
   time); the parameters held between steps are ~1/dp of the stage's;
-- 8 ranks as pp = 2 x dp = 2 x tp = 2 with ZeRO-1 and ZeRO-3.
+- 8 ranks as pp = 2 x dp = 2 x tp = 2 with ZeRO-1 and ZeRO-3, and the 4-D pp = 2 x dp = 1 x cp = 2 x tp = 2 (ring
+  attention with sequence parallelism, ZeRO-1 over the dp x cp ranks).
 Every case accumulates gradients (= micro-batches) and clips with a norm that engages (TP slices summed over
 tp, every stage's layers over pp, shards over dp). Losses and gathered parameters after 4 steps, rtol 1e-5; then
 `engine.eval_batch` on 3 micro-batches of another sequence length equals the trained reference's eval loss.
@@ -38,6 +39,7 @@ CASES = {
 CASES_8 = {   # pp 2 x dp 2 x tp 2: ZeRO shards over dp, its norm over pp x dp of one TP coordinate, then tp
     "dp2_tp2_1f1b_sp_zero1": dict(tp=2, schedule="1f1b", v=1, sp=True, zero=1, gas=2, optimizer=SGD),
     "dp2_tp2_gpipe_zero3": dict(tp=2, schedule="gpipe", v=1, sp=False, zero=3, gas=2, optimizer=SGD),
+    "cp2_tp2_1f1b_sp_zero1": dict(tp=2, cp=2, schedule="1f1b", v=1, sp=True, zero=1, gas=2, optimizer=SGD),
 }
 
 
@@ -71,7 +73,8 @@ def _run(case: dict) -> dict:
     import shardwise
     from shardwise.parallel.tensor_parallel import gather_full_state_dict
     world = dist.get_world_size()
-    dp = world // (PP * case["tp"])
+    cp = case.get("cp", 1)
+    dp = world // (PP * case["tp"] * cp)
     config = {"train_batch_size": MICRO * case["gas"] * dp, "gradient_accumulation_steps": case["gas"],
               "gradient_clipping": CLIP, "optimizer": case["optimizer"],
               "zero_optimization": {"stage": case["zero"], "reduce_bucket_size": 3000,
@@ -79,6 +82,8 @@ def _run(case: dict) -> dict:
               "pipeline": {"stages": PP, "schedule": case["schedule"], "virtual_stages": case["v"]}}
     if case["tp"] > 1:
         config["tensor_parallel"] = {"size": case["tp"], "sequence_parallel": case["sp"]}
+    if cp > 1:
+        config["context_parallel"] = {"size": cp}
     model = tiny_gpt(n_layer=4, seq_len=SEQ)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = [engine.train_batch(iter(micro))
@@ -123,7 +128,10 @@ def _check(cases: dict, results: list[dict]) -> None:
             assert_close_lists(got["losses"], ref_losses, rtol=1e-5, what=f"{name} rank {rank} losses")
             assert_close_lists([got["eval"]], [ref_eval], rtol=1e-5, what=f"{name} rank {rank} eval loss")
             groups = set(got["groups"])
-            assert "pp" in groups and ("tp" in groups) == (case["tp"] > 1) and ("dp" in groups) == (got["dp"] > 1)
+            # gradients are reduced over the dp x cp ranks (the "dp" group the parameters see)
+            cp = case.get("cp", 1)
+            assert "pp" in groups and ("tp" in groups) == (case["tp"] > 1) and ("cp" in groups) == (cp > 1)
+            assert ("dp" in groups) == (got["dp"] * cp > 1), (name, groups)
             assert_state_close(got["state"], ref_state, what=f"{name} rank {rank}", adam=case["optimizer"] is ADAMW)
             if case["zero"] == 3:   # held between steps: ~1/dp of the stage's parameters (+ small persistent ones)
                 assert got["param_bytes"] < 0.6 * 4 * got["stage_numel"], (name, got["param_bytes"])

@@ -7,10 +7,17 @@
 - training 5 steps through `initialize` equals the single-process run (losses and parameters, rtol 1e-5): the
   Llama preset under causal ring attention at cp 2 (dp 1) with ignored labels spread unevenly over the ranks, the
   GPT under Ulysses at cp 2, and on 4 ranks cp 2 x dp 2 (ring; ring with ZeRO-3; Ulysses with ZeRO-1 and
-  accumulation) and Ulysses at cp 4;
+  accumulation), Ulysses at cp 4, and tp 2 (with sequence parallelism) x cp 2: ring on the Llama preset, Ulysses
+  with ZeRO-1 and accumulation on the GPT (vocabulary-parallel loss summed over the cp ranks), and a 2-stage
+  pipeline x cp 2 (ring, Llama, 2 micro-batches, clipped);
 - a checkpoint saved at cp 2 loads at cp 1 (dp 2) with the same parameters and optimizer state, and trains on as
   the reference does;
-- `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches.
+- `initialize(training_data=)` gives the cp ranks of one dp rank the same micro-batches, and the engine reports the
+  plain dp size, rank and group (as DeepSpeed does under sequence parallelism);
+- a Hugging Face Llama (transformers' own model, its attention replaced through its attention interface) trains 5
+  steps at cp 2 as the single-process model does (losses and parameters, rtol 1e-5), under ring attention and
+  Ulysses, with the recomputation policies (full, selective, every_n), labels given unshifted as transformers
+  takes them and some ignored.
 """
 
 from __future__ import annotations
@@ -162,31 +169,55 @@ TRAIN_CASES = {
     "llama_ring_cp2_dp2_zero3": (4, 2, "ring", LLAMA, SGD, 3, 1, 0.0),
     "gpt_ulysses_cp2_dp2_zero1": (4, 2, "ulysses", dict(positions="rotary"), ADAMW, 1, 2, 0.5),
     "llama_ulysses_cp4": (4, 4, "ulysses", LLAMA, SGD, 0, 1, 0.5),
+    "llama_ring_tp2_cp2_sp": (4, 2, "ring", LLAMA, SGD, 0, 1, 0.0),
+    "gpt_ulysses_tp2_cp2_sp": (4, 2, "ulysses", dict(n_kv_head=4), ADAMW, 1, 2, 0.5),
+    "llama_ring_pp2_cp2": (4, 2, "ring", LLAMA, SGD, 0, 2, 0.5),
 }
 
 
-def _config(cp: int, impl: str, optimizer: dict, stage: int, gas: int, clip: float = 0.5) -> dict:
+TENSOR_PARALLEL = {"llama_ring_tp2_cp2_sp": 2, "gpt_ulysses_tp2_cp2_sp": 2}
+"""Cases with tensor parallelism 2 + sequence parallelism (mesh tp x cp x dp, tp innermost)."""
+PIPELINE = {"llama_ring_pp2_cp2": 2}
+"""Cases with a 2-stage pipeline (mesh pp x cp; pp outermost)."""
+
+
+def _config(cp: int, impl: str, optimizer: dict, stage: int, gas: int, clip: float = 0.5, tp: int = 1,
+            pp: int = 1) -> dict:
     return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
             "optimizer": optimizer, "zero_optimization": {"stage": stage},
-            "context_parallel": {"size": cp, "impl": impl}}
+            "context_parallel": {"size": cp, "impl": impl},
+            "tensor_parallel": {"size": tp, "sequence_parallel": tp > 1}, "pipeline": {"stages": pp}}
 
 
 def _train(name: str, checkpoint_dir: str | None = None) -> None:
     import shardwise
     world, cp, impl, overrides, optimizer, stage, gas, clip = TRAIN_CASES[name]
+    tp, pp = TENSOR_PARALLEL.get(name, 1), PIPELINE.get(name, 1)
     rank = dist.get_rank()
     model = tiny_gpt(seq_len=SEQ, **overrides)
     reference = copy.deepcopy(model)
     engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config(cp, impl, optimizer, stage, gas, clip))
+                                      config=_config(cp, impl, optimizer, stage, gas, clip, tp, pp))
     batches = _global_batches()
-    losses = [engine.train_batch(iter(m)) for m in _micro(batches, dp=world // cp, dp_rank=rank // cp, gas=gas)]
-    state = engine.dp_runtime.gathered_state_dict(model, rank0_only=False) if stage == 3 else state_copy(model)
+    dp = world // (cp * tp * pp)
+    inner = world // pp                        # ranks per stage: pp is outermost, then dp, cp, tp
+    losses = [engine.train_batch(iter(m))
+              for m in _micro(batches, dp=dp, dp_rank=rank % inner // (cp * tp), gas=gas)]
+    if pp > 1:
+        mine = engine.pipeline.module_state_dict(engine.module)     # full-model names, this stage's layers
+        parts: list = [None] * world
+        dist.all_gather_object(parts, {k: v.detach().clone() for k, v in mine.items()})
+        state = {k: v for part in parts for k, v in part.items()}
+    elif tp > 1:
+        from shardwise.parallel.tensor_parallel import gather_full_state_dict
+        state = gather_full_state_dict(model, next(m.comm for m in model.modules() if hasattr(m, "comm")))
+    else:
+        state = engine.dp_runtime.gathered_state_dict(model, rank0_only=False) if stage == 3 else state_copy(model)
     reference_optimizer = _optimizer(optimizer, reference.parameters())
     # A loss is the mean over one micro-batch's valid tokens, averaged over micro-batches and dp ranks (DeepSpeed's
     # rule): the reference runs the dp ranks' micro-batches as accumulation steps.
     expected = reference_train(reference, reference_optimizer,
-                               _micro(batches, dp=1, dp_rank=0, gas=gas * (world // cp)),
+                               _micro(batches, dp=1, dp_rank=0, gas=gas * dp),
                                loss_fn=lambda m, mb: m(*mb), clip=clip or None)
     assert_close_lists(losses, expected, what=f"{name} losses")
     assert_state_close(state, state_copy(reference), what=f"{name} parameters", adam=optimizer is ADAMW)
@@ -236,6 +267,55 @@ def _check_loader(cp: int) -> None:
     dist.all_gather(seen, ids)
     for other in range(world):
         assert torch.equal(seen[other], ids) == (other // cp == rank // cp), (rank, other)
+    # The engine reports plain dp, as DeepSpeed does under sequence_parallel_size; dp x cp stays the parameters'.
+    dp = world // cp
+    assert (engine.dp_world_size, engine.dp_size, engine.dp_rank) == (dp, dp, rank // cp)
+    assert engine.get_data_parallel_rank() == rank // cp
+    assert engine.train_batch_size() == engine.train_micro_batch_size_per_gpu() * \
+        engine.gradient_accumulation_steps() * engine.dp_world_size
+    if dp > 1:
+        assert dist.get_process_group_ranks(engine.data_parallel_group) == [rank % cp + cp * d for d in range(dp)]
+    engine.close()
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                         attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return AutoModelForCausalLM.from_config(config)
+
+
+HF_CASES = {
+    # name: (impl, activation_checkpointing, optimizer, clip)
+    "hf_llama_ring_selective": ("ring", {"policy": "selective"}, SGD, 0.0),
+    "hf_llama_ulysses_full": ("ulysses", {"policy": "full"}, ADAMW, 0.5),
+    "hf_llama_ring_every_n": ("ring", {"policy": "every_n", "every": 2}, ADAMW, 0.5),
+}
+
+
+def _train_hf(name: str) -> None:
+    """A Hugging Face Llama at cp 2 (dp 1) against itself on one process: labels unshifted (transformers shifts),
+    some ignored, more of them late in the sequence."""
+    import shardwise
+    impl, policy, optimizer, clip = HF_CASES[name]
+    model = _hf_llama()
+    reference = copy.deepcopy(model)
+    config = {**_config(2, impl, optimizer, 0, 1, clip), "activation_checkpointing": policy}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    batches = []
+    for i, ids in enumerate(token_batches(STEPS, GLOBAL_BATCH, SEQ, seed=5, vocab=256)):
+        labels = ids.clone()
+        labels[:, SEQ - 2 - i % 3:] = -100
+        labels[1, 3] = -100
+        batches.append([(ids, labels)])
+    losses = [engine.train_batch(iter(m)) for m in batches]
+    expected = reference_train(reference, _optimizer(optimizer, reference.parameters()), batches,
+                               loss_fn=lambda m, mb: m(mb[0], labels=mb[1]).loss, clip=clip or None)
+    assert_close_lists(losses, expected, what=f"{name} losses")
+    assert_state_close(state_copy(model), state_copy(reference), what=f"{name} parameters",
+                       adam=optimizer is ADAMW)
     engine.close()
 
 
@@ -248,12 +328,14 @@ def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
     _train("llama_ring_cp2", checkpoint_dir)
     _train("gpt_ulysses_cp2")
     _check_loader(2)
+    for name in HF_CASES:
+        _train_hf(name)
 
 
 def _at_four() -> None:
     _check_attention(4)
     for name in ("llama_ring_cp2_dp2", "llama_ring_cp2_dp2_zero3", "gpt_ulysses_cp2_dp2_zero1",
-                 "llama_ulysses_cp4"):
+                 "llama_ulysses_cp4", "llama_ring_tp2_cp2_sp", "gpt_ulysses_tp2_cp2_sp", "llama_ring_pp2_cp2"):
         _train(name)
     _check_loader(2)
 

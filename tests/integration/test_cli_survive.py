@@ -1,4 +1,5 @@
-"""Runs of `shardwise train` that survive: resumed at every layout bitwise equal to the uninterrupted run, a
+"""Runs of `shardwise train` that survive: resumed at every layout bitwise equal to the uninterrupted run (context
+parallelism among them), a checkpoint resumed at another context-parallel size, a
 rank killed and the ranks restarted, SIGTERM and SIGINT stopping the ranks with a checkpoint, and failures
 inside the ranks reported in one line (user errors, exit 2) or a few (a killed rank).
 
@@ -33,6 +34,7 @@ LAYOUTS = {          # 2 ranks each: name -> (config block, steps, step of the c
     "zero3": ({"zero_optimization": {"stage": 3}}, 4, 2),
     "tp": ({"tensor_parallel": {"size": 2}}, 4, 2),
     "pp": ({"pipeline": {"stages": 2, "schedule": "1f1b"}}, 4, 2),
+    "cp": ({"context_parallel": {"size": 2}}, 4, 2),       # dp 1: every rank reads the same windows, half of each
 }
 SEQ_LEN = 32
 
@@ -80,6 +82,14 @@ def _matrix(root: str, corpus: str) -> dict:
         train(_worker_args(resumed, Path(corpus), block, steps, save_every=2))
         if dist.get_rank() == 0:
             out[name] = (read_metrics(full / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl"))
+    # Another cp size: TP 2's checkpoint of step 2 (cp 1, dp 1) resumed at cp 2 (dp 1: the same windows).
+    at_cp2 = Path(root) / "tp-resumed-at-cp2"
+    if dist.get_rank() == 0:
+        _interrupted_copy(Path(root) / "tp-full", at_cp2, LAYOUTS["tp"][2])
+    dist.barrier()
+    train(_worker_args(at_cp2, Path(corpus), LAYOUTS["cp"][0], LAYOUTS["tp"][1], save_every=2))
+    if dist.get_rank() == 0:
+        out["tp-resumed-at-cp2"] = read_metrics(at_cp2 / "metrics.jsonl")
     # Extended and re-laid-out: 4 steps at dp 2 with a 2-step warm-up, then resumed to 8 steps with an 8-step
     # warm-up at TP 2 x ZeRO-1 (dp 1: twice the accumulation keeps the global batch of 8 sequences).
     extended = Path(root) / "extended"
@@ -120,6 +130,16 @@ def test_resume_continues_bitwise_at_every_layout(matrix: tuple[Path, dict], lay
     assert resumed[:half] == full[:half]
     _same_steps(resumed[half:], full[half:])
     assert resumed[-1]["elapsed_s"] > resumed[half - 1]["elapsed_s"]    # the clock continues
+
+
+def test_a_run_resumes_at_another_context_parallel_size(matrix: tuple[Path, dict]) -> None:
+    """cp changes nothing saved: TP 2's checkpoint resumed at cp 2 trains on as TP 2 did (fp32: the same
+    arithmetic in another order, so within fp32 rounding, not bitwise)."""
+    full, resumed = matrix[1]["tp"][0], matrix[1]["tp-resumed-at-cp2"]
+    half = LAYOUTS["tp"][2]
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]
+    for x, y in zip(resumed[half:], full[half:]):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["lr"] == y["lr"], (x, y)
 
 
 def test_an_extended_run_resumes_at_another_layout_on_the_new_schedule(matrix: tuple[Path, dict]) -> None:

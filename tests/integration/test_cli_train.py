@@ -147,7 +147,9 @@ _OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3}}
     ("trace_without_pipeline", "--pipeline-trace needs a pipeline"),
     ("negative_restarts", "--max-restarts -1: must be 0 or more"),
     ("restarts_on_two_nodes", "--max-restarts 1 with --nnodes 2"),
-    ("context_parallel", "context_parallel.size = 2: shardwise train does not run context parallelism yet"),
+    ("context_parallel_seq_len", "seq_len 30 does not cut into 2 * context_parallel.size = 4 chunks"),
+    ("context_parallel_flags", "seq_len 30 does not cut into 2 * context_parallel.size = 4 chunks"),
+    ("context_parallel_flag", "--context-parallel 0: must be at least 1"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
                                           expected: str) -> None:
@@ -170,8 +172,11 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
         "trace_without_pipeline": ["--pipeline-trace"],
         "negative_restarts": ["--max-restarts", "-1"],
         "restarts_on_two_nodes": ["--nnodes", "2", "--master-addr", "127.0.0.1", "--max-restarts", "1"],
-        "context_parallel": [_config(tmp_path, "cp", {"train_micro_batch_size_per_gpu": 4, "optimizer": _OPTIMIZER,
-                                                      "context_parallel": {"size": 2}})],
+        "context_parallel_seq_len": [_config(tmp_path, "cp", {"train_micro_batch_size_per_gpu": 4,
+                                                              "optimizer": _OPTIMIZER, "context_parallel": {"size": 2}}),
+                                     "--seq-len", "30"],
+        "context_parallel_flags": ["--context-parallel", "2", "--cp-impl", "ring", "--seq-len", "30"],
+        "context_parallel_flag": ["--context-parallel", "0"],
     }[case]
     code = main(["train", "--nproc", "2", "--steps", "5", "--out", str(out), *argv])
     captured = capsys.readouterr()

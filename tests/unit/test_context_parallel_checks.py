@@ -74,6 +74,13 @@ def test_a_model_that_cannot_split_is_one_line(model: dict, section: ContextPara
     assert "\n" not in str(err.value)
 
 
+def test_ulysses_spreads_the_heads_of_one_tensor_parallel_rank() -> None:
+    check_model_for_context_parallel(tiny_gpt(seq_len=16, n_head=8, n_kv_head=4),
+                                     ContextParallelConfig(size=2, impl=ULYSSES), tp=2)
+    with pytest.raises(SequenceSplitError, match="attention heads 2 are not divisible by context_parallel.size = 4"):
+        check_model_for_context_parallel(tiny_gpt(seq_len=16), ContextParallelConfig(size=4, impl=ULYSSES), tp=2)
+
+
 def test_accepted_models_and_a_model_without_a_hook() -> None:
     check_model_for_context_parallel(tiny_gpt(seq_len=16, n_kv_head=2), ContextParallelConfig(size=4, impl=ULYSSES))
     check_model_for_context_parallel(tiny_gpt(seq_len=16), ContextParallelConfig(size=4))
@@ -119,3 +126,52 @@ def test_deepspeed_distributed_attention_is_importable_by_its_path_and_refuses_o
     with pytest.raises(UserError, match=r"scatter_idx=1, gather_idx=0.*use scatter_idx=2, gather_idx=0") as err:
         DistributedAttention(nn.Identity(), None, scatter_idx=1)
     assert "\n" not in str(err.value)
+
+
+def _hf_llama(**overrides) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    keys = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, attention_dropout=0.0)
+    config = transformers.LlamaConfig(**{**keys, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("overrides, section, match", [
+    ({"attention_dropout": 0.1}, ContextParallelConfig(size=2), "attention_dropout = 0.1"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 48},
+     ContextParallelConfig(size=4, impl=ULYSSES), "attention heads 6 are not divisible by context_parallel.size = 4"),
+])
+def test_a_hugging_face_model_that_cannot_split_is_one_line(overrides: dict, section: ContextParallelConfig,
+                                                            match: str) -> None:
+    with pytest.raises(UserError, match=match) as err:
+        check_model_for_context_parallel(_hf_llama(**overrides), section)
+    assert "\n" not in str(err.value)
+
+
+def test_a_hugging_face_decoder_is_accepted_and_one_whose_attention_is_its_own_is_refused() -> None:
+    model = _hf_llama()
+    check_model_for_context_parallel(model, ContextParallelConfig(size=2))
+    check_model_for_context_parallel(model, ContextParallelConfig(size=2, impl=ULYSSES))
+    type(model)._supports_attention_backend = False     # as transformers marks a model with attention of its own
+    try:
+        with pytest.raises(UserError, match="does not call its attention through transformers' AttentionInterface"):
+            check_model_for_context_parallel(model, ContextParallelConfig(size=2))
+    finally:
+        del type(model)._supports_attention_backend
+
+
+def test_hugging_face_labels_are_shifted_before_the_split_and_positions_passed() -> None:
+    from shardwise.models.hf_context_parallel import HuggingFaceBatchPart, shift_labels
+    labels = torch.arange(8).view(1, 8)
+    assert shift_labels(labels).tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
+    cp = ContextParallel(ContextParallelConfig(size=2), Comm(None, CommLedger(), name="cp"))   # rank 0 of 2
+    ids = torch.arange(8).view(1, 8) + 10
+    inputs, kwargs = HuggingFaceBatchPart(cp).local_batch((ids,), {"labels": labels})
+    assert inputs[0].tolist() == [[10, 11, 16, 17]]
+    assert kwargs["labels"].tolist() == [[1, 2, 7, -100]]           # token 1's label (2) crossed no boundary
+    assert kwargs["position_ids"].tolist() == [[0, 1, 6, 7]]
+    given = shift_labels(labels)                                     # shift_labels= come shifted: kept
+    _, kwargs = HuggingFaceBatchPart(cp).local_batch((ids,), {"labels": labels, "shift_labels": given})
+    assert kwargs["shift_labels"].tolist() == [[1, 2, 7, -100]] and kwargs["labels"].tolist() == [[0, 1, 6, 7]]
+    with pytest.raises(UserError, match="drop the mask and mark padding with labels -100"):
+        HuggingFaceBatchPart(cp).local_batch((ids,), {"labels": labels, "attention_mask": torch.ones_like(ids)})

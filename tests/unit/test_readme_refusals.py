@@ -38,7 +38,6 @@ REFUSED: dict[str, dict] = {
     "communication.all_reduce": {"zero_optimization": {"stage": 1}, "communication": {"all_reduce": "ring"}},
     "data_types.grad_accum_dtype": {"data_types": {"grad_accum_dtype": "fp32"}},
     "gradient_allreduce_op": {"gradient_allreduce_op": "sum"},
-    "context_parallel.size": {"context_parallel": {"size": 2}, "tensor_parallel": {"size": 2}},
     "pipeline.activation_checkpoint_interval": {"pipeline": {"activation_checkpoint_interval": 1}},
     **{name: {name: {"enabled": True}} for name in FEATURE_NAMES
        if name not in ("compile", "datastates_ckpt", "weight_quantization")},

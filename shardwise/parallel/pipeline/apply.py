@@ -98,6 +98,8 @@ class PipelineRunner:
         step's loss (mean over micro-batches) is broadcast from the last stage and averaged over the dp replicas."""
         num_micro = self.runtime.num_microbatches
         micro = self._read(data_iter, num_micro, "engine.train_batch")
+        if micro is not None:          # with context parallelism: this rank's tokens of each sequence
+            micro = [driver.local_micro_batch(mb) for mb in micro]
         driver.open_step()
         self.stage.train()
         with driver.stage_forwards() as around_forward:
@@ -113,6 +115,8 @@ class PipelineRunner:
         eval mode; any count, any shapes), with no gradient, no synchronisation and no step; the mean loss on
         every rank, agreed like `train_batch`'s."""
         micro = self._read(data_iter, count, "engine.eval_batch")
+        if micro is not None:
+            micro = [driver.local_micro_batch(mb) for mb in micro]
         return self._agreed_mean(self.runtime.evaluate(micro, num_microbatches=count))
 
     def _agreed_mean(self, losses: list[float]) -> float:

@@ -29,7 +29,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, comm: Comm, ignore_index: int) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, comm: Comm, ignore_index: int, mean: bool = True) -> Tensor:
         # logits [N, V/t] fp32, labels [N] int64
         v_local = logits.shape[-1]
         start = comm.rank * v_local
@@ -46,19 +46,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         comm.all_reduce(sums)
         sum_exp, target = sums[0], sums[1]
         per_token = (sum_exp.log() - target).masked_fill(~valid, 0.0)       # [N]
-        count = valid.sum().to(logits.dtype)                                # 0 -> nan, as torch's mean
+        # 0 -> nan, as torch's mean; the sum (context parallelism divides by every cp rank's count) divides by 1
+        count = valid.sum().to(logits.dtype) if mean else torch.ones((), dtype=logits.dtype, device=logits.device)
         softmax = exp.div_(sum_exp.unsqueeze(-1))                           # [N, V/t]
         ctx.save_for_backward(softmax, index, mine, valid, count)
         return per_token.sum() / count
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None, None, None]:
         softmax, index, mine, valid, count = ctx.saved_tensors
         scale = grad_loss / count
         grad = softmax * (valid.to(softmax.dtype) * scale).unsqueeze(-1)    # [N, V/t]; 0 on ignored rows
         # subtract the one-hot of the target, on the rank holding it
         grad.scatter_add_(-1, index.unsqueeze(-1), -(mine.to(softmax.dtype) * scale).unsqueeze(-1))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: Tensor, labels: Tensor, comm: Comm,
@@ -84,6 +85,15 @@ class VocabParallelLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.comm, self.ignore_index)
+
+    def token_loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """The sum (not the mean) of the valid tokens' losses: what context parallelism adds up over its ranks."""
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(f"token_loss_sum: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must "
+                             f"agree on every dimension but the last (vocabulary)")
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        out: Tensor = _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), self.comm, self.ignore_index, False)
+        return out
 
     def __repr__(self) -> str:
         return f"VocabParallelLoss(tp={self.comm.size}, ignore_index={self.ignore_index})"
