@@ -311,8 +311,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     lines.append("'/ ours': against ring or Ulysses at the same cp (cp1: itself). " + result["torch_context_parallel"])
     if "longest" in result:
         lg = result["longest"]
-        lines.append(f"Longest trainable sequence of llama-small ({layers}6 heads / 2 kv heads, ring), budget {lg['budget_bytes'] / 2**20:.0f} MiB "
-                     f"per rank of model states + stored activations, steps of {lg['quantum']} tokens:")
+        lines.append(f"Longest trainable sequence of llama-small ({layers}6 heads / 2 kv heads, ring), budget "
+                     f"{lg['budget_bytes'] / 2**20:.0f} MiB per rank of model states + stored activations, steps of "
+                     f"{lg['quantum']} tokens:")
         for cp, s in lg["sizes"].items():
             lines.append(f"  cp {cp}: {s['longest']} tokens (planner {s['planner']}; model states "
                          f"{s['model_states'] / 2**20:.1f} MiB; {len(s['probes'])} measured steps)")

@@ -201,7 +201,8 @@ def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     interleaved = PipelineSchedule.INTERLEAVED_1F1B
     schedule = (PipelineSchedule(args.schedule) if args.schedule
                 else interleaved if (args.virtual_stages or 1) > 1 else PipelineSchedule.ONE_F_ONE_B)
-    return Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=ContextParallelImpl(args.cp_impl or "ring"), zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
+    return Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=ContextParallelImpl(args.cp_impl or "ring"),
+                zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
                 micro_batch=args.micro_batch or 1, recompute=Recompute(args.recompute or "none"), schedule=schedule,
                 virtual_stages=args.virtual_stages or (2 if schedule is interleaved else 1),
                 sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)

@@ -40,7 +40,8 @@ class Link(str, enum.Enum):
 def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
     """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks: all-reduce
     2 (p - 1) / p * payload; reduce-scatter, all-gather and all-to-all (p - 1) / p * payload each; a
-    point-to-point send the payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in elements for large p.
+    point-to-point send the payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in
+    elements for large p.
     The payload is the full tensor of one collective, what `CommLedger` records (an all-reduce's tensor, a
     reduce-scatter's input, an all-gather's output): data parallelism all-reduces psi * bytes per gradient."""
     p = group_size

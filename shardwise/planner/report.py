@@ -19,8 +19,8 @@ TOP_PLANS = 10
 _SHORT = {Strategy.DP: "DP", Strategy.ZERO: "ZeRO", Strategy.ZERO_OFFLOAD: "ZeRO+offload",
           Strategy.MODEL_PARALLEL: "TP/PP/CP", Strategy.THREE_D: "3D"}
 _PARTS = ("weights", "grads", "optimizer", "activations", "buffers", "reserved")
-_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s",
-               "offload_s")
+_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
+               "optimizer_s", "offload_s")
 
 
 def flops_convention(a: Analysis) -> str:
@@ -146,7 +146,8 @@ def render(a: Analysis, console: Any) -> None:
     console.print(t)
     ref = a.chosen.plan if a.chosen is not None else a.strategies[0].plan
     console.print(f"Activations of one layer, micro-batch {ref.micro_batch}, tp {ref.tp}"
-                  f"{' with sequence parallelism' if ref.sequence_parallel else ''} (GB), by recomputation: "
+                  f"{' with sequence parallelism' if ref.sequence_parallel else ''}"
+                  f"{f', cp {ref.cp} ({ref.cp_impl.value})' if ref.cp > 1 else ''} (GB), by recomputation: "
                   + ", ".join(f"{k} {_gb(v)}" for k, v in a.activations_per_layer.items()))
 
     if a.chosen is not None:
