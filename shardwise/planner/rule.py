@@ -87,7 +87,7 @@ class RuleVerdict:
             out.append(f"{s.strategy.value}: {s.gpu_bytes / GB:.1f} GB per GPU ({s.plan.label()}) {verb} in "
                        f"{s.capacity / GB:.1f} GB")
         if self.strategy is Strategy.THREE_D:
-            out.append("nothing else fits: model parallelism (TP/PP; 3D with DP as well)")
+            out.append("nothing else fits: model parallelism (TP/PP, CP for long sequences; 3D with DP as well)")
         return out
 
 
