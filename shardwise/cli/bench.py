@@ -1,4 +1,4 @@
-"""`shardwise bench {dp,allreduce,fsdp,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
+"""`shardwise bench {cp,dp,allreduce,fsdp,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
 side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
@@ -19,6 +19,8 @@ import shardwise
 from shardwise.errors import UserError
 
 BENCHMARKS = {
+    "cp": "context parallelism (ring, Ulysses) vs cp 1, all-gathered keys/values and DeepSpeed's Ulysses: step time, "
+          "stored activations, longest sequence in a memory budget",
     "dp": "shardwise vs torch DDP (stage 0), DeepSpeed (stages 0-3, --offload) and FSDP2 (stage 3): step time, ratios, memory",
     "allreduce": "shardwise ring all-reduce vs the backend's all_reduce: bus bandwidth for 1-256 MB",
     "pipeline": "shardwise PipelineRuntime vs torch.distributed.pipelining: step time per schedule, bubble",

@@ -5,6 +5,7 @@
     shardwise plan --model tiny --calibrate cluster.json --gpus 2 --global-batch 8    # measure this machine
     shardwise plan --model gpt2-124m --cluster cluster.json --dp 2 --zero 0            # evaluate one plan
     shardwise plan --model 1.3b --gpus 8 --write-config ds_config.json                 # the winner, for train
+    shardwise plan --model llama-7b --seq 131072 --gpus 8 --global-batch 8           # long context: cp
 
 Nothing here imports torch (the planner is pure arithmetic), so it answers in well under a second.
 """
@@ -12,6 +13,7 @@ Nothing here imports torch (the planner is pure arithmetic), so it answers in we
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -20,8 +22,8 @@ from typing import Any
 
 from shardwise.errors import UserError
 
-_PLAN_FLAGS = ("dp", "tp", "pp", "zero", "offload", "micro_batch", "recompute", "schedule", "virtual_stages",
-               "sequence_parallel")
+_PLAN_FLAGS = ("dp", "tp", "pp", "cp", "cp_impl", "zero", "offload", "micro_batch", "recompute", "schedule",
+               "virtual_stages", "sequence_parallel")
 
 
 def _positive(kind: type) -> Any:
@@ -39,6 +41,7 @@ def _positive(kind: type) -> Any:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from shardwise.planner.presets import CLUSTER_PRESETS, MODEL_PRESETS
     from shardwise.config import PipelineSchedule
+    from shardwise.config.schema import ContextParallelImpl
     from shardwise.planner.specs import Offload, Optimizer, Precision, Recompute, Zero3Gather
 
     p = subparsers.add_parser("plan", help="estimate FLOPs, memory, communication and the best parallel plan",
@@ -49,7 +52,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for flag, what in (("--layers", "transformer blocks"), ("--hidden", "d_model"), ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
                        ("--ffn", "MLP width d_ff (default 4 x hidden, or Llama's 8/3 rule for swiglu)"),
-                       ("--vocab", "vocabulary size"), ("--seq", "context length")):
+                       ("--vocab", "vocabulary size"),
+                       ("--seq", "context length (with --model or --hf-config: that model at this context)")):
         g.add_argument(flag, type=_positive(int), metavar="N", help=what)
     g.add_argument("--ffn-kind", choices=["gelu", "swiglu"], default="gelu",
                    help="gelu: GPT MLP with biases, LayerNorm, learned positions; swiglu: Llama (RMSNorm, "
@@ -97,10 +101,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="ZeRO-3 parameters gathered ahead of the compute (stage3_prefetch_bucket_size; "
                         "default %(default)s, 0: none)")
 
-    g = p.add_argument_group("evaluate one plan instead of searching (unset sizes: dp = GPUs / (tp * pp))")
+    g = p.add_argument_group("evaluate one plan instead of searching (unset sizes: dp = GPUs / (tp * pp * cp))")
     g.add_argument("--dp", type=_positive(int))
     g.add_argument("--tp", type=_positive(int))
     g.add_argument("--pp", type=_positive(int))
+    g.add_argument("--cp", type=_positive(int), help="context-parallel ranks sharing each sequence")
+    g.add_argument("--cp-impl", choices=[x.value for x in ContextParallelImpl],
+                   help="context-parallel attention (default ring)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--offload", choices=[x.value for x in Offload])
     g.add_argument("--micro-batch", type=_positive(int))
@@ -125,16 +132,17 @@ def _model(args: argparse.Namespace) -> Any:
     from shardwise.planner.specs import PlannerError
 
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")}
+    named = bool(args.model or args.hf_config)     # --seq alone then sets the named model's context length
     given = [name for name, on in (("--model", args.model), ("--hf-config", args.hf_config),
-                                   ("the shape (--layers ...)", any(v is not None for v in shape.values()))) if on]
+                                   ("the shape (--layers ...)", any(v is not None for k, v in shape.items()
+                                                                    if not (named and k == "seq")))) if on]
     if len(given) != 1:
         raise UserError(f"give exactly one model: --model NAME ({', '.join(MODEL_PRESETS)}), --hf-config "
                         f"CONFIG.json, or --layers/--hidden/--heads/--vocab/--seq; got "
                         f"{' and '.join(given) if given else 'none'}")
-    if args.model:
-        return model_preset(args.model)
-    if args.hf_config:
-        return model_from_hf_config(args.hf_config)
+    if named:
+        model = model_preset(args.model) if args.model else model_from_hf_config(args.hf_config)
+        return model if args.seq is None else dataclasses.replace(model, seq_len=args.seq)
     missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab", "seq") if shape[k] is None]
     if missing:
         raise UserError(f"a model given as numbers needs {', '.join(missing)} as well")
@@ -181,18 +189,20 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
     from shardwise.config import PipelineSchedule
+    from shardwise.config.schema import ContextParallelImpl
     from shardwise.planner.specs import Offload, PlannerError, Plan, Recompute
 
     if all(getattr(args, k) is None for k in _PLAN_FLAGS):
         return None
-    tp, pp = args.tp or 1, args.pp or 1
-    dp = args.dp or num_gpus // (tp * pp)
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    dp = args.dp or num_gpus // (tp * pp * cp)
     if dp < 1:
-        raise PlannerError(f"--tp {tp} x --pp {pp} = {tp * pp} is more than the {num_gpus} GPUs")
+        raise PlannerError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} is more than the {num_gpus} GPUs")
     interleaved = PipelineSchedule.INTERLEAVED_1F1B
     schedule = (PipelineSchedule(args.schedule) if args.schedule
                 else interleaved if (args.virtual_stages or 1) > 1 else PipelineSchedule.ONE_F_ONE_B)
-    return Plan(dp=dp, tp=tp, pp=pp, zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
+    return Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=ContextParallelImpl(args.cp_impl or "ring"),
+                zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
                 micro_batch=args.micro_batch or 1, recompute=Recompute(args.recompute or "none"), schedule=schedule,
                 virtual_stages=args.virtual_stages or (2 if schedule is interleaved else 1),
                 sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
@@ -247,8 +257,9 @@ def train_command(args: argparse.Namespace, config_path: str, world_size: int, g
     else:      # a shape given as numbers has no name `train` knows: the closest a user can run is an HF config
         model = "hf:CONFIG.json"
     parts = ["shardwise", "train", config_path, "--model", model]
-    if args.seq_len is not None:
-        parts += ["--seq-len", str(args.seq_len)]
+    seq = args.seq_len if args.seq_len is not None else args.seq if args.model or args.hf_config else None
+    if seq is not None:
+        parts += ["--seq-len", str(seq)]
     per_node = max(1, min(world_size, gpus_per_node))
     nodes = math.ceil(world_size / per_node)
     if nodes * per_node != world_size:          # torchrun needs equal nodes: the largest divisor that fits a node

@@ -22,8 +22,8 @@ from shardwise.config import PipelineSchedule
 from shardwise.parallel.pipeline.schedules import bubble_fraction, bubble_ratio
 from shardwise.planner.analysis import Analysis, analyze
 from shardwise.planner.comm import (
-    Axis, Collective, Link, Op, dp_collectives, pp_collectives, ring_seconds, ring_send_bytes, step_collectives,
-    tp_collectives, zero_paper_volume,
+    Axis, Collective, Link, Op, cp_collectives, dp_collectives, pp_collectives, ring_seconds, ring_send_bytes,
+    step_collectives, tp_collectives, zero_paper_volume,
 )
 from shardwise.planner.export import deepspeed_config, write_config
 from shardwise.planner.flops import (
@@ -51,9 +51,9 @@ __all__ = [
     "Link", "MODEL_PRESETS", "MemoryBreakdown", "ModelStates", "Offload", "Op", "Optimizer", "ParamCount",
     "PipelineSchedule", "Plan", "PlannerError", "Precision", "Reason", "Recompute", "SearchResult", "StepTime",
     "Strategy", "TrainingCost", "Zero3Gather", "activation_bytes", "analyze", "bubble_fraction", "bubble_ratio",
-    "calibrate", "cluster_preset", "deepspeed_config", "describe", "dp_collectives", "evaluate", "flops_per_token",
-    "forward_flops", "hfu", "iteration_flops", "layer_activation_bytes", "load_cluster", "max_trainable_params",
-    "memory_per_rank", "mfu", "model_from_hf_config", "model_name", "model_preset", "model_state_bytes",
+    "calibrate", "cluster_preset", "cp_collectives", "deepspeed_config", "describe", "dp_collectives", "evaluate",
+    "flops_per_token", "forward_flops", "hfu", "iteration_flops", "layer_activation_bytes", "load_cluster",
+    "max_trainable_params", "memory_per_rank", "mfu", "model_from_hf_config", "model_name", "model_preset", "model_state_bytes",
     "narayanan_params", "narayanan_train_seconds", "param_count", "params_per_rank", "peak_in_flight",
     "pipeline_seconds", "pp_collectives", "recommend", "ring_seconds", "ring_send_bytes", "rule_of_thumb",
     "save_cluster", "search", "six_nd", "step_collectives", "step_time", "strategy_of", "tp_collectives",

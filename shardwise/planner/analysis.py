@@ -50,7 +50,7 @@ class Analysis:
     params: ParamCount
     cost: TrainingCost
     strategies: tuple[StrategyMemory, ...]
-    activations_per_layer: dict[str, float]   # recompute policy -> bytes, for the chosen micro-batch and tp
+    activations_per_layer: dict[str, float]   # recompute policy -> bytes, for the chosen micro-batch, tp and cp
     result: SearchResult | None                # None when one plan was given
     chosen: Evaluation | None                  # the recommended (or given) plan
     collectives: tuple[Collective, ...]
@@ -95,7 +95,8 @@ def analyze(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan | N
     per_layer = {r.value: layer_activation_bytes(model, micro_batch=ref.micro_batch, seq_len=seq, tp=ref.tp,
                                                  sequence_parallel=ref.sequence_parallel, recompute=r,
                                                  act_bytes=job.precision.nbytes,
-                                                 flash_attention=job.flash_attention) for r in Recompute}
+                                                 flash_attention=job.flash_attention, cp=ref.cp,
+                                                 cp_impl=ref.cp_impl) for r in Recompute}
     feasible = chosen is not None and chosen.feasible
     collectives: tuple[Collective, ...] = ()
     bubble = None

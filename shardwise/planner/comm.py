@@ -9,9 +9,10 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
-from shardwise.planner.memory import gradient_buckets
+from shardwise.planner.memory import FP32_BYTES, gradient_buckets, ulysses_kv_width
 from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 from shardwise.planner.zero3 import units_per_block
 
@@ -20,6 +21,7 @@ class Op(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
     SEND = "send"
 
 
@@ -27,6 +29,7 @@ class Axis(str, enum.Enum):
     DP = "dp"
     TP = "tp"
     PP = "pp"
+    CP = "cp"
 
 
 class Link(str, enum.Enum):
@@ -36,8 +39,9 @@ class Link(str, enum.Enum):
 
 def ring_send_bytes(op: Op, payload_bytes: float, group_size: int) -> float:
     """Bytes one rank sends in a ring implementation of `op` over `group_size` ranks: all-reduce
-    2 (p - 1) / p * payload; reduce-scatter and all-gather (p - 1) / p * payload each; a point-to-point send the
-    payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in elements for large p.
+    2 (p - 1) / p * payload; reduce-scatter, all-gather and all-to-all (p - 1) / p * payload each; a
+    point-to-point send the payload itself. The ZeRO paper's "2 psi" for DP (3 psi for ZeRO-3) is this volume in
+    elements for large p.
     The payload is the full tensor of one collective, what `CommLedger` records (an all-reduce's tensor, a
     reduce-scatter's input, an all-gather's output): data parallelism all-reduces psi * bytes per gradient."""
     p = group_size
@@ -104,10 +108,12 @@ def _aligned_within_node(block: int, cluster: ClusterSpec) -> bool:
 
 
 def link_of(axis: Axis, cluster: ClusterSpec, plan: Plan) -> Link:
-    """Whether every group of `axis` stays inside one node. Ranks are laid out (pp, dp, tp) with tp
-    innermost, so a TP group spans tp ranks, a DP group dp * tp, a pipeline pp * dp * tp."""
-    size = {Axis.TP: plan.tp, Axis.DP: plan.dp, Axis.PP: plan.pp}[axis]
-    block = {Axis.TP: plan.tp, Axis.DP: plan.dp * plan.tp, Axis.PP: plan.world_size}[axis]
+    """Whether every group of `axis` stays inside one node. Ranks are laid out (pp, dp, cp, tp) with tp
+    innermost, so a TP group spans tp ranks, a CP group cp * tp, the gradient group (dp x cp, the parameters'
+    replicas) dp * cp * tp, a pipeline pp * dp * cp * tp."""
+    size = {Axis.TP: plan.tp, Axis.CP: plan.cp, Axis.DP: plan.replicas, Axis.PP: plan.pp}[axis]
+    block = {Axis.TP: plan.tp, Axis.CP: plan.cp * plan.tp, Axis.DP: plan.replicas * plan.tp,
+             Axis.PP: plan.world_size}[axis]
     return Link.INTRA_NODE if size == 1 or _aligned_within_node(block, cluster) else Link.INTER_NODE
 
 
@@ -119,7 +125,7 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
                  else (cluster.inter_node_bw, cluster.inter_node_latency_s))
     if link is Link.INTER_NODE and size > 1:
         # a ring through k nodes crosses the network k - 1 times a round, NVLink for the other hops
-        stride = {Axis.TP: 1, Axis.DP: plan.tp, Axis.PP: plan.tp * plan.dp}[axis]
+        stride = {Axis.TP: 1, Axis.CP: plan.tp, Axis.DP: plan.tp, Axis.PP: plan.tp * plan.replicas}[axis]
         nodes = min(size, math.ceil(size / max(1, cluster.gpus_per_node // stride)))
         alpha = ((nodes - 1) * alpha + (size - nodes) * cluster.intra_node_latency_s) / (size - 1)
     measured = {Op.REDUCE_SCATTER: (cluster.reduce_scatter_bw, cluster.reduce_scatter_latency_s),
@@ -132,21 +138,23 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
 
 
 def dp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
-    """Gradient and parameter traffic over the data-parallel group, per step. Stage 0: one all-reduce of
+    """Gradient and parameter traffic over the data-parallel group (dp x cp: context-parallel ranks hold the same
+    parameters, so their gradients are reduced and ZeRO shards over them too), per step. Stage 0: one all-reduce of
     the gradients (in buckets). ZeRO-1: reduce-scatter at the step + all-gather of the updated params.
     ZeRO-2: the gradient shards are reduce-scattered on every micro-batch's backward (partitioned
     gradients cannot accumulate unreduced). ZeRO-3: parameters are gathered for every forward and every
     backward of every micro-batch, gradients reduce-scattered each backward."""
-    if plan.dp == 1:
+    replicas = plan.replicas
+    if replicas == 1:
         return []
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     if plan.zero_stage >= 1:   # ZeRO pads the flat buffer to whole shards: dp * ceil(psi / dp) elements
-        psi = plan.dp * math.ceil(psi / plan.dp)
+        psi = replicas * math.ceil(psi / replicas)
     n = psi * job.precision.nbytes
     m = plan.grad_accum(job)
     buckets = gradient_buckets(psi, job, plan)
     layers = stage_layers(model.n_layer, plan.pp)[0]
-    args = (plan.dp, n)
+    args = (replicas, n)
     if plan.zero_stage == 0:
         return [_timed(Axis.DP, Op.ALL_REDUCE, "gradients", *args, 1, cluster, plan, buckets)]
     if plan.zero_stage in (1, 2):
@@ -167,7 +175,7 @@ def tp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
     reduce-scatter + an all-gather of the same volume."""
     if plan.tp == 1:
         return []
-    payload = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes
+    payload = plan.micro_batch * job.sequence_length(model) / plan.cp * model.d_model * job.precision.nbytes
     per_layer = 6 if plan.recompute is Recompute.FULL else 4
     calls = per_layer * stage_layers(model.n_layer, plan.pp)[0] * plan.grad_accum(job)
     if not plan.sequence_parallel:
@@ -183,7 +191,7 @@ def pp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
     slice, the receiving stage all-gathers the whole over NVLink, which is charged here too)."""
     if plan.pp == 1:
         return []
-    full = plan.micro_batch * job.sequence_length(model) * model.d_model * job.precision.nbytes
+    full = plan.micro_batch * job.sequence_length(model) / plan.cp * model.d_model * job.precision.nbytes
     split = plan.tp if plan.sequence_parallel or job.pp_scatter_gather else 1
     v = plan.virtual_stages if plan.schedule is PipelineSchedule.INTERLEAVED_1F1B else 1
     calls = 2 * v * plan.grad_accum(job)
@@ -193,6 +201,34 @@ def pp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
     return out
 
 
+def cp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    """Context parallelism, per layer and micro-batch on one rank of c, s = S / c local tokens, kv = key/value
+    width, t = tp, e = the compute dtype's bytes:
+
+    - ring: a forward pass sends c - 1 key/value blocks [2, b, kv/t, s] (e bytes) to the next rank; backward
+      passes them round again (c - 1 sends) and the block's fp32 dk, dv partial sums travel with them, c sends
+      (the last brings them home). A recomputed forward (selective or full) runs the ring again.
+    - Ulysses: each pass runs four all-to-alls, q, k, v to whole heads and the output back (the gradients the
+      other way in backward), b s (2 h + 2 kv') / t e bytes in all, kv' repeated up to c heads when fewer.
+
+    How much of this hides behind the attention is time.py's (`cp_exposed_seconds`)."""
+    if plan.cp == 1:
+        return []
+    c, b, t, e = plan.cp, plan.micro_batch, plan.tp, job.precision.nbytes
+    s = job.sequence_length(model) / c
+    layers, m = stage_layers(model.n_layer, plan.pp)[0], plan.grad_accum(job)
+    forwards = 1 if plan.recompute is Recompute.NONE else 2
+    if plan.cp_impl is ContextParallelImpl.RING:
+        block = 2 * b * s * model.kv_dim / t
+        sends = (forwards + 1) * (c - 1) * layers * m
+        return [_timed(Axis.CP, Op.SEND, "ring keys and values", c, block * e, sends, cluster, plan),
+                _timed(Axis.CP, Op.SEND, "ring key/value gradients (fp32)", c, block * FP32_BYTES,
+                       c * layers * m, cluster, plan)]
+    payload = b * s * (2 * model.d_model + 2 * ulysses_kv_width(model, c)) / t * e
+    return [_timed(Axis.CP, Op.ALL_TO_ALL, "Ulysses q, k, v and output", c, payload,
+                   (forwards + 1) * layers * m, cluster, plan, messages=4)]
+
+
 def step_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     return (dp_collectives(model, cluster, job, plan) + tp_collectives(model, cluster, job, plan)
-            + pp_collectives(model, cluster, job, plan))
+            + pp_collectives(model, cluster, job, plan) + cp_collectives(model, cluster, job, plan))

@@ -22,7 +22,7 @@ def _optimizer_block(optimizer: Optimizer, lr: float) -> dict[str, Any]:
 
 def deepspeed_config(plan: Plan, job: JobSpec, *, lr: float = DEFAULT_LR) -> dict[str, Any]:
     """The config that runs `plan` for `job`: batch triple, precision, optimizer, ZeRO stage and
-    offload, tensor and pipeline parallel blocks, recomputation policy."""
+    offload, tensor, pipeline and context parallel blocks, recomputation policy."""
     m = plan.grad_accum(job)
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"cannot write a config: global batch {job.global_batch} is not dp * micro_batch * "
@@ -49,6 +49,8 @@ def deepspeed_config(plan: Plan, job: JobSpec, *, lr: float = DEFAULT_LR) -> dic
     if plan.pp > 1:
         config["pipeline"] = {"stages": plan.pp, "schedule": plan.schedule.value,
                               "virtual_stages": plan.virtual_stages}
+    if plan.cp > 1:
+        config["context_parallel"] = {"size": plan.cp, "impl": plan.cp_impl.value}
     if plan.recompute is not Recompute.NONE:
         config["activation_checkpointing"] = {"policy": plan.recompute.value}
     return config

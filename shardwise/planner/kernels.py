@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
 from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 
@@ -89,19 +90,27 @@ def _passes(recompute: Recompute) -> tuple[int, int]:
 
 
 def _attention(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan, passes: int) -> float:
-    b, s, t = plan.micro_batch, job.sequence_length(model), plan.tp
+    """The attention core of one rank. Under context parallelism over c ranks each does 1/c of the score work:
+    ring attention c blocks of [S/c, S/c] scores, Ulysses a / c heads of [S, S] (the causal ring skips the
+    blocks above the diagonal as a causal kernel skips tiles; counted like the papers, every score)."""
+    b, s, t, c = plan.micro_batch, job.sequence_length(model), plan.tp, plan.cp
     d, heads = model.head_dim, model.n_head / t
-    flops = 4.0 * b * s * s * model.d_model / t            # QK^T and AV, every score (papers' count)
+    flops = 4.0 * b * s * s * model.d_model / t / c        # QK^T and AV, every score (papers' count)
     if cluster.attention_flops > 0:   # measured with a causal kernel, counted without the mask, in fp32
         same_share = cluster.peak_flops(job.precision) / cluster.peak_flops_fp32
         return passes * flops / (cluster.attention_flops * same_share)
     if job.flash_attention:   # one fused kernel: q, k, v in, the output out; a causal one skips masked tiles
         rate = cluster.peak_flops(job.precision) * cluster.compute_efficiency
-        io = 4 * b * s * model.d_model / t * job.precision.nbytes
+        io = 4 * b * s / c * model.d_model / t * job.precision.nbytes
         return passes * (0.5 * flops / rate
                          + (io / cluster.gemm_operand_bw if cluster.gemm_operand_bw > 0 else 0.0))
-    return (gemm_seconds(s, d, s, cluster, job, count=passes * b * heads)
-            + gemm_seconds(s, s, d, cluster, job, count=passes * b * heads))
+    rows: float = s
+    if c > 1 and plan.cp_impl is ContextParallelImpl.RING:     # c blocks of S/c keys for S/c queries
+        rows, pairs = s / c, passes * b * heads * c
+    else:                                                    # Ulysses: a / c heads over the whole sequence
+        pairs = passes * b * heads / c
+    return (gemm_seconds(rows, d, rows, cluster, job, count=pairs)
+            + gemm_seconds(rows, rows, d, cluster, job, count=pairs))
 
 
 def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
@@ -121,7 +130,7 @@ def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan
     selective the attention core and its scores."""
     assert model.d_ff is not None
     b, s, t, h, f = plan.micro_batch, job.sequence_length(model), plan.tp, model.d_model, model.d_ff
-    tokens = b * s
+    tokens = b * s / plan.cp        # context parallelism: this rank's share of each sequence
     linear_passes, attention_passes = _passes(plan.recompute)
     mlp_in = 2 if model.mlp == "swiglu" else 1
     matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in (
@@ -131,7 +140,7 @@ def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan
     sp = t if plan.sequence_parallel else 1
     per_token = 2 * h / sp * (c.norm_s + c.residual_s) + f / t * c.activation_s
     pointwise = tokens * per_token
-    scores = 0.0 if job.flash_attention else model.n_head / t * s * s * b * c.score_s
+    scores = 0.0 if job.flash_attention else model.n_head / t * s * s * b / plan.cp * c.score_s
     if plan.recompute is Recompute.FULL:    # the forward (about half of these) runs once more in backward
         pointwise, scores = 1.5 * pointwise, 1.5 * scores
         operators = 1.5 * cluster.layer_overhead_s
@@ -145,7 +154,7 @@ def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan
 def head_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The last stage's extra work per micro-batch: the logits GEMM (three passes; recomputation keeps the
     head), the final norm and the loss's softmax over V / t, and the rest of a micro-batch's operators."""
-    tokens = plan.micro_batch * job.sequence_length(model)
+    tokens = plan.micro_batch * job.sequence_length(model) / plan.cp
     c = ElementCosts.of(cluster, job)
     logits = gemm_seconds(tokens, model.d_model, model.vocab_size / plan.tp, cluster, job, count=3)
     pointwise = tokens * (model.d_model + model.vocab_size / plan.tp) * c.norm_s
@@ -156,6 +165,6 @@ def head_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan)
 def embedding_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
     """The first stage's extra work per micro-batch: the embedding lookup (+ positions) and its dropout, a
     bias + dropout + residual's worth of traffic over b s h elements."""
-    tokens = plan.micro_batch * job.sequence_length(model)
+    tokens = plan.micro_batch * job.sequence_length(model) / plan.cp
     sp = plan.tp if plan.sequence_parallel else 1
     return Parts(pointwise_s=tokens * model.d_model / sp * ElementCosts.of(cluster, job).residual_s)

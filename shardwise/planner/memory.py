@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule, ZeroConfig
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
 from shardwise.models.presets import GPTConfig
 from shardwise.planner.flops import params_per_rank, stage_layers
@@ -92,7 +93,8 @@ def max_trainable_params(memory_bytes: float, *, precision: Precision = Precisio
 
 def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: Recompute = Recompute.NONE,
-                           act_bytes: int = 2, flash_attention: bool = False) -> float:
+                           act_bytes: int = 2, flash_attention: bool = False, cp: int = 1,
+                           cp_impl: ContextParallelImpl = ContextParallelImpl.RING) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch on one TP rank.
 
     For activation dtype size e (`act_bytes`, 2 in the paper), 1-byte dropout masks, s = sequence,
@@ -101,26 +103,51 @@ def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, 
     s b h (10 + 24/t + 5 a s / (h t)):
 
         replicated over TP  s b h (2e LayerNorm inputs + e QKV input + e MLP input + 2 dropout masks) = 10 sbh
-        split over TP       s b (e h (Q) + 2 e kv (K, V) + e h (output-projection input))              =  8 sbh
+        split over TP       s b (e h (Q) + 2 e h (K, V) + e h (output-projection input))              =  8 sbh
                             + MLP: GELU 2 e s b f (activation input, output), SwiGLU 4 e s b f (gate, up,
                               silu(gate), product)                                                   = 16 sbh
                             + scores a s^2 b (e softmax + 1 mask + e dropout output)                   = 5as^2b
 
     Sequence parallelism splits the replicated part over t too (eq. 4); selective recomputation drops the
-    scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP)."""
-    s, b, h, e = seq_len, micro_batch, model.d_model, act_bytes
+    scores (eq. 6); full recomputation keeps only the layer input, e s b h (/ t with SP).
+
+    What the Llama form and fused attention add (as our GPT saves them): grouped-query K and V are repeated to
+    the query heads before attention, so they are stored at width h, not kv; RMSNorm keeps its input in fp32
+    besides the normalised copy, 4 s b h more per norm; rotary positions keep fp32 cos and sin tables, 8 s d
+    per layer (d = head dim, whatever b); a fused kernel (`flash_attention`) keeps the fp32 log-sum-exp of every
+    query row, 4 a s b, and its output is the output projection's input.
+
+    Context parallelism over c ranks (`cp`) gives each rank s / c of every sequence's tokens, so every
+    per-token term above is taken at s / c. The scores are not: ring attention (`cp_impl` "ring") computes one
+    [s/c, s/c] block at a time and stores none of them (its backward recomputes them from q, k, v and the
+    saved log-sum-exp); it keeps K and V unrepeated (2 e kv) and its output in fp32 (4 h) beside the copy the
+    output projection takes. Ulysses runs fused attention over the whole sequence for a / c heads, whose output
+    the inverse all-to-all copies (e h more); unfused, its scores are a s^2 b / c."""
+    b, h, e = micro_batch, model.d_model, act_bytes
+    s = seq_len / cp                      # this rank's tokens of each sequence
     sp = tp if sequence_parallel else 1
     if recompute is Recompute.FULL:
         return e * s * b * h / sp
     mask = 1 if model.dropout else 0
     f = model.d_ff
     assert f is not None
-    replicated = s * b * h * (2 * e + e + e + 2 * mask)
+    norms = 2 * (e + (FP32_BYTES if model.norm == "rmsnorm" else 0))
+    replicated = s * b * h * (norms + e + e + 2 * mask)
     mlp = (4 if model.mlp == "swiglu" else 2) * e * s * b * f
-    split = s * b * (e * h + 2 * e * model.kv_dim + e * h) + mlp
-    if not (flash_attention or recompute is Recompute.SELECTIVE):
-        split += model.n_head * s * s * b * (e + (mask + e if model.dropout else 0))
-    return replicated / sp + split / tp
+    ring = cp > 1 and ContextParallelImpl(cp_impl) is ContextParallelImpl.RING      # the enum or its value
+    kv = model.kv_dim if ring else h
+    split = s * b * (e * h + 2 * e * kv + e * h) + mlp
+    if ring:
+        split += s * b * FP32_BYTES * (h + model.n_head)
+    elif flash_attention or recompute is Recompute.SELECTIVE:
+        split += s * b * FP32_BYTES * model.n_head if flash_attention else 0.0
+        split += s * b * e * h if cp > 1 else 0.0      # Ulysses: the all-to-all's copy of the output
+    else:
+        # a / c heads over the whole sequence, s * c tokens (c = 1 without cp)
+        split += model.n_head / cp * (s * cp) ** 2 * b * (e + (mask + e if model.dropout else 0))
+        split += s * b * e * h if cp > 1 else 0.0
+    tables = 2 * FP32_BYTES * s * model.head_dim if model.positions == "rotary" else 0.0
+    return replicated / sp + split / tp + tables
 
 
 def peak_in_flight(*, stage: int, stages: int, microbatches: int,
@@ -170,15 +197,19 @@ def activation_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> Activations:
     """The larger of the first stage (most micro-batches in flight, embeddings) and the last (the loss's fp32
     log-probabilities, 4 s b V / t bytes)."""
     return _activation_bytes(model, job, plan.tp, plan.pp, plan.sequence_parallel, plan.micro_batch,
-                             plan.recompute, plan.schedule, plan.virtual_stages, plan.grad_accum(job))
+                             plan.recompute, plan.schedule, plan.virtual_stages, plan.grad_accum(job), plan.cp,
+                             plan.cp_impl)
 
 
 @functools.cache   # the search asks again for every ZeRO stage and offload choice
 def _activation_bytes(model: GPTConfig, job: JobSpec, tp: int, pp: int, sequence_parallel: bool, micro_batch: int,
-                      recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int) -> Activations:
-    s, b, e = job.sequence_length(model), micro_batch, job.precision.nbytes
-    layer = functools.partial(layer_activation_bytes, model, micro_batch=b, seq_len=s, tp=tp,
-                              sequence_parallel=sequence_parallel, act_bytes=e, flash_attention=job.flash_attention)
+                      recompute: Recompute, schedule: PipelineSchedule, virtual_stages: int, m: int, cp: int = 1,
+                      cp_impl: ContextParallelImpl = ContextParallelImpl.RING) -> Activations:
+    # Under context parallelism everything outside attention's scores is per token: s / cp of them per rank.
+    s, b, e = job.sequence_length(model) / cp, micro_batch, job.precision.nbytes
+    layer = functools.partial(layer_activation_bytes, model, micro_batch=b, seq_len=job.sequence_length(model),
+                              tp=tp, sequence_parallel=sequence_parallel, act_bytes=e,
+                              flash_attention=job.flash_attention, cp=cp, cp_impl=cp_impl)
     per_layer = layer(recompute=recompute)
     working = layer() if recompute is Recompute.FULL else 0.0
     sp = tp if sequence_parallel else 1
@@ -242,15 +273,35 @@ def comm_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan, params_on_rank
         buffers += zero3_buffer_elements(model, job, plan) * e
     if plan.pp > 1:
         sp = plan.tp if plan.sequence_parallel else 1
-        buffers += 2 * plan.micro_batch * job.sequence_length(model) * model.d_model * e / sp
+        buffers += 2 * plan.micro_batch * job.sequence_length(model) / plan.cp * model.d_model * e / sp
+    if plan.cp > 1:
+        buffers += context_parallel_buffer_bytes(model, job, plan)
     return buffers
+
+
+def context_parallel_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> float:
+    """Transient buffers of one layer's cp attention on one rank (s = S / c local tokens, t = tp): ring attention
+    holds the key/value block it attends to and the one arriving, 2 x [2, b, kv/t, s] in the compute dtype, and in
+    backward the travelling fp32 dk, dv partial sums, 2 x [2, b, kv/t, s] (sent and received); Ulysses holds the
+    all-to-all's send and receive buffers of q, k, v (kv heads repeated to c when fewer), 2 x b s (h + 2 kv') / t."""
+    s, b, e, t = job.sequence_length(model) / plan.cp, plan.micro_batch, job.precision.nbytes, plan.tp
+    if plan.cp_impl is ContextParallelImpl.RING:
+        block = 2 * b * s * model.kv_dim / t
+        return 2 * block * e + 2 * block * FP32_BYTES
+    return 2 * b * s * (model.d_model + 2 * ulysses_kv_width(model, plan.cp)) / t * e
+
+
+def ulysses_kv_width(model: GPTConfig, cp: int) -> int:
+    """Key/value width Ulysses moves: kv heads repeated up to cp when there are fewer of them than cp ranks."""
+    assert model.n_kv_head is not None
+    return model.kv_dim * (cp // model.n_kv_head if model.n_kv_head < cp else 1)
 
 
 def memory_per_rank(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
     """Model states of the most loaded rank (`params_per_rank`), its activations and buffers."""
     params = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     states = model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,
-                               zero_stage=plan.zero_stage, dp=plan.dp, offload=plan.offload)
+                               zero_stage=plan.zero_stage, dp=plan.replicas, offload=plan.offload)
     return MemoryBreakdown(
         weights=states.weights, grads=states.grads, optimizer=states.optimizer,
         activations=activation_bytes(model, job, plan).total,

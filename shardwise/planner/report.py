@@ -17,10 +17,10 @@ from shardwise.planner.time import hfu, mfu
 
 TOP_PLANS = 10
 _SHORT = {Strategy.DP: "DP", Strategy.ZERO: "ZeRO", Strategy.ZERO_OFFLOAD: "ZeRO+offload",
-          Strategy.MODEL_PARALLEL: "TP/PP", Strategy.THREE_D: "3D"}
+          Strategy.MODEL_PARALLEL: "TP/PP/CP", Strategy.THREE_D: "3D"}
 _PARTS = ("weights", "grads", "optimizer", "activations", "buffers", "reserved")
-_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s",
-               "offload_s")
+_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
+               "optimizer_s", "offload_s")
 
 
 def flops_convention(a: Analysis) -> str:
@@ -146,7 +146,8 @@ def render(a: Analysis, console: Any) -> None:
     console.print(t)
     ref = a.chosen.plan if a.chosen is not None else a.strategies[0].plan
     console.print(f"Activations of one layer, micro-batch {ref.micro_batch}, tp {ref.tp}"
-                  f"{' with sequence parallelism' if ref.sequence_parallel else ''} (GB), by recomputation: "
+                  f"{' with sequence parallelism' if ref.sequence_parallel else ''}"
+                  f"{f', cp {ref.cp} ({ref.cp_impl.value})' if ref.cp > 1 else ''} (GB), by recomputation: "
                   + ", ".join(f"{k} {_gb(v)}" for k, v in a.activations_per_layer.items()))
 
     if a.chosen is not None:
@@ -172,9 +173,10 @@ def _render_plan(a: Analysis, e: Evaluation, console: Any) -> None:
         return
     st = e.time
     t = Table(title="Step time, s", show_header=True)
-    for col in ("compute", "TP comm", "PP sends", "bubble", "DP comm (exposed)", "optimizer", "offload", "total"):
+    for col in ("compute", "TP comm", "PP sends", "CP comm (exposed)", "bubble", "DP comm (exposed)", "optimizer",
+                "offload", "total"):
         t.add_column(col, justify="right")
-    t.add_row(_s(st.compute_s), _s(st.tp_comm_s), _s(st.pp_comm_s), _s(st.bubble_s),
+    t.add_row(_s(st.compute_s), _s(st.tp_comm_s), _s(st.pp_comm_s), _s(st.cp_comm_s), _s(st.bubble_s),
               f"{_s(st.dp_comm_s)} ({_s(st.dp_exposed_s)})", _s(st.optimizer_s), _s(st.offload_s), _s(st.total_s))
     console.print(t)
     n = a.cluster.num_gpus
@@ -214,7 +216,8 @@ def _render_search(a: Analysis, console: Any) -> None:
         for col in ("layout", "why"):
             t.add_column(col)
         for bad in r.infeasible:
-            t.add_row(f"dp{bad.plan.dp} tp{bad.plan.tp} pp{bad.plan.pp}", bad.detail)
+            cp = f" cp{bad.plan.cp}:{bad.plan.cp_impl.value}" if bad.plan.cp > 1 else ""
+            t.add_row(f"dp{bad.plan.dp} tp{bad.plan.tp} pp{bad.plan.pp}{cp}", bad.detail)
         console.print(t)
 
 

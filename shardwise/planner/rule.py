@@ -17,7 +17,7 @@ class Strategy(str, enum.Enum):
     DP = "data parallelism"
     ZERO = "ZeRO (sharded data parallelism)"
     ZERO_OFFLOAD = "ZeRO + CPU offload"
-    MODEL_PARALLEL = "model parallelism (TP and/or PP, not all three axes)"
+    MODEL_PARALLEL = "model parallelism (TP, PP and/or CP, not all three of DP, TP, PP)"
     THREE_D = "3D parallelism (DP + TP + PP)"
 
 
@@ -26,10 +26,11 @@ RULE_ORDER = (Strategy.DP, Strategy.ZERO, Strategy.ZERO_OFFLOAD, Strategy.THREE_
 
 def strategy_of(plan: Plan) -> Strategy:
     """"3D" only with all three axes (pp > 1, tp > 1, dp > 1); TP or PP with fewer axes is model parallelism
-    (a TP x ZeRO-3 plan with no pipeline is not 3D)."""
+    (a TP x ZeRO-3 plan with no pipeline is not 3D). Context parallelism splits the activations, not the
+    model, but like TP it communicates every layer: it counts as model parallelism."""
     if plan.tp > 1 and plan.pp > 1 and plan.dp > 1:
         return Strategy.THREE_D
-    if plan.tp > 1 or plan.pp > 1:
+    if plan.tp > 1 or plan.pp > 1 or plan.cp > 1:
         return Strategy.MODEL_PARALLEL
     if plan.offload is not Offload.NONE:
         return Strategy.ZERO_OFFLOAD
@@ -42,6 +43,8 @@ def describe(plan: Plan) -> str:
     axes = [f"TP {plan.tp}" + (" (+SP)" if plan.sequence_parallel else "")] if plan.tp > 1 else []
     if plan.pp > 1:
         axes.append(f"PP {plan.pp}" + (f" (interleaved x{plan.virtual_stages})" if plan.virtual_stages > 1 else ""))
+    if plan.cp > 1:
+        axes.append(f"CP {plan.cp} ({plan.cp_impl.value})")
     zero = f"ZeRO-{plan.zero_stage}" + (f" + offload {plan.offload.value}" if plan.offload is not Offload.NONE else "")
     if plan.dp > 1:
         if plan.zero_stage and plan.pp == 1:
@@ -84,7 +87,7 @@ class RuleVerdict:
             out.append(f"{s.strategy.value}: {s.gpu_bytes / GB:.1f} GB per GPU ({s.plan.label()}) {verb} in "
                        f"{s.capacity / GB:.1f} GB")
         if self.strategy is Strategy.THREE_D:
-            out.append("nothing else fits: model parallelism (TP/PP; 3D with DP as well)")
+            out.append("nothing else fits: model parallelism (TP/PP, CP for long sequences; 3D with DP as well)")
         return out
 
 
@@ -123,6 +126,7 @@ def rule_of_thumb(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> RuleV
 
 
 _PARTS = (("compute_s", "compute"), ("tp_comm_s", "tensor-parallel communication"),
+          ("cp_comm_s", "exposed context-parallel communication"),
           ("pp_comm_s", "pipeline sends"), ("bubble_s", "pipeline bubble"),
           ("dp_exposed_s", "exposed data-parallel communication"), ("optimizer_s", "optimizer step"),
           ("offload_s", "offload traffic"))
@@ -172,8 +176,8 @@ def recommendation_reason(result: SearchResult, chosen: Evaluation, tolerance: f
     else:
         a, b = chosen.plan, best.plan
         simpler = [what for what, yes in (
-            ((f"{a.tp * a.pp} model-parallel ranks" if a.tp * a.pp > 1 else "no model parallelism")
-             + f", not {b.tp * b.pp}", a.tp * a.pp < b.tp * b.pp),
+            ((f"{a.tp * a.pp * a.cp} model-parallel ranks" if a.tp * a.pp * a.cp > 1 else "no model parallelism")
+             + f", not {b.tp * b.pp * b.cp}", a.tp * a.pp * a.cp < b.tp * b.pp * b.cp),
             ("no offload", a.offload is Offload.NONE and b.offload is not Offload.NONE),
             (f"{a.recompute.value} recomputation, not {b.recompute.value}", a.recompute is not b.recompute),
             (f"ZeRO-{a.zero_stage}, not ZeRO-{b.zero_stage}", a.zero_stage < b.zero_stage),

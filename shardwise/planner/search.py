@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shardwise.config import PipelineSchedule
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
 from shardwise.planner.memory import GB, MemoryBreakdown, memory_per_rank
 from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, Recompute
@@ -18,11 +19,13 @@ INTERLEAVED_CHUNKS = 2
 
 
 class Reason(str, enum.Enum):
-    WORLD_SIZE = "dp * tp * pp != GPUs"
+    WORLD_SIZE = "dp * cp * tp * pp != GPUs"
     TP_OVER_NODE = "tp > GPUs per node"
     TP_HEADS = "heads not divisible by tp"
     TP_FFN = "d_ff not divisible by tp"
     PP_LAYERS = "pp > layers"
+    CP_SEQUENCE = "sequence not divisible by the cp chunks"
+    CP_HEADS = "heads not divisible by cp (Ulysses)"
     BATCH = "global batch not divisible"
     INTERLEAVING = "interleaving needs divisible layers and micro-batches"
     MEMORY = "GPU memory over budget"
@@ -58,8 +61,8 @@ def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: 
         out.append(Infeasible(plan, reason, detail))
 
     if plan.world_size != cluster.num_gpus:
-        bad(Reason.WORLD_SIZE, f"dp * tp * pp = {plan.dp} * {plan.tp} * {plan.pp} = {plan.world_size}, but the "
-                               f"cluster has {cluster.num_gpus} GPUs")
+        bad(Reason.WORLD_SIZE, f"dp * cp * tp * pp = {plan.dp} * {plan.cp} * {plan.tp} * {plan.pp} = "
+                               f"{plan.world_size}, but the cluster has {cluster.num_gpus} GPUs")
     if plan.tp > cluster.gpus_per_node:
         bad(Reason.TP_OVER_NODE, f"tp = {plan.tp} > {cluster.gpus_per_node} GPUs per node: tensor parallelism "
                                  f"communicates every layer and must stay on NVLink")
@@ -71,6 +74,8 @@ def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: 
         bad(Reason.TP_FFN, f"tp = {plan.tp} does not divide d_ff = {model.d_ff}")
     if plan.pp > model.n_layer:
         bad(Reason.PP_LAYERS, f"pp = {plan.pp} > n_layer = {model.n_layer}: a stage needs at least one layer")
+    if plan.cp > 1:
+        out.extend(Infeasible(plan, reason, detail) for reason, detail in cp_problems(model, job, plan))
     if job.global_batch % (plan.dp * plan.micro_batch):
         bad(Reason.BATCH, f"global batch {job.global_batch} is not a multiple of dp * micro_batch = "
                           f"{plan.dp} * {plan.micro_batch}")
@@ -79,6 +84,26 @@ def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: 
         if model.n_layer % chunks or plan.grad_accum(job) % plan.pp:
             bad(Reason.INTERLEAVING, f"interleaved 1F1B needs n_layer = {model.n_layer} divisible by pp * v = "
                                      f"{chunks} and micro-batches {plan.grad_accum(job)} divisible by pp = {plan.pp}")
+    return out
+
+
+def cp_problems(model: GPTConfig, job: JobSpec, plan: Plan) -> list[tuple[Reason, str]]:
+    """The engine's context-parallel rules: causal ring attention cuts each sequence into 2 cp chunks (rank i
+    holds chunks i and 2cp-1-i), Ulysses into cp parts and gives every rank whole heads of its TP slice, key/value
+    heads dividing or divisible by cp (fewer are repeated)."""
+    out = []
+    seq, c = job.sequence_length(model), plan.cp
+    ring = plan.cp_impl is ContextParallelImpl.RING
+    chunks = 2 * c if ring else c
+    if seq % chunks:
+        what = "2 * cp chunks (causal ring attention)" if ring else "cp parts"
+        out.append((Reason.CP_SEQUENCE, f"sequence {seq} does not cut into {what} = {chunks}"))
+    if not ring:
+        assert model.n_kv_head is not None
+        heads, kv = model.n_head // plan.tp, max(1, model.n_kv_head // plan.tp)
+        if heads % c or (kv % c and c % kv):
+            out.append((Reason.CP_HEADS, f"Ulysses over cp = {c} needs the {heads} query heads of a TP rank "
+                                         f"divisible by cp and its {kv} key/value heads dividing or divisible by it"))
     return out
 
 
@@ -152,29 +177,43 @@ def _rank_key(e: Evaluation) -> tuple:
 def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult:
     """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time.
 
-    Enumerated: (dp, tp, pp) with dp * tp * pp = GPUs; micro-batch (divisors of the per-replica batch up to
-    MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B, interleaved with v = 2); ZeRO stage 0-3; offload;
-    recomputation. Two dominance rules keep it well under a second, and are the only pruning:
+    Enumerated: (dp, cp, tp, pp) with dp * cp * tp * pp = GPUs, and for cp > 1 ring attention and Ulysses;
+    micro-batch (divisors of the per-replica batch up to MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B,
+    interleaved with v = 2); ZeRO stage 0-3; offload; recomputation. Two dominance rules keep it well under a
+    second, and are the only pruning:
 
     - For one layout, micro-batch, schedule and ZeRO stage, recomputation is tried in the order none ->
       selective -> full and offload only when nothing fits without it (`_variants`): each step down costs time
       in the model and only buys memory, so the first variant that fits is the fastest.
     - With tp > 1, sequence parallelism is always on: the same communication volume (Korthikanti et al. 2022)
       and strictly less activation memory.
+
+    And one rule of use: context parallelism is searched only for a (tp, pp) where no plan without it runs
+    (the sequence does not fit, or the global batch does not divide over dp * cp replicas). Against the same
+    ranks as data parallelism it computes the same tokens per rank, reduces gradients over the same dp * cp
+    replicas and keeps the same model states, and adds its own traffic; what it buys is memory (a rank holds
+    S / cp of each sequence) and a smaller dp for the batch to divide.
     """
     result = SearchResult(ranked=[], infeasible=[])
     n = cluster.num_gpus
-    for tp in _divisors(n):
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
-            base = Plan(dp=dp, tp=tp, pp=pp, sequence_parallel=tp > 1)
-            problems = layout_problems(model, cluster, job, base)
-            if problems:
-                result.infeasible.append(problems[0])
-                for p in problems:
-                    result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
-                continue
-            _search_layout(model, cluster, job, base, result)
+    runs: set[tuple[int, int]] = set()     # (tp, pp) that some cp = 1 plan runs with
+    for cp in _divisors(n):
+        impls = [ContextParallelImpl.RING] if cp == 1 else list(ContextParallelImpl)
+        for impl in impls:
+            for tp in _divisors(n // cp):
+                for pp in _divisors(n // (cp * tp)):
+                    if cp > 1 and (tp, pp) in runs:
+                        continue
+                    dp = n // (cp * tp * pp)
+                    base = Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=impl, sequence_parallel=tp > 1)
+                    problems = layout_problems(model, cluster, job, base)
+                    if problems:
+                        result.infeasible.append(problems[0])
+                        for p in problems:
+                            result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
+                        continue
+                    if _search_layout(model, cluster, job, base, result) and cp == 1:
+                        runs.add((tp, pp))
     result.ranked.sort(key=_rank_key)
     return result
 
@@ -188,8 +227,8 @@ def _variant(plan: Plan, **changes: object) -> Plan:
     return new
 
 
-def _search_layout(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> None:
-    """Add the feasible plans of one (dp, tp, pp) layout; if there are none, its closest miss.
+def _search_layout(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, base: Plan, result: SearchResult) -> bool:
+    """Add the feasible plans of one (dp, cp, tp, pp) layout (True if any); if there are none, its closest miss.
     Micro-batches grow until none of a size fits: memory only grows with the micro-batch."""
     closest: tuple[float, Plan, MemoryBreakdown] | None = None
     found = False
@@ -227,6 +266,7 @@ def _search_layout(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, base: P
         problem = _memory_problem(closest[1], closest[2])
         assert problem is not None
         result.infeasible.append(problem)
+    return found
 
 
 TIE_TOLERANCE = 0.03
@@ -234,8 +274,9 @@ TIE_TOLERANCE = 0.03
 
 
 def simplicity(plan: Plan) -> tuple:
-    """Fewer model-parallel ranks, no offload, less recomputation, lower ZeRO stage, bigger micro-batch."""
-    return (plan.tp * plan.pp, plan.offload is not Offload.NONE, list(Recompute).index(plan.recompute),
+    """Fewer model-parallel ranks (tp, pp and cp: cp is used only when it pays), no offload, less recomputation,
+    lower ZeRO stage, bigger micro-batch."""
+    return (plan.tp * plan.pp * plan.cp, plan.offload is not Offload.NONE, list(Recompute).index(plan.recompute),
             plan.zero_stage, -plan.micro_batch)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.config import PipelineSchedule
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.errors import UserError
 from shardwise.models.presets import GPTConfig
 
@@ -278,11 +279,17 @@ class JobSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """One parallel layout: world = dp * tp * pp ranks, rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+    """One parallel layout: world = dp * cp * tp * pp ranks,
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank (the engine's mesh order)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context parallelism: ranks sharing each sequence, each holding S / cp of its tokens. Parameters are
+    replicated over cp, so gradients are reduced and ZeRO shards over dp * cp (`replicas`)."""
+    cp_impl: ContextParallelImpl = ContextParallelImpl.RING
+    """How attention crosses the cp ranks: "ring" (keys and values passed round) or "ulysses" (all-to-all)."""
     zero_stage: int = 0
     offload: Offload = Offload.NONE
     micro_batch: int = 1
@@ -294,8 +301,9 @@ class Plan:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": PipelineSchedule})
-        for name in ("dp", "tp", "pp", "micro_batch", "virtual_stages"):
+        _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": PipelineSchedule,
+                                     "cp_impl": ContextParallelImpl})
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
             _positive_int("plan", name, getattr(self, name))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlannerError(f"plan.zero_stage = {self.zero_stage!r}: must be 0, 1, 2 or 3")
@@ -311,15 +319,23 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters (the same tp and pp rank): dp * cp. Gradients are reduced over
+        them and ZeRO shards over them (cp ranks compute partial gradients of the same parameters)."""
+        return self.dp * self.cp
 
     def grad_accum(self, job: JobSpec) -> int:
         """Micro-batches per step per data-parallel rank (= pipeline micro-batches m)."""
         return job.global_batch // (self.dp * self.micro_batch)
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""), f"pp{self.pp}",
-                 f"zero{self.zero_stage}", f"mb{self.micro_batch}"]
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}:{self.cp_impl.value}")
+        parts += [f"zero{self.zero_stage}", f"mb{self.micro_batch}"]
         if self.offload is not Offload.NONE:
             parts.append(f"offload:{self.offload.value}")
         if self.recompute is not Recompute.NONE:

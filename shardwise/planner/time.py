@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.config import PipelineSchedule
+from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
 from shardwise.parallel.pipeline.schedules import bubble_microbatches
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
@@ -34,11 +35,12 @@ class StepTime:
     offload_s: float       # PCIe traffic and the CPU optimizer step
     model_flops: float     # the whole job's useful FLOPs per step (no recomputation)
     hardware_flops: float = 0.0   # the FLOPs executed, recomputation included (flops.py's conventions)
+    cp_comm_s: float = 0.0        # context-parallel traffic not hidden behind attention (`cp_exposed_seconds`)
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.bubble_s + self.dp_exposed_s
-                + self.optimizer_s + self.offload_s)
+        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.cp_comm_s + self.bubble_s
+                + self.dp_exposed_s + self.optimizer_s + self.offload_s)
 
     @property
     def compute_share(self) -> float:
@@ -126,6 +128,24 @@ def microbatch_compute(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, pla
                              block_backward_s=backward_share * block.total_s)
 
 
+def cp_exposed_seconds(cp: list[Collective], plan: Plan, m: int, mb: MicrobatchCompute, share: float) -> float:
+    """Context-parallel traffic of the step left on the critical path; `share` of what could hide does (the
+    cluster's `comm_overlap`).
+
+    Ring attention posts round t's send before attending to the block it holds, so the traffic of c - 1 of its c
+    rounds runs under attention: per micro-batch, of k seconds of sends, min(k, (c - 1) / c * attention) can
+    hide (attention: the slowest stage's attention core, every pass). Ulysses' all-to-alls are not overlapped:
+    the attention needs what they bring, and the next layer the output they return."""
+    if not cp:
+        return 0.0
+    total = sum(c.total_seconds for c in cp)
+    if plan.cp_impl is not ContextParallelImpl.RING:
+        return total
+    per_mb = total / m
+    hidden = share * min(per_mb, (plan.cp - 1) / plan.cp * mb.attention_s)
+    return m * (per_mb - hidden)
+
+
 def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> list[int]:
     """Elements of each parameter tensor of the busiest rank (what a for-loop optimizer steps one by one at
     stage 0), laid out as `flops.params_per_stage`: its stage's blocks, TP slices of the split weights, the
@@ -153,10 +173,11 @@ def optimizer_tensor_sizes(model: GPTConfig, plan: Plan) -> list[int]:
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     if plan.zero_stage in (1, 2):
         buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
-        return [math.ceil(psi / buckets / plan.dp)] * buckets
+        return [math.ceil(psi / buckets / plan.replicas)] * buckets
     layers = stage_layers(model.n_layer, plan.pp)[0]
     block = layer_params(model).per_tp_rank(plan.tp)
-    return [math.ceil(block / plan.dp)] * layers + [math.ceil(max(0, psi - layers * block) / plan.dp)]
+    return ([math.ceil(block / plan.replicas)] * layers
+            + [math.ceil(max(0, psi - layers * block) / plan.replicas)])
 
 
 def optimizer_seconds(sizes: list[int], job: JobSpec, cluster: ClusterSpec, bandwidth: float) -> float:
@@ -200,8 +221,9 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     collectives = step_collectives(model, cluster, job, plan)
     tp = sum(c.total_seconds for c in collectives if c.axis is Axis.TP)
     pp = sum(c.total_seconds for c in collectives if c.axis is Axis.PP)
+    cp = cp_exposed_seconds([c for c in collectives if c.axis is Axis.CP], plan, m, mb, cluster.comm_overlap)
     dp = [c for c in collectives if c.axis is Axis.DP]
-    comm_mb = (tp + pp) / m
+    comm_mb = (tp + pp + cp) / m
     t_mb = compute_mb + comm_mb
     # The slowest stage sets the pace of all m micro-batches. Filling and draining the pipeline costs one
     # micro-batch of every other stage, `fill` ((p - 1) t for equal stages), divided by v when interleaved;
@@ -214,7 +236,7 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     zero3 = zero3_shape(model, job, plan) if plan.zero_stage == 3 else None
 
     psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
-    shard = math.ceil(psi / plan.dp) if plan.zero_stage >= 1 else psi
+    shard = math.ceil(psi / plan.replicas) if plan.zero_stage >= 1 else psi
     sizes = optimizer_tensor_sizes(model, plan)
     optimizer_s, offload_s = optimizer_seconds(sizes, job, cluster, cluster.memory_bw), 0.0
     if plan.offload is not Offload.NONE:
@@ -228,7 +250,7 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
 
     fwd = forward_flops(model, batch=plan.micro_batch, seq_len=job.sequence_length(model), causal=job.causal_flops)
     return StepTime(
-        microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp,
+        microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp, cp_comm_s=cp,
         bubble_s=pipeline - m * t_mb,
         dp_comm_s=sum(c.total_seconds for c in dp),
         dp_exposed_s=_dp_exposed(dp, plan, m, mb, job.overlap_dp_comm, cluster.comm_overlap, zero3),

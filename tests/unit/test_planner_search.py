@@ -131,8 +131,9 @@ def test_rule_falls_through_to_3d_when_offload_cannot_hold_the_states() -> None:
     job = JobSpec(global_batch=64, seq_len=32768)                   # 32k-token attention scores: 68 GB a layer
     a = analyze(model, cluster, job)
     assert a.rule.strategy is Strategy.THREE_D
-    # TP x DP with no pipeline: model parallelism, the rule's last step, but not "3D"
-    assert strategy_of(a.chosen.plan) is Strategy.MODEL_PARALLEL and a.chosen.plan.tp > 1
+    # Model parallelism with no pipeline, the rule's last step, but not "3D": context parallelism, as ring
+    # attention stores no scores and each rank holds 1/cp of the sequence (before cp existed, TP x DP)
+    assert strategy_of(a.chosen.plan) is Strategy.MODEL_PARALLEL and a.chosen.plan.cp > 1
     assert a.rule_comparison[0].startswith("The search agrees with the rule")
 
 
@@ -172,9 +173,9 @@ def test_dp_winner_config_loads_in_the_engine_config() -> None:
 
 def _not_yet_only(config: dict, world: int, plan: Plan) -> None:
     """The schema accepts the config and the batch triple holds; whatever load_config_for_world refuses is
-    exactly the loader's "not implemented yet" list (ZeRO > 0, TP, PP, offload, recomputation)."""
+    exactly the loader's "not implemented yet" list (ZeRO > 0, TP, PP, offload, recomputation, cp with TP or PP)."""
     model, _ = parse_config(config)
-    dp = world // (model.tensor_parallel.size * model.pipeline.stages)
+    dp = world // (model.tensor_parallel.size * model.pipeline.stages * model.context_parallel.size)
     assert dp == plan.dp
     resolve_batch(train_batch_size=model.train_batch_size, micro_batch=model.train_micro_batch_size_per_gpu,
                   grad_accum=model.gradient_accumulation_steps, dp_size=dp)
