@@ -89,28 +89,32 @@ def test_a_launched_gather_is_inflight() -> None:
     assert model.layers[0].weight.ds_status == ZeroParamStatus.NOT_AVAILABLE
 
 
-def _train(model: nn.Module) -> tuple[list[float], object]:
+def _train(model: nn.Module, config: dict) -> tuple[list[float], object]:
     import shardwise
-    engine, optimizer, *_ = shardwise.initialize(model=model, config=ZERO3)
+    engine, optimizer, *_ = shardwise.initialize(model=model, config=config)
+    dtype = next(p.dtype for p in model.parameters())
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
-        loss = engine(torch.randn(2, 4, generator=g), torch.randn(2, 1, generator=g))
+        loss = engine(torch.randn(2, 4, generator=g).to(dtype), torch.randn(2, 1, generator=g).to(dtype))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
     return losses, engine
 
 
-def test_initialize_keeps_the_small_parameters_whole_and_trains_as_without_zero_init() -> None:
+@pytest.mark.parametrize("bf16", [False, True])
+def test_initialize_keeps_the_small_parameters_whole_and_trains_as_without_zero_init(bf16: bool) -> None:
     from shardwise.ops.adam import FusedAdam
     from shardwise.runtime.zero.partition_parameters import ZeroParamStatus
+    config = {**ZERO3, "bf16": {"enabled": bf16}}
     torch.manual_seed(0)
-    expected, reference = _train(Blocks())
+    expected, reference = _train(Blocks(), config)
     model = _built_in_init()
-    losses, engine = _train(model)
+    losses, engine = _train(model, config)
     assert losses == expected                       # same units, same arithmetic: bit for bit
     for name, p in model.named_parameters():
+        assert p.dtype == (torch.bfloat16 if bf16 else torch.float32), name     # the kept-whole ones too
         small = p.ds_numel <= THRESHOLD
         assert p.ds_persist == small and p.ds_status == (ZeroParamStatus.AVAILABLE if small
                                                          else ZeroParamStatus.NOT_AVAILABLE), name

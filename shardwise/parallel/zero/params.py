@@ -237,6 +237,8 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
     kept whole on every rank from now on; a unit left with no parameter is dropped. `thresholds` (param, model)
     are then the ones they were chosen by."""
     leaving = {id(p) for p in persistent or []}
+    # the training dtype (the caller's cast reached the placeholders), read before a gather re-points them
+    dtype_of = {id(p): key_of(p).dtype for p in persistent or []}
     units: list[Unit] = []
     for u in partition.units:
         staying = [p for f in u.flats for p in f.params if id(p) not in leaving]
@@ -247,7 +249,7 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
             whole = {id(p): v.clone() for f in u.flats for p, v in zip(f.params, f.views)}
             u.free()
             for p in left:
-                p.data = whole[id(p)].to(device, key_of(p).dtype)
+                p.data = whole[id(p)].to(device, dtype_of[id(p)])
             continue
         plan = UnitPlan(u.name, u.module, staying, u.is_root)
         (new,) = build_units([plan], key_of=key_of, shape_of=lambda p: shapes[id(p)], dp_size=partition.dp_size,
@@ -272,7 +274,7 @@ def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], co
                     target.copy_piece(i, view)
             u.free()                              # every old parameter back on the placeholder: then the whole ones
             for p in left:
-                p.data = whole[id(p)].to(device, key_of(p).dtype)
+                p.data = whole[id(p)].to(device, dtype_of[id(p)])
         for f in new.flats:
             f.unit = new.index
             f.release()
