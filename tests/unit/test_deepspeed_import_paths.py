@@ -104,3 +104,10 @@ def test_offload_device_enum_has_deepspeeds_members_and_values() -> None:
     assert OffloadDeviceEnum.cpu == "cpu"
     config = ZeroConfig(stage=3, offload_param={"device": OffloadDeviceEnum.cpu})
     assert config.offload_param is not None and config.offload_param.device == "cpu"
+
+
+def test_offload_optimizer_config_pipeline_is_either_pipeline_key() -> None:
+    from shardwise.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig as Config
+    assert Config().pipeline is False
+    for read, write in ((True, False), (False, True), (True, True)):
+        assert Config(pipeline_read=read, pipeline_write=write).pipeline is True
