@@ -20,6 +20,8 @@ PATHS = {
                              "WARMUP_MIN_LR", "WARMUP_MAX_LR", "WARMUP_NUM_STEPS", "WARMUP_TYPE", "WARMUP_LOG_RATE",
                              "WARMUP_LINEAR_RATE", "WARMUP_MIN_RATIO", "COS_MIN_RATIO", "TOTAL_NUM_STEPS",
                              "VALID_LR_SCHEDULES"],
+    "runtime.pipe.topology": ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
+                              "PipelineParallelGrid"],
     "runtime.zero": ["GatheredParameters", "Init"],
     "runtime.zero.partition_parameters": ["GatheredParameters", "Init", "ZeroParamStatus"],
     "runtime.zero.config": ["DeepSpeedZeroConfig"],
