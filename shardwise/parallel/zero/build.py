@@ -67,7 +67,10 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
                                                  uncounted=uncounted(slots))
     update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
                            recipe=recipe, norms=bound, tied=slots)
-    return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
+    # DeepSpeed checks for parameters without a gradient where it offloads the optimizer (its step's norm)
+    require_all_used = section.offloads_optimizer and not section.ignore_unused_parameters
+    return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2,
+                                   require_all_used=require_all_used)
 
 
 def _shard_optimizer(buckets: list, groups: list[dict], section: ZeroConfig, recipe: UpdateRecipe,
