@@ -122,6 +122,11 @@ INTERNAL: dict[str, str] = {
         "deepspeed.runtime.zero.partition_parameters: InsertPostInitMethodToModuleSubClasses.linear_bk and "
         "zero3_linear_wrap, how DeepSpeed patches F.linear for memory_efficient_linear (the module's other names "
         "are public)",
+    "test_activation_checkpointing.py::test_configure_with_contiguous_checkpointing_requires_num_checkpoints":
+        "deepspeed.runtime.activation_checkpointing.checkpointing: configure()'s module globals "
+        "(PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, num_layers, ...), saved and restored around the call",
+    "test_other_optimizer.py::TestOtherOptimizerCheckpoint::":
+        "deepspeed.runtime.engine: DeepSpeedEngine._get_optimizer_ckpt_name(), a private method naming the file",
     "test_zero_context_return.py::TestReturnParam::test_ext_param_return":
         "deepspeed.runtime.zero: the module's _external_params, DeepSpeed's registry of parameters a forward "
         "returns or reaches outside the module",
