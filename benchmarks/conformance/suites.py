@@ -92,7 +92,9 @@ DELIBERATE: dict[str, str] = {
     "test_ds_config_dict.py::TestNoModel::test":
         "initialize(model=None) is a one-line UserError (a ValueError), not a bare assert: README, errors",
     "test_pipe_module.py::TestPipeModuleSequential::":
-        'its config has "pipeline": {"activation_checkpoint_interval": 1}, refused (README, pipeline options)',
+        'its config has "pipeline": {"activation_checkpoint_interval": 1}, refused (README, pipeline options); it '
+        "fails before that on counting each rank's parameters: shardwise's PipelineModule keeps every stage's "
+        "layers until initialize, where DeepSpeed's builds only its own (a gap behind the refusal)",
     "test_pipe_module.py::TestPipeModuleCheckpointInterval::":
         "PipelineModule(activation_checkpoint_interval=) and pipeline.activation_checkpoint_interval > 0 are refused "
         "(README, pipeline options); the test also reads PipelineModule's private _precompute_checkpointable_values",
