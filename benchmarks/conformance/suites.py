@@ -127,6 +127,12 @@ INTERNAL: dict[str, str] = {
     "test_activation_checkpointing.py::test_configure_with_contiguous_checkpointing_requires_num_checkpoints":
         "deepspeed.runtime.activation_checkpointing.checkpointing: configure()'s module globals "
         "(PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, num_layers, ...), saved and restored around the call",
+    "test_runtime_utils.py::TestCheckOverflow::":
+        "deepspeed.runtime.utils.CheckOverflow, the fp16 optimizers' helper, over deepspeed.utils.groups' private "
+        "_create_expert_and_data_parallel (both read through module objects imported at collection)",
+    "test_runtime_utils.py::TestClipGradNorm::":
+        "deepspeed.runtime.utils: clip_grad_norm_ and get_weight_norm, the engine's internal helpers, over "
+        "DeepSpeed's own process-group state",
     "test_other_optimizer.py::TestOtherOptimizerCheckpoint::":
         "deepspeed.runtime.engine: DeepSpeedEngine._get_optimizer_ckpt_name(), a private method naming the file",
     "test_zero_context_return.py::TestReturnParam::test_ext_param_return":
