@@ -111,9 +111,15 @@ DELIBERATE.update({
     for overlap in (False, True) for contiguous in (False, True) for stage in (1, 2, 3) for shared in (False, True)
     for models in (1, 2, 3)})
 
-# test-id substring -> why a failure is a gap although the test file also imports peer internals (a test file's
-# imports are charged to each of its tests, so the log alone would class it (b)).
-GAPS: dict[str, str] = {}
+# test-id substring -> why a failure is a gap, where the error line alone does not say (or the test file also
+# imports peer internals: a test file's imports are charged to each of its tests, so the log alone would class it
+# (b)).
+GAPS: dict[str, str] = {
+    "test_zero_nesting_init.py::TestShutdownInNestingInit::test_shutdown_in_nesting_init":
+        "a model built in a zero.Init block nested in another is laid out when the outermost block ends (it may "
+        "still become another model's child); DeepSpeed partitions each module as its constructor returns, so its "
+        "parameters have ds_id when the inner block ends",
+}
 
 # test-id substring -> the internal a test reaches that the swap log cannot see.
 INTERNAL: dict[str, str] = {
