@@ -68,6 +68,34 @@ def read_log(path: Path) -> list[Access]:
     return accesses
 
 
+def merge_run(store: Path, run: Path, files: list[str]) -> None:
+    """Fold one run's results (JSON lines) into the results kept across runs: the rows of the files the run
+    covered are replaced, the other files' rows kept, so that runs over a few files at a time add up."""
+    ran = set(files)
+    kept = [line for line in (store.read_text().splitlines() if store.exists() else [])
+            if json.loads(line)["nodeid"].split("::", 1)[0] not in ran]
+    new = run.read_text().splitlines() if run.exists() else []
+    temporary = store.with_name(store.name + ".tmp")
+    temporary.write_text("".join(line + "\n" for line in [*kept, *new]))
+    temporary.replace(store)
+
+
+def merge_run_log(store: Path, run: Path) -> None:
+    """Append one run's access log to the log kept across runs: lines are joined to tests by time, so an earlier
+    run's lines fall in no window of a test that ran again."""
+    if run.exists():
+        with store.open("a") as f:
+            f.write(run.read_text())
+
+
+def merge_errors(store: Path, errors: dict[str, str], files: list[str]) -> dict[str, str]:
+    """The collection errors kept across runs (a JSON file): the covered files' entries are this run's."""
+    merged = {f: e for f, e in (json.loads(store.read_text()) if store.exists() else {}).items() if f not in files}
+    merged.update(errors)
+    store.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    return merged
+
+
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 

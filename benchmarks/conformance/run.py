@@ -25,11 +25,15 @@ REPO = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "site"
 
 
-def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path, label: str,
-            timeout_s: int, extra_env: dict[str, str]) -> tuple[Path, Path]:
+def _pytest(cwd: Path, targets: list[str], files: list[str], *, swap: str, peers: str, work: Path, label: str,
+            timeout_s: int, extra_env: dict[str, str]) -> None:
+    """One pytest run of `targets` (node ids or files), folded into `work`'s results for `label`: the rows of
+    `files` (the files the targets belong to) are replaced, the other files' kept (`report.merge_run`)."""
     results = work / f"{label}.results.jsonl"
     log = work / f"{label}.access.tsv"
-    for path in (results, log):
+    run_results = work / f"{label}.run.results.jsonl"
+    run_log = work / f"{label}.run.access.tsv"
+    for path in (run_results, run_log):
         path.unlink(missing_ok=True)
     env = dict(os.environ)
     path_parts = [str(SITE)]
@@ -40,8 +44,8 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
         "PYTHONPATH": os.pathsep.join(path_parts),
         "SHARDWISE_CONFORMANCE_SWAP": swap,
         "SHARDWISE_CONFORMANCE_PEERS": peers,
-        "SHARDWISE_CONFORMANCE_RESULTS": str(results),
-        "SHARDWISE_CONFORMANCE_LOG": str(log),
+        "SHARDWISE_CONFORMANCE_RESULTS": str(run_results),
+        "SHARDWISE_CONFORMANCE_LOG": str(run_log),
         "SHARDWISE_CONFORMANCE_TESTS": str(cwd),
         "DS_ACCELERATOR": "cpu",
         # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless told how many ranks fit on the host;
@@ -59,37 +63,48 @@ def _pytest(cwd: Path, targets: list[str], *, swap: str, peers: str, work: Path,
     completed = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     (work / f"{label}.pytest.log").write_text(completed.stdout)
+    report.merge_run(results, run_results, files)
+    report.merge_run_log(log, run_log)
+    report.merge_errors(work / f"{label}.collection.json", report.collection_errors(completed.stdout), files)
     print(f"  {label}: pytest exit {completed.returncode} in {time.time() - started:.0f} s "
           f"(log {work / (label + '.pytest.log')})", flush=True)
-    return results, log
 
 
 def run_peer(name: str, cwd: Path, files: list[str], *, work: Path, timeout_s: int, harness: tuple[str, ...],
-             public: tuple[str, ...], reuse_peer: bool = False,
+             public: tuple[str, ...], candidates: list[str], reuse_peer: bool = False, peer_only: bool = False,
              extra_env: dict[str, str] | None = None) -> list[report.Verdict]:
+    """Run `files` with the peer (unless reused) and then with shardwise; the verdicts cover every candidate file
+    measured in `work` so far, this run's and earlier runs'."""
     extra_env = extra_env or {}
     present = [f for f in files if (cwd / f).exists()]
     missing = sorted(set(files) - set(present))
     if missing:
         print(f"  {name}: not in this checkout, skipped: {', '.join(missing)}", flush=True)
-    peer_results = work / f"{name}-peer.results.jsonl"
-    if reuse_peer and peer_results.exists():
-        # The peer's outcomes do not depend on shardwise: an earlier run's serve while shardwise changes.
-        print(f"  {name}-peer: reusing {peer_results}", flush=True)
-    else:
-        peer_results, _ = _pytest(cwd, present, swap="", peers=name, work=work, label=f"{name}-peer",
-                                  timeout_s=timeout_s, extra_env=extra_env)
-    peer = {nodeid: r for nodeid, r in report.read_results(peer_results).items()
-            if any(nodeid.startswith(f + "::") for f in present)}
-    passed = [nodeid for nodeid, r in peer.items() if r.outcome == "passed"]
-    if not passed:
+    peer_store = work / f"{name}-peer.results.jsonl"
+    measured = {nodeid.split("::", 1)[0] for nodeid in report.read_results(peer_store)}
+    # The peer's outcomes do not depend on shardwise: with reuse_peer, an earlier run's serve for its files.
+    to_run = [f for f in present if not (reuse_peer and f in measured)]
+    if reuse_peer and len(to_run) < len(present):
+        print(f"  {name}-peer: reusing {peer_store} for {len(present) - len(to_run)} file(s)", flush=True)
+    # One pytest per file: the results of each file are kept as soon as it has run.
+    for f in to_run:
+        _pytest(cwd, [f], [f], swap="", peers=name, work=work, label=f"{name}-peer", timeout_s=timeout_s,
+                extra_env=extra_env)
+    if peer_only:
         return []
-    ours_results, log = _pytest(cwd, passed, swap=name, peers=name, work=work, label=f"{name}-shardwise",
-                                timeout_s=timeout_s, extra_env=extra_env)
-    pytest_log = (work / f"{name}-shardwise.pytest.log").read_text()
-    return report.classify(peer, report.read_results(ours_results), report.read_log(log), harness=harness,
+    peer_all = report.read_results(peer_store)
+    passed = [nodeid for nodeid, r in peer_all.items() if r.outcome == "passed"
+              and nodeid.split("::", 1)[0] in present]
+    if passed:
+        _pytest(cwd, passed, present, swap=name, peers=name, work=work, label=f"{name}-shardwise",
+                timeout_s=timeout_s, extra_env=extra_env)
+    peer = {nodeid: r for nodeid, r in peer_all.items() if nodeid.split("::", 1)[0] in candidates}
+    errors_store = work / f"{name}-shardwise.collection.json"
+    not_collected = json.loads(errors_store.read_text()) if errors_store.exists() else {}
+    return report.classify(peer, report.read_results(work / f"{name}-shardwise.results.jsonl"),
+                           report.read_log(work / f"{name}-shardwise.access.tsv"), harness=harness,
                            public=public, deliberate=suites.DELIBERATE, internal=suites.INTERNAL,
-                           not_collected=report.collection_errors(pytest_log), gaps=suites.GAPS)
+                           not_collected=not_collected, gaps=suites.GAPS)
 
 
 def _torch_env(work: Path) -> dict[str, str]:
@@ -115,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "conformance")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test before it counts as hung")
     parser.add_argument("--reuse-peer", action="store_true",
-                        help="reuse the peer's results from an earlier run in --work (they do not depend on shardwise)")
+                        help="reuse the peer's results of the files an earlier run in --work measured (they do not "
+                             "depend on shardwise)")
+    parser.add_argument("--peer-only", action="store_true",
+                        help="run the peer only (to fill --work's peer results ahead of the shardwise runs)")
     args = parser.parse_args(argv)
     if args.deepspeed_src is None and args.torch_src is None:
         parser.error("give --deepspeed-src DIR and/or --torch-src DIR (checkouts of the peers' repositories)")
@@ -133,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         print("DeepSpeed's tests/unit:", flush=True)
         verdicts = run_peer("deepspeed", tests, chosen(suites.DEEPSPEED_FILES), work=args.work,
                             timeout_s=args.timeout, harness=suites.DEEPSPEED_HARNESS,
-                            public=suites.DEEPSPEED_PUBLIC_MODULES, reuse_peer=args.reuse_peer)
-        sections["deepspeed"] = report.markdown("DeepSpeed's own tests (tests/unit), deepspeed swapped for shardwise",
-                                                verdicts, "make conformance DEEPSPEED_SRC=DIR")
+                            public=suites.DEEPSPEED_PUBLIC_MODULES, candidates=suites.DEEPSPEED_FILES,
+                            reuse_peer=args.reuse_peer, peer_only=args.peer_only)
+        if not args.peer_only:
+            sections["deepspeed"] = report.markdown(
+                "DeepSpeed's own tests (tests/unit), deepspeed swapped for shardwise", verdicts,
+                "make conformance DEEPSPEED_SRC=DIR")
     if args.torch_src is not None:
         tests = args.torch_src.resolve() / "test"
         if not (tests / "distributed").is_dir():
@@ -143,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"checkout")
         print("torch's test/distributed:", flush=True)
         verdicts = run_peer("torch", tests, chosen(suites.TORCH_FILES), work=args.work, timeout_s=args.timeout,
-                            harness=(), public=(), reuse_peer=args.reuse_peer, extra_env=_torch_env(args.work))
-        sections["torch"] = report.markdown("torch's own FSDP2 / FSDP / DDP tests, the wrappers swapped for shardwise's",
-                                            verdicts, "make conformance TORCH_SRC=DIR")
+                            harness=(), public=(), candidates=suites.TORCH_FILES, reuse_peer=args.reuse_peer,
+                            peer_only=args.peer_only, extra_env=_torch_env(args.work))
+        if not args.peer_only:
+            sections["torch"] = report.markdown(
+                "torch's own FSDP2 / FSDP / DDP tests, the wrappers swapped for shardwise's", verdicts,
+                "make conformance TORCH_SRC=DIR")
     for text in sections.values():
         print(text)
     if args.out is not None:

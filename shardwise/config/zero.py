@@ -41,6 +41,11 @@ class OffloadOptimizerConfig(DeepSpeedSection):
     super_offload: Bool = False
     cpuadam_cores_perc: Float = Field(0.8, ge=0.0, le=1.0)
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived flag: either NVMe transfer overlaps the step (pipeline_read or pipeline_write)."""
+        return self.pipeline_read or self.pipeline_write
+
 
 class OffloadParamConfig(DeepSpeedSection):
     """Parameters in CPU or NVMe memory. DeepSpeed: stage 3 only."""

@@ -34,6 +34,7 @@ from shardwise.parallel.interfaces import (
     BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
 )
 from shardwise.telemetry.monitor import TrainingMonitor
+from shardwise.utils.timer import ThroughputTimer
 
 
 class Engine(DeepSpeedEngineAPI, torch.nn.Module):
@@ -88,6 +89,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         # given none: DeepSpeed's PipelineEngine loop `for step in ...: engine.train_batch()`.
         self.training_dataloader: Any = None
         self._data_iterator: Iterator[Any] | None = None
+        self.tput_timer = ThroughputTimer(batch_size=config.batch.train_batch_size)
+        """DeepSpeed's throughput timer: each micro-batch timed from its forward to its step (`utils.timer`)."""
 
     # -- identity and counters ------------------------------------------------------------------------
     @property
@@ -154,6 +157,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         arguments when the model's forward takes more than one parameter, so `engine(batch)` works
         for `model(input_ids, labels)` as well as for `model(batch)`."""
         self.pipeline.refuse_manual_step("engine(batch)")
+        if self.training_dataloader is None:    # DeepSpeed's rule: a loader it built times the batches instead
+            self.tput_timer.start()
         return self.steps.forward(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -161,7 +166,9 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         return self.steps.backward(loss, scale_wrt_gas)
 
     def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
         self.steps.step()
+        self.tput_timer.stop(global_step=boundary)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients the data-parallel runtime holds, cleared (DeepSpeed's: set to None)."""
@@ -183,8 +190,10 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         0-dim tensor, as DeepSpeed returns (`loss.item()`, `float(loss)`)."""
         if data_iter is None:
             data_iter = self._default_iterator()
+        self.tput_timer.start()
         with self.monitor.global_batch(self.steps) as result:
             result.loss = self.pipeline.train_batch(self.steps, data_iter)
+        self.tput_timer.stop(global_step=True)
         return _loss_value(result.loss)
 
     @torch.no_grad()

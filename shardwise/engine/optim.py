@@ -1,6 +1,7 @@
 """DeepSpeed optimizer and scheduler names -> torch objects, with DeepSpeed's semantics.
 
-    build_optimizer(cfg.optimizer, model.parameters())   # "Adam" -> torch.optim.AdamW with FusedAdam's defaults
+    build_optimizer(cfg.optimizer, model.parameters())   # "Adam" -> FusedAdam: torch.optim.AdamW's update,
+                                                          # FusedAdam's defaults
     build_scheduler(cfg.scheduler, optimizer)            # DeepSpeed's WarmupLR, ..., then torch's by name
 
 Optimizers follow DeepSpeed 0.19's `DeepSpeedEngine._configure_basic_optimizer` (no offload).
@@ -19,6 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from shardwise.config.errors import ConfigError, ConfigProblem, unknown_name_message
 from shardwise.config import OptimizerSpec, SchedulerSpec
 from shardwise.engine.lr_schedules import SCHEDULERS
+from shardwise.ops.adam import FusedAdam
 
 # DeepSpeed optimizer names that need DeepSpeed's own kernels or extra packages.
 DEEPSPEED_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "lion": "FusedLion", "muadam": "mup.MuAdam",
@@ -88,6 +90,9 @@ class OptimizerChoice:
     cls: type[Optimizer]
     kwargs: dict[str, Any]
     note: str = ""
+    # what is instantiated when it is not `cls` itself: DeepSpeed's class for "Adam" / "AdamW" (FusedAdam), whose
+    # update is `cls`'s bit for bit
+    built_as: type[Optimizer] | None = None
 
     def describe(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
@@ -130,7 +135,8 @@ def _adam_family(name: str, params: dict[str, Any]) -> OptimizerChoice:
     params.pop("set_grad_none", None)
     kwargs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **params}
     mode = "AdamW" if name == "adamw" else f"Adam, adam_w_mode={str(adam_w_mode).lower()}"
-    return OptimizerChoice(cls, kwargs, f"DeepSpeed {mode}: {decay}")
+    return OptimizerChoice(cls, kwargs, f"DeepSpeed {mode}: {decay}; a shardwise.ops.adam.FusedAdam",
+                           built_as=FusedAdam)
 
 
 def resolve_optimizer(spec: OptimizerSpec) -> OptimizerChoice:
@@ -172,6 +178,11 @@ def build_optimizer(spec: OptimizerSpec, params: Iterable[Any]) -> Optimizer:
     if not params:
         raise ValueError("build_optimizer got no parameters to optimize")
     try:
+        if choice.built_as is FusedAdam:
+            # DeepSpeed's class, as DeepSpeed builds for these types (scripts check isinstance(opt, FusedAdam)),
+            # with torch's own kernel choice: the update of torch.optim.AdamW (Adam) bit for bit
+            return FusedAdam(params, adam_w_mode=choice.cls is torch.optim.AdamW, prefer_fused=False,
+                             **choice.kwargs)
         return choice.cls(params, **choice.kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f'"optimizer.params": torch.optim.{choice.cls.__name__} rejected {choice.kwargs}: {e}',

@@ -29,11 +29,15 @@ class FusedAdam(torch.optim.Adam):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True, *,
-                 foreach: bool | None = None, fused: bool | None = None):
+                 foreach: bool | None = None, fused: bool | None = None, prefer_fused: bool = True):
+        """`prefer_fused=False` (ours) leaves an open kernel choice to torch's own default, so that the numbers
+        are bit for bit those of torch.optim.AdamW / Adam built with the same arguments (the optimizer a config's
+        "Adam" / "AdamW" builds: `engine.optim`)."""
         _refuse(type(self).__name__, amsgrad=amsgrad, bias_correction=bias_correction)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          decoupled_weight_decay=adam_w_mode, foreach=foreach, fused=fused)
         self.adam_w_mode = adam_w_mode
+        self.prefer_fused = prefer_fused
 
     # torch's two signatures: a closure's loss is returned, no closure returns None.
     @overload
@@ -44,7 +48,7 @@ class FusedAdam(torch.optim.Adam):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        if not self.state:
+        if not self.state and self.prefer_fused:
             _prefer_fused(self.param_groups)
         return super().step(closure)
 

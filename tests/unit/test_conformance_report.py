@@ -109,3 +109,30 @@ def test_the_deepspeed_harness_fix_returns_a_failed_assertion_as_an_exception() 
     assert DistributedExec._dist_run.__name__ == "_dist_run"      # the pool pickles the method by this name
     with pytest.raises(RuntimeError, match="Outcome: DID NOT RAISE"):
         runner._dist_run(True)
+
+
+def test_runs_over_a_few_files_add_up(tmp_path) -> None:
+    """A run replaces the rows of the files it covered and keeps the other files' (runs a few files at a time);
+    collection errors likewise."""
+    import json
+
+    store, run = tmp_path / "store.jsonl", tmp_path / "run.jsonl"
+
+    def rows(*items: tuple[str, str]) -> str:
+        return "".join(json.dumps({"nodeid": n, "outcome": o, "start": 0, "end": 1, "error": ""}) + "\n"
+                       for n, o in items)
+
+    run.write_text(rows(("a.py::x", "failed"), ("b.py::y", "passed")))
+    report.merge_run(store, run, ["a.py", "b.py"])
+    run.write_text(rows(("a.py::x", "passed"), ("a.py::z", "passed")))
+    report.merge_run(store, run, ["a.py"])
+    merged = report.read_results(store)
+    assert {n: r.outcome for n, r in merged.items()} == {"a.py::x": "passed", "a.py::z": "passed",
+                                                        "b.py::y": "passed"}
+    run.write_text("")                         # a file that now yields no test at all loses its old rows
+    report.merge_run(store, run, ["b.py"])
+    assert set(report.read_results(store)) == {"a.py::x", "a.py::z"}
+    errors = tmp_path / "errors.json"
+    assert report.merge_errors(errors, {"a.py": "ImportError"}, ["a.py", "b.py"]) == {"a.py": "ImportError"}
+    assert report.merge_errors(errors, {"b.py": "E"}, ["b.py"]) == {"a.py": "ImportError", "b.py": "E"}
+    assert report.merge_errors(errors, {}, ["a.py"]) == {"b.py": "E"}

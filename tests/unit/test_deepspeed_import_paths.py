@@ -20,6 +20,8 @@ PATHS = {
                              "WARMUP_MIN_LR", "WARMUP_MAX_LR", "WARMUP_NUM_STEPS", "WARMUP_TYPE", "WARMUP_LOG_RATE",
                              "WARMUP_LINEAR_RATE", "WARMUP_MIN_RATIO", "COS_MIN_RATIO", "TOTAL_NUM_STEPS",
                              "VALID_LR_SCHEDULES"],
+    "runtime.pipe.topology": ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
+                              "PipelineParallelGrid"],
     "runtime.zero": ["GatheredParameters", "Init"],
     "runtime.zero.partition_parameters": ["GatheredParameters", "Init", "ZeroParamStatus"],
     "runtime.zero.config": ["DeepSpeedZeroConfig"],
@@ -104,3 +106,10 @@ def test_offload_device_enum_has_deepspeeds_members_and_values() -> None:
     assert OffloadDeviceEnum.cpu == "cpu"
     config = ZeroConfig(stage=3, offload_param={"device": OffloadDeviceEnum.cpu})
     assert config.offload_param is not None and config.offload_param.device == "cpu"
+
+
+def test_offload_optimizer_config_pipeline_is_either_pipeline_key() -> None:
+    from shardwise.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig as Config
+    assert Config().pipeline is False
+    for read, write in ((True, False), (False, True), (True, True)):
+        assert Config(pipeline_read=read, pipeline_write=write).pipeline is True

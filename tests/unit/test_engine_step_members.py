@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardwise.comm.collectives import COLLECTIVES_AT_ONE_ENV
+from shardwise.ops.adam import FusedAdam
 from shardwise.testing import lm_pair, tiny_gpt, token_batches
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -65,9 +66,11 @@ def test_engine_optimizer_reports_an_fp16_overflow_skip_as_deepspeeds() -> None:
               "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     engine, optimizer, _, scheduler = shardwise.initialize(model=tiny_gpt(n_layer=1), config=config)
     assert optimizer is engine.optimizer
-    # still the torch optimizer that steps, the same object, of its own class
+    # still the torch optimizer that steps, the same object, of its own class (the config's "AdamW": DeepSpeed's
+    # FusedAdam, a torch Adam with decoupled weight decay)
     inner = engine.updater.optimizer
-    assert optimizer is inner and optimizer.optimizer is inner and isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer is inner and optimizer.optimizer is inner and isinstance(optimizer, FusedAdam)
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.defaults["decoupled_weight_decay"]
     assert (optimizer.overflow, optimizer.cur_scale, optimizer.loss_scale) == (False, 256.0, 256.0)
 
     _steps(engine, 1)

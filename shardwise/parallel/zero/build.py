@@ -20,7 +20,7 @@ from shardwise.parallel.zero.grads import ZeroGradReducer
 from shardwise.parallel.zero.gathered import record_locations
 from shardwise.parallel.zero.optimizer import ShardedUpdate, Stage3Update, make_shard_masters
 from shardwise.parallel.zero.flat import FlatKey
-from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, rekey, shard_model
+from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, plan_units, rekey, shard_model
 from shardwise.parallel.zero.stage3 import ZeroParamRuntime
 
 
@@ -67,7 +67,10 @@ def build_zero(model: torch.nn.Module, groups: list[dict], *, section: ZeroConfi
                                                  uncounted=uncounted(slots))
     update = ShardedUpdate(optimizer, buckets=buckets, masters=masters, separate_masters=separate, comm=dp_comm,
                            recipe=recipe, norms=bound, tied=slots)
-    return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2)
+    # DeepSpeed checks for parameters without a gradient where it offloads the optimizer (its step's norm)
+    require_all_used = section.offloads_optimizer and not section.ignore_unused_parameters
+    return update, ZeroGradReducer(buckets, dp_comm, partition_grads=section.stage >= 2,
+                                   require_all_used=require_all_used)
 
 
 def _replica_buckets(groups: list[dict], dp_comm: Comm, bucket_numel: int, alone: set[int]) -> list[ZeroBucket]:
@@ -149,6 +152,16 @@ def _partition(model: torch.nn.Module, section: ZeroConfig, key_of: Callable[[to
     if (given.dp_size, given.dp_rank) != (comm.size, comm.rank):
         raise UserError(f"the model was materialized for data-parallel rank {given.dp_rank} of {given.dp_size}, "
                         f"but this run is rank {comm.rank} of {comm.size}: materialize it with the same group")
+    if given.persistence_deferred:
+        # zero.Init sharded every parameter (DeepSpeed's zero.Init does too); the config's thresholds pick the
+        # persistent ones now, by the rule shard_model applies to a whole model
+        thresholds = (section.stage3_param_persistence_threshold, section.stage3_model_persistence_threshold)
+        shapes = {id(p): s for f in given.flats for p, s in zip(f.params, f.shapes)}
+        _, persistent = plan_units(model, persistence_threshold=thresholds[0],
+                                   model_persistence_threshold=thresholds[1], modules=[],
+                                   shape_of=lambda p: shapes.get(id(p), p.shape))
+        return rekey(given, key_of=key_of, comm=comm, device=device, thresholds=thresholds,
+                     persistent=[p for p in persistent if id(p) in shapes])
     for key, mine in (("stage3_param_persistence_threshold", given.persistence_threshold),
                       ("stage3_model_persistence_threshold", given.model_persistence_threshold)):
         if getattr(section, key) != mine:

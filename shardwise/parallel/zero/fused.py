@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
 _FUSED_DEVICES = ("cpu", "cuda")
+# Exactly these classes (a user's subclass may step otherwise): torch's, and DeepSpeed's that are torch's update
+# (`shardwise.ops.adam`; a config's "Adam" / "AdamW" builds FusedAdam)
+_TORCH_UPDATE = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
 
 
 def prefer_fused_adam(optimizer: torch.optim.Optimizer) -> int:
-    """Switch the groups of a torch Adam/AdamW whose implementation is unspecified to `fused=True`, where the
+    """Switch the groups of a torch Adam/AdamW (or DeepSpeed's FusedAdam / DeepSpeedCPUAdam) whose implementation is unspecified to `fused=True`, where the
     kernel supports their tensors (fp32 on CPU or CUDA, not differentiable). Returns the groups switched.
 
     Safe after construction: Adam reads `group["fused"]` at every step and creates the per-parameter state on
     first use (`step` then lives on the parameter's device, as the fused kernel wants); no state exists yet."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+    if type(optimizer) not in _TORCH_UPDATE or optimizer.state:
         return 0
     switched = 0
     for group in optimizer.param_groups:

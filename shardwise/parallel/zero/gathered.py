@@ -4,6 +4,7 @@ block, and the record on each ZeRO-3 parameter that lets a script holding only t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
@@ -13,7 +14,7 @@ from shardwise.comm.collectives import Comm
 from shardwise.errors import UserError
 from shardwise.parallel.zero.flat import FlatShard
 from shardwise.parallel.zero.params import Partition, Unit
-from shardwise.parallel.zero.states import GatherState
+from shardwise.parallel.zero.states import PARAM_STATUS, GatherState, ZeroParamStatus
 
 LOCATION_ATTR = "_shardwise_zero3_location"
 """Attribute of every parameter of a ZeRO-3 model: its `ParamLocation`."""
@@ -53,14 +54,40 @@ class StandaloneGatherer:
         u.free()
 
 
+_next_ds_id = itertools.count()
+
+
 def record_locations(partition: Partition, gatherer: UnitGatherer, comm: Comm) -> None:
-    """Record every parameter's location (again after `initialize` re-keyed the flats and built the runtime)."""
+    """Record every parameter's location (again after `initialize` re-keyed the flats and built the runtime), and
+    DeepSpeed's public `ds_*` attributes for scripts that read them:
+
+        ds_id       int                a number per parameter, kept across re-recordings
+        ds_numel    int                the whole parameter's element count (its .numel() is 0 while sharded)
+        ds_shape    torch.Size         the whole parameter's shape
+        ds_tensor   [k] tensor         this rank's piece of it (a view of the unit's shard; k is this rank's share
+                                       of its flat, not DeepSpeed's ceil(numel / dp)); the whole value if persistent
+        ds_persist  bool               kept whole on every rank (persistence threshold)
+        ds_status   ZeroParamStatus    follows the unit's gather state (`Unit.marks_status`)"""
     for u in partition.units:
+        u.marks_status = True
+        status = PARAM_STATUS[u.gather_state]
         for f in u.flats:
+            pieces = f.local_views(f.shard)
             for i, p in enumerate(f.params):
                 setattr(p, LOCATION_ATTR, ParamLocation(gatherer, comm, u, f, i))
+                _mark(p, numel=f.layout.sizes[i], shape=torch.Size(f.shapes[i]), piece=pieces[i].view(-1),
+                      persist=False, status=status)
     for p in partition.persistent:
         setattr(p, LOCATION_ATTR, ParamLocation(gatherer, comm, None, None, -1))
+        _mark(p, numel=p.numel(), shape=p.shape, piece=p.data, persist=True, status=ZeroParamStatus.AVAILABLE)
+
+
+def _mark(p: torch.Tensor, *, numel: int, shape: torch.Size, piece: torch.Tensor, persist: bool,
+          status: ZeroParamStatus) -> None:
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_next_ds_id)  # type: ignore[attr-defined]
+    p.ds_numel, p.ds_shape, p.ds_tensor = numel, shape, piece  # type: ignore[attr-defined]
+    p.ds_persist, p.ds_status = persist, status  # type: ignore[attr-defined]
 
 
 class GatheredParameters:

@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm.collectives import Comm
+from shardwise.errors import UserError
 from shardwise.parallel.data_parallel import OrderedLauncher
 from shardwise.parallel.zero.buckets import ZeroBucket
 from shardwise.parallel.zero.copies import discard_sent
+
+
+class UnusedParametersError(UserError, AssertionError):
+    """A trainable parameter got no gradient in a whole global batch while zero_optimization.ignore_unused_parameters
+    is false; an AssertionError too, as DeepSpeed raises."""
 
 
 class ZeroGradReducer(OrderedLauncher):
@@ -22,10 +28,16 @@ class ZeroGradReducer(OrderedLauncher):
 
     Both average by summing over the dp group and dividing by its size. Buckets launch in index order on every
     rank, so collectives match across ranks. On gloo the reduce-scatter is a pairwise exchange
-    (`Comm.reduce_scatter_sum`): gloo's own runs a full all-reduce, 3x slower at 1M fp32 elements on 2 ranks."""
+    (`Comm.reduce_scatter_sum`): gloo's own runs a full all-reduce, 3x slower at 1M fp32 elements on 2 ranks.
 
-    def __init__(self, buckets: list[ZeroBucket], comm: Comm, *, partition_grads: bool, max_in_flight: int = 2):
+    `require_all_used`: a global batch in which some parameter got no gradient raises `UnusedParametersError` at
+    its last backward (DeepSpeed's check with offload_optimizer and ignore_unused_parameters false)."""
+
+    def __init__(self, buckets: list[ZeroBucket], comm: Comm, *, partition_grads: bool, max_in_flight: int = 2,
+                 require_all_used: bool = False):
         self.buckets = buckets
+        self.require_all_used = require_all_used
+        self._used: set[int] = set()           # ids of the parameters that got a gradient in this global batch
         self.comm = comm
         self.partition_grads = partition_grads
         self.max_in_flight = max_in_flight
@@ -63,6 +75,15 @@ class ZeroGradReducer(OrderedLauncher):
             self._ready_count = 0
             for b in self.buckets:
                 b.ready.clear()
+        if boundary:
+            used, self._used = self._used, set()
+            unused = [p for b in self.buckets for p in b.params if id(p) not in used]
+            if self.require_all_used and unused:
+                shapes = ", ".join(str(tuple(p.shape)) for p in unused[:3])
+                raise UnusedParametersError(
+                    f"{len(unused)} trainable parameter(s) (shapes {shapes}{', ...' if len(unused) > 3 else ''}) got "
+                    f"no gradient in this global batch: set zero_optimization.ignore_unused_parameters to true, or "
+                    f"make every trainable parameter take part in the loss")
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -90,6 +111,7 @@ class ZeroGradReducer(OrderedLauncher):
     # -- hooks and launches -------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         bucket, i = self._where[id(p)]
+        self._used.add(id(p))
         if self.partition_grads:
             if not self.enabled:
                 return

@@ -19,7 +19,7 @@ from shardwise.parallel.zero.construction import ConstructionSharder, partition_
 from shardwise.parallel.zero.flat import FlatKey
 from shardwise.parallel.zero.gathered import StandaloneGatherer, record_locations
 from shardwise.parallel.zero.materialize import materialize_sharded
-from shardwise.parallel.zero.params import PARTITION_ATTR, shard_model
+from shardwise.parallel.zero.params import PARTITION_ATTR, Partition, shard_model
 
 
 class Init:
@@ -41,8 +41,10 @@ class Init:
     the parameters it touches are gathered as above. Every rank must build the same model and touch the same
     parameters in the same order (the gathers are collectives).
 
-    The config (the one given to `initialize`) supplies the stage3_*_persistence_threshold values, which
-    must match, and, as in DeepSpeed, its offload_param block overrides ``remote_device`` / ``pin_memory``.
+    Every parameter is sharded, small ones too: outside `GatheredParameters` each is a 0-sized placeholder (and
+    its `ds_status` NOT_AVAILABLE), as DeepSpeed's zero.Init leaves them; `initialize` then keeps those under the
+    config's stage3_*_persistence_threshold values whole on every rank. As in DeepSpeed, the config's
+    offload_param block overrides ``remote_device`` / ``pin_memory``.
     ``mpu`` serves the config's batch arithmetic only (DeepSpeed's use); the group defaults to the world, which
     is the data-parallel group without tensor or pipeline parallelism (with them, let `initialize` shard).
     ``remote_device="cpu"`` keeps the shards in host memory (pinned with ``pin_memory`` where CUDA exists) until
@@ -94,9 +96,9 @@ class Init:
         deferred = self._has_hidden_size_autos()
         self._zero = None if deferred else self._zero_section()
         self._comm = Comm(self.group, CommLedger(), name="dp:init")
-        self._sharder = ConstructionSharder(
-            self._comm, device=_compute_device(), dtype=self.dtype,
-            keep_whole_numel=0 if self._zero is None else self._zero.stage3_param_persistence_threshold)
+        # every parameter is cut, small ones too (see __exit__)
+        self._sharder = ConstructionSharder(self._comm, device=_compute_device(), dtype=self.dtype,
+                                            keep_whole_numel=0)
         self._sharder.start()
         _OPEN.append(self)
         return self
@@ -124,10 +126,8 @@ class Init:
             if hasattr(model, PARTITION_ATTR):
                 continue
             zero = self._zero if self._zero is not None else self._zero_section(model)
-            partition = partition_constructed(
-                model, sharder, persistence_threshold=zero.stage3_param_persistence_threshold,
-                model_persistence_threshold=zero.stage3_model_persistence_threshold)
-            setattr(model, PARTITION_ATTR, partition)
+            partition = partition_constructed(model, sharder, persistence_threshold=0, model_persistence_threshold=0)
+            _defer_persistence(model, partition)
             self._place(model, zero, comm)
 
     def _materialize(self, model: nn.Module) -> None:
@@ -136,8 +136,8 @@ class Init:
         if self.dtype is not None:
             model.to(self.dtype)                      # on the meta device: only the recorded dtypes change
         materialize_sharded(model, comm=comm, init=self._init_for(model), device=_compute_device(),
-                            persistence_threshold=zero.stage3_param_persistence_threshold,
-                            model_persistence_threshold=zero.stage3_model_persistence_threshold)
+                            persistence_threshold=0, model_persistence_threshold=0)
+        _defer_persistence(model, getattr(model, PARTITION_ATTR))
         self._place(model, zero, comm)
 
     def _shard_module(self, module: nn.Module) -> None:
@@ -157,10 +157,9 @@ class Init:
         _broadcast_by_module(module, comm)
         partition = shard_model(module, key_of=lambda p: FlatKey(0 if p.requires_grad else None, p.dtype),
                                 dp_size=comm.size, dp_rank=comm.rank, device=_compute_device(), grad_shards=False,
-                                persistence_threshold=zero.stage3_param_persistence_threshold,
-                                model_persistence_threshold=zero.stage3_model_persistence_threshold)
-        module.to(_compute_device())                  # the persistent (whole) parameters and the buffers
-        setattr(module, PARTITION_ATTR, partition)
+                                persistence_threshold=0, model_persistence_threshold=0)
+        module.to(_compute_device())                  # the buffers
+        _defer_persistence(module, partition)
         self._place(module, zero, comm)
 
     def _place(self, model: nn.Module, zero: ZeroConfig, comm: Comm) -> None:
@@ -216,6 +215,14 @@ class Init:
         from shardwise.config.auto import auto_paths
         zero = read_config(self.config).get("zero_optimization")
         return bool(auto_paths(zero)) if isinstance(zero, dict) else False
+
+
+def _defer_persistence(model: nn.Module, partition: Partition) -> None:
+    """Every parameter of a zero.Init model is sharded, small ones too, as DeepSpeed's zero.Init leaves them
+    (0-sized outside GatheredParameters); `initialize` makes those under the config's persistence thresholds whole
+    (`build._partition`)."""
+    partition.persistence_deferred = True
+    setattr(model, PARTITION_ATTR, partition)
 
 
 # What the zero section's validity depends on: itself and the parallel sizes that set the data-parallel size.

@@ -17,7 +17,8 @@ from shardwise.parallel.replicas import ReplicaComms
 from shardwise.parallel.zero.copies import CopyStream
 from shardwise.parallel.zero.flat import FlatKey, FlatShard
 from shardwise.parallel.zero.partition import FlatLayout, RowLayout
-from shardwise.parallel.zero.states import GATHER_MOVES, TRAINING_MOVES, GatherState, TrainingState, advance
+from shardwise.parallel.zero.states import (GATHER_MOVES, PARAM_STATUS, TRAINING_MOVES, GatherState, TrainingState,
+                                           advance)
 
 
 @dataclass(eq=False)
@@ -35,6 +36,9 @@ class Unit:
     gather_state: GatherState = GatherState.SHARDED
     training_state: TrainingState = TrainingState.IDLE
     handles: list[Handle] = field(default_factory=list)
+    # the engine's ZeRO-3 units (not the module wrappers'): each gather-state change is shown on the parameters
+    # as DeepSpeed's `ds_status` (`gathered.record_locations`)
+    marks_status: bool = False
 
     @property
     def padded_numel(self) -> int:
@@ -42,6 +46,11 @@ class Unit:
 
     def _move_gather(self, to: GatherState) -> None:
         self.gather_state = advance(GATHER_MOVES, self.gather_state, to, f"ZeRO-3 unit {self.name}")
+        if self.marks_status:
+            status = PARAM_STATUS[to]
+            for f in self.flats:
+                for p in f.params:
+                    p.ds_status = status  # type: ignore[attr-defined]
 
     def move_training(self, to: TrainingState) -> None:
         self.training_state = advance(TRAINING_MOVES, self.training_state, to, f"ZeRO-3 unit {self.name}")
@@ -92,6 +101,9 @@ class Partition:
     dp_rank: int
     persistence_threshold: int
     model_persistence_threshold: int
+    # zero.Init's: every parameter sharded (none persistent yet), as in DeepSpeed, whose zero.Init partitions
+    # every parameter; `initialize` picks the persistent ones by its config's thresholds (`rekey`'s `persistent`)
+    persistence_deferred: bool = False
 
     @property
     def flats(self) -> list[FlatShard]:
@@ -223,36 +235,62 @@ def shard_model(model: nn.Module, *, key_of: Callable[[nn.Parameter], FlatKey], 
 
 @torch.no_grad()
 def rekey(partition: Partition, *, key_of: Callable[[nn.Parameter], FlatKey], comm: Comm,
-          device: torch.device) -> Partition:
+          device: torch.device, persistent: list[nn.Parameter] | None = None,
+          thresholds: tuple[int, int] | None = None) -> Partition:
     """The same units with flats re-keyed (new param groups and/or dtype). A flat whose parameters all get
     one new key keeps its layout and is converted locally; otherwise its unit is gathered (collective: every
-    rank takes the same branch, the keys are the same everywhere) and re-sharded."""
-    units = []
+    rank takes the same branch, the keys are the same everywhere) and re-sharded.
+
+    `persistent` (a deferred partition's: zero.Init sharded every parameter) are taken out of their units and
+    kept whole on every rank from now on; a unit left with no parameter is dropped. `thresholds` (param, model)
+    are then the ones they were chosen by."""
+    leaving = {id(p) for p in persistent or []}
+    # the training dtype (the caller's cast reached the placeholders), read before a gather re-points them
+    dtype_of = {id(p): key_of(p).dtype for p in persistent or []}
+    units: list[Unit] = []
     for u in partition.units:
-        plan = UnitPlan(u.name, u.module, [p for f in u.flats for p in f.params], u.is_root)
+        staying = [p for f in u.flats for p in f.params if id(p) not in leaving]
         shapes = {id(p): s for f in u.flats for p, s in zip(f.params, f.shapes)}
+        left = [p for f in u.flats for p in f.params if id(p) in leaving]
+        if not staying:
+            u.gather(comm)
+            whole = {id(p): v.clone() for f in u.flats for p, v in zip(f.params, f.views)}
+            u.free()
+            for p in left:
+                p.data = whole[id(p)].to(device, dtype_of[id(p)])
+            continue
+        plan = UnitPlan(u.name, u.module, staying, u.is_root)
         (new,) = build_units([plan], key_of=key_of, shape_of=lambda p: shapes[id(p)], dp_size=partition.dp_size,
                              dp_rank=partition.dp_rank, device=device)
-        new.index = u.index
+        new.index = len(units)
         where = {id(p): (f, i) for f in new.flats for i, p in enumerate(f.params)}
         same_layout = {id(f.params[0]): f for f in new.flats}
         ids = lambda flat: [id(p) for p in flat.params]  # noqa: E731
-        if all(id(f.params[0]) in same_layout and ids(same_layout[id(f.params[0])]) == ids(f) for f in u.flats):
+        if not left and all(id(f.params[0]) in same_layout and ids(same_layout[id(f.params[0])]) == ids(f)
+                            for f in u.flats):
             for f in u.flats:
                 same_layout[id(f.params[0])].shard.copy_(f.shard)     # converts dtype/device
         else:
             u.gather(comm)
+            whole = {}
             for f in u.flats:
                 for p, view in zip(f.params, f.views):
+                    if id(p) in leaving:
+                        whole[id(p)] = view.clone()
+                        continue
                     target, i = where[id(p)]
                     target.copy_piece(i, view)
-            u.free()
+            u.free()                              # every old parameter back on the placeholder: then the whole ones
+            for p in left:
+                p.data = whole[id(p)].to(device, dtype_of[id(p)])
         for f in new.flats:
-            f.unit = u.index
+            f.unit = new.index
             f.release()
         units.append(new)
-    return Partition(units, partition.persistent, partition.dp_size, partition.dp_rank,
-                     partition.persistence_threshold, partition.model_persistence_threshold)
+    param_threshold, model_threshold = thresholds or (partition.persistence_threshold,
+                                                      partition.model_persistence_threshold)
+    return Partition(units, [*partition.persistent, *(persistent or [])], partition.dp_size, partition.dp_rank,
+                     param_threshold, model_threshold)
 
 
 @torch.no_grad()

@@ -45,6 +45,22 @@ class BackwardState(enum.Enum):
     RUNNING = "running"    # a backward reached a hook and queued autograd's final callback, which finishes it
 
 
+class ZeroParamStatus(enum.Enum):
+    """A ZeRO-3 parameter's `GatherState` in DeepSpeed's terms and values: the `ds_status` each parameter of a
+    ZeRO-3 model carries (`gathered.record_locations`)."""
+
+    AVAILABLE = 1
+    """Gathered whole on this rank (or persistent: always whole)."""
+    NOT_AVAILABLE = 2
+    """Only this rank's shard is held; the parameter is a 0-sized placeholder."""
+    INFLIGHT = 3
+    """A gather has been launched and not waited on yet."""
+
+
+PARAM_STATUS = {GatherState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, GatherState.GATHERING: ZeroParamStatus.INFLIGHT,
+                GatherState.UNSHARDED: ZeroParamStatus.AVAILABLE}
+
+
 GATHER_MOVES = {
     GatherState.SHARDED: {GatherState.GATHERING},
     GatherState.GATHERING: {GatherState.UNSHARDED},     # a free waits for the gather first
