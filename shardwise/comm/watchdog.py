@@ -117,10 +117,11 @@ _LIVE: "weakref.WeakSet[HangWatchdog]" = weakref.WeakSet()
 """Every started watchdog still referenced: one exit handler stops them all (a process may build many engines)."""
 
 
-def _stop_at_exit() -> None:
-    """Before the interpreter finalizes: a daemon thread still inside a store call when finalization stops it
-    unwinds through C++ frames that may not throw, and the process aborts ("terminate called without an active
-    exception") after a run that had finished. Stop the threads and let them leave their calls first."""
+def stop_all_watchdogs() -> None:
+    """Stop every live watchdog and let its thread leave its store call. At exit: a daemon thread still inside a
+    store call when finalization stops it unwinds through C++ frames that may not throw, and the process aborts
+    ("terminate called without an active exception") after a run that had finished. Also for a process that
+    outlives its engines and their world (the test suite's warm ranks)."""
     dogs = list(_LIVE)
     for dog in dogs:
         dog.stop()
@@ -128,7 +129,7 @@ def _stop_at_exit() -> None:
         dog.join(timeout_s=10.0)
 
 
-atexit.register(_stop_at_exit)
+atexit.register(stop_all_watchdogs)
 
 
 def _report_before_abort(reason: str | None) -> None:
