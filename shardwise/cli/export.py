@@ -3,7 +3,9 @@ layout), for other tools.
 
     --to hf            a Hugging Face model directory (config.json + model.safetensors, `save_pretrained`):
                        `AutoModelForCausalLM.from_pretrained(DIR)` loads it. Our GPT shape becomes
-                       GPT2LMHeadModel, our Llama shape LlamaForCausalLM; a `--model hf:...` run stays its class.
+                       GPT2LMHeadModel, our Llama shape LlamaForCausalLM, its MoE form (llama-moe-tiny)
+                       MixtralForCausalLM; a `--model hf:...` run stays its class. A model transformers has
+                       no counterpart of (GELU experts: gpt-moe-tiny) is refused before any weight is read.
     --to safetensors   DIR/model.safetensors under our own names, with DIR/model.json (what `--model` it is)
 """
 
@@ -14,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli.trained import add_checkpoint_arguments, load_trained
+from shardwise.cli.trained import add_checkpoint_arguments, load_trained, model_choice
 from shardwise.errors import UserError
 
 FORMATS = ("hf", "safetensors")
@@ -75,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
             import transformers  # noqa: F401
         except ImportError:
             raise UserError("--to hf needs transformers: pip install transformers") from None
+        from shardwise.models.hf import hf_family
+        choice, _ = model_choice(args)
+        if not choice.is_hf:
+            hf_family(choice.gpt_config())      # no transformers counterpart: one line before any weight is read
     trained = load_trained(args)
     # Written beside the destination and renamed into place: a failed export leaves nothing half-written.
     out.parent.mkdir(parents=True, exist_ok=True)
