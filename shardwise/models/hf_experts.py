@@ -1,6 +1,6 @@
-"""How a Hugging Face mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE, as installed transformers builds
-them) trains under expert parallelism: its hook, beside the models, so that `shardwise.parallel.experts` knows no
-model. Nothing of the model's source is edited; its router, its shared experts and its auxiliary loss stay its own.
+"""How a Hugging Face mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, OLMoE, as installed
+transformers builds them) trains under expert parallelism: its hook, beside the models, so that
+`shardwise.parallel.experts` knows no model. Nothing of the model's source is edited; its router, its shared experts and its auxiliary loss stay its own.
 
     shard_hf_experts(model, groups)      # after building the whole model the same on every rank, before initialize
 
@@ -129,8 +129,8 @@ def shard_hf_experts(model: nn.Module, groups: ExpertGroups | None, ledger: Comm
     modules = list(hf_experts_modules(model))
     if not modules:
         raise UserError(f"{type(model).__name__} has no transformers experts module of stacked weights (Mixtral, "
-                        f"Qwen2-MoE and Qwen3-MoE of transformers >= 5 have one); expert parallelism cannot split "
-                        f"it: train it without expert parallelism")
+                        f"Qwen2-MoE, Qwen3-MoE, gpt-oss of transformers >= 5 have one); expert parallelism cannot "
+                        f"split it: train it without expert parallelism")
     ledger = ledger or CommLedger()
     if groups is None:
         comm: Comm = SoloComm(None, ledger, name="ep")

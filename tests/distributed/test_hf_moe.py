@@ -1,8 +1,9 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE) from tiny
-configs, their experts cut for expert parallelism by `shard_hf_experts` (the model's source untouched):
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE, gpt-oss with
+expert biases) from tiny configs, their experts cut for expert parallelism by `shard_hf_experts` (the model's
+source untouched):
 
 - at ep 2 the logits (and transformers' router aux loss) of each rank's batch equal the whole model's;
-- 5 training steps at ep 2 (2 ranks, stage 0, ZeRO-2 and ZeRO-3) equal the single-process model (fp32, rtol 1e-5):
+- 5 training steps at ep 2 (2 ranks, stage 0 and ZeRO 1-3) equal the single-process model (fp32, rtol 1e-5):
   losses with transformers' load-balancing loss (`output_router_logits`, `router_aux_loss_coef`), each rank's dense
   weights and its experts against the reference's same experts. The reference runs the 2 ranks' shards as 2
   micro-batches of one step (the aux loss is not linear in the tokens: one big batch would differ).
@@ -35,6 +36,8 @@ CASES: dict[str, tuple[str, dict, dict, float]] = {
                              {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}}, 0.0),
     # every parameter sharded: the stacked experts in flats of their own over the expert-dp group
     "qwen3_moe_zero3_sgd": ("qwen3_moe", {"stage": 3, "stage3_param_persistence_threshold": 0}, _SGD, 0.0),
+    # experts with biases [E, ...], stored transposed: every stacked parameter is cut by expert
+    "gpt_oss_zero1_sgd_clip": ("gpt_oss", {"stage": 1}, _SGD, 0.05),
 }
 
 
@@ -52,6 +55,9 @@ def hf_moe(family: str) -> torch.nn.Module:
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
             num_experts=4, norm_topk_prob=False))
+    if family == "gpt_oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, intermediate_size=24, num_local_experts=4, head_dim=4, layer_types=["full_attention"] * 2))
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **common, intermediate_size=24, moe_intermediate_size=12, head_dim=4, num_experts=4, norm_topk_prob=True))
 

@@ -1,7 +1,8 @@
 """`shard_hf_experts` at ep 1 (one process, the all-to-all exchange over a group of one): a transformers MoE model
-whose experts module dispatches through shardwise gives transformers' logits, load-balancing loss and gradients
-with the same weights; a model without a stacked experts module is refused in one line. The ep-2 checks (forward
-and 5 training steps) are in tests/distributed/test_hf_moe.py."""
+(Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, OLMoE) whose experts module dispatches through shardwise gives
+transformers' logits, load-balancing loss and gradients with the same weights; a model without a stacked experts
+module is refused in one line. The ep-2 checks (forward and 5 training steps) are in
+tests/distributed/test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -27,11 +28,17 @@ def _model(family: str) -> torch.nn.Module:
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
             num_experts=4))
+    if family == "gpt_oss":           # experts with biases, stored transposed and interleaved
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, intermediate_size=24, num_local_experts=4, head_dim=4, layer_types=["full_attention"] * 2))
+    if family == "olmoe":
+        return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**common, intermediate_size=24, num_experts=4,
+                                                                      eos_token_id=None, pad_token_id=None))
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **common, intermediate_size=24, moe_intermediate_size=12, head_dim=4, num_experts=4, norm_topk_prob=True))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe"])
 def test_ep1_dispatch_equals_transformers(family: str) -> None:
     from shardwise.models.hf_experts import ExpertParallelExperts, hf_experts_modules, shard_hf_experts
     model = _model(family)
