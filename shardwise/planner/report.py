@@ -57,7 +57,8 @@ def to_json(a: Analysis) -> dict[str, Any]:
     chosen = a.chosen
     out: dict[str, Any] = {
         "model": {"name": model_name(a.model), **dataclasses.asdict(a.model), "params": a.params.total,
-                  "params_active": a.params.active, "params_non_embedding": a.params.non_embedding, "params_narayanan_eq2": a.cost.params_narayanan},
+                  "params_active": a.params.active, "params_non_embedding": a.params.non_embedding,
+                  "params_narayanan_eq2": a.cost.params_narayanan},
         "cluster": a.cluster.to_dict(),
         "job": {**a.job.to_dict(), "tokens": a.cost.tokens, "seq_len": a.job.sequence_length(a.model)},
         "flops": {"convention": flops_convention(a), "six_nd": a.cost.flops_6nd,

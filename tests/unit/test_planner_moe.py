@@ -11,7 +11,8 @@ import pytest
 from shardwise.cli.main import main as cli_main
 from shardwise.models.presets import MOE_PRESETS, GPTConfig, gpt_flops_per_token, gpt_num_params
 from shardwise.planner import (
-    JobSpec, Optimizer, Plan, PlannerError, Precision, Recompute, cluster_preset, flops_per_token, model_name, model_preset, param_count,
+    JobSpec, Optimizer, Plan, PlannerError, Precision, Recompute, cluster_preset, flops_per_token, model_name,
+    model_preset, param_count,
 )
 from shardwise.planner.comm import Axis, Op, ep_collectives, expert_all_to_all_bytes, step_collectives
 from shardwise.planner.flops import busiest_rank_params
