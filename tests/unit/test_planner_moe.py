@@ -117,3 +117,12 @@ def test_plan_command_recommends_expert_parallelism(capsys: pytest.CaptureFixtur
                      "--ep", "4", "--zero", "1", "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)["plan"]
     assert evaluated["plan"]["ep"] == 4 and evaluated["step_time"]["ep_comm_s"] > 0
+
+
+def test_a_plan_with_ep_is_not_written_as_a_config_that_drops_it(tmp_path) -> None:
+    from shardwise.planner.export import write_config
+    job = JobSpec(global_batch=8, precision=Precision.BF16)
+    with pytest.raises(PlannerError, match=r"plan.ep = 2: the config has no expert-parallel size"):
+        write_config(tmp_path / "c.json", Plan(dp=4, ep=2), job)
+    assert not (tmp_path / "c.json").exists()
+    assert write_config(tmp_path / "c.json", Plan(dp=4), job)["train_batch_size"] == 8
