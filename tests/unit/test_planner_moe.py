@@ -126,3 +126,22 @@ def test_a_plan_with_ep_is_not_written_as_a_config_that_drops_it(tmp_path) -> No
         write_config(tmp_path / "c.json", Plan(dp=4, ep=2), job)
     assert not (tmp_path / "c.json").exists()
     assert write_config(tmp_path / "c.json", Plan(dp=4), job)["train_batch_size"] == 8
+
+
+# mistralai/Mixtral-8x7B-v0.1's config.json (the keys the planner reads, and some it ignores)
+MIXTRAL_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32000}
+
+
+def test_a_mixtral_config_json_is_the_mixtral_preset() -> None:
+    from shardwise.planner.hf import model_from_hf_config
+    model = model_from_hf_config(MIXTRAL_CONFIG)
+    assert model_name(model) == "mixtral-8x7b" and model == model_preset("mixtral-8x7b")
+    small = model_from_hf_config({**MIXTRAL_CONFIG, "num_local_experts": 4, "num_experts_per_tok": 1})
+    assert (small.moe_experts, small.moe_top_k) == (4, 1) and model_name(small) == "custom"
+    with pytest.raises(PlannerError, match=r"moe_top_k=5 with moe_experts=4"):
+        model_from_hf_config({**MIXTRAL_CONFIG, "num_local_experts": 4, "num_experts_per_tok": 5})
