@@ -1,5 +1,5 @@
-"""`shardwise bench {cp,dp,allreduce,fsdp,guards,pipeline,pipeline_engines,recompute,tp} --nproc N [OPTIONS...]`: run a
-side-by-side benchmark on N local ranks.
+"""`shardwise bench {cp,dp,allreduce,fsdp,guards,moe,pipeline,pipeline_engines,recompute,tp} --nproc N
+[OPTIONS...]`: run a side-by-side benchmark on N local ranks.
 
 Each benchmark lives in `benchmarks.<name>` at the repository root (it is not part of the installed package, as
 it imports dev-only peers) and is started through torch's elastic launcher; the options after the benchmark name
@@ -29,6 +29,7 @@ BENCHMARKS = {
     "recompute": "activation recomputation policies (none, selective, full, every_n): stored bytes, step time",
     "tp": "shardwise tensor parallelism vs torch DTensor parallelize_module: step time, ratios, memory",
     "fsdp": "shardwise fully_shard / DistributedDataParallel vs torch FSDP2 / DDP, plain loops: step time, memory",
+    "moe": "shardwise's MoE layer vs DeepSpeed's at ep = nproc: step time, all-to-all bytes against the formula",
 }
 
 

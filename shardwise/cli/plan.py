@@ -22,7 +22,7 @@ from typing import Any
 
 from shardwise.errors import UserError
 
-_PLAN_FLAGS = ("dp", "tp", "pp", "cp", "cp_impl", "zero", "offload", "micro_batch", "recompute", "schedule",
+_PLAN_FLAGS = ("dp", "tp", "pp", "cp", "cp_impl", "ep", "zero", "offload", "micro_batch", "recompute", "schedule",
                "virtual_stages", "sequence_parallel")
 
 
@@ -108,6 +108,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--cp", type=_positive(int), help="context-parallel ranks sharing each sequence")
     g.add_argument("--cp-impl", choices=[x.value for x in ContextParallelImpl],
                    help="context-parallel attention (default ring)")
+    g.add_argument("--ep", type=_positive(int), help="expert-parallel ranks splitting each MoE block's experts "
+                                                      "(divides dp)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     g.add_argument("--offload", choices=[x.value for x in Offload])
     g.add_argument("--micro-batch", type=_positive(int))
@@ -205,7 +207,8 @@ def _plan(args: argparse.Namespace, num_gpus: int) -> Any:
                 zero_stage=args.zero or 0, offload=Offload(args.offload or "none"),
                 micro_batch=args.micro_batch or 1, recompute=Recompute(args.recompute or "none"), schedule=schedule,
                 virtual_stages=args.virtual_stages or (2 if schedule is interleaved else 1),
-                sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1)
+                sequence_parallel=args.sequence_parallel if args.sequence_parallel is not None else tp > 1,
+                ep=args.ep or 1)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -186,8 +186,8 @@ _PRESET_KWARGS: dict[str, dict[str, Any]] = {
     # Llama 2 70B: 80 x 8192, 64 query heads sharing 8 kv heads, SwiGLU 28672, context 4096: 68,976,648,192.
     "llama-70b": dict(_LLAMA, seq_len=4096, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672),
 }
-# Mixtures of experts. Kept apart from `PRESETS` (the planner's table) until the planner counts experts; `--model`
-# and `gpt_config` find them.
+# Mixtures of experts, a table of their own beside `PRESETS`; `--model`, `gpt_config` and the planner (whose model
+# table joins the two) find them.
 _MOE_PRESET_KWARGS: dict[str, dict[str, Any]] = {
     # tiny's shape with 4 GELU experts of half width, top-2: trains on CPU.
     "gpt-moe-tiny": dict(vocab_size=256, seq_len=128, n_layer=4, n_head=6, d_model=192, moe_experts=4,
@@ -210,7 +210,7 @@ PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _PRESET_K
 """Preset name -> config. Use `gpt_config(name, **overrides)` to derive variants."""
 
 MOE_PRESETS: dict[str, GPTConfig] = {name: GPTConfig(**kw) for name, kw in _MOE_PRESET_KWARGS.items()}
-"""The mixture-of-experts presets (not yet in `PRESETS`, which the planner sizes)."""
+"""The mixture-of-experts presets (the planner sizes them with `PRESETS`: `planner.MODEL_PRESETS`)."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 

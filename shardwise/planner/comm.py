@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from shardwise.config import PipelineSchedule
 from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
-from shardwise.planner.flops import params_per_rank, stage_layers
+from shardwise.planner.flops import busiest_rank_params, moe_blocks_per_stage, stage_layers
 from shardwise.planner.memory import FP32_BYTES, gradient_buckets, ulysses_kv_width
 from shardwise.planner.specs import ClusterSpec, JobSpec, Plan, Recompute
 from shardwise.planner.zero3 import units_per_block
@@ -30,6 +30,7 @@ class Axis(str, enum.Enum):
     TP = "tp"
     PP = "pp"
     CP = "cp"
+    EP = "ep"
 
 
 class Link(str, enum.Enum):
@@ -111,9 +112,9 @@ def link_of(axis: Axis, cluster: ClusterSpec, plan: Plan) -> Link:
     """Whether every group of `axis` stays inside one node. Ranks are laid out (pp, dp, cp, tp) with tp
     innermost, so a TP group spans tp ranks, a CP group cp * tp, the gradient group (dp x cp, the parameters'
     replicas) dp * cp * tp, a pipeline pp * dp * cp * tp."""
-    size = {Axis.TP: plan.tp, Axis.CP: plan.cp, Axis.DP: plan.replicas, Axis.PP: plan.pp}[axis]
+    size = {Axis.TP: plan.tp, Axis.CP: plan.cp, Axis.DP: plan.replicas, Axis.PP: plan.pp, Axis.EP: plan.ep}[axis]
     block = {Axis.TP: plan.tp, Axis.CP: plan.cp * plan.tp, Axis.DP: plan.replicas * plan.tp,
-             Axis.PP: plan.world_size}[axis]
+             Axis.PP: plan.world_size, Axis.EP: plan.ep * plan.cp * plan.tp}[axis]
     return Link.INTRA_NODE if size == 1 or _aligned_within_node(block, cluster) else Link.INTER_NODE
 
 
@@ -125,7 +126,8 @@ def _timed(axis: Axis, op: Op, purpose: str, size: int, payload: float, calls: i
                  else (cluster.inter_node_bw, cluster.inter_node_latency_s))
     if link is Link.INTER_NODE and size > 1:
         # a ring through k nodes crosses the network k - 1 times a round, NVLink for the other hops
-        stride = {Axis.TP: 1, Axis.CP: plan.tp, Axis.DP: plan.tp, Axis.PP: plan.tp * plan.replicas}[axis]
+        stride = {Axis.TP: 1, Axis.CP: plan.tp, Axis.DP: plan.tp, Axis.PP: plan.tp * plan.replicas,
+                  Axis.EP: plan.tp * plan.cp}[axis]
         nodes = min(size, math.ceil(size / max(1, cluster.gpus_per_node // stride)))
         alpha = ((nodes - 1) * alpha + (size - nodes) * cluster.intra_node_latency_s) / (size - 1)
     measured = {Op.REDUCE_SCATTER: (cluster.reduce_scatter_bw, cluster.reduce_scatter_latency_s),
@@ -143,11 +145,22 @@ def dp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
     the gradients (in buckets). ZeRO-1: reduce-scatter at the step + all-gather of the updated params.
     ZeRO-2: the gradient shards are reduce-scattered on every micro-batch's backward (partitioned
     gradients cannot accumulate unreduced). ZeRO-3: parameters are gathered for every forward and every
-    backward of every micro-batch, gradients reduce-scattered each backward."""
-    replicas = plan.replicas
-    if replicas == 1:
+    backward of every micro-batch, gradients reduce-scattered each backward.
+
+    Under expert parallelism a rank's experts have collectives of their own, the same ones over the
+    expert-data-parallel group (`Plan.expert_replicas` ranks; "experts: ..." purposes)."""
+    dense, experts = busiest_rank_params(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    if plan.ep == 1:
+        return _replica_collectives(model, cluster, job, plan, dense + experts, plan.replicas, "")
+    return (_replica_collectives(model, cluster, job, plan, dense, plan.replicas, "")
+            + _replica_collectives(model, cluster, job, plan, experts, plan.expert_replicas, "experts: "))
+
+
+def _replica_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan, psi: int, replicas: int,
+                         prefix: str) -> list[Collective]:
+    """`dp_collectives` of `psi` parameters held alike by `replicas` ranks."""
+    if replicas == 1 or psi == 0:
         return []
-    psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
     if plan.zero_stage >= 1:   # ZeRO pads the flat buffer to whole shards: dp * ceil(psi / dp) elements
         psi = replicas * math.ceil(psi / replicas)
     n = psi * job.precision.nbytes
@@ -156,17 +169,17 @@ def dp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
     layers = stage_layers(model.n_layer, plan.pp)[0]
     args = (replicas, n)
     if plan.zero_stage == 0:
-        return [_timed(Axis.DP, Op.ALL_REDUCE, "gradients", *args, 1, cluster, plan, buckets)]
+        return [_timed(Axis.DP, Op.ALL_REDUCE, prefix + "gradients", *args, 1, cluster, plan, buckets)]
     if plan.zero_stage in (1, 2):
         rs_calls = 1 if plan.zero_stage == 1 else m
-        return [_timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, rs_calls, cluster, plan, buckets),
-                _timed(Axis.DP, Op.ALL_GATHER, "updated parameters", *args, 1, cluster, plan, buckets)]
+        return [_timed(Axis.DP, Op.REDUCE_SCATTER, prefix + "gradients", *args, rs_calls, cluster, plan, buckets),
+                _timed(Axis.DP, Op.ALL_GATHER, prefix + "updated parameters", *args, 1, cluster, plan, buckets)]
     # one collective per gathered unit: a block (our engine) or each module of it (DeepSpeed), at the share of
     # the link that ZeRO-3's many uneven collectives achieve
     units, eff = layers * units_per_block(model, job), cluster.gather_efficiency
-    return [_timed(Axis.DP, Op.ALL_GATHER, "parameters (forward, backward)", *args, 2 * m, cluster, plan, units,
-                   eff),
-            _timed(Axis.DP, Op.REDUCE_SCATTER, "gradients", *args, m, cluster, plan, units, eff)]
+    return [_timed(Axis.DP, Op.ALL_GATHER, prefix + "parameters (forward, backward)", *args, 2 * m, cluster, plan,
+                   units, eff),
+            _timed(Axis.DP, Op.REDUCE_SCATTER, prefix + "gradients", *args, m, cluster, plan, units, eff)]
 
 
 def tp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
@@ -229,6 +242,31 @@ def cp_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: P
                    (forwards + 1) * layers * m, cluster, plan, messages=4)]
 
 
+def expert_all_to_all_bytes(model: GPTConfig, *, tokens: float, ep: int, nbytes: int) -> float:
+    """Bytes one rank sends to other ranks in one MoE layer's dispatch (and again in its combine) of `tokens`
+    local tokens: each token's k rows of d_model elements, of which (ep - 1) / ep go to experts on other ranks
+    (routing spread evenly). The ledger records each all-to-all's whole input, tokens k h e; this is the share
+    that leaves the rank (`ring_send_bytes` of an ALL_TO_ALL)."""
+    return tokens * model.moe_top_k * model.d_model * nbytes * (ep - 1) / ep
+
+
+def ep_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
+    """Expert parallelism, per MoE block and micro-batch on one rank: its tokens = b s / cp (/ tp with sequence
+    parallelism, each TP rank dispatching its share) go to their k experts' ranks (dispatch) and the expert
+    outputs come back (combine), each an all-to-all of tokens k h e bytes of input; backward runs both again with
+    the gradients, and a recomputed forward both once more. Time: all exposed (time.py), since the experts need
+    what the dispatch brings and the next layer what the combine returns."""
+    if plan.ep == 1 or not model.moe_experts:
+        return []
+    sp = plan.tp if plan.sequence_parallel else 1
+    tokens = plan.micro_batch * job.sequence_length(model) / plan.cp / sp
+    payload = tokens * model.moe_top_k * model.d_model * job.precision.nbytes
+    passes = 2 if plan.recompute is Recompute.NONE else 3      # forward, backward (+ the recomputed forward)
+    calls = 2 * passes * moe_blocks_per_stage(model, plan.pp)[0] * plan.grad_accum(job)
+    return [_timed(Axis.EP, Op.ALL_TO_ALL, "MoE dispatch and combine", plan.ep, payload, calls, cluster, plan)]
+
+
 def step_collectives(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> list[Collective]:
     return (dp_collectives(model, cluster, job, plan) + tp_collectives(model, cluster, job, plan)
-            + pp_collectives(model, cluster, job, plan) + cp_collectives(model, cluster, job, plan))
+            + pp_collectives(model, cluster, job, plan) + cp_collectives(model, cluster, job, plan)
+            + ep_collectives(model, cluster, job, plan))

@@ -27,6 +27,11 @@ def deepspeed_config(plan: Plan, job: JobSpec, *, lr: float = DEFAULT_LR) -> dic
     if m < 1 or m * plan.dp * plan.micro_batch != job.global_batch:
         raise PlannerError(f"cannot write a config: global batch {job.global_batch} is not dp * micro_batch * "
                            f"accumulation = {plan.dp} * {plan.micro_batch} * m for a whole m")
+    if plan.ep > 1:
+        # the config has no expert-parallel size yet: written without it, the run would hold every expert
+        raise PlannerError(f"cannot write a config for plan.ep = {plan.ep}: the config has no expert-parallel "
+                           f"size; evaluate the plan with --ep 1, or build the model with shard_experts(model, "
+                           f"build_expert_groups({plan.ep})) before initialize and write the rest by hand")
     zero: dict[str, Any] = {"stage": plan.zero_stage}
     if plan.offload is not Offload.NONE:
         zero["offload_optimizer"] = {"device": "cpu"}

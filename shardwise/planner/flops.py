@@ -55,15 +55,91 @@ def layer_params(model: GPTConfig) -> LayerParams:
     return LayerParams(matmul, column_bias, replicated)
 
 
+def _mlp_params(model: GPTConfig, width: int) -> LayerParams:
+    """One MLP of hidden width `width` in the model's kind: its input (and gate) projections column-parallel, its
+    output projection row-parallel (the output bias a full copy on every TP rank)."""
+    d, b = model.d_model, int(model.bias)
+    mlp_in = 2 if model.mlp == "swiglu" else 1
+    return LayerParams(matmul=(mlp_in + 1) * d * width, column_bias=b * mlp_in * width, replicated=b * d)
+
+
+_NO_PARAMS = LayerParams(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    """What an MoE block holds in place of the dense MLP `layer_params` counts: a router (d x E, no bias, a full
+    copy on every rank), E routed experts of which a token runs k, and the shared experts as one MLP that every
+    token runs. Experts are split over TP as the dense MLP is, and over EP by whole experts (E / ep per rank)."""
+
+    layers: int           # blocks with an MoE layer (all but the first `moe_first_dense`)
+    experts: int          # E
+    top_k: int            # k
+    router: int
+    expert: LayerParams   # one routed expert
+    shared: LayerParams   # the shared experts together (no parameters without them)
+    dense_mlp: LayerParams  # the dense MLP an MoE layer replaces
+    layers_end: int       # n_layer: the MoE blocks are the last `layers` of them
+
+    def non_expert_delta(self, tp: int = 1) -> int:
+        """Per MoE block, on one TP rank: the router and shared experts, less the dense MLP they replace."""
+        return self.router + self.shared.per_tp_rank(tp) - self.dense_mlp.per_tp_rank(tp)
+
+    def expert_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Per MoE block, on one (TP, EP) rank: its E / ep routed experts."""
+        return self.experts // ep * self.expert.per_tp_rank(tp)
+
+    @property
+    def total_delta(self) -> int:
+        """Per MoE block, every parameter it adds over the dense block."""
+        return self.non_expert_delta() + self.expert_params()
+
+    @property
+    def active_delta(self) -> int:
+        """Per MoE block, what a token runs beyond the dense block: router, k experts, the shared ones."""
+        return self.non_expert_delta() + self.top_k * self.expert.total
+
+    @property
+    def active_matmul_delta(self) -> int:
+        """The weights a token multiplies in an MoE block beyond the dense block's (biases and norms left out)."""
+        return self.router + self.top_k * self.expert.matmul + self.shared.matmul - self.dense_mlp.matmul
+
+    def layers_in(self, first: int, count: int) -> int:
+        """MoE blocks among blocks first .. first + count - 1."""
+        start = max(first, self.layers_start)
+        return max(0, first + count - start)
+
+    @property
+    def layers_start(self) -> int:
+        """Index of the first MoE block (the blocks before it keep the dense MLP)."""
+        return self.layers_end - self.layers
+
+
+@functools.cache
+def moe_params(model: GPTConfig) -> MoEParams:
+    """The model's MoE layers by part; a dense model has `layers` = 0 and every delta 0."""
+    if not model.moe_experts:
+        return MoEParams(0, 1, 1, 0, _NO_PARAMS, _NO_PARAMS, _NO_PARAMS, model.n_layer)
+    width, f = model.moe_d_ff, model.d_ff
+    assert width is not None and f is not None
+    layers = sum(model.is_moe_block(i) for i in range(model.n_layer))
+    shared = _mlp_params(model, model.moe_shared_experts * width) if model.moe_shared_experts else _NO_PARAMS
+    return MoEParams(layers=layers, experts=model.moe_experts, top_k=model.moe_top_k,
+                     router=model.d_model * model.moe_experts, expert=_mlp_params(model, width), shared=shared,
+                     dense_mlp=_mlp_params(model, f), layers_end=model.n_layer)
+
+
 @dataclass(frozen=True)
 class ParamCount:
     """Every parameter of the model, a tied lm head counted once."""
 
-    layers: int          # all transformer blocks
+    layers: int          # all transformer blocks, every expert included
     token_embedding: int
     position_embedding: int
     final_norm: int
     lm_head: int         # 0 when tied to the token embedding
+    idle_experts: int = 0
+    """Routed experts a token does not run: (E - k) experts of every MoE block."""
 
     @property
     def total(self) -> int:
@@ -74,17 +150,24 @@ class ParamCount:
         """Kaplan et al.'s N: without the token and position tables (an untied head stays in)."""
         return self.total - self.token_embedding - self.position_embedding
 
+    @property
+    def active(self) -> int:
+        """Parameters one token runs through (an MoE's k routed experts and its shared ones; all of a dense
+        model): the published "active parameters"."""
+        return self.total - self.idle_experts
+
 
 @functools.cache
 def param_count(model: GPTConfig) -> ParamCount:
     """Exact parameter count; equals `shardwise.models.gpt_num_params` for our GPT."""
-    d = model.d_model
+    d, moe = model.d_model, moe_params(model)
     return ParamCount(
-        layers=model.n_layer * layer_params(model).total,
+        layers=model.n_layer * layer_params(model).total + moe.layers * moe.total_delta,
         token_embedding=model.vocab_size * d,
         position_embedding=model.seq_len * d if model.positions == "learned" else 0,
         final_norm=norm_params(model),
         lm_head=0 if model.tie_embeddings else model.vocab_size * d,
+        idle_experts=moe.layers * (moe.experts - moe.top_k) * moe.expert.total,
     )
 
 
@@ -103,15 +186,18 @@ def stage_layers(n_layer: int, pp: int) -> tuple[int, ...]:
 
 
 @functools.cache
-def params_per_stage(model: GPTConfig, *, tp: int, pp: int) -> tuple[int, ...]:
-    """Parameters held by one TP rank of each pipeline stage. The first stage holds the token (and
+def params_per_stage(model: GPTConfig, *, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Parameters held by one TP rank of each pipeline stage, its E / ep experts of each MoE block included
+    (`expert_params_per_stage` says how many of them are experts'). The first stage holds the token (and
     position) tables; the last the final norm and the lm head, or with a tied head on pp > 1 a copy of
     the token table (Megatron keeps one there and all-reduces its gradient). Vocabulary-parallel
     tables are split over TP; position tables are replicated."""
     count = param_count(model)
     per_layer = layer_params(model).per_tp_rank(tp)
+    moe = moe_params(model)
     vocab_table = _ceil_div(model.vocab_size, tp) * model.d_model
-    stages = [n * per_layer for n in stage_layers(model.n_layer, pp)]
+    stages = [n * per_layer + moe_blocks * (moe.non_expert_delta(tp) + moe.expert_params(tp, ep))
+              for n, moe_blocks in zip(stage_layers(model.n_layer, pp), moe_blocks_per_stage(model, pp))]
     stages[0] += vocab_table + count.position_embedding
     stages[-1] += count.final_norm
     if not model.tie_embeddings or pp > 1:
@@ -119,9 +205,36 @@ def params_per_stage(model: GPTConfig, *, tp: int, pp: int) -> tuple[int, ...]:
     return tuple(stages)
 
 
-def params_per_rank(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> int:
-    """The most parameters any rank holds (what its memory must fit). tp = pp = 1: the total."""
-    return max(params_per_stage(model, tp=tp, pp=pp))
+@functools.cache
+def moe_blocks_per_stage(model: GPTConfig, pp: int) -> tuple[int, ...]:
+    """MoE blocks on each pipeline stage (the dense first blocks sit on the first stage)."""
+    moe, out, first = moe_params(model), [], 0
+    for n in stage_layers(model.n_layer, pp):
+        out.append(moe.layers_in(first, n))
+        first += n
+    return tuple(out)
+
+
+def expert_params_per_stage(model: GPTConfig, *, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Routed-expert parameters one (TP, EP) rank of each stage holds: E / ep experts of each of its MoE blocks.
+    They are reduced and ZeRO-sharded over the expert-data-parallel group (the replicas / ep ranks holding the
+    same experts), the rest of the stage over all replicas."""
+    per_block = moe_params(model).expert_params(tp, ep)
+    return tuple(n * per_block for n in moe_blocks_per_stage(model, pp))
+
+
+def params_per_rank(model: GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+    """The most parameters any rank holds (what its memory must fit). tp = pp = ep = 1: the total."""
+    return max(params_per_stage(model, tp=tp, pp=pp, ep=ep))
+
+
+def busiest_rank_params(model: GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(non-expert, expert) parameters of the stage whose rank holds the most: the two are sharded over
+    different groups, so memory and traffic need them apart."""
+    stages = params_per_stage(model, tp=tp, pp=pp, ep=ep)
+    experts = expert_params_per_stage(model, tp=tp, pp=pp, ep=ep)
+    i = max(range(len(stages)), key=stages.__getitem__)
+    return stages[i] - experts[i], experts[i]
 
 
 # -- FLOPs -----------------------------------------------------------------------------------------
@@ -135,9 +248,12 @@ def flops_per_token(model: GPTConfig, *, seq_len: int | None = None, causal: boo
     """Training FLOPs per token without recomputation, counted as our GPT does:
     6 * N + (6 if causal else 12) * n_layer * s * d_model, where N is every parameter a token's matmuls
     touch (blocks, final norm, and the lm head's V * d whether or not tied). With causal=True and
-    s = the model's context this equals `shardwise.models.gpt_flops_per_token`."""
+    s = the model's context this equals `shardwise.models.gpt_flops_per_token`. In an MoE block N has the
+    active parameters only: the router, k routed experts and the shared ones."""
     s = model.seq_len if seq_len is None else seq_len
-    n = model.n_layer * layer_params(model).total + norm_params(model) + model.vocab_size * model.d_model
+    moe = moe_params(model)
+    n = (model.n_layer * layer_params(model).total + moe.layers * moe.active_delta + norm_params(model)
+         + model.vocab_size * model.d_model)
     return 6 * n + (6 if causal else 12) * model.n_layer * s * model.d_model
 
 
@@ -145,7 +261,8 @@ def flops_per_token(model: GPTConfig, *, seq_len: int | None = None, causal: boo
 class ForwardFlops:
     """Forward FLOPs of one iteration over `batch` sequences, by part (Narayanan eq. 3's terms)."""
 
-    dense: float      # 2 * B * s * L * (matmul weights per layer): 24 B s h^2 per layer for a GPT
+    dense: float      # 2 * B * s * L * (matmul weights per layer): 24 B s h^2 per layer for a GPT; an MoE
+    #                   block counts the weights a token multiplies: router, k routed experts, shared experts
     attention: float  # QK^T and AV: 4 * B * s^2 * h per layer (halved when causal)
     logits: float     # 2 * B * s * h * V
 
@@ -160,7 +277,9 @@ def forward_flops(model: GPTConfig, *, batch: int, seq_len: int, causal: bool = 
     sequence per layer forward; and the causal one (current Megatron code, our GPT's `flops_per_token`; `causal`,
     `JobSpec.causal_flops`), where a causal mask leaves half of them, 2 * s^2 * h."""
     b, s, h, L = batch, seq_len, model.d_model, model.n_layer
-    return ForwardFlops(dense=2.0 * b * s * L * layer_params(model).matmul,
+    moe = moe_params(model)
+    weights = L * layer_params(model).matmul + moe.layers * moe.active_matmul_delta
+    return ForwardFlops(dense=2.0 * b * s * weights,
                         attention=4.0 * b * s * s * h * L * (0.5 if causal else 1.0),
                         logits=2.0 * b * s * h * model.vocab_size)
 

@@ -1,7 +1,9 @@
 """A `GPTConfig` from a Hugging Face `config.json` (read as JSON: transformers is not needed).
 
 Supported `model_type`s: "gpt2" (GELU MLP, LayerNorm with biases, learned positions, tied head) and the
-Llama family "llama", "mistral" (SwiGLU MLP, RMSNorm, rotary, grouped-query attention, no biases).
+Llama family "llama", "mistral" (SwiGLU MLP, RMSNorm, rotary, grouped-query attention, no biases), and "mixtral"
+(Mistral's shape with every MLP a mixture of `num_local_experts` SwiGLU experts of `intermediate_size`, top
+`num_experts_per_tok`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from shardwise.models.presets import GPTConfig
 from shardwise.planner.specs import PlannerError
 
-LLAMA_FAMILY = ("llama", "mistral")
+LLAMA_FAMILY = ("llama", "mistral", "mixtral")
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 
 
@@ -69,6 +71,11 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike) -> GPTConfi
             raise PlannerError(f"{origin}: hidden_act = {act!r}: the Llama family is modelled with a SwiGLU "
                                f"(silu) MLP only")
         heads = _get(config, "num_attention_heads", origin)
+        moe: dict[str, Any] = {}
+        if kind == "mixtral":    # every block's MLP is a router over experts of the dense MLP's shape
+            moe = dict(moe_experts=_get(config, "num_local_experts", origin, 8),
+                       moe_top_k=_get(config, "num_experts_per_tok", origin, 2),
+                       moe_aux_loss_coef=float(_get(config, "router_aux_loss_coef", origin, 0.001)))
         return _config(
             origin, n_layer=_get(config, "num_hidden_layers", origin), d_model=_get(config, "hidden_size", origin),
             n_head=heads, n_kv_head=_get(config, "num_key_value_heads", origin, heads),
@@ -78,7 +85,7 @@ def model_from_hf_config(config: dict[str, Any] | str | os.PathLike) -> GPTConfi
             rope_theta=_get(config, "rope_theta", origin, 10000.0),
             init_std=_get(config, "initializer_range", origin, 0.02),
             tie_embeddings=bool(_get(config, "tie_word_embeddings", origin, False)),
-            dropout=float(config.get("attention_dropout", 0.0) or 0))
+            dropout=float(config.get("attention_dropout", 0.0) or 0), **moe)
     raise PlannerError(f"{origin}: model_type = {kind!r} is not supported; supported: {', '.join(SUPPORTED)}. "
                        f"Give the shape as numbers instead (--layers, --hidden, --heads, --kv-heads, --ffn, "
                        f"--vocab, --seq)")

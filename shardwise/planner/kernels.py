@@ -113,7 +113,7 @@ def _attention(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan,
             + gemm_seconds(rows, rows, d, cluster, job, count=pairs))
 
 
-def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> Parts:
+def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan, *, moe: bool = False) -> Parts:
     """One transformer block, one micro-batch of b sequences of s tokens, one TP rank of t (h hidden,
     f = d_ff, a heads):
 
@@ -126,6 +126,11 @@ def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan
                         only with sequence parallelism), the MLP nonlinearity over f / t; scores a s^2 b / t
                         (not with flash attention)
 
+    An MoE block (`moe`) runs in place of the MLP a router GEMM (K = h, N = E), and on each rank its E / ep
+    experts, each a GEMM of the b s k ep / E rows it receives on average (routing spread evenly: b s k rows in
+    all, whatever ep), with K, N those of an MLP of width moe_d_ff split over t; the shared experts as one MLP of
+    their summed width; the nonlinearity over (k + shared) moe_d_ff / t per token.
+
     Recomputation repeats the forward: full recomputation every forward kernel (the pointwise costs x 1.5),
     selective the attention core and its scores."""
     assert model.d_ff is not None
@@ -133,8 +138,23 @@ def block_parts(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan
     tokens = b * s / plan.cp        # context parallelism: this rank's share of each sequence
     linear_passes, attention_passes = _passes(plan.recompute)
     mlp_in = 2 if model.mlp == "swiglu" else 1
-    matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in (
-        (h, (h + 2 * model.kv_dim) / t), (h / t, h), (h, mlp_in * f / t), (f / t, h)))
+    shapes = [(h, (h + 2 * model.kv_dim) / t), (h / t, h)]         # QKV, attention output
+    if not moe:
+        shapes += [(h, mlp_in * f / t), (f / t, h)]                 # MLP in (and gate), MLP out
+    matmul = sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes) for k, n in shapes)
+    if moe:
+        w, experts, top_k = model.moe_d_ff, model.moe_experts, model.moe_top_k
+        assert w is not None
+        local = experts // plan.ep
+        rows = tokens * top_k * plan.ep / experts       # rows each local expert receives
+        matmul += gemm_seconds(tokens, h, experts, cluster, job, count=linear_passes)
+        matmul += sum(gemm_seconds(rows, k, n, cluster, job, count=linear_passes * local)
+                      for k, n in ((h, mlp_in * w / t), (w / t, h)))
+        if model.moe_shared_experts:
+            shared = model.moe_shared_experts * w
+            matmul += sum(gemm_seconds(tokens, k, n, cluster, job, count=linear_passes)
+                          for k, n in ((h, mlp_in * shared / t), (shared / t, h)))
+        f = (top_k + model.moe_shared_experts) * w
     attention = _attention(model, cluster, job, plan, attention_passes)
     c = ElementCosts.of(cluster, job)
     sp = t if plan.sequence_parallel else 1

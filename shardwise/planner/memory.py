@@ -11,7 +11,7 @@ from shardwise.config import PipelineSchedule, ZeroConfig
 from shardwise.config.schema import ContextParallelImpl
 from shardwise.config.resolved import LAST_BUCKET_DIVISOR, gradient_bucket_numel
 from shardwise.models.presets import GPTConfig
-from shardwise.planner.flops import params_per_rank, stage_layers
+from shardwise.planner.flops import busiest_rank_params, stage_layers
 from shardwise.planner.zero3 import buffer_elements as zero3_buffer_elements
 from shardwise.planner.specs import (
     ClusterSpec, JobSpec, Offload, Optimizer, Plan, PlannerError, Precision, Recompute,
@@ -80,6 +80,22 @@ def model_state_bytes(num_params: int, *, precision: Precision = Precision.BF16,
     return ModelStates(weights=weights, grads=grads, optimizer=states, cpu=cpu)
 
 
+def plan_model_states(model: GPTConfig, job: JobSpec, plan: Plan) -> ModelStates:
+    """Model states of the most loaded rank: its non-expert parameters sharded (by the ZeRO stage) over all
+    `replicas`, its E / ep experts of each MoE block over the `expert_replicas` holding the same experts."""
+    dense, experts = busiest_rank_params(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    def states(params: int, dp: int) -> ModelStates:
+        return model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,
+                                 zero_stage=plan.zero_stage, dp=dp, offload=plan.offload)
+
+    a = states(dense, plan.replicas)
+    if not experts:
+        return a
+    b = states(experts, plan.expert_replicas)
+    return ModelStates(weights=a.weights + b.weights, grads=a.grads + b.grads, optimizer=a.optimizer + b.optimizer,
+                       cpu=a.cpu + b.cpu)
+
+
 def max_trainable_params(memory_bytes: float, *, precision: Precision = Precision.BF16,
                          optimizer: Optimizer = Optimizer.ADAM, zero_stage: int = 0, dp: int = 1) -> float:
     """Largest psi whose model states fit in `memory_bytes` (ZeRO paper Table 2's theory columns)."""
@@ -117,6 +133,11 @@ def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, 
     per layer (d = head dim, whatever b); a fused kernel (`flash_attention`) keeps the fp32 log-sum-exp of every
     query row, 4 a s b, and its output is the output projection's input.
 
+    An MoE model is counted at its MoE block's figure in every layer (the larger one): the MLP terms with
+    f = (k + shared) moe_d_ff, plus the k rows per token an expert takes in and gives back, 2 e s b k h, and the
+    router's fp32 logits and scores, 8 s b E. Expert parallelism does not change it: a rank's experts receive
+    k rows per local token on average.
+
     Context parallelism over c ranks (`cp`) gives each rank s / c of every sequence's tokens, so every
     per-token term above is taken at s / c. The scores are not: ring attention (`cp_impl` "ring") computes one
     [s/c, s/c] block at a time and stores none of them (its backward recomputes them from q, k, v and the
@@ -133,7 +154,15 @@ def layer_activation_bytes(model: GPTConfig, *, micro_batch: int, seq_len: int, 
     assert f is not None
     norms = 2 * (e + (FP32_BYTES if model.norm == "rmsnorm" else 0))
     replicated = s * b * h * (norms + e + e + 2 * mask)
-    mlp = (4 if model.mlp == "swiglu" else 2) * e * s * b * f
+    moe = 0.0
+    if model.moe_experts:
+        # an MoE block: each token's k expert rows run an expert MLP of moe_d_ff, the shared experts one of
+        # their summed width; the experts keep their input rows [s b k, h] and the combine their output rows (to
+        # weight them), and the router its fp32 logits and scores [s b, E]
+        assert model.moe_d_ff is not None
+        f = (model.moe_top_k + model.moe_shared_experts) * model.moe_d_ff
+        moe = s * b * (2 * e * model.moe_top_k * h + 2 * FP32_BYTES * model.moe_experts)
+    mlp = (4 if model.mlp == "swiglu" else 2) * e * s * b * f + moe
     ring = cp > 1 and ContextParallelImpl(cp_impl) is ContextParallelImpl.RING      # the enum or its value
     kv = model.kv_dim if ring else h
     split = s * b * (e * h + 2 * e * kv + e * h) + mlp
@@ -276,7 +305,16 @@ def comm_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan, params_on_rank
         buffers += 2 * plan.micro_batch * job.sequence_length(model) / plan.cp * model.d_model * e / sp
     if plan.cp > 1:
         buffers += context_parallel_buffer_bytes(model, job, plan)
+    if plan.ep > 1 and model.moe_experts:
+        buffers += expert_parallel_buffer_bytes(model, job, plan)
     return buffers
+
+
+def expert_parallel_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> float:
+    """Transient buffers of one MoE layer's all-to-all on one rank: the k rows of each local token sorted by
+    expert to send, and as many received, 2 x [b s k, h] in the compute dtype (on average: routing is uneven)."""
+    tokens = plan.micro_batch * job.sequence_length(model) / plan.cp
+    return 2 * tokens * model.moe_top_k * model.d_model * job.precision.nbytes
 
 
 def context_parallel_buffer_bytes(model: GPTConfig, job: JobSpec, plan: Plan) -> float:
@@ -298,10 +336,9 @@ def ulysses_kv_width(model: GPTConfig, cp: int) -> int:
 
 
 def memory_per_rank(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) -> MemoryBreakdown:
-    """Model states of the most loaded rank (`params_per_rank`), its activations and buffers."""
-    params = params_per_rank(model, tp=plan.tp, pp=plan.pp)
-    states = model_state_bytes(params, precision=job.precision, optimizer=job.optimizer,
-                               zero_stage=plan.zero_stage, dp=plan.replicas, offload=plan.offload)
+    """Model states of the most loaded rank (`plan_model_states`), its activations and buffers."""
+    params = sum(busiest_rank_params(model, tp=plan.tp, pp=plan.pp, ep=plan.ep))
+    states = plan_model_states(model, job, plan)
     return MemoryBreakdown(
         weights=states.weights, grads=states.grads, optimizer=states.optimizer,
         activations=activation_bytes(model, job, plan).total,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from shardwise.models.presets import PRESETS as MODEL_PRESETS
-from shardwise.models.presets import GPTConfig, preset_name
+from shardwise.models.presets import MOE_PRESETS, PRESETS, GPTConfig
+
+MODEL_PRESETS: dict[str, GPTConfig] = {**PRESETS, **MOE_PRESETS}
+"""Every named model: the dense presets and the mixtures of experts (the planner counts experts)."""
 from shardwise.planner.specs import ClusterSpec, PlannerError
 
 _DGX_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense, FP32 19.5 TFLOPS, "
@@ -73,7 +75,7 @@ def model_preset(name: str) -> GPTConfig:
 
 def model_name(model: GPTConfig) -> str:
     """What reports call `model`: its preset's name, or "custom"."""
-    return preset_name(model) or "custom"
+    return next((name for name, preset in MODEL_PRESETS.items() if preset == model), "custom")
 
 
 def cluster_preset(name: str, num_gpus: int | None = None) -> ClusterSpec:

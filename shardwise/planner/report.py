@@ -19,7 +19,7 @@ TOP_PLANS = 10
 _SHORT = {Strategy.DP: "DP", Strategy.ZERO: "ZeRO", Strategy.ZERO_OFFLOAD: "ZeRO+offload",
           Strategy.MODEL_PARALLEL: "TP/PP/CP", Strategy.THREE_D: "3D"}
 _PARTS = ("weights", "grads", "optimizer", "activations", "buffers", "reserved")
-_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
+_STEP_PARTS = ("compute_s", "tp_comm_s", "pp_comm_s", "cp_comm_s", "ep_comm_s", "bubble_s", "dp_comm_s", "dp_exposed_s",
                "optimizer_s", "offload_s")
 
 
@@ -57,7 +57,8 @@ def to_json(a: Analysis) -> dict[str, Any]:
     chosen = a.chosen
     out: dict[str, Any] = {
         "model": {"name": model_name(a.model), **dataclasses.asdict(a.model), "params": a.params.total,
-                  "params_non_embedding": a.params.non_embedding, "params_narayanan_eq2": a.cost.params_narayanan},
+                  "params_active": a.params.active, "params_non_embedding": a.params.non_embedding,
+                  "params_narayanan_eq2": a.cost.params_narayanan},
         "cluster": a.cluster.to_dict(),
         "job": {**a.job.to_dict(), "tokens": a.cost.tokens, "seq_len": a.job.sequence_length(a.model)},
         "flops": {"convention": flops_convention(a), "six_nd": a.cost.flops_6nd,
@@ -114,7 +115,9 @@ def render(a: Analysis, console: Any) -> None:
     t = Table(title=f"Model {model_name(m)}", show_header=False)
     t.add_row("shape", f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads ({m.n_kv_head} kv), d_ff {m.d_ff} "
                        f"{m.mlp}, vocab {m.vocab_size}, context {m.seq_len}")
-    t.add_row("parameters", f"{a.params.total:,} (non-embedding {a.params.non_embedding:,})")
+    t.add_row("parameters", f"{a.params.total:,} (non-embedding {a.params.non_embedding:,})"
+              + (f"; active per token {a.params.active:,} ({m.moe_top_k} of {m.moe_experts} experts"
+                 f"{f' + {m.moe_shared_experts} shared' if m.moe_shared_experts else ''})" if m.moe_experts else ""))
     t.add_row("cluster", f"{c.num_gpus} x {c.name} in {c.num_nodes} node(s) of {c.gpus_per_node}: "
                          f"{c.peak_flops(j.precision) / 1e12:,.1f} TFLOP/s {j.precision.value} peak x "
                          f"{c.compute_efficiency:.2f} large-GEMM ceiling, {_gb(c.memory_bytes)} GB, links "
@@ -173,10 +176,11 @@ def _render_plan(a: Analysis, e: Evaluation, console: Any) -> None:
         return
     st = e.time
     t = Table(title="Step time, s", show_header=True)
-    for col in ("compute", "TP comm", "PP sends", "CP comm (exposed)", "bubble", "DP comm (exposed)", "optimizer",
-                "offload", "total"):
+    for col in ("compute", "TP comm", "PP sends", "CP comm (exposed)", "EP all-to-all", "bubble", "DP comm (exposed)",
+                "optimizer", "offload", "total"):
         t.add_column(col, justify="right")
-    t.add_row(_s(st.compute_s), _s(st.tp_comm_s), _s(st.pp_comm_s), _s(st.cp_comm_s), _s(st.bubble_s),
+    t.add_row(_s(st.compute_s), _s(st.tp_comm_s), _s(st.pp_comm_s), _s(st.cp_comm_s), _s(st.ep_comm_s),
+              _s(st.bubble_s),
               f"{_s(st.dp_comm_s)} ({_s(st.dp_exposed_s)})", _s(st.optimizer_s), _s(st.offload_s), _s(st.total_s))
     console.print(t)
     n = a.cluster.num_gpus

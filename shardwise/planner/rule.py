@@ -58,6 +58,8 @@ def describe(plan: Plan) -> str:
     text = " x ".join(axes) or "one GPU"
     if zero and plan.zero_stage:
         text += f", {zero}"
+    if plan.ep > 1:
+        text += f", experts over EP {plan.ep}"
     return ("3D: " if strategy_of(plan) is Strategy.THREE_D else "") + text
 
 
@@ -127,6 +129,7 @@ def rule_of_thumb(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> RuleV
 
 _PARTS = (("compute_s", "compute"), ("tp_comm_s", "tensor-parallel communication"),
           ("cp_comm_s", "exposed context-parallel communication"),
+          ("ep_comm_s", "expert-parallel all-to-alls"),
           ("pp_comm_s", "pipeline sends"), ("bubble_s", "pipeline bubble"),
           ("dp_exposed_s", "exposed data-parallel communication"), ("optimizer_s", "optimizer step"),
           ("offload_s", "offload traffic"))

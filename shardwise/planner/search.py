@@ -26,6 +26,7 @@ class Reason(str, enum.Enum):
     PP_LAYERS = "pp > layers"
     CP_SEQUENCE = "sequence not divisible by the cp chunks"
     CP_HEADS = "heads not divisible by cp (Ulysses)"
+    EP_EXPERTS = "experts not divisible by ep"
     BATCH = "global batch not divisible"
     INTERLEAVING = "interleaving needs divisible layers and micro-batches"
     MEMORY = "GPU memory over budget"
@@ -76,6 +77,10 @@ def layout_problems(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: 
         bad(Reason.PP_LAYERS, f"pp = {plan.pp} > n_layer = {model.n_layer}: a stage needs at least one layer")
     if plan.cp > 1:
         out.extend(Infeasible(plan, reason, detail) for reason, detail in cp_problems(model, job, plan))
+    if plan.ep > 1 and (not model.moe_experts or model.moe_experts % plan.ep):
+        bad(Reason.EP_EXPERTS, f"ep = {plan.ep} does not divide moe_experts = {model.moe_experts}"
+                               + ("" if model.moe_experts else " (a dense model has no experts: use ep = 1)")
+                               + ": each expert-parallel rank holds a whole E / ep of every MoE block's experts")
     if job.global_batch % (plan.dp * plan.micro_batch):
         bad(Reason.BATCH, f"global batch {job.global_batch} is not a multiple of dp * micro_batch = "
                           f"{plan.dp} * {plan.micro_batch}")
@@ -178,6 +183,7 @@ def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult
     """Rank every feasible plan on `cluster.num_gpus` GPUs by estimated step time.
 
     Enumerated: (dp, cp, tp, pp) with dp * cp * tp * pp = GPUs, and for cp > 1 ring attention and Ulysses;
+    for an MoE model expert parallelism ep over every divisor of dp that divides its experts;
     micro-batch (divisors of the per-replica batch up to MAX_MICRO_BATCH); pipeline schedule (GPipe, 1F1B,
     interleaved with v = 2); ZeRO stage 0-3; offload; recomputation. Two dominance rules keep it well under a
     second, and are the only pruning:
@@ -205,17 +211,23 @@ def search(model: GPTConfig, cluster: ClusterSpec, job: JobSpec) -> SearchResult
                     if cp > 1 and (tp, pp) in runs:
                         continue
                     dp = n // (cp * tp * pp)
-                    base = Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=impl, sequence_parallel=tp > 1)
-                    problems = layout_problems(model, cluster, job, base)
-                    if problems:
-                        result.infeasible.append(problems[0])
-                        for p in problems:
-                            result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
-                        continue
-                    if _search_layout(model, cluster, job, base, result) and cp == 1:
-                        runs.add((tp, pp))
+                    for ep in _expert_parallel_sizes(model, dp):
+                        base = Plan(dp=dp, tp=tp, pp=pp, cp=cp, cp_impl=impl, sequence_parallel=tp > 1, ep=ep)
+                        problems = layout_problems(model, cluster, job, base)
+                        if problems:
+                            result.infeasible.append(problems[0])
+                            for p in problems:
+                                result.counts[p.reason] = result.counts.get(p.reason, 0) + 1
+                            continue
+                        if _search_layout(model, cluster, job, base, result) and cp == 1:
+                            runs.add((tp, pp))
     result.ranked.sort(key=_rank_key)
     return result
+
+
+def _expert_parallel_sizes(model: GPTConfig, dp: int) -> list[int]:
+    """ep sizes to try: 1, and for an MoE model every divisor of dp that divides the experts."""
+    return [ep for ep in _divisors(dp) if model.moe_experts % ep == 0] if model.moe_experts else [1]
 
 
 def _variant(plan: Plan, **changes: object) -> Plan:

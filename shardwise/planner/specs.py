@@ -299,12 +299,19 @@ class Plan:
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule only)."""
     sequence_parallel: bool = False
+    ep: int = 1
+    """Expert parallelism: the dp ranks form groups of ep consecutive ones that split each MoE block's experts
+    (E / ep each) and exchange tokens by all-to-all; the ranks at the same place of every group hold the same
+    experts (the expert-data-parallel group, `expert_replicas`). Must divide dp."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "plan", {"offload": Offload, "recompute": Recompute, "schedule": PipelineSchedule,
                                      "cp_impl": ContextParallelImpl})
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "virtual_stages", "ep"):
             _positive_int("plan", name, getattr(self, name))
+        if self.dp % self.ep:
+            raise PlannerError(f"plan.ep = {self.ep} does not divide dp = {self.dp}: expert parallelism splits the "
+                               f"data-parallel ranks into groups of ep; choose ep dividing dp")
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise PlannerError(f"plan.zero_stage = {self.zero_stage!r}: must be 0, 1, 2 or 3")
         if self.offload is Offload.OPTIMIZER and self.zero_stage == 0:
@@ -327,6 +334,12 @@ class Plan:
         them and ZeRO shards over them (cp ranks compute partial gradients of the same parameters)."""
         return self.dp * self.cp
 
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts: replicas / ep. Expert gradients are reduced and ZeRO-sharded over
+        them, every other parameter over all `replicas`."""
+        return self.replicas // self.ep
+
     def grad_accum(self, job: JobSpec) -> int:
         """Micro-batches per step per data-parallel rank (= pipeline micro-batches m)."""
         return job.global_batch // (self.dp * self.micro_batch)
@@ -335,6 +348,8 @@ class Plan:
         parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}:{self.cp_impl.value}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts += [f"zero{self.zero_stage}", f"mb{self.micro_batch}"]
         if self.offload is not Offload.NONE:
             parts.append(f"offload:{self.offload.value}")

@@ -12,7 +12,9 @@ from shardwise.config.schema import ContextParallelImpl
 from shardwise.models.presets import GPTConfig
 from shardwise.parallel.pipeline.schedules import bubble_microbatches
 from shardwise.planner.comm import Axis, Collective, Op, step_collectives
-from shardwise.planner.flops import forward_flops, layer_params, params_per_rank, stage_layers, training_flops
+from shardwise.planner.flops import (
+    busiest_rank_params, forward_flops, layer_params, moe_blocks_per_stage, moe_params, stage_layers, training_flops,
+)
 from shardwise.planner.kernels import block_parts, embedding_parts, head_parts
 from shardwise.planner.memory import FP32_BYTES, REDUCE_BUCKET_ELEMENTS, state_bytes_per_param
 from shardwise.planner.specs import ClusterSpec, JobSpec, Offload, Plan, PlannerError, Recompute
@@ -36,10 +38,11 @@ class StepTime:
     model_flops: float     # the whole job's useful FLOPs per step (no recomputation)
     hardware_flops: float = 0.0   # the FLOPs executed, recomputation included (flops.py's conventions)
     cp_comm_s: float = 0.0        # context-parallel traffic not hidden behind attention (`cp_exposed_seconds`)
+    ep_comm_s: float = 0.0        # expert-parallel all-to-alls (dispatch and combine), all exposed
 
     @property
     def total_s(self) -> float:
-        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.cp_comm_s + self.bubble_s
+        return (self.compute_s + self.tp_comm_s + self.pp_comm_s + self.cp_comm_s + self.ep_comm_s + self.bubble_s
                 + self.dp_exposed_s + self.optimizer_s + self.offload_s)
 
     @property
@@ -63,8 +66,9 @@ def _dp_exposed(dp: list[Collective], plan: Plan, m: int, mb: "MicrobatchCompute
         return 0.0
     if plan.zero_stage == 3:
         assert zero3 is not None
-        gather = next(c for c in dp if c.op is Op.ALL_GATHER).seconds
-        reduce = next(c for c in dp if c.op is Op.REDUCE_SCATTER).seconds
+        # expert parameters (under ep) are gathered and reduced over their own group, unit by unit beside the rest
+        gather = sum(c.seconds for c in dp if c.op is Op.ALL_GATHER)
+        reduce = sum(c.seconds for c in dp if c.op is Op.REDUCE_SCATTER)
         return m * exposed_seconds(gather_s=gather, reduce_s=reduce, block_share=zero3.block_share,
                                    layers=zero3.layers, forward_s=mb.block_forward_s,
                                    backward_s=mb.block_backward_s, depth=zero3.depth,
@@ -107,11 +111,12 @@ def microbatch_compute(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, pla
     partitioner's `stage_layers`), the first also the embedding, the last the final norm, the logits and the
     loss; the slowest stage is reported by part."""
     block = block_parts(model, cluster, job, plan)
-    layers = stage_layers(model.n_layer, plan.pp)
+    moe_block = block_parts(model, cluster, job, plan, moe=True) if model.moe_experts else block
+    layers, moe_layers = stage_layers(model.n_layer, plan.pp), moe_blocks_per_stage(model, plan.pp)
     first, last = embedding_parts(model, cluster, job, plan), head_parts(model, cluster, job, plan)
     stages = []
     for i, n in enumerate(layers):
-        stage = block * n
+        stage = block * (n - moe_layers[i]) + moe_block * moe_layers[i]
         if i == 0:
             stage = stage + first
         if i == len(layers) - 1:
@@ -124,8 +129,8 @@ def microbatch_compute(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, pla
     return MicrobatchCompute(slowest.matmul_s, slowest.attention_s, slowest.pointwise_s, slowest.operators_s,
                              backward_s=backward_share * slowest.total_s,
                              stages_s=tuple(p.total_s for p in stages),
-                             block_forward_s=forward_share * block.total_s,
-                             block_backward_s=backward_share * block.total_s)
+                             block_forward_s=forward_share * moe_block.total_s,
+                             block_backward_s=backward_share * moe_block.total_s)
 
 
 def cp_exposed_seconds(cp: list[Collective], plan: Plan, m: int, mb: MicrobatchCompute, share: float) -> float:
@@ -146,7 +151,7 @@ def cp_exposed_seconds(cp: list[Collective], plan: Plan, m: int, mb: MicrobatchC
     return m * (per_mb - hidden)
 
 
-def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> list[int]:
+def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
     """Elements of each parameter tensor of the busiest rank (what a for-loop optimizer steps one by one at
     stage 0), laid out as `flops.params_per_stage`: its stage's blocks, TP slices of the split weights, the
     first stage's tables, the last stage's final norm and head (a copy of a tied table when pp > 1)."""
@@ -159,7 +164,22 @@ def param_tensor_sizes(model: GPTConfig, *, tp: int = 1, pp: int = 1) -> list[in
     if b:
         block += [math.ceil(n / tp) for n in column] + [d, d]   # column biases split; o, MLP-output replicated
     table = math.ceil(model.vocab_size / tp) * d
-    stages = [block * n for n in stage_layers(model.n_layer, pp)]
+    moe = moe_params(model)
+    if moe.layers:   # an MoE block: the dense MLP's tensors give way to the router, E / ep experts, shared experts
+        w = model.moe_d_ff
+        assert w is not None
+
+        def mlp_tensors(width: int) -> list[int]:   # weights (input, gate, output), then the biases
+            return ([math.ceil(width * d / tp)] * (mlp_in + 1)
+                    + ([math.ceil(width / tp)] * mlp_in + [d] if b else []))
+
+        moe_block = list(block)
+        for n in mlp_tensors(f):
+            moe_block.remove(n)
+        shared = mlp_tensors(model.moe_shared_experts * w) if model.moe_shared_experts else []
+        moe_block += [d * moe.experts] + mlp_tensors(w) * (moe.experts // ep) + shared
+    stages = [block * (n - k) + (moe_block * k if k else [])
+              for n, k in zip(stage_layers(model.n_layer, pp), moe_blocks_per_stage(model, pp))]
     stages[0] += [table] + ([model.seq_len * d] if model.positions == "learned" else [])
     stages[-1] += norm + ([table] if not model.tie_embeddings or pp > 1 else [])
     return max(stages, key=sum)
@@ -169,15 +189,23 @@ def optimizer_tensor_sizes(model: GPTConfig, plan: Plan) -> list[int]:
     """Elements of each tensor the optimizer steps on the busiest rank: its parameters at stage 0; the shard
     of each reduce bucket at stages 1-2; the shard of each ZeRO-3 unit (every block, and the rest) at stage 3."""
     if plan.zero_stage == 0:
-        return param_tensor_sizes(model, tp=plan.tp, pp=plan.pp)
-    psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
-    if plan.zero_stage in (1, 2):
-        buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
-        return [math.ceil(psi / buckets / plan.replicas)] * buckets
+        return param_tensor_sizes(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    dense, experts = busiest_rank_params(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    if plan.zero_stage in (1, 2):   # expert parameters fill buckets of their own, sharded over their group
+        out = []
+        for psi, replicas in ((dense, plan.replicas), (experts, plan.expert_replicas)):
+            if psi:
+                buckets = math.ceil(psi / REDUCE_BUCKET_ELEMENTS)
+                out += [math.ceil(psi / buckets / replicas)] * buckets
+        return out
     layers = stage_layers(model.n_layer, plan.pp)[0]
     block = layer_params(model).per_tp_rank(plan.tp)
-    return ([math.ceil(block / plan.replicas)] * layers
-            + [math.ceil(max(0, psi - layers * block) / plan.replicas)])
+    out = ([math.ceil(block / plan.replicas)] * layers
+           + [math.ceil(max(0, dense - layers * block) / plan.replicas)])
+    moe_layers = moe_blocks_per_stage(model, plan.pp)[0]
+    if moe_layers:   # each MoE unit also has a flat of its experts, sharded over the expert-dp group
+        out += [math.ceil(experts / moe_layers / plan.expert_replicas)] * moe_layers
+    return out
 
 
 def optimizer_seconds(sizes: list[int], job: JobSpec, cluster: ClusterSpec, bandwidth: float) -> float:
@@ -222,8 +250,9 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     tp = sum(c.total_seconds for c in collectives if c.axis is Axis.TP)
     pp = sum(c.total_seconds for c in collectives if c.axis is Axis.PP)
     cp = cp_exposed_seconds([c for c in collectives if c.axis is Axis.CP], plan, m, mb, cluster.comm_overlap)
+    ep = sum(c.total_seconds for c in collectives if c.axis is Axis.EP)
     dp = [c for c in collectives if c.axis is Axis.DP]
-    comm_mb = (tp + pp + cp) / m
+    comm_mb = (tp + pp + cp + ep) / m
     t_mb = compute_mb + comm_mb
     # The slowest stage sets the pace of all m micro-batches. Filling and draining the pipeline costs one
     # micro-batch of every other stage, `fill` ((p - 1) t for equal stages), divided by v when interleaved;
@@ -235,8 +264,9 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
     pipeline = m * t_mb + fill / v * float(stretch)
     zero3 = zero3_shape(model, job, plan) if plan.zero_stage == 3 else None
 
-    psi = params_per_rank(model, tp=plan.tp, pp=plan.pp)
-    shard = math.ceil(psi / plan.replicas) if plan.zero_stage >= 1 else psi
+    dense, experts = busiest_rank_params(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)
+    shard = (math.ceil(dense / plan.replicas) + math.ceil(experts / plan.expert_replicas) if plan.zero_stage >= 1
+             else dense + experts)
     sizes = optimizer_tensor_sizes(model, plan)
     optimizer_s, offload_s = optimizer_seconds(sizes, job, cluster, cluster.memory_bw), 0.0
     if plan.offload is not Offload.NONE:
@@ -250,7 +280,7 @@ def step_time(model: GPTConfig, cluster: ClusterSpec, job: JobSpec, plan: Plan) 
 
     fwd = forward_flops(model, batch=plan.micro_batch, seq_len=job.sequence_length(model), causal=job.causal_flops)
     return StepTime(
-        microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp, cp_comm_s=cp,
+        microbatches=m, compute_s=m * compute_mb, tp_comm_s=tp, pp_comm_s=pp, cp_comm_s=cp, ep_comm_s=ep,
         bubble_s=pipeline - m * t_mb,
         dp_comm_s=sum(c.total_seconds for c in dp),
         dp_exposed_s=_dp_exposed(dp, plan, m, mb, job.overlap_dp_comm, cluster.comm_overlap, zero3),

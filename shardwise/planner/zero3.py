@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.models.presets import GPTConfig
-from shardwise.planner.flops import layer_params, norm_params, params_per_rank, stage_layers
+from shardwise.planner.flops import (
+    layer_params, moe_blocks_per_stage, moe_params, norm_params, params_per_rank, stage_layers,
+)
 from shardwise.planner.specs import JobSpec, Plan, Zero3Gather
 
 
@@ -24,22 +26,24 @@ def module_elements(model: GPTConfig, tp: int) -> list[int]:
             + [norm_params(model)] * 2)
 
 
-def unit_elements(model: GPTConfig, job: JobSpec, tp: int) -> int:
-    """The largest unit gathered at once on one TP rank."""
+def unit_elements(model: GPTConfig, job: JobSpec, tp: int, ep: int = 1) -> int:
+    """The largest unit gathered at once on one TP rank: a block (an MoE block with its E / ep experts)."""
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(module_elements(model, tp))
-    return layer_params(model).per_tp_rank(tp)
+    moe = moe_params(model)
+    return layer_params(model).per_tp_rank(tp) + (moe.non_expert_delta(tp) + moe.expert_params(tp, ep)
+                                                  if moe.layers else 0)
 
 
 def units_per_block(model: GPTConfig, job: JobSpec) -> int:
     return len(module_elements(model, 1)) if job.zero3_gather is Zero3Gather.MODULE else 1
 
 
-def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int) -> int:
+def prefetch_depth(model: GPTConfig, job: JobSpec, tp: int, ep: int = 1) -> int:
     """Units gathered ahead of the compute, from the prefetch bucket (the config's stage3_prefetch_bucket_size).
     Our engine launches a unit only if it fits in the bucket: bucket // unit. DeepSpeed always launches the next
     one while the bucket is not full: max(1, bucket // unit) for any bucket > 0. Depth 0: every gather waits."""
-    bucket, unit = job.zero3_prefetch_elements, unit_elements(model, job, tp)
+    bucket, unit = job.zero3_prefetch_elements, unit_elements(model, job, tp, ep)
     if job.zero3_gather is Zero3Gather.MODULE:
         return max(1, bucket // unit) if bucket > 0 else 0
     return bucket // unit
@@ -49,7 +53,7 @@ def buffer_elements(model: GPTConfig, job: JobSpec, plan: Plan) -> int:
     """Gathered parameters held at once (memory.py): our engine holds two gathered blocks, the one computing and
     the one prefetched (what the engine measures); DeepSpeed the module computing plus the prefetched modules:
     its largest module plus the larger of that module and the bucket."""
-    unit = unit_elements(model, job, plan.tp)
+    unit = unit_elements(model, job, plan.tp, plan.ep)
     if job.zero3_gather is Zero3Gather.MODULE:
         bucket = job.zero3_prefetch_elements
         return unit + (max(unit, bucket) if bucket > 0 else 0)
@@ -67,9 +71,11 @@ class Zero3Shape:
 
 def shape_of(model: GPTConfig, job: JobSpec, plan: Plan) -> Zero3Shape:
     layers = stage_layers(model.n_layer, plan.pp)[0]
-    blocks = layers * layer_params(model).per_tp_rank(plan.tp)
-    return Zero3Shape(layers, min(1.0, blocks / params_per_rank(model, tp=plan.tp, pp=plan.pp)),
-                      prefetch_depth(model, job, plan.tp))
+    moe = moe_params(model)
+    blocks = (layers * layer_params(model).per_tp_rank(plan.tp) + moe_blocks_per_stage(model, plan.pp)[0]
+              * (moe.non_expert_delta(plan.tp) + moe.expert_params(plan.tp, plan.ep)))
+    return Zero3Shape(layers, min(1.0, blocks / params_per_rank(model, tp=plan.tp, pp=plan.pp, ep=plan.ep)),
+                      prefetch_depth(model, job, plan.tp, plan.ep))
 
 
 def exposed_seconds(*, gather_s: float, reduce_s: float, block_share: float, layers: int, forward_s: float,
