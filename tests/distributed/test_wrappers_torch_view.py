@@ -39,6 +39,7 @@ from shardwise.testing import (
 
 LR, WEIGHT_DECAY, CLIP = 3e-3, 0.1, 0.5
 FP32 = dict(rtol=1e-5, atol=1e-5)
+FP64 = dict(rtol=1e-12, atol=1e-12)
 
 
 def _fully_shard_fn(which: str):
@@ -268,12 +269,66 @@ def _torch_dcp(path: str) -> dict:
     return {"went_on": went_on, "resumed": [step(fresh, fresh_opt, b) for b in batches[1:]]}
 
 
+def _cast_after_init(which: str) -> dict:
+    """FSDP2's test: every module wrapped, then the model cast to float64 (`.to(torch.float64)`; `.double()` on
+    shardwise too); the parameters, their local shards and their gradients are float64 and train as a float64
+    model does."""
+    fully_shard = _fully_shard_fn(which.split("_")[0])
+    torch.manual_seed(42)
+    model = _MLP(4)
+    for module in (model.in_proj, model.out_proj, model):
+        fully_shard(module)
+    opt_before = torch.optim.Adam(model.parameters(), lr=1e-2)     # built before the cast: the same objects
+    model.double() if which == "ours_double" else model.to(torch.float64)
+    dtypes = [(p.dtype, p.to_local().dtype, p._spec.tensor_meta.dtype) for p in model.parameters()]
+    torch.manual_seed(43 + dist.get_rank())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    losses, grad_dtypes = [], []
+    for step in range(4):
+        loss = model(x).sum()
+        loss.backward()
+        grad_dtypes.append([(p.grad.dtype, p.grad.to_local().dtype) for p in model.parameters()])
+        opt_before.step()
+        opt_before.zero_grad(set_to_none=step % 2 == 0)
+        losses.append(mean_over_ranks(float(loss.detach())))
+    return {"dtypes": dtypes, "grad_dtypes": grad_dtypes, "losses": losses,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _ddp_unused_refused(which: str) -> str:
+    """Without find_unused_parameters, a backward that leaves `b` without a gradient: torch DDP's next forward
+    raises a RuntimeError naming the fix. Returns that exception's class and whether it names the fix."""
+    torch.manual_seed(3)
+    net = _Branches()
+    if which == "torch":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net)
+    else:
+        import shardwise
+        model = shardwise.DistributedDataParallel(net)
+    x = torch.randn(4, 8)
+    model(x, True).backward()           # every parameter used: no error
+    model(x, False).backward()          # b unused
+    try:
+        model(x, True)
+    except RuntimeError as e:
+        return f"RuntimeError {'find_unused_parameters=True' in str(e)}"
+    return "no error"
+
+
 def _pairs(path: str) -> dict:
     torch.set_num_threads(1)
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
                             ("prefetch", _explicit_prefetch), ("reshard_none", _reshard_none))}
-    return {**out, "pickled": _ddp_pickled(), "torch_dcp": _torch_dcp(path)}
+    out["cast"] = {which: _cast_after_init(which) for which in ("torch", "ours", "ours_double")}
+    out["ddp_unused_refused"] = {which: _ddp_unused_refused(which) for which in ("torch", "ours")}
+    refused = ""
+    try:
+        _fully_shard_fn("ours")(_MLP(4), reshard_after_forward=3)
+    except ValueError as e:
+        refused = str(e)
+    return {**out, "pickled": _ddp_pickled(), "torch_dcp": _torch_dcp(path), "reshard_3_refused": refused}
 
 
 def _check_clip(results: list[dict], world: int) -> None:
@@ -320,6 +375,19 @@ def test_torch_view_two_ranks(tmp_path):
         assert ours["flags"] == [(False, True)] * n_blocks + [(True, False)], ours["flags"]
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"reshard_after_forward=None, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"reshard_after_forward=None, rank {rank}", adam=True)
+        theirs = r["cast"]["torch"]
+        assert theirs["dtypes"] == [(torch.float64,) * 3] * 4, theirs["dtypes"]
+        for name in ("ours", "ours_double"):
+            ours = r["cast"][name]
+            what = f"cast to float64 after fully_shard ({name}), rank {rank}"
+            assert ours["dtypes"] == theirs["dtypes"], (what, ours["dtypes"])
+            assert ours["grad_dtypes"] == theirs["grad_dtypes"], (what, ours["grad_dtypes"])
+            assert_close_lists(ours["losses"], theirs["losses"], rtol=FP64["rtol"], what=what)
+            assert_state_close(ours["state"], theirs["state"], what=what, **FP64)
+        assert r["ddp_unused_refused"] == {"torch": "RuntimeError True", "ours": "RuntimeError True"}, \
+            r["ddp_unused_refused"]
+        # an int reshard_after_forward must divide the dp size (2)
+        assert "reshard_after_forward = 3" in r["reshard_3_refused"] and "\n" not in r["reshard_3_refused"]
         pickled = r["pickled"]
         assert pickled["kind"] == "DistributedDataParallel"
         assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)
@@ -433,9 +501,39 @@ def _clip_2d(model: nn.Module, max_norm: float) -> float:
     return norm
 
 
+def _reshard_int(which: str) -> dict:
+    """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward), at 4 ranks: 2 (a smaller
+    group: the parameters are DTensors again after forward) and 1 (kept gathered: plain tensors). FSDP2's
+    losses and parameters."""
+    from torch.distributed.tensor import DTensor
+    fully_shard = _fully_shard_fn(which)
+    out: dict = {}
+    for size in (2, 1):
+        torch.manual_seed(42)
+        model = nn.Sequential(*[_MLP(8) for _ in range(2)])
+        for mlp in model:
+            fully_shard(mlp, reshard_after_forward=size)
+        fully_shard(model, reshard_after_forward=size)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(42 + dist.get_rank())
+        x = torch.randn(4, 8)
+        losses, after_forward = [], []
+        for _ in range(3):
+            loss = model(x).sum()
+            after_forward.append([isinstance(p, DTensor) for p in model[0].parameters()])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(mean_over_ranks(float(loss.detach())))
+        out[size] = {"after_forward": after_forward, "losses": losses,
+                     "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+    return out
+
+
 def _four_ranks() -> dict:
     torch.set_num_threads(1)
     return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}, "gpt_2d": _two_d_gpt(),
+            "reshard_int": {which: _reshard_int(which) for which in ("torch", "ours")},
             "plan_2d": {which: _two_d_torch_plan(which)
                         for which in ("torch", "ours", "torch_tp", "torch_tp_checkpointed")}}
 
@@ -450,6 +548,13 @@ def test_torch_view_four_ranks():
         assert_close_lists(ours["norms"], ref["norms"], rtol=1e-5, what=f"{what}: norms")
         assert_close_lists(ours["losses"], ref["losses"], rtol=1e-5, what=f"{what}: losses")
         assert_state_close(ours["state"], ref["state"], what=what, adam=True)
+        for size in (2, 1):
+            ours, theirs = r["reshard_int"]["ours"][size], r["reshard_int"]["torch"][size]
+            what = f"reshard_after_forward={size} at 4 ranks, rank {rank}"
+            assert theirs["after_forward"] == [[size != 1] * 4] * 3, (what, theirs["after_forward"])
+            assert ours["after_forward"] == theirs["after_forward"], (what, ours["after_forward"])
+            assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=what)
+            assert_state_close(ours["state"], theirs["state"], what=what, adam=True)
         theirs = r["plan_2d"]["torch"]
         for name in ("ours", "torch_tp", "torch_tp_checkpointed"):
             _check_plan_2d(r["plan_2d"][name], theirs, what=f"(dp, tp) = (2, 2), torch's plan, {name}, rank {rank}")

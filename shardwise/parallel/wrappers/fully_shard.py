@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import UserError
+from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers import dtensors, torch_tp
 from shardwise.parallel.wrappers.policies import (
@@ -84,10 +84,10 @@ def _compute_device(groups: DataParallelGroups, params: list[nn.Parameter]) -> t
 
 
 def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise UserError(f"reshard_after_forward = {reshard_after_forward!r}: give True (free after forward), "
-                        f"False (keep gathered until backward) or None (False for the root, True below it); "
-                        f"resharding to a smaller group is not supported")
+                        f"False (keep gathered until backward), None (False for the root, True below it) or an "
+                        f"int group size dividing the data-parallel size")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise UserError(f"mp_policy = {mp_policy!r}: give shardwise.MixedPrecisionPolicy(param_dtype=..., "
                         f"reduce_dtype=...)")
@@ -95,7 +95,23 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
         raise UserError(f"offload_policy = {offload_policy!r}: give shardwise.CPUOffloadPolicy() or None")
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | None = True,
+def _resolve_reshard(reshard_after_forward: bool | int | None, dp_size: int) -> bool | None:
+    """FSDP2's int `reshard_after_forward`, the group size its parameters are resharded to after forward: 1 keeps
+    them gathered (False), the dp size reshards them over the group (True). A size between, which FSDP2 reshards
+    to within each group of that many ranks (all-gathered again there for backward), frees them to this rank's
+    shard after forward as True does: the same parameters, values and gradients, less memory held between
+    forward and backward, and backward's all-gather over the whole dp group instead of the smaller one."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    k = int(reshard_after_forward)
+    if k < 1 or dp_size % k:
+        raise ArgumentError(f"reshard_after_forward = {k}: an int is the group size to reshard to after forward "
+                            f"and must divide the data-parallel size {dp_size}; give one of "
+                            f"{[d for d in range(1, dp_size + 1) if dp_size % d == 0]}, or True / False")
+    return k != 1
+
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = True,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
@@ -111,7 +127,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
     sharded along dim 0. `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
     backward starts at once) keeps its parameters gathered after forward, and a module once a later call adopts
-    it frees them."""
+    it frees them; an int is FSDP2's group size to reshard to (`_resolve_reshard`)."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -134,6 +150,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     clock = next(iter(below.values())).clock if below else StepClock(ledger)
     groups = _with_tp(groups_of(mesh, ledger=ledger), module, mesh, ledger)
+    reshard_after_forward = _resolve_reshard(reshard_after_forward, groups.dp.size)
     model_tp_mesh = _tp_mesh_of(module) if groups.tp.size > 1 else None
     for g in below.values():
         if not _same_group(g.groups, groups):

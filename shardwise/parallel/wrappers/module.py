@@ -87,6 +87,22 @@ class FSDPModule(_ModuleBase):
                 raise UserError(f"{fn}: {type(m).__name__} is not a module fully_shard wrapped in this model; give "
                                 f"wrapped modules of the same model")
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """nn.Module's conversions (`.to(torch.float64)`, `.double()`, `.to(device)`) as on FSDP2: the shards
+        take the new dtype / device and the parameters keep viewing them (an optimizer built afterwards steps
+        them; one built before keeps the same parameter objects). Not collective."""
+        from shardwise.parallel.wrappers.fully_shard import STATE_ATTR
+        from shardwise.parallel.wrappers.sharded_params import ShownFlat
+        sharding = getattr(self, STATE_ATTR, None)
+        if sharding is None:                # while fully_shard is still wrapping the module
+            return super()._apply(fn, recurse)
+        sharding.runtime.release_gathered()             # every parameter is its piece of the shard
+        out = super()._apply(fn, recurse)
+        for f in self._my_flats():
+            if isinstance(f, ShownFlat):
+                f.adopt_converted()
+        return out
+
     def reshard(self) -> None:
         """Free every gathered unit now (the next forward gathers what it needs)."""
         self._fully_shard_state().runtime.release_gathered()

@@ -35,7 +35,7 @@ from torch import nn
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers.dtensors import local_of
 from shardwise.parallel.wrappers.torch_tp import TORCH_TP_ATTR
-from shardwise.parallel.zero.flat import FlatShard, _resize
+from shardwise.parallel.zero.flat import FlatKey, FlatShard, _resize
 
 SlotList = list[tuple[nn.Module, str]]
 """Where one parameter is registered: (module, attribute name), several for a shared parameter."""
@@ -202,3 +202,39 @@ class ShownFlat(FlatShard):
                 piece.copy_(local)
         for p in self.params:
             p.grad = None
+
+    @torch.no_grad()
+    def adopt_converted(self) -> bool:
+        """After nn.Module's `_apply` (`model.to(torch.float64)`, `.double()`, `.to(device)`) converted the shown
+        parameters (DTensors are swapped whole, so their local tensors no longer view the shard): a new shard [S]
+        of their dtype and device holds their values, and they view it again, as do the inner parameters; the
+        gradient shard follows. Call while the flat is released. Returns whether anything changed."""
+        if not self.shown:
+            return False
+        locals_ = [local_of(s) if spec is not None else s.data for s, spec in zip(self.shown, self.specs)]
+        storage = self.shard.untyped_storage().data_ptr()
+        if all(t.dtype == self.shard.dtype and t.device == self.shard.device
+               and (t.numel() == 0 or t.untyped_storage().data_ptr() == storage) for t in locals_):
+            return False
+        dtype, device = locals_[0].dtype, locals_[0].device
+        shard = torch.zeros(self.shard.shape, dtype=dtype, device=device)                      # [S]
+        for piece, value in zip(self.local_views(shard), locals_):
+            piece.copy_(value)
+        self.shard, self.key = shard, FlatKey(self.key.group, dtype)
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+        if self.grad_shard is not None:
+            self.grad_shard = self.grad_shard.to(device, dtype)
+        if self.full is not None:           # the next gather allocates it in the new dtype
+            self.full, self.views = None, []
+        pieces, grads = self.shard_pieces()
+        for i, (p, shown, spec) in enumerate(zip(self.params, self.shown, self.specs)):
+            p.data = pieces[i]
+            if spec is None:
+                self.shown_grads[i] = grads[i]
+            else:
+                # the DTensor's own metadata is already the converted one: only its local tensor moves
+                setattr(shown, "_local_tensor", pieces[i])
+                grad = grads[i]
+                self.shown_grads[i] = None if grad is None else spec.dtensor(grad)
+            shown.grad = self.shown_grads[i] if self.reached[i] and self.has_grads else None
+        return True
