@@ -13,10 +13,15 @@ world size:
 - torch's own `get_state_dict` / `set_state_dict` with `torch.distributed.checkpoint` save and resume a
   fully_shard model and its optimizer exactly.
 - FSDP2's explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and
-  `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters. So with
-  `reshard_after_forward=None` (the root kept gathered after forward, the blocks freed).
-- At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
-  `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
+  `shard_placement_fn` (Shard(0); a dim that does not split evenly refused in one line, as FSDP2 refuses it):
+  FSDP2's losses and parameters. So with `shard_placement_fn` cutting along each parameter's largest dim
+  (Shard(1) too: FSDP2's placements, contiguous parameters and gradients, a sharded state dict loading back), with
+  `reshard_after_forward=None` (the root kept gathered after forward, the blocks freed), and with the model cast
+  to float64 after wrapping (`.to(torch.float64)`, `.double()`).
+- `DistributedDataParallel` without `find_unused_parameters`: after a backward that left a parameter without a
+  gradient, the next forward raises a RuntimeError naming the fix, as torch DDP's.
+- At 4 ranks, an int `reshard_after_forward` (2: a smaller group; 1: kept gathered) against FSDP2's; tensor
+  parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh, .parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
   with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
   (the same placements, norms, losses and parameters), applied by shardwise's parallelize_module, or by torch's
@@ -183,12 +188,47 @@ def _explicit_prefetch(which: str) -> dict:
         opt.zero_grad()
         losses.append(mean_over_ranks(float(loss.detach())))
     refused = ""
-    try:
-        _fully_shard_fn(which)(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
-    except Exception as e:          # FSDP2 takes Shard(1); shardwise refuses it in one line
+    try:                            # the last dim of the [3, 3] weight does not split over 2 ranks
+        _fully_shard_fn(which)(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    except Exception as e:          # FSDP2's NotImplementedError; shardwise's one line
         refused = str(e)
     return {"losses": losses, "seen": seen, "refused": refused,
             "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _shard_largest_dim(which: str) -> dict:
+    """FSDP2's test: `shard_placement_fn` cutting each parameter along its largest dim (Shard(1) for the first
+    weight); FSDP2's placements, local shapes, contiguous parameters and gradients, losses and parameters, and
+    the sharded state dict loaded back into a fresh model."""
+    from torch.distributed.tensor import Shard
+    fully_shard = _fully_shard_fn(which)
+
+    def build() -> nn.Module:
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8))
+        fully_shard(model[2], shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
+        fully_shard(model, shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
+        return model
+
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank() + 1)
+    x = torch.randn(4, 32)
+    contiguous, losses = [], []
+    model[2].register_forward_pre_hook(lambda m, _: contiguous.append(all(p.is_contiguous() for p in m.parameters())))
+    for step in range(4):
+        loss = model(x).sum()
+        loss.backward()
+        contiguous.append(all(t.is_contiguous() for p in model.parameters() for t in (p.to_local(), p.grad.to_local())))
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        losses.append(mean_over_ranks(float(loss.detach())))
+    placements = {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    again = build()
+    again.load_state_dict(model.state_dict())
+    return {"losses": losses, "placements": placements, "contiguous": contiguous,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "loaded": {k: v.full_tensor() for k, v in again.state_dict().items()}}
 
 
 def _reshard_none(which: str) -> dict:
@@ -321,6 +361,7 @@ def _pairs(path: str) -> dict:
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
                             ("prefetch", _explicit_prefetch), ("reshard_none", _reshard_none))}
+    out["largest_dim"] = {which: _shard_largest_dim(which) for which in ("torch", "ours")}
     out["cast"] = {which: _cast_after_init(which) for which in ("torch", "ours", "ours_double")}
     out["ddp_unused_refused"] = {which: _ddp_unused_refused(which) for which in ("torch", "ours")}
     refused = ""
@@ -369,7 +410,16 @@ def test_torch_view_two_ranks(tmp_path):
         assert ours["seen"] and all("SHARDED" not in states[:2] for states in ours["seen"]), ours["seen"]
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"explicit prefetch, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"explicit prefetch, rank {rank}", adam=True)
-        assert "shard_placement_fn gave Shard(dim=1)" in ours["refused"] and "\n" not in ours["refused"]
+        assert "uneven" in theirs["refused"], theirs["refused"]
+        assert "shard_placement_fn gave Shard(1)" in ours["refused"] and "\n" not in ours["refused"], ours["refused"]
+        ours, theirs = r["largest_dim"]["ours"], r["largest_dim"]["torch"]
+        what = f"shard_placement_fn largest dim, rank {rank}"
+        assert theirs["placements"]["0.weight"][0] == "(Shard(dim=1),)", theirs["placements"]
+        assert ours["placements"] == theirs["placements"], (what, ours["placements"])
+        assert all(ours["contiguous"]) and all(theirs["contiguous"]), (what, ours["contiguous"])
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=what)
+        assert_state_close(ours["state"], theirs["state"], what=what)
+        assert_state_close(ours["loaded"], ours["state"], what=f"{what}: loaded back", rtol=0, atol=0)
         ours, theirs = r["reshard_none"]["ours"], r["reshard_none"]["torch"]
         n_blocks = len(ours["flags"]) - 1
         assert ours["flags"] == [(False, True)] * n_blocks + [(True, False)], ours["flags"]

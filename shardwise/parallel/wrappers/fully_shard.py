@@ -124,8 +124,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     `RowLayout`, FSDP2's dim-0 sharding; the engine's keep `FlatLayout` (its checkpoints depend on it).
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
     whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
-    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
-    sharded along dim 0. `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
+    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(k) for each parameter: cut along dim k
+    (`_shard_dims`; dim 0 by default). `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
     backward starts at once) keeps its parameters gathered after forward, and a module once a later call adopts
     it frees them; an int is FSDP2's group size to reshard to (`_resolve_reshard`)."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
@@ -161,8 +161,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
     owned = {id(p) for u in adopted for f in u.flats for p in [*f.params, *getattr(f, "shown", ())]}
     params = [p for p in module.parameters() if id(p) not in owned]
-    if shard_placement_fn is not None:
-        _check_placements(module, params, shard_placement_fn)
+    dims = _shard_dims(module, params, shard_placement_fn, groups)
     device = _compute_device(groups, params)
     done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
     with torch.no_grad():
@@ -178,14 +177,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if getattr(u.module, RESHARD_POLICY_ATTR, True) is None:
             u.reshard_after_forward = True
     setattr(module, RESHARD_POLICY_ATTR, reshard_after_forward)
-    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, bool(reshard_after_forward))
+    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, bool(reshard_after_forward), dims)
     dt_mesh = next(iter(below.values())).mesh if below else dtensors.dp_device_mesh(groups, device)
     if mine is not None:
         units.append(mine)
         slots = param_slots(module)
         for f in mine.flats:
             assert isinstance(f, ShownFlat)
-            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh)
+            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh, dims.get(id(p), 0))
                        for p, shape in zip(f.params, f.shapes)], slots, SHARDED_ATTR)
             mark_replaced(f.params, f.shown)      # an optimizer built before this call is refused at its step
     names = {id(m): n for n, m in module.named_modules()}
@@ -218,17 +217,33 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     return module
 
 
-def _check_placements(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any]) -> None:
-    """FSDP2's `shard_placement_fn`: the row layout shards every parameter along dim 0, so only that is taken."""
+def _shard_dims(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any] | None,
+                groups: DataParallelGroups) -> dict[int, int]:
+    """FSDP2's `shard_placement_fn`: id(parameter) -> the dim it is cut along, for those it gives Shard(k), k > 0
+    (None and Shard(0): dim 0). Another dim needs an even cut (the dp size divides it there, as FSDP2 asks) and a
+    model without tensor parallelism."""
     from torch.distributed.tensor import Shard
+    if fn is None:
+        return {}
     names = {id(p): n for n, p in module.named_parameters()}
+    dims = {}
     for p in params:
         placement = fn(p)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+        if placement is None:
             continue
-        raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
-                        f"(shape {tuple(p.shape)}); shardwise shards every parameter along dim 0: return None or "
-                        f"Shard(0)")
+        if not isinstance(placement, Shard) or not -p.dim() <= placement.dim < max(p.dim(), 1):
+            raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
+                            f"(shape {tuple(p.shape)}); return None or Shard(dim) with a dim of the parameter")
+        k = placement.dim % p.dim() if p.dim() else 0
+        if k == 0:
+            continue
+        if groups.tp.size > 1 or p.shape[k] % groups.dp.size:
+            raise UserError(f'fully_shard: shard_placement_fn gave Shard({k}) for parameter "{names.get(id(p))}" '
+                            f"(shape {tuple(p.shape)}); a dim other than 0 must split evenly over the "
+                            f"{groups.dp.size} data-parallel ranks and the model have no tensor parallelism: "
+                            f"return Shard(0) for it")
+        dims[id(p)] = k
+    return dims
 
 
 def _tp_mesh_of(module: nn.Module) -> Any:
@@ -257,13 +272,14 @@ def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: C
 
 
 def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any, groups: DataParallelGroups,
-               model_tp_mesh: Any) -> Placed | None:
+               model_tp_mesh: Any, dim: int = 0) -> Placed | None:
     """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows. Under a tp
-    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp."""
+    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp. `dim`: the dim
+    it is cut along over dp (`_shard_dims`; 0 under TP)."""
     tp_mesh = getattr(p, TP_MESH_ATTR, None) or model_tp_mesh
     if tp_mesh is None:
         # a tp group known only as a process group (ParallelMesh): TP slices this module cannot place
-        return placement(dp_mesh, shape) if groups.tp.size == 1 else None
+        return placement(dp_mesh, shape, dim=dim) if groups.tp.size == 1 else None
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if getattr(mesh, "ndim", 0) == 2:           # the (dp, tp) DeviceMesh itself
         mesh = mesh["dp" if "dp" in names else "dp_shard"]
@@ -284,7 +300,8 @@ def _clock_forward(module: nn.Module, _args: Any) -> None:
 
 
 def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,
-              mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool) -> Unit | None:
+              mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool,
+              dims: dict[int, int]) -> Unit | None:
     """The unit of `module`'s own parameters (those no wrapped module below holds), sharded; None when there are
     none.
 
@@ -301,7 +318,8 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
     for p in params:
         by_key.setdefault(FlatKey(0 if p.requires_grad else None, p.dtype), []).append(p)
     flats: list[FlatShard] = [ShownFlat.allocate(0, key, ps, [p.shape for p in ps], dp_size=groups.dp.size,
-                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout)
+                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout,
+                                                 shard_dims=tuple(dims.get(id(p), 0) for p in ps))
                               for key, ps in by_key.items()]
     unit = Unit(0, type(module).__name__, module, flats, is_root=True)
     unit.reshard_after_forward = reshard_after_forward

@@ -13,6 +13,7 @@ from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
 from shardwise.parallel.wrappers.dtensors import local_of, plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.partition import RowLayout
 from shardwise.comm.topology import SoloComm
 
 
@@ -264,6 +265,8 @@ def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> lis
 def rank_piece(flat: FlatShard, i: int, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of parameter i's whole value `full` [shapes[i]], shaped as this rank holds it (a view
     of `full`; empty where this rank holds none of it): the inverse of `full_tensors`. Not collective."""
+    if isinstance(flat.layout, RowLayout) and flat.layout.dim(i):      # a slice along another dim than 0
+        return flat.layout.piece_of(i, flat.rank, full)
     lo, hi, _ = flat.pieces.get(i, (0, 0, 0))
     return full.reshape(-1)[lo:hi].view(flat.layout.local_shape(i, flat.rank))
 

@@ -89,18 +89,20 @@ class Placed:
                 and tuple(value.shape) == tuple(self.shape))
 
 
-def placement(mesh: Any, shape: tuple[int, ...], *, tp_mesh: Any = None, tp_dim: int | None = None) -> Placed | None:
+def placement(mesh: Any, shape: tuple[int, ...], *, tp_mesh: Any = None, tp_dim: int | None = None,
+              dim: int = 0) -> Placed | None:
     """How a parameter of `shape` (a TP slice under tensor parallelism) is shown: Shard(0) over `mesh` (the dp
     mesh), or on the (dp, tp) mesh above both `mesh` and `tp_mesh`: dim-0 rows over dp, and over tp Shard(tp_dim)
     for a TP slice cut along `tp_dim`, Replicate for a parameter every TP rank holds whole. A TP slice cut along
     dim 0 is cut again along dim 0 over dp: the dp placement is then torch's _StridedShard (FSDP2's, with TP), the
-    rows of each TP slice being split before those of the next. None for a 0-dim parameter (no Shard(0))."""
+    rows of each TP slice being split before those of the next. None for a 0-dim parameter (no Shard(0)).
+    `dim`: Shard(dim) over dp for a parameter `fully_shard` cuts along another dim (no TP)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     if not shape or mesh is None:
         return None
     if tp_mesh is None:
-        return Placed(mesh, (Shard(0),), tuple(shape))
+        return Placed(mesh, (Shard(dim),), tuple(shape))
     root = tp_mesh._get_root_mesh()
     names = root.mesh_dim_names or ()
     dp_at, tp_at = names.index(mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
