@@ -20,7 +20,8 @@ world size:
   to float64 after wrapping (`.to(torch.float64)`, `.double()`).
 - `DistributedDataParallel` without `find_unused_parameters`: after a backward that left a parameter without a
   gradient, the next forward raises a RuntimeError naming the fix, as torch DDP's.
-- At 4 ranks, an int `reshard_after_forward` (2: a smaller group; 1: kept gathered) against FSDP2's; tensor
+- At 4 ranks, an int `reshard_after_forward` (2: a smaller group; 1: kept gathered) and an explicit True (the
+  root's parameters freed after forward too) against FSDP2's; tensor
   parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh, .parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
   with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
@@ -553,15 +554,16 @@ def _clip_2d(model: nn.Module, max_norm: float) -> float:
 
 def _reshard_int(which: str) -> dict:
     """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward), at 4 ranks: 2 (a smaller
-    group: the parameters are DTensors again after forward) and 1 (kept gathered: plain tensors). FSDP2's
-    losses and parameters."""
+    group: the parameters are DTensors again after forward, the root's own too) and 1 (kept gathered: plain
+    tensors), and True given explicitly (the root's parameters freed after forward too). FSDP2's losses and
+    parameters."""
     from torch.distributed.tensor import DTensor
     fully_shard = _fully_shard_fn(which)
     out: dict = {}
-    for size in (2, 1):
+    for size in (2, 1, True):           # (keyed by name below: True == 1 as a dict key)
         torch.manual_seed(42)
-        model = nn.Sequential(*[_MLP(8) for _ in range(2)])
-        for mlp in model:
+        model = nn.Sequential(_MLP(8), _MLP(8), nn.Linear(8, 8))       # the root holds the last Linear
+        for mlp in model[:2]:
             fully_shard(mlp, reshard_after_forward=size)
         fully_shard(model, reshard_after_forward=size)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -570,12 +572,12 @@ def _reshard_int(which: str) -> dict:
         losses, after_forward = [], []
         for _ in range(3):
             loss = model(x).sum()
-            after_forward.append([isinstance(p, DTensor) for p in model[0].parameters()])
+            after_forward.append([isinstance(p, DTensor) for p in model.parameters()])
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(mean_over_ranks(float(loss.detach())))
-        out[size] = {"after_forward": after_forward, "losses": losses,
+        out[repr(size)] = {"after_forward": after_forward, "losses": losses,
                      "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
     return out
 
@@ -598,10 +600,10 @@ def test_torch_view_four_ranks():
         assert_close_lists(ours["norms"], ref["norms"], rtol=1e-5, what=f"{what}: norms")
         assert_close_lists(ours["losses"], ref["losses"], rtol=1e-5, what=f"{what}: losses")
         assert_state_close(ours["state"], ref["state"], what=what, adam=True)
-        for size in (2, 1):
+        for size, freed in (("2", True), ("1", False), ("True", True)):
             ours, theirs = r["reshard_int"]["ours"][size], r["reshard_int"]["torch"][size]
             what = f"reshard_after_forward={size} at 4 ranks, rank {rank}"
-            assert theirs["after_forward"] == [[size != 1] * 4] * 3, (what, theirs["after_forward"])
+            assert theirs["after_forward"] == [[freed] * 10] * 3, (what, theirs["after_forward"])
             assert ours["after_forward"] == theirs["after_forward"], (what, ours["after_forward"])
             assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=what)
             assert_state_close(ours["state"], theirs["state"], what=what, adam=True)

@@ -111,7 +111,7 @@ def _resolve_reshard(reshard_after_forward: bool | int | None, dp_size: int) -> 
     return k != 1
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = True,
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
@@ -125,9 +125,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
     whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
     `shard_placement_fn(param)` (FSDP2's) may return None or Shard(k) for each parameter: cut along dim k
-    (`_shard_dims`; dim 0 by default). `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
-    backward starts at once) keeps its parameters gathered after forward, and a module once a later call adopts
-    it frees them; an int is FSDP2's group size to reshard to (`_resolve_reshard`)."""
+    (`_shard_dims`; dim 0 by default). `reshard_after_forward=None` (the default, FSDP2's): the module wrapped
+    last (the root, whose backward starts at once) keeps its parameters gathered after forward, and a module
+    once a later call adopts it frees them; True frees them after forward, the root's too; an int is FSDP2's
+    group size to reshard to (`_resolve_reshard`)."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -195,9 +196,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             f.unit = k
     partition = Partition(units, [], groups.dp.size, groups.dp.rank, 0, 0)
     largest = max((u.padded_numel for u in units if not u.is_root), default=1)
-    # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
+    # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that; the
+    # root's own unit is freed after forward only when asked explicitly (True, or an int above 1), as FSDP2
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
-                               max_live_numel=1 << 62)
+                               max_live_numel=1 << 62,
+                               reshard_root_after_forward=mine is not None and mine.reshard_after_forward)
     sharding = FullyShardState(module, runtime, groups, ledger, clock, dt_mesh)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
