@@ -21,8 +21,8 @@ world size:
 - `DistributedDataParallel` without `find_unused_parameters`: after a backward that left a parameter without a
   gradient, the next forward raises a RuntimeError naming the fix, as torch DDP's.
 - At 4 ranks, an int `reshard_after_forward` (2: a smaller group; 1: kept gathered) and an explicit True (the
-  root's parameters freed after forward too) against FSDP2's; tensor
-  parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh, .parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
+  root's parameters freed after forward too) against FSDP2's; tensor parallelism composed as torchtitan does, a
+  (dp, tp) = (2, 2) DeviceMesh, `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
   with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
   (the same placements, norms, losses and parameters), applied by shardwise's parallelize_module, or by torch's
