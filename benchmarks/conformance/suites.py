@@ -81,14 +81,6 @@ DEEPSPEED_PUBLIC_MODULES = (
 
 # test-id substring -> reason shardwise differs on purpose (each documented in README).
 DELIBERATE: dict[str, str] = {
-    "test_fully_shard_training.py::TestFullyShardRegisteredParams::test_param_registration_after_forward":
-        "reshard_after_forward=2 (an int: resharding to a smaller group) is refused; and parameters kept gathered "
-        "after forward stay DTensors where FSDP2 registers plain tensors (README, fully_shard)",
-    "test_fully_shard_training.py::TestFullyShardRegisteredParams::test_param_registration_after_backward":
-        "reshard_after_forward=2 (an int: resharding to a smaller group) is refused (README, fully_shard)",
-    "test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_train_parity_single_group_shard_largest_dim":
-        "shard_placement_fn returning Shard(1) is refused: every parameter is sharded along dim 0 (README, "
-        "fully_shard)",
     "test_ds_config_dict.py::TestNoModel::test":
         "initialize(model=None) is a one-line UserError (a ValueError), not a bare assert: README, errors",
     "test_pipe_module.py::TestPipeModuleSequential::":

@@ -16,6 +16,7 @@ written by the worker processes a distributed test spawns.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -57,12 +58,15 @@ def _read_by_a_test(depth: int) -> bool:
 
 
 def _log(kind: str, name: str) -> None:
-    path = os.environ.get(LOG_ENV)
-    if not path or not _read_by_a_test(2):
-        return
+    if os.environ.get(LOG_ENV) and _read_by_a_test(2):
+        _append(kind, name)
+
+
+def _append(kind: str, name: str, *, throttle: bool = True) -> None:
+    path = os.environ[LOG_ENV]
     now = time.time()
     key = (kind, name)
-    if now - _last_logged.get(key, 0.0) < _THROTTLE_S:
+    if throttle and now - _last_logged.get(key, 0.0) < _THROTTLE_S:
         return
     _last_logged[key] = now
     # O_APPEND writes of one short line are atomic between the processes of one test.
@@ -244,12 +248,46 @@ TORCH_HARNESS_RESTORE: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+def _log_torch_call(name: str) -> None:
+    """torch: a call of a swapped wrapper, whoever makes it (the test, or torch's harness helpers and
+    `distributed_test.py`, which live in the wheel), is shardwise exercised by the running test. Not throttled:
+    tests a tenth of a second long follow each other, and wrappers are built a few times per test."""
+    if os.environ.get(LOG_ENV):
+        _append("ours", name, throttle=False)
+
+
+def _calls_logged(name: str, value: Any) -> Any:
+    """`value` (a shardwise function or class set on a torch module) logging each call / construction. A class
+    keeps its identity (isinstance checks): its own `__init__` is wrapped, in this conformance process only."""
+    if isinstance(value, type):
+        init = value.__dict__.get("__init__")
+        if init is None or getattr(init, "_conformance_logged", False):
+            return value
+
+        @functools.wraps(init)
+        def logged_init(self: Any, *args: Any, **kwargs: Any) -> None:
+            _log_torch_call(name)
+            init(self, *args, **kwargs)
+
+        setattr(logged_init, "_conformance_logged", True)
+        setattr(value, "__init__", logged_init)
+        return value
+    if callable(value):
+        @functools.wraps(value)
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            _log_torch_call(name)
+            return value(*args, **kwargs)
+        return logged
+    return value
+
+
 def install_torch() -> None:
     import shardwise
 
     for module_name in TORCH_KEEP_OWN:
         importlib.import_module(module_name)
     originals: dict[tuple[str, str], Any] = {}
+    logged: dict[str, Any] = {}             # one logging wrapper per shardwise name, set on every torch module
     for module_name, pairs in TORCH_SWAPS.items():
         try:
             module = importlib.import_module(module_name)
@@ -258,7 +296,9 @@ def install_torch() -> None:
         for torch_name, ours_name in pairs:
             if hasattr(module, torch_name):
                 originals.setdefault((module_name, torch_name), getattr(module, torch_name))
-                setattr(module, torch_name, getattr(shardwise, ours_name))
+                if ours_name not in logged:
+                    logged[ours_name] = _calls_logged(f"shardwise.{ours_name}", getattr(shardwise, ours_name))
+                setattr(module, torch_name, logged[ours_name])
     for harness_name, restores in TORCH_HARNESS_RESTORE.items():
         try:
             harness = importlib.import_module(harness_name)
@@ -267,7 +307,6 @@ def install_torch() -> None:
         for attr, module_name, torch_name in restores:
             if (module_name, torch_name) in originals:
                 setattr(harness, attr, originals[(module_name, torch_name)])
-    _log("ours", "torch-wrappers")
 
 
 def install_from_env() -> None:

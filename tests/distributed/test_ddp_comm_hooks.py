@@ -56,7 +56,9 @@ class _Branchy(torch.nn.Module):
 def _branchy(world: int, rank: int, wrap: bool) -> dict:
     import shardwise
     net = _Branchy()
-    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=1e-4) if wrap else net
+    # b goes unused on odd steps: torch DDP's find_unused_parameters=True (without it the next forward raises)
+    model = shardwise.DistributedDataParallel(net, bucket_cap_mb=1e-4, find_unused_parameters=True) if wrap \
+        else net
     # plain SGD: a zero gradient and no gradient step alike, so stale slot values would show
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(5)

@@ -13,10 +13,16 @@ world size:
 - torch's own `get_state_dict` / `set_state_dict` with `torch.distributed.checkpoint` save and resume a
   fully_shard model and its optimizer exactly.
 - FSDP2's explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`) and
-  `shard_placement_fn` (dim 0; other dims refused in one line): FSDP2's losses and parameters. So with
-  `reshard_after_forward=None` (the root kept gathered after forward, the blocks freed).
-- At 4 ranks, tensor parallelism composed as torchtitan does, a (dp, tp) = (2, 2) DeviceMesh,
-  `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
+  `shard_placement_fn` (Shard(0); a dim that does not split evenly refused in one line, as FSDP2 refuses it):
+  FSDP2's losses and parameters. So with `shard_placement_fn` cutting along each parameter's largest dim
+  (Shard(1) too: FSDP2's placements, contiguous parameters and gradients, a sharded state dict loading back), with
+  `reshard_after_forward=None` (the root kept gathered after forward, the blocks freed), and with the model cast
+  to float64 after wrapping (`.to(torch.float64)`, `.double()`).
+- `DistributedDataParallel` without `find_unused_parameters`: after a backward that left a parameter without a
+  gradient, the next forward raises a RuntimeError naming the fix, as torch DDP's.
+- At 4 ranks, an int `reshard_after_forward` (2: a smaller group; 1: kept gathered) and an explicit True (the
+  root's parameters freed after forward too) against FSDP2's; tensor parallelism composed as torchtitan does, a
+  (dp, tp) = (2, 2) DeviceMesh, `shardwise.parallelize_module(model, mesh["tp"], plan)`, then `fully_shard(..., mesh=mesh["dp"])`: the GPT with
   its own plan against one process (norms from torch's clip_grad_norm_, losses, the whole parameters read back
   with `full_tensor()`), and a plan written in torch's styles against torch's own parallelize_module + FSDP2
   (the same placements, norms, losses and parameters), applied by shardwise's parallelize_module, or by torch's
@@ -39,6 +45,7 @@ from shardwise.testing import (
 
 LR, WEIGHT_DECAY, CLIP = 3e-3, 0.1, 0.5
 FP32 = dict(rtol=1e-5, atol=1e-5)
+FP64 = dict(rtol=1e-12, atol=1e-12)
 
 
 def _fully_shard_fn(which: str):
@@ -182,12 +189,47 @@ def _explicit_prefetch(which: str) -> dict:
         opt.zero_grad()
         losses.append(mean_over_ranks(float(loss.detach())))
     refused = ""
-    try:
-        _fully_shard_fn(which)(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
-    except Exception as e:          # FSDP2 takes Shard(1); shardwise refuses it in one line
+    try:                            # the last dim of the [3, 3] weight does not split over 2 ranks
+        _fully_shard_fn(which)(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    except Exception as e:          # FSDP2's NotImplementedError; shardwise's one line
         refused = str(e)
     return {"losses": losses, "seen": seen, "refused": refused,
             "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _shard_largest_dim(which: str) -> dict:
+    """FSDP2's test: `shard_placement_fn` cutting each parameter along its largest dim (Shard(1) for the first
+    weight); FSDP2's placements, local shapes, contiguous parameters and gradients, losses and parameters, and
+    the sharded state dict loaded back into a fresh model."""
+    from torch.distributed.tensor import Shard
+    fully_shard = _fully_shard_fn(which)
+
+    def build() -> nn.Module:
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 8))
+        fully_shard(model[2], shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
+        fully_shard(model, shard_placement_fn=lambda p: Shard(p.shape.index(max(p.shape))))
+        return model
+
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(42 + dist.get_rank() + 1)
+    x = torch.randn(4, 32)
+    contiguous, losses = [], []
+    model[2].register_forward_pre_hook(lambda m, _: contiguous.append(all(p.is_contiguous() for p in m.parameters())))
+    for step in range(4):
+        loss = model(x).sum()
+        loss.backward()
+        contiguous.append(all(t.is_contiguous() for p in model.parameters() for t in (p.to_local(), p.grad.to_local())))
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        losses.append(mean_over_ranks(float(loss.detach())))
+    placements = {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    again = build()
+    again.load_state_dict(model.state_dict())
+    return {"losses": losses, "placements": placements, "contiguous": contiguous,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "loaded": {k: v.full_tensor() for k, v in again.state_dict().items()}}
 
 
 def _reshard_none(which: str) -> dict:
@@ -268,11 +310,61 @@ def _torch_dcp(path: str) -> dict:
     return {"went_on": went_on, "resumed": [step(fresh, fresh_opt, b) for b in batches[1:]]}
 
 
+def _cast_after_init(which: str) -> dict:
+    """FSDP2's test: every module wrapped, then the model cast to float64 (`.to(torch.float64)`; `.double()` on
+    shardwise too); the parameters, their local shards and their gradients are float64 and train as a float64
+    model does."""
+    fully_shard = _fully_shard_fn(which.split("_")[0])
+    torch.manual_seed(42)
+    model = _MLP(4)
+    for module in (model.in_proj, model.out_proj, model):
+        fully_shard(module)
+    opt_before = torch.optim.Adam(model.parameters(), lr=1e-2)     # built before the cast: the same objects
+    model.double() if which == "ours_double" else model.to(torch.float64)
+    dtypes = [(p.dtype, p.to_local().dtype, p._spec.tensor_meta.dtype) for p in model.parameters()]
+    torch.manual_seed(43 + dist.get_rank())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    losses, grad_dtypes = [], []
+    for step in range(4):
+        loss = model(x).sum()
+        loss.backward()
+        grad_dtypes.append([(p.grad.dtype, p.grad.to_local().dtype) for p in model.parameters()])
+        opt_before.step()
+        opt_before.zero_grad(set_to_none=step % 2 == 0)
+        losses.append(mean_over_ranks(float(loss.detach())))
+    return {"dtypes": dtypes, "grad_dtypes": grad_dtypes, "losses": losses,
+            "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+
+
+def _ddp_unused_refused(which: str) -> str:
+    """Without find_unused_parameters, a backward that leaves `b` without a gradient: torch DDP's next forward
+    raises a RuntimeError naming the fix. Returns that exception's class and whether it names the fix."""
+    torch.manual_seed(3)
+    net = _Branches()
+    if which == "torch":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(net)
+    else:
+        import shardwise
+        model = shardwise.DistributedDataParallel(net)
+    x = torch.randn(4, 8)
+    model(x, True).backward()           # every parameter used: no error
+    model(x, False).backward()          # b unused
+    try:
+        model(x, True)
+    except RuntimeError as e:
+        return f"RuntimeError {'find_unused_parameters=True' in str(e)}"
+    return "no error"
+
+
 def _pairs(path: str) -> dict:
     torch.set_num_threads(1)
     out = {name: {which: fn(which) for which in ("torch", "ours")}
            for name, fn in (("clip", _clip_with_torch), ("non_root", _non_root), ("ddp_unused", _ddp_unused),
                             ("prefetch", _explicit_prefetch), ("reshard_none", _reshard_none))}
+    out["largest_dim"] = {which: _shard_largest_dim(which) for which in ("torch", "ours")}
+    out["cast"] = {which: _cast_after_init(which) for which in ("torch", "ours", "ours_double")}
+    out["ddp_unused_refused"] = {which: _ddp_unused_refused(which) for which in ("torch", "ours")}
     return {**out, "pickled": _ddp_pickled(), "torch_dcp": _torch_dcp(path)}
 
 
@@ -314,12 +406,32 @@ def test_torch_view_two_ranks(tmp_path):
         assert ours["seen"] and all("SHARDED" not in states[:2] for states in ours["seen"]), ours["seen"]
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"explicit prefetch, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"explicit prefetch, rank {rank}", adam=True)
-        assert "shard_placement_fn gave Shard(dim=1)" in ours["refused"] and "\n" not in ours["refused"]
+        assert "uneven" in theirs["refused"], theirs["refused"]
+        assert "shard_placement_fn gave Shard(1)" in ours["refused"] and "\n" not in ours["refused"], ours["refused"]
+        ours, theirs = r["largest_dim"]["ours"], r["largest_dim"]["torch"]
+        what = f"shard_placement_fn largest dim, rank {rank}"
+        assert theirs["placements"]["0.weight"][0] == "(Shard(dim=1),)", theirs["placements"]
+        assert ours["placements"] == theirs["placements"], (what, ours["placements"])
+        assert all(ours["contiguous"]) and all(theirs["contiguous"]), (what, ours["contiguous"])
+        assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=what)
+        assert_state_close(ours["state"], theirs["state"], what=what)
+        assert_state_close(ours["loaded"], ours["state"], what=f"{what}: loaded back", rtol=0, atol=0)
         ours, theirs = r["reshard_none"]["ours"], r["reshard_none"]["torch"]
         n_blocks = len(ours["flags"]) - 1
         assert ours["flags"] == [(False, True)] * n_blocks + [(True, False)], ours["flags"]
         assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=f"reshard_after_forward=None, rank {rank}")
         assert_state_close(ours["state"], theirs["state"], what=f"reshard_after_forward=None, rank {rank}", adam=True)
+        theirs = r["cast"]["torch"]
+        assert theirs["dtypes"] == [(torch.float64,) * 3] * 4, theirs["dtypes"]
+        for name in ("ours", "ours_double"):
+            ours = r["cast"][name]
+            what = f"cast to float64 after fully_shard ({name}), rank {rank}"
+            assert ours["dtypes"] == theirs["dtypes"], (what, ours["dtypes"])
+            assert ours["grad_dtypes"] == theirs["grad_dtypes"], (what, ours["grad_dtypes"])
+            assert_close_lists(ours["losses"], theirs["losses"], rtol=FP64["rtol"], what=what)
+            assert_state_close(ours["state"], theirs["state"], what=what, **FP64)
+        assert r["ddp_unused_refused"] == {"torch": "RuntimeError True", "ours": "RuntimeError True"}, \
+            r["ddp_unused_refused"]
         pickled = r["pickled"]
         assert pickled["kind"] == "DistributedDataParallel"
         assert_state_close(pickled["state"], pickled["expected"], what=f"pickled DDP, rank {rank}", rtol=0, atol=0)
@@ -433,9 +545,40 @@ def _clip_2d(model: nn.Module, max_norm: float) -> float:
     return norm
 
 
+def _reshard_int(which: str) -> dict:
+    """FSDP2's int `reshard_after_forward` (the group size to reshard to after forward), at 4 ranks: 2 (a smaller
+    group: the parameters are DTensors again after forward, the root's own too) and 1 (kept gathered: plain
+    tensors), and True given explicitly (the root's parameters freed after forward too). FSDP2's losses and
+    parameters."""
+    from torch.distributed.tensor import DTensor
+    fully_shard = _fully_shard_fn(which)
+    out: dict = {}
+    for size in (2, 1, True):           # (keyed by name below: True == 1 as a dict key)
+        torch.manual_seed(42)
+        model = nn.Sequential(_MLP(8), _MLP(8), nn.Linear(8, 8))       # the root holds the last Linear
+        for mlp in model[:2]:
+            fully_shard(mlp, reshard_after_forward=size)
+        fully_shard(model, reshard_after_forward=size)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        torch.manual_seed(42 + dist.get_rank())
+        x = torch.randn(4, 8)
+        losses, after_forward = [], []
+        for _ in range(3):
+            loss = model(x).sum()
+            after_forward.append([isinstance(p, DTensor) for p in model.parameters()])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(mean_over_ranks(float(loss.detach())))
+        out[repr(size)] = {"after_forward": after_forward, "losses": losses,
+                     "state": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+    return out
+
+
 def _four_ranks() -> dict:
     torch.set_num_threads(1)
     return {"clip": {which: _clip_with_torch(which) for which in ("torch", "ours")}, "gpt_2d": _two_d_gpt(),
+            "reshard_int": {which: _reshard_int(which) for which in ("torch", "ours")},
             "plan_2d": {which: _two_d_torch_plan(which)
                         for which in ("torch", "ours", "torch_tp", "torch_tp_checkpointed")}}
 
@@ -450,6 +593,13 @@ def test_torch_view_four_ranks():
         assert_close_lists(ours["norms"], ref["norms"], rtol=1e-5, what=f"{what}: norms")
         assert_close_lists(ours["losses"], ref["losses"], rtol=1e-5, what=f"{what}: losses")
         assert_state_close(ours["state"], ref["state"], what=what, adam=True)
+        for size, freed in (("2", True), ("1", False), ("True", True)):
+            ours, theirs = r["reshard_int"]["ours"][size], r["reshard_int"]["torch"][size]
+            what = f"reshard_after_forward={size} at 4 ranks, rank {rank}"
+            assert theirs["after_forward"] == [[freed] * 10] * 3, (what, theirs["after_forward"])
+            assert ours["after_forward"] == theirs["after_forward"], (what, ours["after_forward"])
+            assert_close_lists(ours["losses"], theirs["losses"], rtol=1e-5, what=what)
+            assert_state_close(ours["state"], theirs["state"], what=what, adam=True)
         theirs = r["plan_2d"]["torch"]
         for name in ("ours", "torch_tp", "torch_tp_checkpointed"):
             _check_plan_2d(r["plan_2d"][name], theirs, what=f"(dp, tp) = (2, 2), torch's plan, {name}, rank {rank}")

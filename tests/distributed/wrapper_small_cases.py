@@ -32,7 +32,7 @@ def refusals() -> list[str]:
     from shardwise.errors import UserError
     model = tiny_gpt(seq_len=SEQ)
     attempts = [
-        lambda: shardwise.fully_shard(model.blocks[0], reshard_after_forward=2),
+        lambda: shardwise.fully_shard(model.blocks[0], reshard_after_forward=3),     # does not divide 2 ranks
         lambda: shardwise.fully_shard(model.blocks[0], mp_policy={"param_dtype": torch.bfloat16}),
         lambda: (shardwise.fully_shard(model), shardwise.fully_shard(model.blocks[1])),
         lambda: shardwise.fully_shard(model),
@@ -139,7 +139,7 @@ def check(results: list[dict]) -> None:
         assert torch.equal(scale, results[0]["odd_shapes"]["state"]["scale"]), "rank 0's value on every rank"
         assert msd["w"][2:] == ((3, 5), "(Shard(dim=0),)") and msd["w"][1].shape == ((2, 5), (1, 5))[rank]
         assert osd["state"]["scale"]["exp_avg"][:1] == ("DTensor",) and osd["state"]["scale"]["step"].shape == ()
-    expected = ["reshard_after_forward = 2", "mp_policy = {", "already sharded by a module above it",
+    expected = ["reshard_after_forward = 3", "mp_policy = {", "already sharded by a module above it",
                 "GPT is already wrapped", "norm_type = 1", "all_reduce = 'tree'", "sharding_strategy = NO_SHARD",
                 "auto_wrap_policy = 3"]
     for message, start in zip(r0["refusals"], expected):

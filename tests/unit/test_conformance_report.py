@@ -136,3 +136,26 @@ def test_runs_over_a_few_files_add_up(tmp_path) -> None:
     assert report.merge_errors(errors, {"a.py": "ImportError"}, ["a.py", "b.py"]) == {"a.py": "ImportError"}
     assert report.merge_errors(errors, {"b.py": "E"}, ["b.py"]) == {"a.py": "ImportError", "b.py": "E"}
     assert report.merge_errors(errors, {}, ["a.py"]) == {"b.py": "E"}
+
+
+def test_torch_wrappers_log_each_call_and_keep_their_identity(tmp_path, monkeypatch) -> None:
+    """torch's swapped wrappers: a call of a function or a construction of a class is logged as shardwise's,
+    whoever makes it; a class stays the same class (isinstance checks), wrapped once."""
+    from benchmarks.conformance import swap
+
+    log = tmp_path / "access.tsv"
+    monkeypatch.setenv(swap.LOG_ENV, str(log))
+
+    class Wrapper:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+    original_init = Wrapper.__init__
+    monkeypatch.setattr(Wrapper, "__init__", original_init)      # restored after the test
+    shard = swap._calls_logged("shardwise.shard", lambda x: x + 1)
+    cls = swap._calls_logged("shardwise.Wrapper", Wrapper)
+    assert cls is Wrapper and swap._calls_logged("shardwise.Wrapper", Wrapper) is Wrapper
+    assert shard(1) == 2 and Wrapper(3).value == 3 and isinstance(Wrapper(4), Wrapper)
+    names = [line.split("\t")[2:] for line in log.read_text().splitlines()]
+    # every call, a repeat within the throttle window too (tests a tenth of a second long follow each other)
+    assert names == [["ours", "shardwise.shard"], ["ours", "shardwise.Wrapper"], ["ours", "shardwise.Wrapper"]], names

@@ -48,3 +48,33 @@ def test_row_copies_benchmark_runs(capsys):
     assert main(["--model", "tiny", "--world", "3", "--iters", "2"]) == 0
     out = capsys.readouterr().out
     assert "RowLayout.copy_out" in out and "RowLayout.add_grad" in out and "3 ranks" in out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 2)), min_size=1, max_size=4),
+       st.integers(1, 3), st.data())
+def test_rows_along_another_dim(sizes, dp, data):
+    """FSDP2's Shard(k), k > 0 (an even cut): each rank's piece is torch.chunk along k, stored contiguous; the
+    gather copies out to the whole parameters, gradients add into each rank's piece. Mixed with dim-0 cuts."""
+    dims = [data.draw(st.integers(0, 2)) for _ in sizes]
+    # the cut dim a multiple of dp (even), the others as drawn
+    shapes = [tuple(n * dp if j == k else n for j, n in enumerate(size)) for size, k in zip(sizes, dims)]
+    layout = RowLayout.of_shapes(shapes, dp, tuple(dims))
+    gen = torch.Generator().manual_seed(1)
+    values = [torch.randn(s, generator=gen) for s in shapes]
+    shards = torch.zeros(dp, layout.shard_numel)
+    for r in range(dp):
+        for i, lo, hi, at in layout.pieces_in_shard(r):
+            piece = layout.piece_of(i, r, values[i])
+            assert torch.equal(piece, values[i].chunk(dp, dims[i])[r]), (i, r)
+            assert tuple(piece.shape) == layout.local_shape(i, r) and hi - lo == piece.numel()
+            shards[r, at:at + hi - lo] = piece.reshape(-1)
+    full = torch.full((layout.padded_numel,), float("nan"))
+    layout.copy_out(shards.reshape(-1), full)
+    for i, (o, n) in enumerate(zip(layout.offsets, layout.sizes)):
+        assert torch.equal(full[o:o + n].view(shapes[i]), values[i])
+    buf = torch.zeros(layout.padded_numel)
+    for i, v in enumerate(values):
+        layout.add_grad(buf, i, v)
+        layout.add_grad(buf, i, v)
+    assert torch.equal(buf.view(dp, -1), 2 * shards)

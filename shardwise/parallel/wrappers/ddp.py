@@ -33,6 +33,11 @@ class NothingToTrain(UserError, RuntimeError):
     catch; this is that and shardwise's one-line UserError at once."""
 
 
+class UnusedParameters(UserError, RuntimeError):
+    """Without `find_unused_parameters=True`, a synchronizing backward left some parameter without a gradient:
+    raised at the next forward, as torch DDP raises its RuntimeError there."""
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The constructor's choices a pickled wrapper is rebuilt with."""
@@ -46,10 +51,13 @@ class DistributedDataParallel(nn.Module):
     """torch DDP's behaviour: every rank starts from rank 0's parameters and buffers; gradients are averaged over
     the dp group during backward (bucketed, overlapped); `no_sync()` skips communication for accumulation.
     torch's `device_ids`, `output_device`, `dim` and `gradient_as_bucket_view` are accepted: gradients are always
-    bucket views, and a parameter without a gradient in a backward adds zeros to the sum. With
-    `find_unused_parameters=True`, as torch DDP, a parameter that no rank used since the last synchronizing step is
-    left as it was: a .grad that was None (after `optimizer.zero_grad()`) stays None, so the optimizer neither
-    decays nor moves it on momentum (one more all-reduce per synchronizing step, of a flag per parameter).
+    bucket views. As torch DDP, a synchronizing backward that leaves a parameter without a gradient is an error
+    unless `find_unused_parameters=True`: the next forward raises `UnusedParameters` (a RuntimeError) naming the
+    parameters (the backward itself still completes, its missing slots summed as zeros, so no rank is left waiting
+    in a collective). With `find_unused_parameters=True` a parameter that no rank used since the last
+    synchronizing step is left as it was: a .grad that was None (after `optimizer.zero_grad()`) stays None, so the
+    optimizer neither decays nor moves it on momentum (one more all-reduce per synchronizing step, of a flag per
+    parameter).
 
     `all_reduce`: "auto" (default) sums CPU gradients through shared memory when every rank of the group shares
     this host's /dev/shm with room for the buckets (`comm/shm.py`; cheaper than gloo's sockets), else calls the
@@ -97,12 +105,13 @@ class DistributedDataParallel(nn.Module):
                                     impl=self._settings.impl, prescale=True)
         if self._settings.find_unused:
             self.reducer.track_unused(params)
+        self._param_names = {id(p): n for n, p in self.module.named_parameters()}
 
     def __getstate__(self) -> dict[str, Any]:
         """`torch.save(model)` pickles the module and the settings; the process group, the buckets (maybe in
         shared memory) and the hooks are rebuilt on load, as torch DDP does, over the default group."""
         state = self.__dict__.copy()
-        for name in ("ledger", "clock", "groups", "reducer"):
+        for name in ("ledger", "clock", "groups", "reducer", "_param_names"):
             state.pop(name, None)
         return state
 
@@ -113,6 +122,7 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
+            self._refuse_unfinished()
             self.clock.forward_started(self.require_sync)
             self.reducer.begin_backward(self.require_sync)
             self.reducer.note_missing_grads()
@@ -122,6 +132,16 @@ class DistributedDataParallel(nn.Module):
                 with torch.no_grad():
                     self.groups.dp.broadcast_coalesced(list(self.module.buffers()))
         return self.module(*args, **kwargs)
+
+    def _refuse_unfinished(self) -> None:
+        """torch DDP's check at a forward: the last synchronizing backward reduced every parameter."""
+        missing, self.reducer.missing = self.reducer.missing, []
+        if missing:
+            names = [self._param_names.get(id(p), "?") for p in missing]
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            raise UnusedParameters(f"DistributedDataParallel: the last backward gave no gradient to "
+                                   f"{', '.join(names[:4])}{more} (not used to compute the loss); pass "
+                                   f"find_unused_parameters=True, or use every parameter in each forward")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -176,6 +196,8 @@ class _LoopReducer(BucketedAllReduce):
     _was_none: list[bool] = []
 
     _boundary = True
+    missing: list[torch.nn.Parameter] = []
+    """Without find_unused_parameters: the parameters the last synchronizing backward gave no gradient."""
 
     def begin_backward(self, boundary: bool) -> None:
         super().begin_backward(boundary)
@@ -228,6 +250,8 @@ class _LoopReducer(BucketedAllReduce):
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        if self._used is None and self.enabled:
+            self.missing = [p for b in self.buckets for p in b.params if id(p) not in b.ready]
         self.finish()
         if self._used is not None:
             self._settle_unused()

@@ -91,8 +91,9 @@ class FullyShardedDataParallel(nn.Module):
         reshard = _RESHARD[strategy]
         for block in wrap_targets(module, auto_wrap_policy):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload)
-        self.module = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy,
-                                  offload_policy=offload)
+        # FSDP1 keeps the root gathered after forward under FULL_SHARD too (its backward starts at once): None
+        self.module = fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False,
+                                  mp_policy=policy, offload_policy=offload)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

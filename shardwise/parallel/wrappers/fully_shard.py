@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.comm.collectives import Comm
 from shardwise.comm.ledger import CommLedger
-from shardwise.errors import UserError
+from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers import dtensors, torch_tp
 from shardwise.parallel.wrappers.policies import (
@@ -84,10 +84,10 @@ def _compute_device(groups: DataParallelGroups, params: list[nn.Parameter]) -> t
 
 
 def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise UserError(f"reshard_after_forward = {reshard_after_forward!r}: give True (free after forward), "
-                        f"False (keep gathered until backward) or None (False for the root, True below it); "
-                        f"resharding to a smaller group is not supported")
+                        f"False (keep gathered until backward), None (False for the root, True below it) or an "
+                        f"int group size dividing the data-parallel size")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise UserError(f"mp_policy = {mp_policy!r}: give shardwise.MixedPrecisionPolicy(param_dtype=..., "
                         f"reduce_dtype=...)")
@@ -95,7 +95,23 @@ def _check_policies(reshard_after_forward: Any, mp_policy: Any, offload_policy: 
         raise UserError(f"offload_policy = {offload_policy!r}: give shardwise.CPUOffloadPolicy() or None")
 
 
-def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | None = True,
+def _resolve_reshard(reshard_after_forward: bool | int | None, dp_size: int) -> bool | None:
+    """FSDP2's int `reshard_after_forward`, the group size its parameters are resharded to after forward: 1 keeps
+    them gathered (False), the dp size reshards them over the group (True). A size between, which FSDP2 reshards
+    to within each group of that many ranks (all-gathered again there for backward), frees them to this rank's
+    shard after forward as True does: the same parameters, values and gradients, less memory held between
+    forward and backward, and backward's all-gather over the whole dp group instead of the smaller one."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    k = int(reshard_after_forward)
+    if k < 1 or dp_size % k:
+        raise ArgumentError(f"reshard_after_forward = {k}: an int is the group size to reshard to after forward "
+                            f"and must divide the data-parallel size {dp_size}; give one of "
+                            f"{[d for d in range(1, dp_size + 1) if dp_size % d == 0]}, or True / False")
+    return k != 1
+
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy | None = None) -> FSDPModule:
@@ -108,10 +124,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     `RowLayout`, FSDP2's dim-0 sharding; the engine's keep `FlatLayout` (its checkpoints depend on it).
     `model.state_dict()` is the sharded state dict: each sharded parameter a DTensor (Shard(0) over the dp group)
     whose local tensor is this rank's rows, as FSDP2's (`dtensors.py`); `full_state_dict()` gathers the whole.
-    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(0) for each parameter: every parameter is
-    sharded along dim 0. `reshard_after_forward=None` is FSDP2's: the module wrapped last (the root, whose
-    backward starts at once) keeps its parameters gathered after forward, and a module once a later call adopts
-    it frees them."""
+    `shard_placement_fn(param)` (FSDP2's) may return None or Shard(k) for each parameter: cut along dim k
+    (`_shard_dims`; dim 0 by default). `reshard_after_forward=None` (the default, FSDP2's): the module wrapped
+    last (the root, whose backward starts at once) keeps its parameters gathered after forward, and a module
+    once a later call adopts it frees them; True frees them after forward, the root's too; an int is FSDP2's
+    group size to reshard to (`_resolve_reshard`)."""
     from shardwise.parallel.wrappers.module import FSDPModule, cast_floating, wrap_class
     _check_policies(reshard_after_forward, mp_policy, offload_policy)
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -134,6 +151,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     ledger = next(iter(below.values())).ledger if below else CommLedger()
     clock = next(iter(below.values())).clock if below else StepClock(ledger)
     groups = _with_tp(groups_of(mesh, ledger=ledger), module, mesh, ledger)
+    reshard_after_forward = _resolve_reshard(reshard_after_forward, groups.dp.size)
     model_tp_mesh = _tp_mesh_of(module) if groups.tp.size > 1 else None
     for g in below.values():
         if not _same_group(g.groups, groups):
@@ -144,8 +162,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     adopted = sorted((u for g in below.values() for u in g.runtime.units), key=lambda u: order[id(u.module)])
     owned = {id(p) for u in adopted for f in u.flats for p in [*f.params, *getattr(f, "shown", ())]}
     params = [p for p in module.parameters() if id(p) not in owned]
-    if shard_placement_fn is not None:
-        _check_placements(module, params, shard_placement_fn)
+    dims = _shard_dims(module, params, shard_placement_fn, groups)
     device = _compute_device(groups, params)
     done = {id(x) for m in module.modules() if hasattr(m, STATE_ATTR) for x in m.modules()}
     with torch.no_grad():
@@ -161,14 +178,14 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
         if getattr(u.module, RESHARD_POLICY_ATTR, True) is None:
             u.reshard_after_forward = True
     setattr(module, RESHARD_POLICY_ATTR, reshard_after_forward)
-    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, bool(reshard_after_forward))
+    mine = _new_unit(module, params, groups, device, mp_policy, offload_policy, bool(reshard_after_forward), dims)
     dt_mesh = next(iter(below.values())).mesh if below else dtensors.dp_device_mesh(groups, device)
     if mine is not None:
         units.append(mine)
         slots = param_slots(module)
         for f in mine.flats:
             assert isinstance(f, ShownFlat)
-            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh)
+            f.present([_placement(p, tuple(shape), mesh, dt_mesh, groups, model_tp_mesh, dims.get(id(p), 0))
                        for p, shape in zip(f.params, f.shapes)], slots, SHARDED_ATTR)
             mark_replaced(f.params, f.shown)      # an optimizer built before this call is refused at its step
     names = {id(m): n for n, m in module.named_modules()}
@@ -179,9 +196,11 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
             f.unit = k
     partition = Partition(units, [], groups.dp.size, groups.dp.rank, 0, 0)
     largest = max((u.padded_numel for u in units if not u.is_root), default=1)
-    # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that
+    # one unit gathered ahead (FSDP2's default prefetch), no bound on what is gathered at once beyond that; the
+    # root's own unit is freed after forward only when asked explicitly (True, or an int above 1), as FSDP2
     runtime = ZeroParamRuntime(module, partition, groups.dp, persistent=None, prefetch_numel=largest,
-                               max_live_numel=1 << 62)
+                               max_live_numel=1 << 62,
+                               reshard_root_after_forward=mine is not None and mine.reshard_after_forward)
     sharding = FullyShardState(module, runtime, groups, ledger, clock, dt_mesh)
     for m in module.modules():
         if m is module or hasattr(m, STATE_ATTR):
@@ -201,17 +220,33 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, reshard_after_forward: b
     return module
 
 
-def _check_placements(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any]) -> None:
-    """FSDP2's `shard_placement_fn`: the row layout shards every parameter along dim 0, so only that is taken."""
+def _shard_dims(module: nn.Module, params: list[nn.Parameter], fn: Callable[[nn.Parameter], Any] | None,
+                groups: DataParallelGroups) -> dict[int, int]:
+    """FSDP2's `shard_placement_fn`: id(parameter) -> the dim it is cut along, for those it gives Shard(k), k > 0
+    (None and Shard(0): dim 0). Another dim needs an even cut (the dp size divides it there, as FSDP2 asks) and a
+    model without tensor parallelism."""
     from torch.distributed.tensor import Shard
+    if fn is None:
+        return {}
     names = {id(p): n for n, p in module.named_parameters()}
+    dims = {}
     for p in params:
         placement = fn(p)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+        if placement is None:
             continue
-        raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
-                        f"(shape {tuple(p.shape)}); shardwise shards every parameter along dim 0: return None or "
-                        f"Shard(0)")
+        if not isinstance(placement, Shard) or not -p.dim() <= placement.dim < max(p.dim(), 1):
+            raise UserError(f'fully_shard: shard_placement_fn gave {placement!r} for parameter "{names.get(id(p))}" '
+                            f"(shape {tuple(p.shape)}); return None or Shard(dim) with a dim of the parameter")
+        k = placement.dim % p.dim() if p.dim() else 0
+        if k == 0:
+            continue
+        if groups.tp.size > 1 or p.shape[k] % groups.dp.size:
+            raise UserError(f'fully_shard: shard_placement_fn gave Shard({k}) for parameter "{names.get(id(p))}" '
+                            f"(shape {tuple(p.shape)}); a dim other than 0 must split evenly over the "
+                            f"{groups.dp.size} data-parallel ranks and the model have no tensor parallelism: "
+                            f"return Shard(0) for it")
+        dims[id(p)] = k
+    return dims
 
 
 def _tp_mesh_of(module: nn.Module) -> Any:
@@ -240,13 +275,14 @@ def _with_tp(groups: DataParallelGroups, module: nn.Module, mesh: Any, ledger: C
 
 
 def _placement(p: nn.Parameter, shape: tuple[int, ...], mesh: Any, dp_mesh: Any, groups: DataParallelGroups,
-               model_tp_mesh: Any) -> Placed | None:
+               model_tp_mesh: Any, dim: int = 0) -> Placed | None:
     """How parameter `p` (of `shape`, a TP slice under TP) is shown; None: as its plain rows. Under a tp
-    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp."""
+    DeviceMesh a parameter outside the TP plan is on the (dp, tp) mesh too, replicated over tp. `dim`: the dim
+    it is cut along over dp (`_shard_dims`; 0 under TP)."""
     tp_mesh = getattr(p, TP_MESH_ATTR, None) or model_tp_mesh
     if tp_mesh is None:
         # a tp group known only as a process group (ParallelMesh): TP slices this module cannot place
-        return placement(dp_mesh, shape) if groups.tp.size == 1 else None
+        return placement(dp_mesh, shape, dim=dim) if groups.tp.size == 1 else None
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if getattr(mesh, "ndim", 0) == 2:           # the (dp, tp) DeviceMesh itself
         mesh = mesh["dp" if "dp" in names else "dp_shard"]
@@ -267,7 +303,8 @@ def _clock_forward(module: nn.Module, _args: Any) -> None:
 
 
 def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParallelGroups, device: torch.device,
-              mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool) -> Unit | None:
+              mp: MixedPrecisionPolicy, offload: OffloadPolicy | None, reshard_after_forward: bool,
+              dims: dict[int, int]) -> Unit | None:
     """The unit of `module`'s own parameters (those no wrapped module below holds), sharded; None when there are
     none.
 
@@ -284,7 +321,8 @@ def _new_unit(module: nn.Module, params: list[nn.Parameter], groups: DataParalle
     for p in params:
         by_key.setdefault(FlatKey(0 if p.requires_grad else None, p.dtype), []).append(p)
     flats: list[FlatShard] = [ShownFlat.allocate(0, key, ps, [p.shape for p in ps], dp_size=groups.dp.size,
-                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout)
+                                                 rank=groups.dp.rank, device=device, layout_type=RowLayout,
+                                                 shard_dims=tuple(dims.get(id(p), 0) for p in ps))
                               for key, ps in by_key.items()]
     unit = Unit(0, type(module).__name__, module, flats, is_root=True)
     unit.reshard_after_forward = reshard_after_forward

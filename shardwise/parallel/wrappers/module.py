@@ -13,6 +13,7 @@ from shardwise.errors import UserError
 from shardwise.parallel.grad_norm import GradNormReducer, whole_tensor_layout
 from shardwise.parallel.wrappers.dtensors import local_of, plain_state_dicts
 from shardwise.parallel.zero.flat import FlatShard
+from shardwise.parallel.zero.partition import RowLayout
 from shardwise.comm.topology import SoloComm
 
 
@@ -86,6 +87,22 @@ class FSDPModule(_ModuleBase):
             if not isinstance(m, FSDPModule) or m._fully_shard_state().root is not root:
                 raise UserError(f"{fn}: {type(m).__name__} is not a module fully_shard wrapped in this model; give "
                                 f"wrapped modules of the same model")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """nn.Module's conversions (`.to(torch.float64)`, `.double()`, `.to(device)`) as on FSDP2: the shards
+        take the new dtype / device and the parameters keep viewing them (an optimizer built afterwards steps
+        them; one built before keeps the same parameter objects). Not collective."""
+        from shardwise.parallel.wrappers.fully_shard import STATE_ATTR
+        from shardwise.parallel.wrappers.sharded_params import ShownFlat
+        sharding = getattr(self, STATE_ATTR, None)
+        if sharding is None:                # while fully_shard is still wrapping the module
+            return super()._apply(fn, recurse)
+        sharding.runtime.release_gathered()             # every parameter is its piece of the shard
+        out = super()._apply(fn, recurse)
+        for f in self._my_flats():
+            if isinstance(f, ShownFlat):
+                f.adopt_converted()
+        return out
 
     def reshard(self) -> None:
         """Free every gathered unit now (the next forward gathers what it needs)."""
@@ -248,6 +265,8 @@ def full_tensors(flat: FlatShard, comm, local: list[torch.Tensor | None]) -> lis
 def rank_piece(flat: FlatShard, i: int, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of parameter i's whole value `full` [shapes[i]], shaped as this rank holds it (a view
     of `full`; empty where this rank holds none of it): the inverse of `full_tensors`. Not collective."""
+    if isinstance(flat.layout, RowLayout) and flat.layout.dim(i):      # a slice along another dim than 0
+        return flat.layout.piece_of(i, flat.rank, full)
     lo, hi, _ = flat.pieces.get(i, (0, 0, 0))
     return full.reshape(-1)[lo:hi].view(flat.layout.local_shape(i, flat.rank))
 

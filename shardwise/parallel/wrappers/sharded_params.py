@@ -35,7 +35,7 @@ from torch import nn
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR, TP_MESH_ATTR
 from shardwise.parallel.wrappers.dtensors import local_of
 from shardwise.parallel.wrappers.torch_tp import TORCH_TP_ATTR
-from shardwise.parallel.zero.flat import FlatShard, _resize
+from shardwise.parallel.zero.flat import FlatKey, FlatShard, _resize
 
 SlotList = list[tuple[nn.Module, str]]
 """Where one parameter is registered: (module, attribute name), several for a shared parameter."""
@@ -89,18 +89,20 @@ class Placed:
                 and tuple(value.shape) == tuple(self.shape))
 
 
-def placement(mesh: Any, shape: tuple[int, ...], *, tp_mesh: Any = None, tp_dim: int | None = None) -> Placed | None:
+def placement(mesh: Any, shape: tuple[int, ...], *, tp_mesh: Any = None, tp_dim: int | None = None,
+              dim: int = 0) -> Placed | None:
     """How a parameter of `shape` (a TP slice under tensor parallelism) is shown: Shard(0) over `mesh` (the dp
     mesh), or on the (dp, tp) mesh above both `mesh` and `tp_mesh`: dim-0 rows over dp, and over tp Shard(tp_dim)
     for a TP slice cut along `tp_dim`, Replicate for a parameter every TP rank holds whole. A TP slice cut along
     dim 0 is cut again along dim 0 over dp: the dp placement is then torch's _StridedShard (FSDP2's, with TP), the
-    rows of each TP slice being split before those of the next. None for a 0-dim parameter (no Shard(0))."""
+    rows of each TP slice being split before those of the next. None for a 0-dim parameter (no Shard(0)).
+    `dim`: Shard(dim) over dp for a parameter `fully_shard` cuts along another dim (no TP)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     if not shape or mesh is None:
         return None
     if tp_mesh is None:
-        return Placed(mesh, (Shard(0),), tuple(shape))
+        return Placed(mesh, (Shard(dim),), tuple(shape))
     root = tp_mesh._get_root_mesh()
     names = root.mesh_dim_names or ()
     dp_at, tp_at = names.index(mesh.mesh_dim_names[0]), names.index(tp_mesh.mesh_dim_names[0])
@@ -202,3 +204,39 @@ class ShownFlat(FlatShard):
                 piece.copy_(local)
         for p in self.params:
             p.grad = None
+
+    @torch.no_grad()
+    def adopt_converted(self) -> bool:
+        """After nn.Module's `_apply` (`model.to(torch.float64)`, `.double()`, `.to(device)`) converted the shown
+        parameters (DTensors are swapped whole, so their local tensors no longer view the shard): a new shard [S]
+        of their dtype and device holds their values, and they view it again, as do the inner parameters; the
+        gradient shard follows. Call while the flat is released. Returns whether anything changed."""
+        if not self.shown:
+            return False
+        locals_ = [local_of(s) if spec is not None else s.data for s, spec in zip(self.shown, self.specs)]
+        storage = self.shard.untyped_storage().data_ptr()
+        if all(t.dtype == self.shard.dtype and t.device == self.shard.device
+               and (t.numel() == 0 or t.untyped_storage().data_ptr() == storage) for t in locals_):
+            return False
+        dtype, device = locals_[0].dtype, locals_[0].device
+        shard = torch.zeros(self.shard.shape, dtype=dtype, device=device)                      # [S]
+        for piece, value in zip(self.local_views(shard), locals_):
+            piece.copy_(value)
+        self.shard, self.key = shard, FlatKey(self.key.group, dtype)
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+        if self.grad_shard is not None:
+            self.grad_shard = self.grad_shard.to(device, dtype)
+        if self.full is not None:           # the next gather allocates it in the new dtype
+            self.full, self.views = None, []
+        pieces, grads = self.shard_pieces()
+        for i, (p, shown, spec) in enumerate(zip(self.params, self.shown, self.specs)):
+            p.data = pieces[i]
+            if spec is None:
+                self.shown_grads[i] = grads[i]
+            else:
+                # the DTensor's own metadata is already the converted one: only its local tensor moves
+                setattr(shown, "_local_tensor", pieces[i])
+                grad = grads[i]
+                self.shown_grads[i] = None if grad is None else spec.dtensor(grad)
+            shown.grad = self.shown_grads[i] if self.reached[i] and self.has_grads else None
+        return True

@@ -86,9 +86,12 @@ class FlatShard:
     @classmethod
     def allocate(cls, unit: int, key: FlatKey, params: list[nn.Parameter], shapes: list[torch.Size], *,
                  dp_size: int, rank: int, device: torch.device, grad_shard: bool = True,
-                 layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout) -> "FlatShard":
-        """A zeroed shard (and, for an optimized key when `grad_shard`, a zeroed gradient shard)."""
-        layout = layout_type.of_shapes(shapes, dp_size)
+                 layout_type: type[FlatLayout] | type[RowLayout] = FlatLayout,
+                 shard_dims: tuple[int, ...] = ()) -> "FlatShard":
+        """A zeroed shard (and, for an optimized key when `grad_shard`, a zeroed gradient shard). `shard_dims`: per
+        parameter, the dim a `RowLayout` cuts it along (empty: dim 0)."""
+        layout = RowLayout.of_shapes(shapes, dp_size, shard_dims) if layout_type is RowLayout \
+            else layout_type.of_shapes(shapes, dp_size)
         shard = torch.zeros(layout.shard_numel, dtype=key.dtype, device=device)
         flat = cls(unit, key, params, list(shapes), layout, rank, shard, None, [],
                    torch.empty(0, dtype=key.dtype, device=device),
@@ -113,6 +116,10 @@ class FlatShard:
         """Copy this rank's piece of parameter i, given its full value (any shape), into the shard."""
         if i in self.pieces:
             lo, hi, dst = self.pieces[i]
+            if isinstance(self.layout, RowLayout) and self.layout.dim(i):     # a slice along another dim
+                local = self.layout.local_shape(i, self.rank)
+                self.shard[dst:dst + hi - lo].view(local).copy_(self.layout.piece_of(i, self.rank, value))
+                return
             self.shard[dst:dst + hi - lo].copy_(value.reshape(-1)[lo:hi])
 
     def local_views(self, t: torch.Tensor) -> list[torch.Tensor]:

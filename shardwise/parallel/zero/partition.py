@@ -130,22 +130,39 @@ class RowLayout:
 
     The gather lands rank-major; `copy_out` turns it into the parameter-major buffer the parameters view (one
     split-copy for the whole unit). A gradient is added straight into the rank-major reduce-scatter input by
-    `add_grad` (two strided adds per parameter, no separate copy-in pass)."""
+    `add_grad` (two strided adds per parameter, no separate copy-in pass).
+
+    `dims[i]` = k > 0 (FSDP2's `shard_placement_fn` returning Shard(k)) cuts parameter i along dim k instead,
+    evenly (W divides its size there): rank r holds the slice [..., r R_i : (r+1) R_i, ...] of dim k, stored
+    contiguous in that shape, so "rows" above are its slices along dim k. `copy_out` and `add_grad` then move
+    the rank axis to dim k (one more copy of that parameter each)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dp_size: int
+    dims: tuple[int, ...] = ()
+    """Per parameter, the dim it is cut along (empty: dim 0 for all)."""
 
     gathers_in_place = False
 
     @classmethod
-    def of_shapes(cls, shapes, dp_size: int) -> "RowLayout":
-        return cls(tuple(tuple(s) for s in shapes), dp_size)
+    def of_shapes(cls, shapes, dp_size: int, dims: tuple[int, ...] = ()) -> "RowLayout":
+        shapes = tuple(tuple(s) for s in shapes)
+        dims = tuple(dims) if any(dims) else ()
+        for i, k in enumerate(dims):
+            if k and shapes[i][k] % dp_size:
+                raise ValueError(f"parameter {i} of shape {shapes[i]} cut along dim {k}: {dp_size} ranks must "
+                                 f"divide its size there")
+        return cls(shapes, dp_size, dims)
+
+    def dim(self, i: int) -> int:
+        return self.dims[i] if self.dims else 0
 
     def rows(self, i: int) -> int:
-        return self.shapes[i][0] if self.shapes[i] else 1
+        return self.shapes[i][self.dim(i)] if self.shapes[i] else 1
 
     def row_numel(self, i: int) -> int:
-        return _prod(self.shapes[i][1:])
+        k = self.dim(i)
+        return _prod(self.shapes[i][:k] + self.shapes[i][k + 1:])
 
     @cached_property
     def rows_per_rank(self) -> tuple[int, ...]:
@@ -191,7 +208,17 @@ class RowLayout:
         rows = self.local_rows(i, rank)
         if not self.shapes[i]:
             return () if rows else (0,)
-        return (rows, *self.shapes[i][1:])
+        k = self.dim(i)
+        return (*self.shapes[i][:k], rows, *self.shapes[i][k + 1:])
+
+    def piece_of(self, i: int, rank: int, full: torch.Tensor) -> torch.Tensor:
+        """Rank `rank`'s piece of parameter i's whole value `full` [shapes[i]], shaped `local_shape` (a view;
+        not contiguous when the parameter is cut along a dim other than 0)."""
+        k, per = self.dim(i), self.rows_per_rank[i]
+        if k == 0:
+            lo = min(rank * per, self.rows(i)) * self.row_numel(i)
+            return full.reshape(-1)[lo:lo + _prod(self.local_shape(i, rank))].view(self.local_shape(i, rank))
+        return full.view(self.shapes[i]).narrow(k, rank * per, per)
 
     def pieces_in_shard(self, rank: int) -> list[tuple[int, int, int, int]]:
         """(param index, start in the param's flat view, stop, start in the shard) of the rows `rank` holds."""
@@ -209,6 +236,11 @@ class RowLayout:
         w = self.dp_size
         outs = [full[o:o + w * c].view(w, c) for o, c in zip(self.offsets, self.chunks)]
         torch.split_with_sizes_copy(gathered.view(w, self.shard_numel), list(self.chunks), dim=1, out=outs)
+        for i, k in enumerate(self.dims):
+            if k:       # [W, *local] rank slices -> the rank axis moved to dim k: [*shape]
+                moved = outs[i].view(w, *self.local_shape(i, 0)).movedim(0, k)
+                if not moved.is_contiguous():       # else (sizes of 1) the order is already the parameter's
+                    outs[i].view(self.shapes[i]).copy_(moved.contiguous().view(self.shapes[i]))
 
     def add_grad(self, buf, i: int, grad) -> None:
         """Add parameter i's full gradient (its shape) into the rank-major reduce-scatter input buf [W S]: ranks
@@ -218,6 +250,12 @@ class RowLayout:
             return
         w, rows = self.dp_size, self.rows(i)
         block = buf.view(w, self.shard_numel)[:, at:at + per * c]          # [W, R_i c_i]
+        k = self.dim(i)
+        if k:           # [*shape] viewed [..., W, R_i, ...] at dim k, the rank axis moved first: [W, *local]
+            shape = self.shapes[i]
+            split = grad.reshape(*shape[:k], w, per, *shape[k + 1:]).movedim(k, 0)
+            block.view(w, *self.local_shape(i, 0)).add_(split)
+            return
         g = grad.reshape(-1)                                                 # [d_i c_i]
         whole = rows // per
         block[:whole].add_(g[:whole * per * c].view(whole, per * c))
