@@ -14,7 +14,7 @@ loss + z_loss_coef * z-loss, a 0-dim fp32 tensor in the graph) for the model to 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,8 @@ from shardwise.comm.ledger import CommLedger
 from shardwise.comm.topology import SoloComm
 from shardwise.parallel.experts.config import MoEConfig, check_expert_split
 from shardwise.parallel.experts.dispatch import dispatch_and_combine
-from shardwise.parallel.experts.groups import ExpertGroups
+from shardwise.errors import UserError
+from shardwise.parallel.experts.groups import ExpertGroups, build_expert_groups_over
 from shardwise.parallel.experts.router import Router, Routing
 from shardwise.parallel.replicas import mark_replicas
 
@@ -124,3 +125,27 @@ def shard_experts(model: nn.Module, groups: ExpertGroups, ledger: CommLedger | N
         layer.ep_comm = ep_comm
         layer.first_expert = ep_rank * per_rank
         mark_replicas(layer.experts.parameters(), groups.replicas)
+
+
+def apply_expert_parallel(model: nn.Module, ep_size: int, dp_groups: Sequence[Sequence[int]],
+                          ledger: CommLedger) -> None:
+    """The config's expert parallelism on a model built whole: its MoE layers' experts split over groups of
+    `ep_size` ranks of each data-parallel group in `dp_groups` (all of the run's, alike on every rank). A model
+    whose layers were already cut by `shard_experts` at this size is left as it is; ep 1 changes nothing."""
+    if ep_size == 1:
+        return
+    layers = list(moe_layers(model))
+    if not layers:
+        raise UserError(f'"expert_parallel.size" = {ep_size} but the model has no MoE layer (a built-in GPT with '
+                        f'moe_experts > 0, or shardwise.moe.layer.MoE); remove the block or train an MoE model')
+    sizes = {layer.ep_comm.size for layer in layers}
+    if sizes == {ep_size} and all(len(layer.experts) * ep_size == layer.cfg.num_experts  # type: ignore[arg-type]
+                                  for layer in layers):
+        return
+    if sizes != {1}:
+        raise UserError(f'"expert_parallel.size" = {ep_size} but the model\'s MoE layers were already split with '
+                        f'ep_size {sorted(sizes)}: build the model whole and let the config split it, or give the '
+                        f'same size in both places')
+    for layer in layers:
+        check_expert_split(layer.cfg.num_experts, ep_size)
+    shard_experts(model, build_expert_groups_over(ep_size, dp_groups), ledger)
