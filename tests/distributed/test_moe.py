@@ -5,6 +5,7 @@
   rtol 1e-5): losses, and each rank's dense parameters and experts against the reference's same experts. The
   reference runs the 4 ranks' shards as 4 micro-batches of one step, so its loss is the mean of the shards'
   losses, load-balancing loss included (that loss is not linear in the tokens: a mean over one big batch differs).
+- Telemetry: each step's MoE figures summed over the ranks (tokens per expert, dropped tokens, auxiliary losses).
 - The config's expert parallelism: two cases split the experts through `initialize` ("expert_parallel": {"size": 2}
   and DeepSpeed AutoEP's {"enabled": true, "autoep_size": 2}), the others by `shard_experts` before it.
 - Checkpoints: three cases save after step 3 (experts in DeepSpeed's per-expert files); an engine at ep 1 loads the
@@ -129,7 +130,7 @@ def _checkpoint_round_trip(overrides: dict, config: dict, ep_block: dict, folder
 def _ep_case(name: str, overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float) -> dict:
     import shardwise
     from shardwise.models import GPT
-    from shardwise.parallel.experts import build_expert_groups, moe_layers, shard_experts
+    from shardwise.parallel.experts import build_expert_groups, moe_layers, moe_step_metrics, shard_experts
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = GPT(_tiny_moe_config(**overrides))
@@ -149,12 +150,13 @@ def _ep_case(name: str, overrides: dict, ep: int, zero: dict, optimizer: dict, c
     batches = token_batches(STEPS, 4 * world * ga, SEQ + 1, seed=3)
     folder = [tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(folder)
-    losses, norms = [], []
+    losses, norms, moe_rows = [], [], []
     for step, batch in enumerate(batches):
         if name in CHECKPOINT_CASES and step == CHECKPOINT_AT:
             engine.save_checkpoint(folder[0], tag="ep")
         losses += _train(engine, [batch], ga)
         norms.append(engine.get_global_grad_norm())
+        moe_rows.append(moe_step_metrics(model, engine.metrics_comm))
     # The layers' all-to-alls are in the engine's ledger (and passed the per-step desync check with row counts
     # that differ between ranks): per MoE layer and micro-batch the counts, the tokens out, the results back, and
     # the two reverse exchanges of backward.
@@ -181,7 +183,7 @@ def _ep_case(name: str, overrides: dict, ep: int, zero: dict, optimizer: dict, c
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "checkpoint": checkpoint, "state": state,
             "full_expert": (expert_name, full_expert), "a2a": (a2a_count, a2a_groups),
-            "moe_layers": len(list(moe_layers(model))),
+            "moe_layers": len(list(moe_layers(model))), "moe_rows": moe_rows,
             "ref_state": _expert_names(state_copy(reference), first, local)}
 
 
@@ -238,6 +240,17 @@ def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str
         ep = EP_CASES[name][1]
         ga = EP_CASES[name][2].get("gradient_accumulation_steps", 1)
         assert count == 5 * res[name]["moe_layers"] * ga and groups == [(f"ep:ep_size_{ep}", ep)], (count, groups)
+    # The step's MoE telemetry, summed over the ranks: no token dropped (no capacity), every (token, choice) pair
+    # of the step's global batch ran on one expert of each layer, and the auxiliary losses are the layers' means.
+    k, ga = 2, EP_CASES[name][2].get("gradient_accumulation_steps", 1)
+    for res in ep_results:
+        for row in res[name]["moe_rows"]:
+            assert row["moe_dropped_tokens"] == 0
+            assert [sum(per_layer) for per_layer in row["moe_tokens_per_expert"]] == \
+                [4 * WORLD * ga * SEQ * k] * res[name]["moe_layers"]
+            # E * sum_e (mean score of e) * (share of e): within (0, E]
+            assert 0 < row["moe_aux_loss"] <= 4 and row["moe_z_loss"] > 0
+    assert all(res[name]["moe_rows"] == ep_results[0][name]["moe_rows"] for res in ep_results)
     clip = EP_CASES[name][4]
     if clip:    # the clip scaled every step, so the parity above needed the whole model's norm over the experts
         assert min(ep_results[0][name]["norms"]) > clip

@@ -65,6 +65,10 @@ class MoELayer(nn.Module):
         self.first_expert = self.ep_comm.rank * local
         self.routing: Routing | None = None
         self.loss: Tensor | None = None
+        self._step_stats: Tensor | None = None
+        """Sums over this step's training forwards, [E + 3] fp64: kept choices per expert, dropped choices, the
+        load-balancing loss and the z-loss (without coefficients). Summed on the device: no host read per forward."""
+        self._forwards = 0
 
     def local_experts(self) -> list[nn.Module]:
         return list(self.experts)          # type: ignore[call-overload]  # a ModuleList or DeepSpeed's Experts
@@ -91,7 +95,27 @@ class MoELayer(nn.Module):
             y = y + self.shared(tokens)
         self.routing = routing
         self.loss = self.cfg.aux_loss_coef * routing.aux_loss + self.cfg.z_loss_coef * routing.z_loss
+        if self.training:
+            self._record(routing)
         return y.reshape(x.shape)
+
+    @torch.no_grad()
+    def _record(self, routing: Routing) -> None:
+        kept = routing.kept.reshape(-1).to(torch.float64)                                    # [S * k]
+        per_expert = torch.zeros(self.cfg.num_experts, dtype=torch.float64, device=kept.device)
+        per_expert.scatter_add_(0, routing.expert.reshape(-1), kept)                          # [E]
+        row = torch.cat([per_expert, (kept.numel() - kept.sum()).reshape(1),
+                         routing.aux_loss.detach().double().reshape(1), routing.z_loss.detach().double().reshape(1)])
+        self._step_stats = row if self._step_stats is None else self._step_stats + row
+        self._forwards += 1
+
+    def take_step_stats(self) -> tuple[Tensor, int]:
+        """(sums [E + 3] fp64, training forwards) since the last call, and start again (zeros when none ran)."""
+        stats, forwards = self._step_stats, self._forwards
+        self._step_stats, self._forwards = None, 0
+        if stats is None:
+            stats = torch.zeros(self.cfg.num_experts + 3, dtype=torch.float64, device=self.gate.wg.weight.device)
+        return stats, forwards
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + len(self.experts) - 1} of "  # type: ignore[arg-type]
