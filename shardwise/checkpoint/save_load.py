@@ -7,6 +7,8 @@
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D, ours and
                                                 DeepSpeed's partition (`deepspeed_write.py`)
     layer_XX-model_states.pt                    a pipeline of layers: each layer's module states
+    layer_L_expert_E_mp_rank_MM_model_states.pt an MoE model: one expert's module states, and without ZeRO
+    expp_rank_R_mp_rank_MM_optim_states.pt      ep rank R's optimizer (`experts.py`)
     shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
 
 DeepSpeed's load_checkpoint and zero_to_fp32.py read these tags; `load` reads DeepSpeed's (`deepspeed_read.py`).

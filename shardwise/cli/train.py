@@ -89,8 +89,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "with WarmupLR, gradient clipping 1.0")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this node (default: 1)")
     p.add_argument("--model", default="tiny",
-                   help="a preset (tiny, small, gpt2-124m, gpt3-1.3b, llama-tiny, llama-7b, ...; a wrong name lists "
-                        "them all) or hf:PATH, a Hugging Face config.json or save_pretrained directory (default: tiny)")
+                   help="a preset (tiny, small, gpt2-124m, gpt3-1.3b, llama-tiny, llama-7b, gpt-moe-tiny, "
+                        "llama-moe-tiny, ...; a wrong name lists them all) or hf:PATH, a Hugging Face config.json or "
+                        "save_pretrained directory (default: tiny)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="the vocabulary of token-id data (.npy, memmap): ids must be below it (default: the model's)")
     p.add_argument("--eval-every", type=int, default=0,
