@@ -99,6 +99,29 @@ def layer_module(file: str, saved: dict[str, Any]) -> dict[str, Any] | None:
     return {f"layers.{int(m.group(1))}.{k}": v for k, v in saved.items() if hasattr(v, "shape")}
 
 
+EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt")
+"""One expert's module states, as DeepSpeed saves its MoE layers' experts: a plain dict of the expert's tensors
+under the whole model's names (its global expert index)."""
+
+
+def expert_file_name(layer: int, expert: int, mp_rank: int = 0) -> str:
+    """DeepSpeed's file of global expert `expert` of MoE layer `layer` (the layers counted in module order)."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expert_optim_states_name(ep_rank: int, mp_rank: int = 0) -> str:
+    """DeepSpeed's optimizer file of expert-parallel rank `ep_rank` without ZeRO (written by the first rank of
+    each expert-data-parallel group)."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def expert_module(file: str, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """An expert file's tensors under the full names (the file's own keys); None when `file` is no expert file."""
+    if EXPERT_FILE.fullmatch(file) is None:
+        return None
+    return {k: v for k, v in saved.items() if hasattr(v, "shape")}
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     with os.fdopen(fd, "w") as f:

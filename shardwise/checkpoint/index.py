@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from shardwise.checkpoint import files as ckpt
+from shardwise.checkpoint.experts import expert_files
 from shardwise.comm.topology import Axis, ParallelMesh
 from shardwise.parallel.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -412,6 +413,9 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
     # DeepSpeed's names: at ZeRO-3 every dp rank writes model states; dp rank 0's are the ones indexed.
     model_file = (ckpt.zero3_model_states_name(0, where["mp_rank"]) if ctx.zero_stage == 3 else
                   ckpt.model_states_name(where["mp_rank"]))
+    # An MoE model's experts: each in a file of its own, written by the first rank of its expert-dp group.
+    experts = expert_files(ctx, where["mp_rank"])
+    writes_experts = experts.writer or as_writer
     tensors: dict[str, TensorInfo] = {}
     module: dict[str, dict[int, str]] = {}
     left_out = {id(p) for p in ctx.module.parameters() if not p.requires_grad} if exclude_frozen else set()
@@ -425,18 +429,31 @@ def rank_contribution(ctx: CheckpointContext, where: dict[str, int], *, as_write
             tensors[full] = TensorInfo(_full_shape(shape, dim, tp), dim)
         # At ZeRO-3 a trained parameter's value is its masters' (the model states hold DeepSpeed's placeholder).
         placeholder = ctx.zero_stage == 3 and isinstance(t, torch.nn.Parameter) and t.requires_grad
-        if writes_model and t.numel() > 0 and not placeholder:
+        if local in experts.files:
+            if writes_experts and t.numel() > 0 and not placeholder:
+                module[full] = {tp_rank: experts.files[local]}
+        elif writes_model and t.numel() > 0 and not placeholder:
             layer = ckpt.layer_file_of(full) if per_layer(ctx, where) else None
             module[full] = {tp_rank: layer[0] if layer is not None else model_file}
     entries: list[IndexEntry] = []
     fragments: dict[str, list[Fragment]] = {}
-    if state.checkpoint_per_rank or writes_model:
+    if state.checkpoint_per_rank or writes_model or (writes_experts and experts.optim_file is not None):
         shard = ckpt.optim_states_name(ctx.dp_rank, where["mp_rank"], bf16=ctx.bf16)
         file, key = ((shard, ckpt.NATIVE_OPTIMIZER_STATE_DICT) if state.checkpoint_per_rank else
                      (model_file, NATIVE_STAGE0_KEY))
         param_name = {id(p): names[n] for n, p in ctx.module.named_parameters()}
-        for k, (e, t) in enumerate(zip(stepped, state.stepped)):
-            entries.append(IndexEntry(file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
+        for e, t in zip(stepped, state.stepped):
+            # Without ZeRO an expert's entry is in its ep rank's expert optimizer file, the rest in the model's.
+            if experts.optim_file is not None and any(id(p.param) in experts.params for p in e.pieces):
+                if not writes_experts:
+                    continue
+                entries.append(IndexEntry(experts.optim_file, key, e.optimizer_index, e.master_index, t.numel(),
+                                          e.options))
+            elif state.checkpoint_per_rank or writes_model:
+                entries.append(IndexEntry(file, key, e.optimizer_index, e.master_index, t.numel(), e.options))
+            else:
+                continue
+            k = len(entries) - 1
             for p in e.pieces:
                 fragments.setdefault(param_name[id(p.param)], []).append(Fragment(tp_rank, p.lo, p.hi, k, p.dst))
     return CheckpointIndex(dims=Dims.of(ctx.mesh), tensors=tensors, module=module, entries=tuple(entries),

@@ -83,7 +83,9 @@ class FileReader:
             try:
                 self._open[name] = ckpt.torch_load(file, mmap=self.mmap)
                 layer = ckpt.layer_module(name, self._open[name])
-                if layer is not None:       # a pipeline layer's file: its tensors under the full names too
+                if layer is None:
+                    layer = ckpt.expert_module(name, self._open[name])
+                if layer is not None:       # a pipeline layer's or an expert's file: its tensors under the full names
                     self._open[name]["module"] = layer
                 rest = rest_sum(self._index, name, self._open[name], file) if piecewise else None
             except Exception as e:  # noqa: BLE001 - any reader error means the same thing to the user
@@ -179,7 +181,7 @@ def rest_sum(index: CheckpointIndex | None, name: str, loaded: Any, file: Path) 
     if isinstance(loaded, dict):
         if ckpt.NATIVE_OPTIMIZER_STATE_DICT in loaded and ckpt.OPTIMIZER_STATE_DICT in loaded:
             skip.add(id(loaded[ckpt.OPTIMIZER_STATE_DICT]))
-        if ckpt.LAYER_FILE.fullmatch(name):
+        if ckpt.LAYER_FILE.fullmatch(name) or ckpt.EXPERT_FILE.fullmatch(name):
             skip.add(id(loaded.get("module")))
     stack: list[Any] = [loaded]
     while stack:
@@ -358,9 +360,12 @@ class Plan:
         self.tp_rank, self.tp_size = ctx.mesh.rank(Axis.TP), ctx.mesh.size(Axis.TP)
         self.optimizer = optimizer
         names = ctx.naming.full_names(ctx.module)
-        # Every tensor name of the pipeline's stages, gathered before any check can return (a collective).
-        pp = ctx.comm(Axis.PP)
-        self.pipeline_names = {n for keys in pp.all_gather_object(sorted(set(names.values()))) for n in keys}
+        # Every tensor name of the pipeline's stages and of the dp ranks (which hold different experts of an MoE
+        # model), gathered before any check can return (a collective).
+        self.pipeline_names = set(names.values())
+        for axis in (Axis.DP, Axis.PP):
+            gathered = ctx.comm(axis).all_gather_object(sorted(self.pipeline_names))
+            self.pipeline_names = {n for keys in gathered for n in keys}
         own = ctx.module.state_dict(keep_vars=True)
         stepped = ctx.state.entries()
         shape_of = {id(p.param): p.shape for e in stepped for p in e.pieces}

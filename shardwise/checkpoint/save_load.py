@@ -7,6 +7,8 @@
     zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO: the optimizer shard of data-parallel rank D, ours and
                                                 DeepSpeed's partition (`deepspeed_write.py`)
     layer_XX-model_states.pt                    a pipeline of layers: each layer's module states
+    layer_L_expert_E_mp_rank_MM_model_states.pt an MoE model: one expert's module states, and without ZeRO
+    expp_rank_R_mp_rank_MM_optim_states.pt      ep rank R's optimizer (`experts.py`)
     shardwise_index.pt                          where every tensor of the full model lives (`index.py`)
 
 DeepSpeed's load_checkpoint and zero_to_fp32.py read these tags; `load` reads DeepSpeed's (`deepspeed_read.py`).
@@ -30,6 +32,7 @@ from shardwise.checkpoint import deepspeed_read, deepspeed_write
 from shardwise.checkpoint import index as checkpoint_index
 from shardwise.checkpoint import reshard
 from shardwise.checkpoint.context import CheckpointContext
+from shardwise.checkpoint.experts import expert_files
 from shardwise.comm.collectives import Comm
 from shardwise.comm.topology import Axis
 from shardwise.errors import ArgumentError, TagValidationError, UserError
@@ -67,13 +70,13 @@ def model_states_file(ctx: CheckpointContext, mp_rank: int, dp_rank: int = 0) ->
 
 
 def _refuse_expert_parallel(ctx: CheckpointContext, what: str) -> None:
-    """Experts under expert parallelism differ between dp ranks under the same names: the layouts here would keep
-    one rank's. Every rank holds the same kind of parameters, so every rank refuses alike."""
+    """The consolidated weights are gathered over dp, where experts differ between ranks: refused on every rank
+    alike (checkpoints keep each expert in its own file: `experts.py`)."""
     from shardwise.parallel.replicas import replicas_of
     if any(replicas_of(p) is not None for p in ctx.module.parameters()):
         raise UserError(f"{what} of a model with expert-parallel parameters (an MoE layer with ep_size > 1) is not "
-                        f"supported yet: each rank holds other experts under the same names; save the experts "
-                        f"yourself (torch.save of each rank's module state) or train with ep_size = 1")
+                        f"supported yet: each rank holds other experts; save a checkpoint (engine.save_checkpoint), "
+                        f"which keeps every expert, or train with ep_size = 1")
 
 
 def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: dict[str, Any] | None, *,
@@ -86,7 +89,6 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     if not save_dir:
         raise ArgumentError(f"save_checkpoint: save_dir is {save_dir!r}; give the directory to write the checkpoint "
                         f"into")
-    _refuse_expert_parallel(ctx, "save_checkpoint")
     tag = _agreed_tag(ctx, f"global_step{ctx.progress.global_steps}" if tag is None else str(tag))
     client = dict(client_state or {})
     clash = sorted(set(client) & (deepspeed_read.STATE_KEYS | RESERVED_KEYS))
@@ -98,9 +100,25 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     native = ctx.state.state_dict()
     groups = deepspeed_write.flat_groups(ctx)
     files: dict[str, Any] = {}
+    experts = expert_files(ctx, where["mp_rank"])
+    names = ctx.naming.full_names(ctx.module)
+    expert_names = {names[k]: f for k, f in experts.files.items()}
+    if experts.writer and ctx.zero_stage != 3:   # ZeRO-3's values are its masters (the optimizer files)
+        module = ctx.naming.module_state_dict(ctx.module)
+        for name, file in expert_names.items():
+            files.setdefault(file, {})[name] = module[name]
+    if experts.writer and experts.optim_file is not None:
+        # Without ZeRO: this ep rank's optimizer, whose expert entries the index points at (the fp32 values of
+        # what it steps in place are its "module").
+        files[experts.optim_file] = {"optimizer": deepspeed_write.stage0_optimizer(ctx, native),
+                                     checkpoint_index.NATIVE_STAGE0_KEY: native,
+                                     "module": {n: v for n, v in ctx.naming.module_state_dict(ctx.module).items()
+                                                if n in expert_names},
+                                     "ds_config": ctx.raw_config}
     if ctx.dp_rank == 0 or ctx.zero_stage == 3:       # one writer per (stage, TP rank); at ZeRO-3 every rank
         module = ctx.naming.module_state_dict(ctx.module)
-        names = ctx.naming.full_names(ctx.module)
+        if ctx.zero_stage != 3:         # the experts are in their own files
+            module = type(module)((k, v) for k, v in module.items() if k not in expert_names)
         frozen = {names[n] for n, p in ctx.module.named_parameters() if not p.requires_grad}
         if exclude_frozen:
             module = type(module)((k, v) for k, v in module.items() if k not in frozen)
@@ -143,7 +161,8 @@ def save(ctx: CheckpointContext, save_dir: str, tag: str | None, client_state: d
     index = checkpoint_index.gather_index(ctx, mine, everywhere=True)
     assert index is not None
     then = None
-    if per_rank and where["tp_size"] == 1:
+    # DeepSpeed's partitions of an MoE model are laid out per expert group: not written (ours reload any layout).
+    if per_rank and where["tp_size"] == 1 and not experts:
         def then(staging: Path) -> dict[str, Any]:
             """DeepSpeed's partition of this rank, read from every rank's staged shard (written moments ago by
             this save, whose index, with their sums, is written after this pass: nothing to check them against)."""
@@ -204,7 +223,6 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
     With the index a tag loads at any (dp, tp, pp, ZeRO stage, offload), optimizer states included
     (`reshard.py`); a tag written before indexes loads at the layout that wrote it (weights also at another
     number of stages with `load_module_only=True`)."""
-    _refuse_expert_parallel(ctx, "load_checkpoint")
     path = ckpt.resolve_tag(load_dir, tag)
     if path is None:
         return None, None
@@ -230,6 +248,8 @@ def load(ctx: CheckpointContext, load_dir: str, tag: str | None, *, strict: bool
                 # At the layout that wrote it (and with the optimizer) a rank reads its own files as they are.
                 mine = checkpoint_index.rank_contribution(ctx, layout(ctx), as_writer=True)
                 same = not foreign and not load_module_only and checkpoint_index.same_layout(index, mine)
+                # Experts live in files of their own, not in a rank's: always read through the index.
+                same = same and not expert_files(ctx, layout(ctx)["mp_rank"])
             if index is None or (same and problem is None):
                 # Read whole, as before indexes: what it returns becomes the optimizer's state.
                 own = _read_own(ctx, path, reshard.FileReader(path, mmap=False), load_module_only,

@@ -27,7 +27,7 @@ IDENTITY = ("model", "seq_len", "vocab_size", "data", "seed")
 (`what_matters`). `steps` may change: extending a run is resuming it."""
 LAYOUT_KEYS = frozenset({
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "tensor_parallel", "autotp_size", "pipeline", "context_parallel", "sequence_parallel_size",
+    "tensor_parallel", "autotp_size", "pipeline", "context_parallel", "sequence_parallel_size", "expert_parallel",
     "activation_checkpointing", "communication",
     "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "tensorboard", "csv_monitor", "wandb",
     "comms_logger", "flops_profiler", "dataloader_drop_last"})

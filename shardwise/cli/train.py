@@ -89,8 +89,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "with WarmupLR, gradient clipping 1.0")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this node (default: 1)")
     p.add_argument("--model", default="tiny",
-                   help="a preset (tiny, small, gpt2-124m, gpt3-1.3b, llama-tiny, llama-7b, ...; a wrong name lists "
-                        "them all) or hf:PATH, a Hugging Face config.json or save_pretrained directory (default: tiny)")
+                   help="a preset (tiny, small, gpt2-124m, gpt3-1.3b, llama-tiny, llama-7b, gpt-moe-tiny, "
+                        "llama-moe-tiny, ...; a wrong name lists them all) or hf:PATH, a Hugging Face config.json or "
+                        "save_pretrained directory (default: tiny)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="the vocabulary of token-id data (.npy, memmap): ids must be below it (default: the model's)")
     p.add_argument("--eval-every", type=int, default=0,
@@ -118,6 +119,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "\"context_parallel\": {\"size\": C}); the data-parallel size becomes nproc / (C * tp * pp)")
     p.add_argument("--cp-impl", choices=("ring", "ulysses"), default=None,
                    help="with --context-parallel: ring attention (default) or Ulysses (heads divisible by C)")
+    p.add_argument("--expert-parallel", type=int, default=None, metavar="E",
+                   help="split each MoE layer's experts over E data-parallel ranks (expert parallelism; the config's "
+                        "\"expert_parallel\": {\"size\": E}); E divides the data-parallel size, a model with MoE "
+                        "layers (gpt-moe-tiny, llama-moe-tiny, ...)")
     p.add_argument("--pipeline-trace", action="store_true",
                    help="with pipeline.stages > 1: write RUN_DIR/pipeline_timeline.png and pipeline_trace.json, the "
                         "measured per-stage timeline of the last step, and print its bubble fraction")
@@ -224,11 +229,13 @@ def prepare(args: argparse.Namespace) -> tuple[WorkerArgs, Path]:
         raw_config["communication"] = {**(communication if isinstance(communication, dict) else {}),
                                        "timeout_minutes": args.timeout}
     _apply_context_parallel_flags(raw_config, args)
+    _apply_expert_parallel_flag(raw_config, args)
     engine_config = _check_config(raw_config, args.config, world_size)
     if args.pipeline_trace and engine_config.pipeline.stages < 2:
         raise UserError(f"--pipeline-trace needs a pipeline: the config has pipeline.stages = "
                         f"{engine_config.pipeline.stages}; add \"pipeline\": {{\"stages\": 2}} (or more) to it")
     model_cfg = _check_model(args.model, args.seq_len, args.vocab_size)
+    _check_expert_parallel(engine_config, model_cfg, args.model)
     _check_context_parallel(engine_config, model_cfg)
     _check_corpus(args.data, model_cfg.seq_len, model_cfg.vocab_size)
     _check_micro_batch_fits(int(engine_config.batch.micro_batch), model_cfg.seq_len, args.nproc)
@@ -289,6 +296,36 @@ def _apply_context_parallel_flags(raw_config: dict[str, Any], args: argparse.Nam
     if impl is not None:
         block["impl"] = impl
     raw_config["context_parallel"] = block
+
+
+def _apply_expert_parallel_flag(raw_config: dict[str, Any], args: argparse.Namespace) -> None:
+    """--expert-parallel wins over the config's "expert_parallel" block (its AutoEP spelling too)."""
+    size = getattr(args, "expert_parallel", None)
+    if size is None:
+        return
+    if size < 1:
+        raise UserError(f"--expert-parallel {size}: must be at least 1 (the ranks one MoE layer's experts are "
+                        f"split over).")
+    block = raw_config.get("expert_parallel")
+    block = {k: v for k, v in block.items() if k not in ("size", "autoep_size", "enabled")} \
+        if isinstance(block, dict) else {}
+    raw_config["expert_parallel"] = {**block, "size": size}
+
+
+def _check_expert_parallel(engine_config: Any, model_cfg: Any, spec: str) -> None:
+    """A preset without experts, or whose experts ep does not divide: one line before any launch (a Hugging
+    Face model is checked by each rank's initialize)."""
+    ep = engine_config.expert_parallel.size
+    if ep == 1 or model_cfg.is_hf:
+        return
+    experts = model_cfg.gpt_config().moe_experts
+    if not experts:
+        from shardwise.models.presets import MOE_PRESETS
+        raise UserError(f"--model {spec}: expert_parallel.size = {ep} needs a model with MoE layers; use an MoE "
+                        f"preset ({', '.join(MOE_PRESETS)}) or expert_parallel.size 1")
+    if experts % ep:
+        raise UserError(f"--model {spec}: its {experts} experts per layer do not split over expert_parallel.size = "
+                        f"{ep}; choose a size dividing {experts}")
 
 
 def _check_context_parallel(engine_config: Any, model_cfg: Any) -> None:

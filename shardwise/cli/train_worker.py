@@ -14,7 +14,6 @@ save that step and leave.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -42,6 +41,7 @@ from shardwise.models.registry import flops_per_token as model_flops_per_token
 from shardwise.comm.topology import Axis
 from shardwise.telemetry.node_log import NodeLog, RankPlace
 from shardwise.telemetry.peak import device_peak_flops
+from shardwise.parallel.experts import moe_step_metrics
 from shardwise.telemetry.metrics import DROPPED_SUFFIX, drop_rows_after, format_rate
 from shardwise.telemetry.peak_cache import (
     PeakCache, PeakFlops, PeakGuard, PeakOrigin, agree_measured, measured_peak, resolve_peak,
@@ -198,6 +198,7 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
             t0 = time.perf_counter()
             loss = float(engine.train_batch(data.train_batches))   # mean over micro-batches and dp ranks
             step_time = time.perf_counter() - t0
+            moe = moe_step_metrics(engine.module, engine.metrics_comm)   # collective; {} without MoE layers
             evaluated = data.evaluate(engine, step, args.steps)   # collective; {} on steps without evaluation
             node_log.step(step, args.steps, loss, step_time)
             if is_main:
@@ -208,8 +209,8 @@ def train(args: WorkerArgs, stop: StopRequest | None = None) -> Stopped | None:
                                       flops_per_token=flops_per_token, peak_flops=peak_flops,
                                       rss_bytes=current_rss_bytes(), grad_norm=engine.updater.last_grad_norm,
                                       loss_scale=engine.current_loss_scale, skipped_steps=engine.skipped_steps,
-                                      skipped=not engine.was_step_applied())
-                writer.write({**dataclasses.asdict(m), **evaluated})
+                                      skipped=not engine.was_step_applied(), moe=moe)
+                writer.write({**m.row(), **evaluated})
                 progress.update(m)
                 if evaluated:
                     progress.console.print(f"step {step}: eval loss {evaluated['eval_loss']:.4f}, perplexity "

@@ -121,7 +121,7 @@ NO_EFFECT_KEYS = ("aio", "timers", "log_level", "dump_state", "disable_python_gc
                   "seq_parallel_communication_data_type")
 
 # Blocks that do something only while switched on; their fields in the schema, and how "on" is read.
-FEATURE_BLOCKS = ("comet", "autotuning", "hybrid_engine", "data_efficiency", "torch_autocast", "expert_parallel",
+FEATURE_BLOCKS = ("comet", "autotuning", "hybrid_engine", "data_efficiency", "torch_autocast",
                   "weight_quantization", "compile", "datastates_ckpt")
 
 
@@ -133,7 +133,6 @@ class DeepSpeedOnlyKeys(Section):
     hybrid_engine: HybridEngineSection | None = None
     data_efficiency: LenientFeatureSection | None = None
     torch_autocast: LenientFeatureSection | None = None
-    expert_parallel: LenientFeatureSection | None = None
     weight_quantization: WeightQuantizationSection | None = None
     compile: CompileSection | None = None
     datastates_ckpt: Any = None
@@ -160,7 +159,7 @@ class DeepSpeedOnlyKeys(Section):
     def _misspelled_enabled(self) -> "DeepSpeedOnlyKeys":
         # DeepSpeed never looks at unknown keys of these blocks, so "enabeld": true would silently leave the
         # feature off; a near miss of "enabled" is taken for that typo.
-        for name in ("autotuning", "data_efficiency", "torch_autocast", "expert_parallel"):
+        for name in ("autotuning", "data_efficiency", "torch_autocast"):
             block = getattr(self, name)
             for key in (block.model_extra or {}) if block is not None else ():
                 if key != "enabled" and difflib.SequenceMatcher(None, key.lower(), "enabled").ratio() >= 0.8:

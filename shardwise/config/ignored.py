@@ -34,7 +34,13 @@ def _autotp_keys(model: ConfigModel) -> list[str]:
             f'layers themselves; ignored' for name in sorted(given)]
 
 
+def _autoep_keys(model: ConfigModel) -> list[str]:
+    given = sorted(model.expert_parallel.model_extra or {})
+    return [f'"expert_parallel.{name}" tunes DeepSpeed\'s AutoEP; shardwise routes with the model\'s own MoE '
+            f'layers; ignored' for name in given]
+
+
 def ignored_settings(model: ConfigModel) -> list[str]:
     """One line per setting of `model` that is accepted but changes nothing in shardwise."""
     return [*no_effect_warnings(model), *_offload_below_its_stage(model), *_pipeline_tuning(model),
-            *_autotp_keys(model)]
+            *_autotp_keys(model), *_autoep_keys(model)]

@@ -209,6 +209,12 @@ def _later_problems(model: ConfigModel, dp_size: int, *, check_batch: bool) -> t
                                   grad_accum=model.gradient_accumulation_steps, dp_size=dp_size)
         except ConfigError as e:
             problems += e.problems
+    ep = model.expert_parallel.size
+    if dp_size % ep:
+        problems.append(ConfigProblem("expert_parallel.size", (
+            f'"expert_parallel.size" = {ep} does not divide the data-parallel size {dp_size}: the experts are split '
+            f'over groups of that many data-parallel ranks; choose a size dividing {dp_size} or change the number of '
+            f'processes')))
     return batch, problems + value_problems(model) + refuse_unimplemented(model)
 
 

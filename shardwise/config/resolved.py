@@ -18,7 +18,8 @@ from shardwise.config.batch import BatchSizes
 from shardwise.config.monitoring import MonitoringConfig
 from shardwise.config.schema import (
     ActivationCheckpointingConfig, AllReduceImpl, BF16Section, CommunicationSection, ConfigModel, FP16Section,
-    ContextParallelConfig, NonFiniteConfig, OptimizerSpec, PipelineConfig, SchedulerSpec, TensorParallelConfig,
+    ContextParallelConfig, ExpertParallelConfig, NonFiniteConfig, OptimizerSpec, PipelineConfig, SchedulerSpec,
+    TensorParallelConfig,
 )
 from shardwise.config.zero import ZeroConfig
 
@@ -129,6 +130,7 @@ class EngineConfig:
     tensor_parallel: TensorParallelConfig
     pipeline: PipelineConfig
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig
     memory_breakdown: bool
     dataloader_drop_last: bool
@@ -194,6 +196,7 @@ def resolve(model: ConfigModel, batch: BatchSizes, raw: dict[str, Any]) -> Engin
         tensor_parallel=model.tensor_parallel,
         pipeline=model.pipeline,
         context_parallel=model.context_parallel,
+        expert_parallel=model.expert_parallel,
         activation_checkpointing=model.activation_checkpointing,
         memory_breakdown=model.memory_breakdown,
         dataloader_drop_last=model.dataloader_drop_last,

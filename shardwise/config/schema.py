@@ -8,10 +8,11 @@ are errors, as in DeepSpeed; unknown top-level keys are sorted out before the sc
 
 from __future__ import annotations
 
+import difflib
 import enum
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.config.deepspeed_blocks import DeepSpeedOnlyKeys
 from shardwise.config.fields import (
@@ -241,6 +242,49 @@ class ContextParallelConfig(Section):
     """"ring" (keys and values passed round the ranks) or "ulysses" (all-to-all to whole heads)."""
 
 
+class ExpertParallelConfig(Section):
+    """Expert parallelism: each MoE layer's experts split over `size` data-parallel ranks, tokens exchanged with
+    all-to-all. DeepSpeed's AutoEP block is accepted as well: `{"enabled": true, "autoep_size": E}` is size E (off
+    unless enabled, as DeepSpeed reads it); its other keys, which pick and tune the layers AutoEP replaces in a
+    Hugging Face model, are accepted and ignored (config/ignored.py warns)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, validate_default=False)
+
+    size: PositiveInt = 1
+    """Ranks sharing one MoE layer's experts (each holds num_experts / size); must divide the data-parallel size.
+    1 = off: every rank holds every expert."""
+    expert_tensor_parallel_size: PositiveInt = 1
+    """DeepSpeed AutoEP's tensor parallelism inside each expert; only 1 (none) is implemented."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoep_spelling(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        enabled = data.pop("enabled", None)
+        for key in data:     # DeepSpeed ignores unknown keys: "enabeld": true would silently leave the block off
+            if key not in cls.model_fields and difflib.SequenceMatcher(None, key.lower(), "enabled").ratio() >= 0.8:
+                raise ValueError(f'"expert_parallel.{key}": unknown key: did you mean "enabled"?')
+        if "autoep_size" in data:
+            if "size" in data:
+                raise ValueError('give only one of "expert_parallel.size" and "expert_parallel.autoep_size"')
+            data["size"] = data.pop("autoep_size")
+        if enabled is not None:
+            if not isinstance(enabled, bool):
+                raise ValueError(f'"expert_parallel.enabled" = {enabled!r}: use true or false')
+            if not enabled:          # DeepSpeed leaves the block off whatever its size says
+                data["size"] = 1
+        return data
+
+    @model_validator(mode="after")
+    def _expert_tp_not_implemented(self) -> "ExpertParallelConfig":
+        if self.expert_tensor_parallel_size != 1:
+            raise ValueError(f'"expert_parallel.expert_tensor_parallel_size" = {self.expert_tensor_parallel_size}: '
+                             f'tensor parallelism inside experts is not implemented; use 1')
+        return self
+
+
 class PipelineConfig(Section):
     """shardwise: pipeline parallelism."""
 
@@ -295,6 +339,7 @@ class ConfigModel(DeepSpeedOnlyKeys, MonitoringConfig):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # Harmless DeepSpeed keys that configs commonly carry.
     zero_allow_untested_optimizer: Bool = False
     zero_force_ds_cpu_optimizer: Bool = True

@@ -16,7 +16,7 @@ from shardwise.config.schema import AllReduceImpl, ConfigModel
 FEATURE_NAMES = {
     "comet": "Comet monitor",
     "autotuning": "autotuner", "hybrid_engine": "hybrid (RLHF) engine", "data_efficiency": "data efficiency library",
-    "torch_autocast": "torch.autocast mode", "expert_parallel": "expert parallelism (AutoEP)",
+    "torch_autocast": "torch.autocast mode",
     "weight_quantization": "weight quantization", "compile": "DeepCompile",
     "datastates_ckpt": "DataStates checkpointing",
 }

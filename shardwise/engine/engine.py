@@ -30,6 +30,7 @@ from shardwise.engine.step import TrainingSteps
 from shardwise.engine.engine_optimizer import with_deepspeed_members
 from shardwise.errors import UserError
 from shardwise.parallel.context.interface import BatchPart
+from shardwise.parallel.experts.naming import with_expert_names
 from shardwise.parallel.interfaces import (
     BatchSchedule, DataParallelRuntime, Pipeline, ShardedState, StageNaming, Updater, UpdateStrategy,
 )
@@ -74,7 +75,8 @@ class Engine(DeepSpeedEngineAPI, torch.nn.Module):
         """`comm.sequence.SequenceCheck`: all ranks ran the same collectives, verified as each step opens."""
         self.watchdog = watchdog
         """`comm.watchdog.HangWatchdog`: the report of a collective that outlived communication.timeout_minutes."""
-        self._naming: StageNaming = pipeline
+        # Checkpoints name an MoE layer's experts by their global index (each ep rank holds other ones).
+        self._naming: StageNaming = with_expert_names(module, pipeline)
         self._sharded_state: ShardedState = update
         self.steps = TrainingSteps(module=module, batch=config.batch, updater=update, dp_runtime=dp_runtime,
                                    lr_scheduler=lr_scheduler, ledger=ledger, monitor=monitor,

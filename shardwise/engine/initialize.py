@@ -1,7 +1,8 @@
 """`init_distributed` and `initialize`: build the engine's strategy objects once.
 
 `initialize` reads as its order of construction: config -> mesh (the process groups; with context parallelism
-the parameters' view folds cp into dp) -> device and dtype -> identical start (the full model broadcast from world
+the parameters' view folds cp into dp) -> expert parallelism (MoE layers' experts cut over ep groups of dp ranks)
+-> device and dtype -> identical start (the full model broadcast from world
 rank 0) -> tensor parallelism (slices cut from the whole model) -> context parallelism (the model's attention hook)
 -> pipeline (this rank's stage, or the whole model) -> activation recomputation of
 this rank's blocks -> the norm reducer -> the data-parallel builder (stage 0, or ZeRO 1-3: an updater and a
@@ -30,6 +31,7 @@ from shardwise.errors import ArgumentError, UserError
 from shardwise.parallel.context.interface import BatchPart
 from shardwise.parallel.interfaces import DataParallelRuntime, Pipeline, RecordsCollectives, UpdateStrategy
 from shardwise.engine.optim import build_optimizer, build_scheduler
+from shardwise.parallel.experts import apply_expert_parallel
 from shardwise.parallel.grad_norm import GradNormReducer
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.replicas import broadcast_replicas
@@ -156,6 +158,9 @@ def initialize(model: torch.nn.Module, model_parameters: Iterable[Any] | None = 
     check = SequenceCheck.build(ledger, mesh.guard_comm(ledger, name="world:check"), stage=mesh.rank(Axis.PP),
                                 stages=mesh.size(Axis.PP), wait_s=min(timeout_s, 60.0),
                                 enabled=cfg.communication.desync_check)
+    # Experts split over ep ranks of each dp group, cut from the whole model before the identical start (which
+    # then takes each expert from its expert-dp group's first rank).
+    apply_expert_parallel(model, cfg.expert_parallel.size, mesh.shape.groups(Axis.DP), ledger)
     device, dtype = select_device(), cfg.precision.dtype.torch_dtype
     _start_identical(model, device, dtype, ledger)
     for module in model.modules():     # layers that communicate themselves (MoE all-to-alls) record here too

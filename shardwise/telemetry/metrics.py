@@ -53,18 +53,28 @@ class StepMetrics:
     loss_scale: float = 1.0          # the fp16 loss scale after the step
     skipped_steps: int = 0           # steps skipped so far (inf/nan gradients)
     skipped: bool = False            # this step's update was skipped
+    # A model with MoE layers (`parallel/experts/metrics.py`); None otherwise, and then left out of its row.
+    moe_tokens_per_expert: list[list[int]] | None = None   # per MoE layer, (token, choice) pairs each expert ran
+    moe_dropped_tokens: int | None = None                  # (token, choice) pairs dropped over capacity
+    moe_aux_loss: float | None = None                      # load-balancing loss (no coefficient), mean over layers
+    moe_z_loss: float | None = None                        # router z-loss likewise
+
+    def row(self) -> dict[str, Any]:
+        """Its metrics.jsonl row: every field, the MoE ones only for a model with MoE layers."""
+        return {k: v for k, v in asdict(self).items() if not (k.startswith("moe_") and v is None)}
 
     @classmethod
     def build(cls, *, step: int, loss: float, lr: float, tokens: int, step_time_s: float, elapsed_s: float,
               flops_per_token: float, peak_flops: float, rss_bytes: int, grad_norm: float | None = None,
-              loss_scale: float = 1.0, skipped_steps: int = 0, skipped: bool = False) -> "StepMetrics":
+              loss_scale: float = 1.0, skipped_steps: int = 0, skipped: bool = False,
+              moe: dict[str, Any] | None = None) -> "StepMetrics":
         """Derive tokens/s and MFU from the raw counts of one step."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         return cls(step=step, loss=float(loss), lr=float(lr), tokens=tokens, tokens_per_s=tokens_per_s,
                    mfu=model_flops_utilization(tokens_per_s, flops_per_token, peak_flops),
                    step_time_s=step_time_s, elapsed_s=elapsed_s, rss_bytes=rss_bytes,
                    grad_norm=None if grad_norm is None else float(grad_norm), loss_scale=float(loss_scale),
-                   skipped_steps=int(skipped_steps), skipped=bool(skipped))
+                   skipped_steps=int(skipped_steps), skipped=bool(skipped), **(moe or {}))
 
 
 class MetricsWriter:
@@ -82,7 +92,7 @@ class MetricsWriter:
         self._file = open(self.path, "w" if fresh else "a", encoding="utf-8")
 
     def write(self, record: StepMetrics | Mapping[str, Any]) -> None:
-        row = asdict(record) if isinstance(record, StepMetrics) else dict(record)
+        row = record.row() if isinstance(record, StepMetrics) else dict(record)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 

@@ -5,6 +5,12 @@
   rtol 1e-5): losses, and each rank's dense parameters and experts against the reference's same experts. The
   reference runs the 4 ranks' shards as 4 micro-batches of one step, so its loss is the mean of the shards'
   losses, load-balancing loss included (that loss is not linear in the tokens: a mean over one big batch differs).
+- Telemetry: each step's MoE figures summed over the ranks (tokens per expert, dropped tokens, auxiliary losses).
+- The config's expert parallelism: two cases split the experts through `initialize` ("expert_parallel": {"size": 2}
+  and DeepSpeed AutoEP's {"enabled": true, "autoep_size": 2}), the others by `shard_experts` before it.
+- Checkpoints: three cases save after step 3 (experts in DeepSpeed's per-expert files); an engine at ep 1 loads the
+  tag and its steps 4-5 equal the continued run's, then saves again right after loading, and an engine at the
+  case's ep loads that one: its steps 4-5 equal them too (ep E -> 1 -> E).
 - DeepSpeed parity: the same model built with `import shardwise as deepspeed` and with DeepSpeed 0.19's `MoE`
   layer, at ep 2 on the same 4 ranks (two expert-dp groups of 2), token dropping on (capacity factor 1.0, random
   token selection) and off.
@@ -18,6 +24,9 @@ import copy
 import logging
 import os
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +53,12 @@ EP_CASES: dict[str, tuple[dict, int, dict, dict, float]] = {
     # every parameter sharded (no persistence threshold): experts in flats of their own over expert-dp
     "gpt_ep2_zero3_sgd_clip": ({}, 2, {"stage": 3, "stage3_param_persistence_threshold": 0}, _SGD, 0.05),
 }
+# Cases whose experts `initialize` splits (the config's block), the others split by `shard_experts` before it.
+BY_CONFIG = {"gpt_ep2_zero0_sgd_clip": {"size": 2}, "llama_ep2_zero2_adam_clip": {"enabled": True, "autoep_size": 2},
+             "gpt_ep2_zero3_sgd_clip": {"size": 2}}
+# Cases that save after step CHECKPOINT_AT and reload at ep 1 and back at their own ep.
+CHECKPOINT_CASES = ("gpt_ep2_zero0_sgd_clip", "llama_ep2_zero2_adam_clip", "gpt_ep2_zero3_sgd_clip")
+CHECKPOINT_AT = 3
 
 
 def _tiny_moe_config(llama: bool = False):
@@ -65,25 +80,10 @@ def _expert_names(state: dict, first: int, local: int) -> dict:
     return out
 
 
-def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float) -> dict:
-    import shardwise
-    from shardwise.models import GPT
-    from shardwise.parallel.experts import build_expert_groups, moe_layers, shard_experts
+def _train(engine, batches: list, ga: int) -> list[float]:
+    """The mean loss over every rank of each global batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(0)
-    model = GPT(_tiny_moe_config(**overrides))
-    reference = copy.deepcopy(model)
-    shard_experts(model, build_expert_groups(ep))
-    first = next(moe_layers(model)).first_expert
-    local = len(next(moe_layers(model)).experts)
-    zero = dict(zero)
-    ga = zero.pop("gradient_accumulation_steps", 1)
-    config = {"train_batch_size": 4 * world * ga, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
-              "gradient_clipping": clip, "zero_optimization": {**zero, "reduce_bucket_size": 2000},
-              "steps_per_print": 10_000}
-    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
-    batches = token_batches(STEPS, 4 * world * ga, SEQ + 1, seed=3)
-    losses, norms = [], []
+    losses = []
     for batch in batches:
         total = torch.zeros(())
         for micro in shard_global_batch(batch, dp_size=world, dp_rank=rank, grad_accum=ga):
@@ -91,9 +91,72 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
             engine.backward(loss)
             engine.step()
             total += loss.detach()
-        norms.append(engine.get_global_grad_norm())
         dist.all_reduce(total)
         losses.append(float(total) / (world * ga))
+    return losses
+
+
+def _moe_engine(overrides: dict, config: dict, ep_block: dict | None):
+    """A fresh model from seed 0, its experts split by the config's `ep_block` (None: left whole)."""
+    import shardwise
+    from shardwise.models import GPT
+    torch.manual_seed(0)
+    model = GPT(_tiny_moe_config(**overrides))
+    config = {**config, "expert_parallel": ep_block} if ep_block is not None else config
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _checkpoint_round_trip(overrides: dict, config: dict, ep_block: dict, folder: str, batches: list) -> dict:
+    """Load the tag saved at step CHECKPOINT_AT at ep 1 and run the next steps; save again right after loading
+    and load that at the case's ep (`ep_block`): both runs' losses, and the files and index of the first tag."""
+    from shardwise.checkpoint.index import read_index
+    at_one = _moe_engine(overrides, config, {"size": 1})
+    at_one.load_checkpoint(folder, tag="ep")
+    at_one.save_checkpoint(folder, tag="ep1")
+    losses_at_one = _train(at_one, batches[CHECKPOINT_AT:], 1)
+    at_one.close()
+    back = _moe_engine(overrides, config, ep_block)
+    back.load_checkpoint(folder, tag="ep1")
+    losses_back = _train(back, batches[CHECKPOINT_AT:], 1)
+    back.close()
+    index = read_index(Path(folder) / "ep")
+    assert index is not None
+    experts = {name: sorted(by_rank.values()) for name, by_rank in index.module.items() if ".experts." in name}
+    return {"at_one": losses_at_one, "back": losses_back, "files": sorted(os.listdir(Path(folder) / "ep")),
+            "index_experts": experts}
+
+
+def _ep_case(name: str, overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float) -> dict:
+    import shardwise
+    from shardwise.models import GPT
+    from shardwise.parallel.experts import build_expert_groups, moe_layers, moe_step_metrics, shard_experts
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(_tiny_moe_config(**overrides))
+    reference = copy.deepcopy(model)
+    ep_block = BY_CONFIG.get(name)
+    if ep_block is None:
+        shard_experts(model, build_expert_groups(ep))
+    zero = dict(zero)
+    ga = zero.pop("gradient_accumulation_steps", 1)
+    config = {"train_batch_size": 4 * world * ga, "train_micro_batch_size_per_gpu": 4, "optimizer": optimizer,
+              "gradient_clipping": clip, "zero_optimization": {**zero, "reduce_bucket_size": 2000},
+              "steps_per_print": 10_000}
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**config, "expert_parallel": ep_block} if ep_block else config)
+    first = next(moe_layers(model)).first_expert
+    local = len(next(moe_layers(model)).experts)
+    batches = token_batches(STEPS, 4 * world * ga, SEQ + 1, seed=3)
+    folder = [tempfile.mkdtemp(prefix="moe-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(folder)
+    losses, norms, moe_rows = [], [], []
+    for step, batch in enumerate(batches):
+        if name in CHECKPOINT_CASES and step == CHECKPOINT_AT:
+            engine.save_checkpoint(folder[0], tag="ep")
+        losses += _train(engine, [batch], ga)
+        norms.append(engine.get_global_grad_norm())
+        moe_rows.append(moe_step_metrics(model, engine.metrics_comm))
     # The layers' all-to-alls are in the engine's ledger (and passed the per-step desync check with row counts
     # that differ between ranks): per MoE layer and micro-batch the counts, the tokens out, the results back, and
     # the two reverse exchanges of backward.
@@ -103,13 +166,14 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     # DeepSpeed's tensor-fragment API on an expert: this rank's expert, assembled over its expert-dp group
     expert_name, expert_param = next((n, p) for n, p in model.named_parameters() if ".experts." in n)
     full_expert = shardwise.utils.safe_get_full_fp32_param(expert_param)
-    refused = ""
-    try:
-        engine.save_checkpoint("/nonexistent-moe-checkpoint")     # refused before anything is written
-    except shardwise.UserError as e:
-        refused = str(e)
     state = {k: v.detach().clone() for k, v in engine.dp_runtime.gathered_state_dict(model, rank0_only=False).items()}
     engine.close()
+    checkpoint = None
+    if name in CHECKPOINT_CASES:
+        checkpoint = _checkpoint_round_trip(overrides, config, ep_block or {"size": ep}, folder[0], batches)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
 
     # The reference: the same global batches, the 4 shards as 4 micro-batches (the mean of their losses).
     opt_cls = torch.optim.SGD if optimizer["type"] == "SGD" else torch.optim.AdamW
@@ -117,16 +181,31 @@ def _ep_case(overrides: dict, ep: int, zero: dict, optimizer: dict, clip: float)
     ref_opt = opt_cls(reference.parameters(), **params)
     ref_losses = reference_train(reference, ref_opt, micro_steps(batches, grad_accum=world * ga),
                                  loss_fn=lambda m, mb: m(*mb), clip=clip)
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "refused": refused, "state": state,
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "checkpoint": checkpoint, "state": state,
             "full_expert": (expert_name, full_expert), "a2a": (a2a_count, a2a_groups),
-            "moe_layers": len(list(moe_layers(model))),
+            "moe_layers": len(list(moe_layers(model))), "moe_rows": moe_rows,
             "ref_state": _expert_names(state_copy(reference), first, local)}
+
+
+def _dense_model_refused() -> str:
+    """The config's expert parallelism on a model without MoE layers: one line on every rank."""
+    import shardwise
+    from shardwise.models import GPT, gpt_config
+    model = GPT(gpt_config("tiny", n_layer=1, d_model=16, n_head=2, seq_len=SEQ))
+    try:
+        shardwise.initialize(model=model, model_parameters=model.parameters(),
+                             config={"train_batch_size": 4 * dist.get_world_size(), "expert_parallel": {"size": 2},
+                                     "optimizer": _SGD})
+    except shardwise.UserError as e:
+        return str(e)
+    return ""
 
 
 def _all_cases(ep_cases: dict, ds_cases: dict) -> dict:
     torch.set_num_threads(1)
-    out = {name: _ep_case(*case) for name, case in ep_cases.items()}
-    return {"ep": out, "deepspeed": _ds_cases(ds_cases) if ds_cases else {}}
+    out = {name: _ep_case(name, *case) for name, case in ep_cases.items()}
+    return {"ep": out, "dense_refused": _dense_model_refused(),
+            "deepspeed": _ds_cases(ds_cases) if ds_cases else {}}
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +240,53 @@ def test_expert_parallel_equals_single_process(ep_results: list[dict], name: str
         ep = EP_CASES[name][1]
         ga = EP_CASES[name][2].get("gradient_accumulation_steps", 1)
         assert count == 5 * res[name]["moe_layers"] * ga and groups == [(f"ep:ep_size_{ep}", ep)], (count, groups)
-    # a checkpoint would keep one rank's experts: refused on every rank in one line, for now
-    assert all("expert-parallel parameters" in res[name]["refused"] for res in ep_results)
+    # The step's MoE telemetry, summed over the ranks: no token dropped (no capacity), every (token, choice) pair
+    # of the step's global batch ran on one expert of each layer, and the auxiliary losses are the layers' means.
+    k, ga = 2, EP_CASES[name][2].get("gradient_accumulation_steps", 1)
+    for res in ep_results:
+        for row in res[name]["moe_rows"]:
+            assert row["moe_dropped_tokens"] == 0
+            assert [sum(per_layer) for per_layer in row["moe_tokens_per_expert"]] == \
+                [4 * WORLD * ga * SEQ * k] * res[name]["moe_layers"]
+            # E * sum_e (mean score of e) * (share of e): within (0, E]
+            assert 0 < row["moe_aux_loss"] <= 4 and row["moe_z_loss"] > 0
+    assert all(res[name]["moe_rows"] == ep_results[0][name]["moe_rows"] for res in ep_results)
     clip = EP_CASES[name][4]
     if clip:    # the clip scaled every step, so the parity above needed the whole model's norm over the experts
         assert min(ep_results[0][name]["norms"]) > clip
+
+
+def test_expert_parallel_config_on_a_dense_model_is_one_line(results: list[dict]) -> None:
+    for res in results:
+        assert res["dense_refused"].startswith('"expert_parallel.size" = 2 but the model has no MoE layer'), \
+            res["dense_refused"]
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CASES)
+def test_checkpoint_with_experts_loads_at_another_ep_size(ep_results: list[dict], name: str) -> None:
+    ep, zero = EP_CASES[name][1], EP_CASES[name][2]["stage"]
+    for rank, res in enumerate(ep_results):
+        continued, checkpoint = res[name]["losses"][CHECKPOINT_AT:], res[name]["checkpoint"]
+        assert_close_lists(checkpoint["at_one"], continued, rtol=1e-5, what=f"{name} rank {rank}: ep {ep} -> 1")
+        assert_close_lists(checkpoint["back"], continued, rtol=1e-5, what=f"{name} rank {rank}: ep 1 -> {ep}")
+    checkpoint = ep_results[0][name]["checkpoint"]
+    files = checkpoint["files"]
+    # DeepSpeed's per-expert files (ZeRO-3 keeps the values in the optimizer shards, as DeepSpeed's model states
+    # hold placeholders there) and, without ZeRO, one optimizer file per ep rank.
+    layers, experts = 2, 4
+    expected = {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(layers)
+                for e in range(experts)} if zero != 3 else set()
+    assert {f for f in files if f.startswith("layer_")} == expected, files
+    assert {f for f in files if f.startswith("expp_")} == ({f"expp_rank_{r}_mp_rank_00_optim_states.pt"
+                                                            for r in range(ep)} if zero == 0 else set()), files
+    # The index says which file holds each expert: expert e of layer l in its own file, under its global name.
+    index = checkpoint["index_experts"]
+    if zero != 3:
+        assert len({re.sub(r"\.experts\.(\d+)\..*", r".\1", n) for n in index}) == layers * experts, index
+        for n, where in index.items():
+            m = re.match(r"blocks\.(\d+)\.mlp\.experts\.(\d+)\.", n)
+            assert m is not None and where == [f"layer_{m.group(1)}_expert_{m.group(2)}_mp_rank_00_model_states.pt"], \
+                (n, where)
 
 
 # -- DeepSpeed's MoE layer ------------------------------------------------------------------------------------

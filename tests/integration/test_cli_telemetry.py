@@ -54,13 +54,23 @@ def test_tp2_pp2_trace_then_a_zero2_run_reuses_the_cached_peak(tmp_path: Path) -
         assert measured == 4 * cached
         assert f"MFU divides by {format_rate(measured)} FLOP/s, the peak of the 4 rank(s)" in first.stdout
 
-    # ZeRO-2 over 2 data-parallel ranks: its gathers went through the deprecated collective before.
+    # ZeRO-2 over 2 data-parallel ranks (its gathers went through the deprecated collective before), of an MoE
+    # preset with its experts split over both (--expert-parallel 2): its figures in each row, the progress line and
+    # the communication report.
     zero2 = {"train_micro_batch_size_per_gpu": 2, "optimizer": _OPTIMIZER, "zero_optimization": {"stage": 2}}
-    second = _run(tmp_path, "zero2", zero2, "--nproc", "2", cache=cache)
+    second = _run(tmp_path, "zero2", zero2, "--nproc", "2", "--model", "gpt-moe-tiny", "--expert-parallel", "2",
+                  cache=cache)
     assert "(cached)" in second.stdout
     summary = json.loads((tmp_path / "zero2" / "summary.json").read_text())
     rows = read_metrics(tmp_path / "zero2" / "metrics.jsonl")
     assert all(0 < r["mfu"] <= 1 and r["skipped"] is False for r in rows)
+    layers, experts, k = 4, 4, 2          # gpt-moe-tiny; no capacity: nothing dropped
+    assert all(r["moe_dropped_tokens"] == 0 and r["moe_aux_loss"] > 0 and len(r["moe_tokens_per_expert"]) == layers
+               and all(len(e) == experts and sum(e) == r["tokens"] * k for e in r["moe_tokens_per_expert"])
+               for r in rows)
+    assert "| moe drop 0.0% load " in second.stdout
+    assert any("all_to_all" in line and "ep:ep_size_2" in line for line in second.stdout.splitlines()), \
+        second.stdout
     if not any("too low" in line for line in second.stderr.splitlines()):
         assert summary["peak_flops"] == 2 * cached             # both ranks read the same cached figure
 

@@ -150,6 +150,10 @@ _OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3}}
     ("context_parallel_seq_len", "seq_len 30 does not cut into 2 * context_parallel.size = 4 chunks"),
     ("context_parallel_flags", "seq_len 30 does not cut into 2 * context_parallel.size = 4 chunks"),
     ("context_parallel_flag", "--context-parallel 0: must be at least 1"),
+    ("expert_parallel_dense_model", "--model tiny: expert_parallel.size = 2 needs a model with MoE layers"),
+    ("expert_parallel_not_dividing_dp", '"expert_parallel.size" = 4 does not divide the data-parallel size 2'),
+    ("expert_parallel_not_dividing_experts", "its 4 experts per layer do not split over expert_parallel.size = 8"),
+    ("expert_parallel_flag", "--expert-parallel 0: must be at least 1"),
 ])
 def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
                                           expected: str) -> None:
@@ -177,6 +181,14 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
                                      "--seq-len", "30"],
         "context_parallel_flags": ["--context-parallel", "2", "--cp-impl", "ring", "--seq-len", "30"],
         "context_parallel_flag": ["--context-parallel", "0"],
+        "expert_parallel_dense_model": ["--expert-parallel", "2"],
+        "expert_parallel_not_dividing_dp": ["--model", "gpt-moe-tiny", "--expert-parallel", "4"],
+        # a config whose AutoEP block the flag overrides; 8 ranks divide dp 8 but not the 4 experts
+        "expert_parallel_not_dividing_experts": [_config(tmp_path, "ep", {"train_micro_batch_size_per_gpu": 1,
+                                                                          "optimizer": _OPTIMIZER, "expert_parallel":
+                                                                          {"enabled": True, "autoep_size": 2}}),
+                                                 "--model", "gpt-moe-tiny", "--expert-parallel", "8", "--nproc", "8"],
+        "expert_parallel_flag": ["--expert-parallel", "0"],
     }[case]
     code = main(["train", "--nproc", "2", "--steps", "5", "--out", str(out), *argv])
     captured = capsys.readouterr()

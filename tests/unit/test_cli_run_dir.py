@@ -226,3 +226,11 @@ def test_another_global_batch_resumes_with_a_note(tmp_path: Path) -> None:
     assert decision.notes == ("the global batch changes from 8 to 16 sequences per step: the steps from here each "
                               "train on 16, so the run's later losses are not those of a run at 8",)
     assert _decide(run, _default_run(10)).notes == ()
+
+
+def test_the_expert_parallel_size_is_layout_a_run_resumes_across() -> None:
+    # a checkpoint with experts loads at another ep size, so changing it keeps the same run
+    from shardwise.cli.run_dir import what_matters
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert what_matters({**base, "expert_parallel": {"size": 2}}) == what_matters(base)
+    assert what_matters({**base, "expert_parallel": {"size": 2}}) != what_matters({**base, "gradient_clipping": 0.5})

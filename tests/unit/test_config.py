@@ -334,6 +334,27 @@ def test_path_and_dict_give_the_same_config(tmp_path: Path) -> None:
     assert load_config(os.fspath(path), dp_size=2) == load_config(config, dp_size=2)
 
 
+def test_expert_parallel_block_and_deepspeeds_autoep_spelling() -> None:
+    assert load_config_for_world({**BASE, "expert_parallel": {"size": 2}}, world_size=4).expert_parallel.size == 2
+    assert load_config_for_world(BASE, world_size=4).expert_parallel.size == 1
+    # DeepSpeed's AutoEP block: on only when enabled, its other keys accepted with a warning each
+    autoep = {**BASE, "expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "mixtral"}}
+    with pytest.warns(ConfigWarning, match=r'"expert_parallel.preset_model" tunes DeepSpeed\'s AutoEP'):
+        assert load_config_for_world(autoep, world_size=8).expert_parallel.size == 4
+    off = {**BASE, "expert_parallel": {"enabled": False, "autoep_size": 4}}
+    assert load_config_for_world(off, world_size=2).expert_parallel.size == 1
+    both = error_of({**BASE, "expert_parallel": {"size": 2, "autoep_size": 2}})
+    assert 'give only one of "expert_parallel.size" and "expert_parallel.autoep_size"' in str(both)
+    assert 'did you mean "enabled"' in str(error_of({**BASE, "expert_parallel": {"enabeld": True, "autoep_size": 2}}))
+    assert "tensor parallelism inside experts is not implemented" in str(
+        error_of({**BASE, "expert_parallel": {"size": 2, "expert_tensor_parallel_size": 2}}))
+    # ep splits the data-parallel ranks: dp = world / (tp * pp * cp) must be a multiple of it
+    with pytest.raises(ConfigError) as err:
+        load_config_for_world({**BASE, "expert_parallel": {"size": 4}, "tensor_parallel": {"size": 2}}, world_size=4)
+    assert [p.key for p in err.value.problems] == ["expert_parallel.size"]
+    assert str(err.value).count("\n") == 0 and "does not divide the data-parallel size 2" in str(err.value)
+
+
 def test_world_size_gives_the_data_parallel_size() -> None:
     assert load_config_for_world(BASE, world_size=8).batch.dp_size == 8
     tensor_parallel = load_config_for_world({**BASE, "tensor_parallel": {"size": 2, "sequence_parallel": True}},

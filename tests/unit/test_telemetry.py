@@ -27,6 +27,7 @@ from shardwise.telemetry import (
     summarize_run,
 )
 from shardwise.telemetry.metrics import format_bytes, format_rate
+from shardwise.telemetry.progress import format_update
 
 
 def _step(step: int, *, loss: float = 2.0, tokens: int = 1000, step_time_s: float = 0.5,
@@ -156,6 +157,22 @@ def test_step_metrics_carry_grad_norm_loss_scale_and_skips(tmp_path) -> None:
     old = [{k: v for k, v in r.items() if k not in ("grad_norm", "loss_scale", "skipped_steps")} for r in rows]
     s = summarize_run(old, world_size=1, flops_per_token=6e6, peak_flops=1e10)
     assert (s.final_grad_norm, s.final_loss_scale, s.skipped_steps) == (None, 1.0, 0)
+
+
+def test_moe_figures_are_in_the_row_and_the_progress_line_only_for_an_moe_model(tmp_path) -> None:
+    moe = {"moe_tokens_per_expert": [[30, 10, 0, 0], [10, 10, 10, 0]], "moe_dropped_tokens": 10,
+           "moe_aux_loss": 1.25, "moe_z_loss": 0.5}
+    m = StepMetrics.build(step=1, loss=3.0, lr=1e-3, tokens=64, step_time_s=0.5, elapsed_s=0.5, flops_per_token=6e6,
+                          peak_flops=1e10, rss_bytes=1, moe=moe)
+    with MetricsWriter(tmp_path / "m.jsonl", fresh=True) as w:
+        w.write(m)
+        w.write(_step(2))
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert {k: rows[0][k] for k in moe} == moe
+    assert not any(k.startswith("moe_") for k in rows[1])
+    # 10 of 80 choices dropped (70 ran); the first layer's busiest expert ran 30 of 40: 3x the mean of 10
+    assert format_update(m).endswith(" | moe drop 12.5% load 3.00 aux 1.25 z 0.5")
+    assert "moe" not in format_update(_step(2))
 
 
 def test_formatters() -> None:

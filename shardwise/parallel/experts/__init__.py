@@ -5,8 +5,10 @@ data-parallel strategies reduce their gradients over."""
 
 from shardwise.parallel.experts.config import BalanceCount, DropPolicy, MoEConfig, NoisyGate, ScoreFunction
 from shardwise.parallel.experts.groups import ExpertGroups, build_expert_groups, expert_layout
-from shardwise.parallel.experts.layer import MoELayer, moe_layers, moe_loss, shard_experts
+from shardwise.parallel.experts.layer import MoELayer, apply_expert_parallel, moe_layers, moe_loss, shard_experts
+from shardwise.parallel.experts.metrics import MOE_METRIC_KEYS, moe_step_metrics
 from shardwise.parallel.experts.router import Router, Routing
 
-__all__ = ["BalanceCount", "DropPolicy", "ExpertGroups", "MoEConfig", "MoELayer", "NoisyGate", "Router", "Routing",
-           "ScoreFunction", "build_expert_groups", "expert_layout", "moe_layers", "moe_loss", "shard_experts"]
+__all__ = ["MOE_METRIC_KEYS", "BalanceCount", "DropPolicy", "ExpertGroups", "MoEConfig", "MoELayer", "NoisyGate",
+           "Router", "Routing", "ScoreFunction", "apply_expert_parallel", "build_expert_groups", "expert_layout",
+           "moe_layers", "moe_loss", "moe_step_metrics", "shard_experts"]

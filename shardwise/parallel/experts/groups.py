@@ -60,17 +60,25 @@ def build_expert_groups(ep_size: int, ranks: Sequence[int] | None = None) -> Exp
         raise UserError(f"expert parallelism (ep_size = {ep_size}) needs torch.distributed: call "
                         f"shardwise.init_distributed() before building the model")
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
-    ep_groups, expert_dp = expert_layout(ranks, ep_size)
+    return build_expert_groups_over(ep_size, [ranks])
+
+
+def build_expert_groups_over(ep_size: int, dp_groups: Sequence[Sequence[int]]) -> ExpertGroups:
+    """This rank's ep and expert-dp groups, each data-parallel group in `dp_groups` (every one of the run, listed
+    alike on every rank) split by `expert_layout`. Collective over the world: every rank creates every group."""
     me = dist.get_rank()
     mine_dp = mine_ep = None
-    for members in expert_dp:          # DeepSpeed's order: the expert-dp groups first
-        group = dist.new_group(list(members))
-        if me in members:
-            mine_dp = (group, members)
-    for members in ep_groups:
-        group = dist.new_group(list(members))
-        if me in members:
-            mine_ep = (group, members)
+    for ranks in dp_groups:
+        ep_groups, expert_dp = expert_layout(list(ranks), ep_size)
+        for members in expert_dp:          # DeepSpeed's order: the expert-dp groups first
+            group = dist.new_group(list(members))
+            if me in members:
+                mine_dp = (group, members)
+        for members in ep_groups:
+            group = dist.new_group(list(members))
+            if me in members:
+                mine_ep = (group, members)
     if mine_dp is None or mine_ep is None:
-        raise UserError(f"rank {me} is not among the ranks {ranks} given for expert parallelism")
+        raise UserError(f"rank {me} is not among the ranks {[list(g) for g in dp_groups]} given for expert "
+                        f"parallelism")
     return ExpertGroups(ep_size, mine_ep[0], mine_ep[1], mine_dp[0], mine_dp[1])

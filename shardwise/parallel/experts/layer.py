@@ -14,7 +14,7 @@ loss + z_loss_coef * z-loss, a 0-dim fp32 tensor in the graph) for the model to 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,8 @@ from shardwise.comm.ledger import CommLedger
 from shardwise.comm.topology import SoloComm
 from shardwise.parallel.experts.config import MoEConfig, check_expert_split
 from shardwise.parallel.experts.dispatch import dispatch_and_combine
-from shardwise.parallel.experts.groups import ExpertGroups
+from shardwise.errors import UserError
+from shardwise.parallel.experts.groups import ExpertGroups, build_expert_groups_over
 from shardwise.parallel.experts.router import Router, Routing
 from shardwise.parallel.replicas import mark_replicas
 
@@ -64,6 +65,10 @@ class MoELayer(nn.Module):
         self.first_expert = self.ep_comm.rank * local
         self.routing: Routing | None = None
         self.loss: Tensor | None = None
+        self._step_stats: Tensor | None = None
+        """Sums over this step's training forwards, [E + 3] fp64: kept choices per expert, dropped choices, the
+        load-balancing loss and the z-loss (without coefficients). Summed on the device: no host read per forward."""
+        self._forwards = 0
 
     def local_experts(self) -> list[nn.Module]:
         return list(self.experts)          # type: ignore[call-overload]  # a ModuleList or DeepSpeed's Experts
@@ -90,7 +95,27 @@ class MoELayer(nn.Module):
             y = y + self.shared(tokens)
         self.routing = routing
         self.loss = self.cfg.aux_loss_coef * routing.aux_loss + self.cfg.z_loss_coef * routing.z_loss
+        if self.training:
+            self._record(routing)
         return y.reshape(x.shape)
+
+    @torch.no_grad()
+    def _record(self, routing: Routing) -> None:
+        kept = routing.kept.reshape(-1).to(torch.float64)                                    # [S * k]
+        per_expert = torch.zeros(self.cfg.num_experts, dtype=torch.float64, device=kept.device)
+        per_expert.scatter_add_(0, routing.expert.reshape(-1), kept)                          # [E]
+        row = torch.cat([per_expert, (kept.numel() - kept.sum()).reshape(1),
+                         routing.aux_loss.detach().double().reshape(1), routing.z_loss.detach().double().reshape(1)])
+        self._step_stats = row if self._step_stats is None else self._step_stats + row
+        self._forwards += 1
+
+    def take_step_stats(self) -> tuple[Tensor, int]:
+        """(sums [E + 3] fp64, training forwards) since the last call, and start again (zeros when none ran)."""
+        stats, forwards = self._step_stats, self._forwards
+        self._step_stats, self._forwards = None, 0
+        if stats is None:
+            stats = torch.zeros(self.cfg.num_experts + 3, dtype=torch.float64, device=self.gate.wg.weight.device)
+        return stats, forwards
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + len(self.experts) - 1} of "  # type: ignore[arg-type]
@@ -124,3 +149,27 @@ def shard_experts(model: nn.Module, groups: ExpertGroups, ledger: CommLedger | N
         layer.ep_comm = ep_comm
         layer.first_expert = ep_rank * per_rank
         mark_replicas(layer.experts.parameters(), groups.replicas)
+
+
+def apply_expert_parallel(model: nn.Module, ep_size: int, dp_groups: Sequence[Sequence[int]],
+                          ledger: CommLedger) -> None:
+    """The config's expert parallelism on a model built whole: its MoE layers' experts split over groups of
+    `ep_size` ranks of each data-parallel group in `dp_groups` (all of the run's, alike on every rank). A model
+    whose layers were already cut by `shard_experts` at this size is left as it is; ep 1 changes nothing."""
+    if ep_size == 1:
+        return
+    layers = list(moe_layers(model))
+    if not layers:
+        raise UserError(f'"expert_parallel.size" = {ep_size} but the model has no MoE layer (a built-in GPT with '
+                        f'moe_experts > 0, or shardwise.moe.layer.MoE); remove the block or train an MoE model')
+    sizes = {layer.ep_comm.size for layer in layers}
+    if sizes == {ep_size} and all(len(layer.experts) * ep_size == layer.cfg.num_experts  # type: ignore[arg-type]
+                                  for layer in layers):
+        return
+    if sizes != {1}:
+        raise UserError(f'"expert_parallel.size" = {ep_size} but the model\'s MoE layers were already split with '
+                        f'ep_size {sorted(sizes)}: build the model whole and let the config split it, or give the '
+                        f'same size in both places')
+    for layer in layers:
+        check_expert_split(layer.cfg.num_experts, ep_size)
+    shard_experts(model, build_expert_groups_over(ep_size, dp_groups), ledger)
