@@ -52,6 +52,8 @@ EP_CASES: dict[str, tuple[dict, int, dict, dict, float]] = {
     "llama_ep4_zero2_sgd": ({"llama": True}, 4, {"stage": 2}, _SGD, 0.0),
     # every parameter sharded (no persistence threshold): experts in flats of their own over expert-dp
     "gpt_ep2_zero3_sgd_clip": ({}, 2, {"stage": 3, "stage3_param_persistence_threshold": 0}, _SGD, 0.05),
+    # the default threshold keeps these small experts whole: persistent buckets gathered over expert-dp
+    "gpt_ep2_zero3_persistent": ({}, 2, {"stage": 3}, _SGD, 0.0),
 }
 # Cases whose experts `initialize` splits (the config's block), the others split by `shard_experts` before it.
 BY_CONFIG = {"gpt_ep2_zero0_sgd_clip": {"size": 2}, "llama_ep2_zero2_adam_clip": {"enabled": True, "autoep_size": 2},

@@ -300,8 +300,10 @@ class Stage3Update(ShardedUpdate):
 
     @torch.no_grad()
     def _gather_persistent(self) -> None:
-        # A separate send buffer: the input of all_gather must not alias its output.
-        handles = [self.comm.all_gather_into_tensor(b.param_flat, b.param_shard.clone(), async_op=True)
+        # A separate send buffer: the input of all_gather must not alias its output. Each bucket over its own
+        # replica group (persistent experts: their expert-dp group), as the buckets were sharded.
+        handles = [(b.comm if b.comm is not None else self.comm).all_gather_into_tensor(
+                       b.param_flat, b.param_shard.clone(), async_op=True)
                    for b in self.persistent]
         for h in handles:
             h.wait()
