@@ -33,6 +33,20 @@ def positive_float(what: str = "") -> Callable[[str], float]:
     return parse
 
 
+def add_side_by_side_args(p: argparse.ArgumentParser, *, warmup: int, compared: str) -> None:
+    """The arguments of a benchmark that alternates two trainers on the same work: --rounds, --steps, --warmup,
+    --rtol and --json. `compared`: what the warm-up compares between them, e.g. "losses"."""
+    p.add_argument("--rounds", type=int_at_least(1), default=10, help="rounds of (steps x each trainer), "
+                   "alternating which goes first (default: %(default)s)")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="timed steps per trainer per round "
+                   "(default: %(default)s)")
+    p.add_argument("--warmup", type=int_at_least(1), default=warmup, help=f"untimed steps of each first, their "
+                   f"{compared} compared (default: %(default)s)")
+    p.add_argument("--rtol", type=positive_float(), default=1e-5, help="largest relative difference allowed "
+                   f"between the warm-up {compared.split(' (')[0]} (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
+
+
 def sequence_length(parser: argparse.ArgumentParser, value: int | None, limit: int, *, flag: str, model: str) -> int:
     """``value`` (default: ``limit``), refused through ``parser`` (exit 2) past the model's learned position table."""
     if value is None:

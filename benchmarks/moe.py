@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (
-    TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, run_in_gloo_group,
+    TimedRow, add_side_by_side_args, args_meta, compare_times, int_at_least, positive_float, rotation, run_in_gloo_group,
     run_under_launcher, write_json,
 )
 
@@ -128,15 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--capacity-factor", type=positive_float("--capacity-factor"), default=None,
                    help="drop tokens past this capacity factor (default: drop none)")
-    p.add_argument("--rounds", type=int_at_least(1), default=10, help="rounds of (steps x each trainer), "
-                   "alternating which goes first (default: %(default)s)")
-    p.add_argument("--steps", type=int_at_least(1), default=3, help="timed steps per trainer per round "
-                   "(default: %(default)s)")
-    p.add_argument("--warmup", type=int_at_least(1), default=2, help="untimed steps of each first, their losses "
-                   "compared (default: %(default)s)")
-    p.add_argument("--rtol", type=positive_float(), default=1e-5, help="largest relative difference allowed "
-                   "between the warm-up losses (default: %(default)s)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
+    add_side_by_side_args(p, warmup=2, compared="losses")
     return p
 
 

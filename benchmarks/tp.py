@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (
-    TimedRow, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group,
+    TimedRow, add_side_by_side_args, args_meta, compare_times, int_at_least, positive_float, rotation, rss_per_rank, run_in_gloo_group,
     run_under_launcher, write_json,
 )
 from benchmarks.trainers import MIB
@@ -137,15 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int_at_least(1), default=4, help="sequences per step, the same on every "
                    "rank of the TP group (default: %(default)s)")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism in both trainers")
-    p.add_argument("--rounds", type=int_at_least(1), default=10, help="rounds of (steps x each trainer), "
-                   "alternating which goes first (default: %(default)s)")
-    p.add_argument("--steps", type=int_at_least(1), default=3, help="timed steps per trainer per round "
-                   "(default: %(default)s)")
-    p.add_argument("--warmup", type=int_at_least(1), default=3, help="untimed steps of each first, their losses "
-                   "(and the first step's gradients) compared (default: %(default)s)")
-    p.add_argument("--rtol", type=positive_float(), default=1e-5, help="largest relative difference allowed "
-                   "between the warm-up losses and gradients (default: %(default)s)")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results to OUT")
+    add_side_by_side_args(p, warmup=3, compared="losses (and the first step's gradients)")
     return p
 
 
