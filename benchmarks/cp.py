@@ -16,7 +16,8 @@ its attention: the preset's 6 heads do not spread over 4 Ulysses ranks), fp32, S
 
 Every rank is given the same micro-batch of `--seq` tokens; each engine takes its part. The engines take turns
 step by step in an order that rotates every round, each step after a barrier; a step's time is the slowest rank's.
-Reported per trainer: the median step time, its spread, its ratio to ring or Ulysses at the same C (paired per
+Then one layer's attention alone, forward + backward, ring against all-gather at every C (`attention_alone`): the
+ring's own cost, without the rest of the step. Reported per trainer: the median step time, its spread, its ratio to ring or Ulysses at the same C (paired per
 round too), `memory_report()["activations"]` (the largest over ranks) against the planner's prediction and
 against 1/C of cp1's, and the first step's loss (the same for all: every trainer computes the same function).
 
@@ -204,6 +205,51 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "params": sum(p.numel() for p in engines["cp1"].module.parameters())}
 
 
+ATTENTION_REPEATS = 3
+"""Timed forward + backward passes of the attention alone per round of the step comparison."""
+
+
+def attention_alone(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One layer's causal attention alone, forward + backward, ring attention against all-gathering the keys and
+    values, at every cp size: what ring attention's blocks cost, without the rest of a step (its matmuls and the
+    machine's other load dominate a step's spread). q viewed from [B, s, H, D] as a model's is; interleaved, the
+    order rotating; each pass's time the slowest rank's."""
+    from benchmarks.cp_attention import AllGatherAttention
+    from shardwise.comm.collectives import Comm
+    from shardwise.comm.ledger import CommLedger
+    from shardwise.parallel.context import RingAttention, SequenceLayout
+    world, rank = dist.get_world_size(), dist.get_rank()
+    head_dim = model_config(args, args.seq).d_model // args.heads
+    g = torch.Generator().manual_seed(rank)
+    rows = []
+    for c in cp_sizes(world):
+        groups = [dist.new_group(list(range(first, first + c))) for first in range(0, world, c)]
+        comm = Comm(groups[rank // c], CommLedger(), name="cp")
+        layout = SequenceLayout(c, rank % c, balanced=True)
+        s, b = args.seq // c, args.micro_batch
+        q = torch.randn(b, s, args.heads, head_dim, generator=g).transpose(1, 2)        # [B, H, s, D]
+        k, v = (torch.randn(b, args.kv_heads, s, head_dim, generator=g) for _ in range(2))
+        dout = torch.randn(b, args.heads, s, head_dim, generator=g)
+        attentions: dict[str, Callable[..., torch.Tensor]] = {"ring": RingAttention(comm, layout),
+                                                             "allgather": AllGatherAttention(comm, layout)}
+        names = list(attentions)
+        times = torch.zeros(args.rounds * ATTENTION_REPEATS + 1, len(names), dtype=torch.float64)
+        for i in range(times.shape[0]):                                 # pass 0: warm-up, not counted
+            for name in rotation(names, i):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                dist.barrier()
+                t = time.perf_counter()
+                attentions[name](*leaves, causal=True).backward(dout)
+                times[i, names.index(name)] = time.perf_counter() - t
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        ring, gathered = times[1:, 0].tolist(), times[1:, 1].tolist()
+        rows.append({"cp": c, "passes": len(ring), "ring_ms": statistics.median(ring) * 1e3,
+                     "allgather_ms": statistics.median(gathered) * 1e3,
+                     "ratio": statistics.median(ring) / statistics.median(gathered),
+                     "paired_ratio": statistics.median(a / b for a, b in zip(ring, gathered))})
+    return rows
+
+
 def _has_deepspeed() -> bool:
     import importlib.util
     return importlib.util.find_spec("deepspeed") is not None
@@ -288,6 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["torch_context_parallel"] = TORCH_CONTEXT_PARALLEL_ON_CPU
     compared = compare(args)
     result["rows"], result["config"]["params"] = compared["rows"], compared["params"]
+    result["attention_alone"] = attention_alone(args)
     if not args.no_longest:
         result["longest"] = longest(args)
     return result
@@ -309,6 +356,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                      f"{r['paired_ratio_to_ours']:>7.3f} {r['activations'] / 2**20:>9.2f} {planner:>8} "
                      f"{r['times_cp1_over_c']:>9.3f}  {r['first_loss']:.6f}")
     lines.append("'/ ours': against ring or Ulysses at the same cp (cp1: itself). " + result["torch_context_parallel"])
+    for a in result.get("attention_alone", []):
+        lines.append(f"Attention alone at cp {a['cp']} (one layer, forward + backward, median of {a['passes']}): "
+                     f"ring {a['ring_ms']:.1f} ms, all-gather {a['allgather_ms']:.1f} ms, ring / all-gather "
+                     f"{a['ratio']:.3f} (paired {a['paired_ratio']:.3f})")
     if "longest" in result:
         lg = result["longest"]
         lines.append(f"Longest trainable sequence of llama-small ({layers}6 heads / 2 kv heads, ring), budget "

@@ -12,10 +12,12 @@ Three things change on the instance:
   C = 2, S = 8 under ring attention) are not contiguous, and a mask built from them would read as packed sequences.
 - loss: `model.loss_function` becomes the mean over the micro-batch's valid tokens on all cp ranks, reading labels
   that were already shifted (transformers shifts inside its loss, which cannot cross a chunk boundary): its
-  `shift_labels=` when the batch has them, else `labels`.
-- the batch (`HuggingFaceBatchPart`): `labels` are shifted on the whole sequence (label t = token t + 1, the last
-  ignored) before the split unless the batch brings `shift_labels`, and `position_ids` of this rank's tokens are
-  passed in, which the rotary angles read.
+  `shift_labels=` when the batch has them, else `labels`. Given `num_items_in_batch` (the Trainer's count of the
+  step's valid tokens), the cp ranks' summed token losses are divided by it instead, as transformers' loss does.
+- the batch (`HuggingFaceBatchPart`): an all-ones `attention_mask` (the Trainer's) is dropped, a mask with zeros
+  refused; `labels` are shifted on the whole sequence (label t = token t + 1, the last ignored) before the split
+  unless the batch brings `shift_labels`, and `position_ids` of this rank's tokens are passed in, which the rotary
+  angles read.
 """
 
 from __future__ import annotations
@@ -107,10 +109,9 @@ class _ShiftedLabelsLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
-        if num_items_in_batch is not None:
-            raise UserError("context parallelism: the loss was given num_items_in_batch; under cp the loss is the "
-                            "mean over the micro-batch's valid tokens of all cp ranks: pass no num_items_in_batch")
-        return self.mean(logits, labels if shift_labels is None else shift_labels)
+        # num_items_in_batch (Trainer): the step's valid tokens, counted on whole sequences; the loss is the cp
+        # ranks' summed token losses over it, as transformers' own loss divides its sum by it.
+        return self.mean(logits, labels if shift_labels is None else shift_labels, total_count=num_items_in_batch)
 
 
 def shift_labels(labels: Tensor) -> Tensor:
@@ -118,6 +119,23 @@ def shift_labels(labels: Tensor) -> Tensor:
     t + 1; the last position ignored)."""
     tail = torch.full_like(labels[:, :1], IGNORE_INDEX)
     return torch.cat([labels[:, 1:], tail], dim=1)
+
+
+def _without_mask(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The batch without its attention_mask (a keyword or the second positional argument) when the mask is all
+    ones, as the Trainer's collators pass it: nothing to mask, and cp attention is causal over whole sequences. A
+    mask with zeros (padding) is refused; reading it is one host read per micro-batch."""
+    positional = "attention_mask" not in kwargs and len(inputs) > 1
+    mask = inputs[1] if positional else kwargs.get("attention_mask")
+    if mask is None:
+        return inputs, kwargs
+    if not bool(torch.as_tensor(mask).bool().all()):
+        raise UserError("context parallelism: the batch's attention_mask has zeros (padding), which cp attention "
+                        "does not mask: pad on the right and mark the padding with labels -100, with an all-ones "
+                        "attention_mask or none")
+    if positional:
+        return (inputs[0], None, *inputs[2:]), kwargs
+    return inputs, {k: v for k, v in kwargs.items() if k != "attention_mask"}
 
 
 class HuggingFaceBatchPart:
@@ -128,10 +146,7 @@ class HuggingFaceBatchPart:
         self.cp = cp
 
     def local_batch(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        mask = kwargs.get("attention_mask", inputs[1] if len(inputs) > 1 else None)
-        if mask is not None:
-            raise UserError("context parallelism: the batch has an attention_mask; cp attention is causal over "
-                            "whole sequences: drop the mask and mark padding with labels -100")
+        inputs, kwargs = _without_mask(inputs, kwargs)
         if torch.is_tensor(kwargs.get("labels")) and kwargs.get("shift_labels") is None:
             kwargs = {**kwargs, "labels": shift_labels(kwargs["labels"])}     # (`shift_labels=` come shifted)
         inputs, kwargs = self.cp.local_batch(inputs, kwargs)

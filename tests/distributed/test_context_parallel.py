@@ -17,7 +17,9 @@
 - a Hugging Face Llama (transformers' own model, its attention replaced through its attention interface) trains 5
   steps at cp 2 as the single-process model does (losses and parameters, rtol 1e-5), under ring attention and
   Ulysses, with the recomputation policies (full, selective, every_n), labels given unshifted as transformers
-  takes them and some ignored.
+  takes them and some ignored; and driven as Hugging Face's Trainer drives the engine (dict micro-batches with an
+  all-ones attention_mask and `num_items_in_batch`, two micro-batches per step, losses not scaled by the
+  accumulation), equal to the single-process model given the same.
 """
 
 from __future__ import annotations
@@ -319,6 +321,39 @@ def _train_hf(name: str) -> None:
     engine.close()
 
 
+def _train_hf_as_the_trainer_does() -> None:
+    """The Trainer's calls: engine(**batch, num_items_in_batch=N) with N the step's valid tokens (counted on the
+    unshifted labels' positions 1.., as the Trainer counts), engine.backward(loss, scale_wrt_gas=False), and
+    engine.step() after every micro-batch. Each loss is the micro-batch's token-loss sum over N, so the step's
+    gradient is that of the mean over all its valid tokens; SGD unclipped, so a wrong scale shows."""
+    import shardwise
+    model = _hf_llama()
+    reference = copy.deepcopy(model)
+    engine, *_ = shardwise.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(2, "ring", SGD, 0, 2, 0.0))
+    reference_optimizer = _optimizer(SGD, reference.parameters())
+    losses, expected = [], []
+    for i, ids in enumerate(token_batches(STEPS, GLOBAL_BATCH, SEQ, seed=7, vocab=256)):
+        labels = ids.clone()
+        labels[:, SEQ - 1 - i % 4:] = -100
+        labels[2, 5] = -100                      # the two micro-batches hold different numbers of valid tokens
+        items = labels[:, 1:].ne(-100).sum()
+        for rows in (slice(0, 2), slice(2, 4)):
+            batch = {"input_ids": ids[rows], "attention_mask": torch.ones_like(ids[rows]), "labels": labels[rows]}
+            loss = engine(**batch, num_items_in_batch=items).loss
+            engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+            losses.append(float(loss))
+            ref_loss = reference(**batch, num_items_in_batch=items).loss
+            ref_loss.backward()
+            expected.append(float(ref_loss))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+    assert_close_lists(losses, expected, what="hf trainer-style losses")
+    assert_state_close(state_copy(model), state_copy(reference), what="hf trainer-style parameters")
+    engine.close()
+
+
 # -- the launches -----------------------------------------------------------------------------------------------
 
 def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
@@ -330,6 +365,7 @@ def _at_two(checkpoint_dir: str, with_deepspeed: bool) -> None:
     _check_loader(2)
     for name in HF_CASES:
         _train_hf(name)
+    _train_hf_as_the_trainer_does()
 
 
 def _at_four() -> None:

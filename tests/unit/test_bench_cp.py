@@ -75,6 +75,8 @@ def test_report_lines() -> None:
                  predicted=math.nan)
     result = {"config": dict(heads=8, kv_heads=2, layers=None, params=123, ranks=2, micro_batch=1, seq=64, rounds=2),
               "rows": [row, other], "torch_context_parallel": "torch's context_parallel does not run on the CPU",
+              "attention_alone": [{"cp": 2, "passes": 6, "ring_ms": 40.0, "allgather_ms": 50.0, "ratio": 0.8,
+                                   "paired_ratio": 0.75}],
               "longest": {"budget_bytes": 64 * 2**20, "quantum": 32, "ratio": 1.9,
                           "sizes": {"1": {"longest": 320, "planner": 320, "model_states": 2**20, "probes": [1, 2]},
                                     "2": {"longest": 608, "planner": 576, "model_states": 2**20, "probes": [1]}}}}
@@ -84,6 +86,8 @@ def test_report_lines() -> None:
     assert lines[2].split()[:3] == ["ring2", "2", "10.0"] and "2.00" in lines[2] and "2.10" in lines[2]
     assert lines[3].split()[:6] == ["allgather2", "2", "11.0", "9.0-12.0", "1.100", "1.000"]
     assert "does not run on the CPU" in text
+    assert ("Attention alone at cp 2 (one layer, forward + backward, median of 6): ring 40.0 ms, all-gather 50.0 ms, "
+            "ring / all-gather 0.800 (paired 0.750)") in text
     assert "cp 1: 320 tokens (planner 320" in text and "cp 2: 608 tokens" in text and "ratio 1.90x" in text
 
 
@@ -109,6 +113,8 @@ def test_small_run_on_two_ranks(tmp_path: Path, capfd: pytest.CaptureFixture[str
     for name in ("cp1", "ring2", "ulysses2"):
         assert abs(rows[name]["activations"] / rows[name]["predicted"] - 1) <= 0.10, rows[name]
     assert rows["allgather2"]["activations"] > rows["ring2"]["activations"]      # it holds every key and value
+    (alone,) = report["attention_alone"]
+    assert alone["cp"] == 2 and alone["passes"] == 3 and alone["ring_ms"] > 0 and alone["allgather_ms"] > 0
     sizes = report["longest"]["sizes"]
     assert sizes["2"]["longest"] > sizes["1"]["longest"]
     for s in sizes.values():           # the walk ended on a boundary: the longest fits, its neighbour does not

@@ -173,5 +173,25 @@ def test_hugging_face_labels_are_shifted_before_the_split_and_positions_passed()
     given = shift_labels(labels)                                     # shift_labels= come shifted: kept
     _, kwargs = HuggingFaceBatchPart(cp).local_batch((ids,), {"labels": labels, "shift_labels": given})
     assert kwargs["shift_labels"].tolist() == [[1, 2, 7, -100]] and kwargs["labels"].tolist() == [[0, 1, 6, 7]]
-    with pytest.raises(UserError, match="drop the mask and mark padding with labels -100"):
-        HuggingFaceBatchPart(cp).local_batch((ids,), {"labels": labels, "attention_mask": torch.ones_like(ids)})
+
+
+def test_hugging_face_all_ones_mask_is_dropped_and_a_padding_mask_refused() -> None:
+    """The Trainer's collators pass an all-ones attention_mask: nothing to mask, dropped (keyword or positional,
+    any dtype); a mask with a zero anywhere is padding cp attention would not mask: one line naming the fix."""
+    from shardwise.models.hf_context_parallel import HuggingFaceBatchPart
+    cp = ContextParallel(ContextParallelConfig(size=2), Comm(None, CommLedger(), name="cp"))   # rank 0 of 2
+    ids, labels = torch.arange(8).view(1, 8) + 10, torch.arange(8).view(1, 8)
+    part = HuggingFaceBatchPart(cp)
+    for ones in (torch.ones_like(ids), torch.ones(1, 8, dtype=torch.bool)):
+        inputs, kwargs = part.local_batch((ids,), {"labels": labels, "attention_mask": ones})
+        assert "attention_mask" not in kwargs and inputs[0].tolist() == [[10, 11, 16, 17]]
+        inputs, kwargs = part.local_batch((ids, ones), {"labels": labels})
+        assert inputs[1] is None and inputs[0].tolist() == [[10, 11, 16, 17]]
+    for zero_at in (0, 3, 7):                   # left padding, a hole, right padding: all refused
+        mask = torch.ones_like(ids)
+        mask[0, zero_at] = 0
+        with pytest.raises(UserError, match="attention_mask has zeros .* pad on the right and mark the padding with "
+                                            "labels -100"):
+            part.local_batch((ids,), {"labels": labels, "attention_mask": mask})
+        with pytest.raises(UserError, match="attention_mask has zeros"):
+            part.local_batch((ids, mask), {"labels": labels})

@@ -8,6 +8,12 @@ Gradients: rank r's parameters see only its own tokens, d(sum_r)/d(theta) / N, a
 the sum of those over the cp ranks. The data-parallel runtime averages gradients over its dp x cp ranks, i.e. it
 divides by C more than the sum needs; so the backward here multiplies by C (Megatron scales its loss by the cp
 size for the same reason). The loss value itself is not scaled.
+
+A caller may give the divisor instead (`total_count`): Hugging Face's Trainer passes `num_items_in_batch`, the
+valid tokens of every micro-batch of the step (of all data-parallel ranks when it averages across them), and its
+losses are each micro-batch's token-loss sum over that count; summed over the micro-batches, the step's gradient is
+that of the mean over all its valid tokens. Under cp the sum is still all-reduced over the cp ranks (they hold parts
+of the same sequences, which the count counted whole), then divided by the given count.
 """
 
 from __future__ import annotations
@@ -25,17 +31,18 @@ TokenLossSum = Callable[[Tensor, Tensor], Tensor]
 
 class _GlobalTokenMean(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local_sum: Tensor, local_count: Tensor, comm: Comm) -> Tensor:
+    def forward(ctx: Any, local_sum: Tensor, local_count: Tensor, comm: Comm, total_count: Tensor | None) -> Tensor:
         totals = torch.stack([local_sum.detach().float(), local_count.float()])     # [2]: sum, count
         comm.all_reduce(totals)
-        ctx.save_for_backward(totals[1])
+        count = totals[1] if total_count is None else total_count.float()
+        ctx.save_for_backward(count)
         ctx.size = comm.size
-        return totals[0] / totals[1]
+        return totals[0] / count
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (count,) = ctx.saved_tensors
-        return grad * (ctx.size / count), None, None
+        return grad * (ctx.size / count), None, None, None
 
 
 class TokenMeanLoss:
@@ -46,8 +53,10 @@ class TokenMeanLoss:
         self.comm = comm
         self.ignore_index = ignore_index
 
-    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
+    def __call__(self, logits: Tensor, labels: Tensor, *, total_count: Tensor | int | None = None) -> Tensor:
+        """`total_count`: divide by it instead of the micro-batch's valid tokens (see the module's docstring)."""
         local_sum = self.token_loss_sum(logits, labels)
         local_count = (labels != self.ignore_index).sum()
-        mean: Tensor = _GlobalTokenMean.apply(local_sum, local_count, self.comm)
+        given = None if total_count is None else torch.as_tensor(total_count, device=local_sum.device)
+        mean: Tensor = _GlobalTokenMean.apply(local_sum, local_count, self.comm, given)
         return mean

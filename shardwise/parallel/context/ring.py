@@ -23,8 +23,10 @@ Against the block of rank j:
     j > r   only the second half of the queries (chunk 2C-1-r) against the whole block; the first is skipped
 So every round after the first costs half a block on every rank.
 
-The arithmetic of one block is plain matmuls in fp32 (any device; no fused kernel needed on CPU), the scores of
-one block at a time: memory O(s^2) per block, not O(S^2).
+Each block runs through a fused attention kernel that returns the log-sum-exp (`blocks.block_kernel`: torch's
+CPU flash attention, CUDA flash or memory-efficient attention; plain fp32 matmuls where none applies); its backward
+is handed the merged output and log-sum-exp, so it recomputes the block's probabilities against the global
+normalizer. Running output and log-sum-exp stay fp32.
 """
 
 from __future__ import annotations
@@ -35,41 +37,8 @@ import torch
 from torch import Tensor
 
 from shardwise.comm.collectives import Comm, Handle
+from shardwise.parallel.context.blocks import block_kernel
 from shardwise.parallel.context.layout import SequenceLayout
-
-
-def _expand(x: Tensor, groups: int) -> Tensor:
-    """Key/value heads [B, Hkv, s, D] -> [B, Hkv * groups, s, D]: each serves `groups` consecutive query heads."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _fold(grad: Tensor, groups: int) -> Tensor:
-    """The gradient of `_expand`: [B, Hkv * groups, s, D] -> [B, Hkv, s, D], summed over each kv head's queries."""
-    if groups == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // groups, groups, s, d).sum(dim=2)
-
-
-def _causal_mask(rows: int, cols: int, device: torch.device) -> Tensor:
-    """True where a query may not see a key: above the diagonal of a square (local) block."""
-    return torch.ones(rows, cols, dtype=torch.bool, device=device).triu(1)
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
-    """q [B, H, m, D], k [B, H, n, D] (fp32) -> scaled scores [B, H, m, n], masked above the diagonal if causal."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    return scores
-
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """Attention of q over one key/value block: out [B, H, m, D] and lse [B, H, m], fp32."""
-    scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    return out, lse
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -77,18 +46,6 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     new = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
     lse.copy_(new)
-
-
-def _block_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block from the final softmax statistics (fp32): dq [B, H, m, D], dk, dv [B, H, n, D].
-    p = exp(scores - lse) is the block's share of the full softmax; delta = rowsum(dout * out)."""
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    return dq, dk, dv
 
 
 class _Ring:
@@ -132,20 +89,25 @@ class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, comm: Comm, layout: SequenceLayout, causal: bool,
                 scale: float) -> Tensor:
-        groups = q.shape[1] // k.shape[1]
+        kernel = block_kernel(q)
         ring = _Ring(comm)
         s = q.shape[-2]
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        qc = q.to(kernel.dtype)
+        # [B, H, s, D], merged in fp32, laid out as q is: a q viewed from [B, s, H, D] gives an output the model
+        # reshapes back to [B, s, H * D] without a copy (which its output projection would store again).
+        out = torch.empty_like(q, dtype=torch.float32)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)     # [B, H, s]
         block = torch.stack([k, v])                               # [2, B, Hkv, s, D]: one message per round
         for step in range(layout.size):
             pending = ring.pass_on(block) if step < layout.size - 1 else None
             rows, keys, masked = _rows_and_keys(layout, step, causal, s)
-            kf = _expand(block[0].float(), groups)[:, :, keys]
-            vf = _expand(block[1].float(), groups)[:, :, keys]
-            block_out, block_lse = _block_forward(qf[:, :, rows], kf, vf, scale, masked)
-            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            kc, vc = (block[i][:, :, keys].to(kernel.dtype) for i in (0, 1))
+            block_out, block_lse = kernel.forward(qc[:, :, rows], kc, vc, scale, masked)
+            if step == 0:                                         # the local block: every row, nothing to merge
+                out.copy_(block_out)
+                lse.copy_(block_lse)
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], block_out.float(), block_lse)
             if pending is not None:
                 _wait(pending[1])
                 block = pending[0]
@@ -157,25 +119,25 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout: SequenceLayout = ctx.layout
-        groups = q.shape[1] // k.shape[1]
+        kernel = block_kernel(q)
         ring = _Ring(ctx.comm)
         s = q.shape[-2]
-        qf, doutf = q.float(), dout.float()
-        delta = (doutf * out).sum(dim=-1)                         # [B, H, s]
-        dq = torch.zeros_like(qf)
+        # Every block's backward gets the final output and lse of its rows: its probabilities against the global
+        # normalizer, and delta = rowsum(dout * out) of the whole attention.
+        qc, doutc, outc = q.to(kernel.dtype), dout.to(kernel.dtype), out.to(kernel.dtype)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         block = torch.stack([k, v])
         travelling: tuple[Tensor, list[Handle]] | None = None     # the partial dk, dv of the block held next
         for step in range(layout.size):
             pending = ring.pass_on(block) if step < layout.size - 1 else None
             rows, keys, masked = _rows_and_keys(layout, step, ctx.causal, s)
-            kf = _expand(block[0].float(), groups)[:, :, keys]
-            vf = _expand(block[1].float(), groups)[:, :, keys]
-            dq_rows, dk_keys, dv_keys = _block_backward(qf[:, :, rows], kf, vf, doutf[:, :, rows],
-                                                        lse[:, :, rows], delta[:, :, rows], ctx.scale, masked)
+            kc, vc = (block[i][:, :, keys].to(kernel.dtype) for i in (0, 1))
+            dq_rows, dk_keys, dv_keys = kernel.backward(doutc[:, :, rows], qc[:, :, rows], kc, vc,
+                                                        outc[:, :, rows], lse[:, :, rows], ctx.scale, masked)
             dq[:, :, rows] += dq_rows
             mine = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)   # [2, B, Hkv, s, D]
-            mine[0][:, :, keys] = _fold(dk_keys, groups)
-            mine[1][:, :, keys] = _fold(dv_keys, groups)
+            mine[0][:, :, keys] = dk_keys
+            mine[1][:, :, keys] = dv_keys
             if travelling is not None:                            # the sum of the ranks that held it before
                 _wait(travelling[1])
                 mine += travelling[0]
