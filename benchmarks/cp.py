@@ -337,6 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["attention_alone"] = attention_alone(args)
     if not args.no_longest:
         result["longest"] = longest(args)
+    # The machine's 1-minute load average as the run ends: the figures' context on a shared machine.
+    result["config"]["load_average"] = round(os.getloadavg()[0], 2)
     return result
 
 
@@ -346,7 +348,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     layers = f"{c['layers']} layers, " if c.get("layers") else ""
     lines = [f"Llama-small with {layers}{c['heads']} heads / {c['kv_heads']} kv heads ({c['params']:,} params), "
              f"{c['ranks']} ranks, micro-batch {c['micro_batch']} x {c['seq']} tokens, fp32, SGD, median of "
-             f"{c['rounds']} rounds (shared machine: figures under load)",
+             f"{c['rounds']} rounds" + (f", load average {c['load_average']:g}" if "load_average" in c else ""),
              f"{'trainer':<13} {'cp':>3} {'step ms':>9} {'spread ms':>15} {'/ ours':>7} {'paired':>7} "
              f"{'act MiB':>9} {'planner':>8} {'x C / cp1':>9}  first loss"]
     for r in result["rows"]:

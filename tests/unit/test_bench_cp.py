@@ -73,7 +73,8 @@ def test_report_lines() -> None:
                predicted=2.1 * 2**20, times_cp1_over_c=0.95, first_loss=5.5)
     other = dict(row, trainer="allgather2", attention="allgather", median_ms=11.0, ratio_to_ours=1.1,
                  predicted=math.nan)
-    result = {"config": dict(heads=8, kv_heads=2, layers=None, params=123, ranks=2, micro_batch=1, seq=64, rounds=2),
+    result = {"config": dict(heads=8, kv_heads=2, layers=None, params=123, ranks=2, micro_batch=1, seq=64, rounds=2,
+                                 load_average=7.5),
               "rows": [row, other], "torch_context_parallel": "torch's context_parallel does not run on the CPU",
               "attention_alone": [{"cp": 2, "passes": 6, "ring_ms": 40.0, "allgather_ms": 50.0, "ratio": 0.8,
                                    "paired_ratio": 0.75}],
@@ -81,7 +82,7 @@ def test_report_lines() -> None:
                           "sizes": {"1": {"longest": 320, "planner": 320, "model_states": 2**20, "probes": [1, 2]},
                                     "2": {"longest": 608, "planner": 576, "model_states": 2**20, "probes": [1]}}}}
     text = "\n".join(bench.report_lines(result))
-    assert "8 heads / 2 kv heads (123 params), 2 ranks" in text and "figures under load" in text
+    assert "8 heads / 2 kv heads (123 params), 2 ranks" in text and "load average 7.5" in text
     lines = text.splitlines()
     assert lines[2].split()[:3] == ["ring2", "2", "10.0"] and "2.00" in lines[2] and "2.10" in lines[2]
     assert lines[3].split()[:6] == ["allgather2", "2", "11.0", "9.0-12.0", "1.100", "1.000"]
