@@ -96,8 +96,10 @@ def _consolidated(engine, save_dir: str) -> dict:
         return {}
     from deepspeed.utils import zero_to_fp32 as theirs
     from shardwise.utils import zero_to_fp32 as ours
+    # DeepSpeed's reader memory-maps the optimizer files (torch.load(mmap=True)): its tensors would read the files
+    # when this rank pickles its result, after the other stages ran. Copied here: what it read when asked.
     return {"ours": ours.get_fp32_state_dict_from_zero_checkpoint(save_dir),
-            "theirs": theirs.get_fp32_state_dict_from_zero_checkpoint(save_dir)}
+            "theirs": {n: t.clone() for n, t in theirs.get_fp32_state_dict_from_zero_checkpoint(save_dir).items()}}
 
 
 def _local_checks(u, named: dict) -> dict:
